@@ -1,0 +1,278 @@
+"""Tiled GEMM `C = epilogue(A @ B^T)` with a fused epilogue, its launcher and `matmul_ref`.
+
+Shapes (weights follow nn.Linear's (out, in) layout, so B is usually a weight):
+    a: (M, K) or (BATCH, M, K)        b: (N, K) or (BATCH, N, K)
+    c: (M, N) or (BATCH, M, N); with reduce_batch=True, c is (M, N) = sum_b a_b @ b_b^T
+Epilogue, in this order, in fp32:  c = act(scale * acc + bias) + residual (+ c_old if accumulate)
+then cast to c's dtype. Every operand may be a strided view (a chunk of an all-gather buffer,
+a slice of an output, a transposed weight), so the overlap engine never copies.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# The interpreter must be chosen before triton is imported; record what was chosen.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+ACTIVATIONS = {None: 0, "gelu_tanh": 1, "silu": 2}
+
+
+def _config(bm, bn, bk, group_m, warps, stages, arch):
+    cfg = triton.Config(
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m},
+        num_warps=warps,
+        num_stages=stages,
+    )
+    cfg.arch = arch  # used to prune configs to the running GPU
+    return cfg
+
+
+# Chosen so that each compiles for its target without spills and fits shared memory with
+# 2-byte inputs (checked by `tplayers compile-report`); fp32 inputs fall back to the ones
+# that still fit, the others are pruned by the autotuner as out of resources.
+SM80_CONFIGS = [
+    _config(128, 128, 32, 8, 4, 4, 80),
+    _config(128, 256, 32, 8, 8, 3, 80),
+    _config(256, 128, 32, 8, 8, 3, 80),
+    _config(128, 64, 32, 8, 4, 4, 80),
+    _config(64, 128, 32, 8, 4, 4, 80),
+    _config(64, 64, 32, 8, 4, 5, 80),
+]
+SM90_CONFIGS = [
+    _config(128, 128, 64, 8, 8, 3, 90),
+    _config(128, 128, 64, 8, 4, 4, 90),
+    _config(128, 256, 64, 8, 8, 3, 90),
+    _config(128, 64, 64, 8, 4, 4, 90),
+    _config(64, 128, 64, 8, 4, 4, 90),
+    _config(64, 64, 64, 8, 4, 4, 90),
+]
+# The interpreter runs each program in numpy: few, large programs are fastest.
+INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}
+
+
+@triton.jit
+def _matmul_kernel(
+    a_ptr, b_ptr, c_ptr, bias_ptr, res_ptr,
+    M, N, K, BATCH, scale,
+    stride_ab, stride_am, stride_ak,
+    stride_bb, stride_bn, stride_bk,
+    stride_cb, stride_cm, stride_cn,
+    stride_rb, stride_rm, stride_rn,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    ACCUMULATE: tl.constexpr, REDUCE_BATCH: tl.constexpr, UPCAST: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    # Grouped ordering of output tiles so that neighbouring programs share A rows in L2.
+    pid = tl.program_id(0)
+    pid_batch = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // num_pid_in_group) * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Wrap out-of-range rows / columns onto valid ones so the loads need no M / N mask;
+    # those results are never stored.
+    offs_am = offs_m % M
+    offs_bn = offs_n % N
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # A batch is either one program column each, or (reduce_batch) summed by every program.
+    batch_end = BATCH if REDUCE_BATCH else pid_batch + 1
+    a_batch = a_ptr + pid_batch.to(tl.int64) * stride_ab  # 64-bit: batch offsets can be large
+    b_batch = b_ptr + pid_batch.to(tl.int64) * stride_bb
+    for _ in range(pid_batch, batch_end):
+        a_ptrs = a_batch + offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak
+        b_ptrs = b_batch + offs_k[:, None] * stride_bk + offs_bn[None, :] * stride_bn
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            k_mask = offs_k < K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+            if UPCAST:  # the interpreter multiplies bf16 bit patterns in tl.dot
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+        a_batch += stride_ab
+        b_batch += stride_bb
+
+    c = acc * scale
+    if HAS_BIAS:
+        c += tl.load(bias_ptr + offs_bn).to(tl.float32)[None, :]
+    if ACTIVATION == 1:  # GeLU, tanh approximation; tanh(x) = 2 sigmoid(2x) - 1
+        inner = 0.7978845608028654 * (c + 0.044715 * c * c * c)
+        c = 0.5 * c * (2.0 * tl.sigmoid(2.0 * inner))
+    elif ACTIVATION == 2:  # SiLU
+        c = c * tl.sigmoid(c)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    if HAS_RESIDUAL:
+        r_ptrs = (
+            res_ptr + pid_batch.to(tl.int64) * stride_rb
+            + offs_m[:, None] * stride_rm + offs_n[None, :] * stride_rn
+        )  # fmt: skip
+        c += tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
+    c_ptrs = (
+        c_ptr + pid_batch.to(tl.int64) * stride_cb
+        + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    )  # fmt: skip
+    if ACCUMULATE:
+        c += tl.load(c_ptrs, mask=mask, other=0.0)
+    tl.store(c_ptrs, c.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def _configs_for_running_gpu(configs, named_args, **kwargs):
+    major, _ = torch.cuda.get_device_capability()
+    arch = 90 if major >= 9 else 80
+    return [cfg for cfg in configs if cfg.arch == arch]
+
+
+_matmul_autotuned = triton.autotune(
+    configs=SM80_CONFIGS + SM90_CONFIGS,
+    key=["M", "N", "K", "BATCH", "HAS_BIAS", "ACTIVATION", "HAS_RESIDUAL", "ACCUMULATE"],
+    prune_configs_by={"early_config_prune": _configs_for_running_gpu},
+    restore_value=["c_ptr"],  # benchmarking an accumulating GEMM must not accumulate
+)(_matmul_kernel)
+
+
+def _output_shape(a, b, reduce_batch):
+    """Check operand shapes and return the shape of C; the rules are the module docstring's."""
+    if a.dim() not in (2, 3) or b.dim() not in (2, 3):
+        raise ValueError(f"matmul: a and b must be 2-D or 3-D, got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.shape[-1] != b.shape[-1]:
+        raise ValueError(f"matmul: a has K={a.shape[-1]} but b has K={b.shape[-1]} (a @ b^T)")
+    if b.dim() == 3 and (a.dim() != 3 or a.shape[0] != b.shape[0]):
+        raise ValueError(f"matmul: batched b {tuple(b.shape)} needs a with the same batch, got {tuple(a.shape)}")
+    if reduce_batch and a.dim() != 3:
+        raise ValueError("matmul: reduce_batch=True needs a 3-D a")
+    M, N = a.shape[-2], b.shape[-2]
+    return (M, N) if a.dim() == 2 or reduce_batch else (a.shape[0], M, N)
+
+
+def _check_args(a, b, bias, activation, residual, out, accumulate, reduce_batch, out_dtype):
+    if a.dtype != b.dtype or a.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"matmul: a and b must share a float dtype (fp32/fp16/bf16), got {a.dtype} and {b.dtype}")
+    if a.device != b.device:
+        raise ValueError(f"matmul: a is on {a.device} but b is on {b.device}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"matmul: activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
+    shape = _output_shape(a, b, reduce_batch)
+    if bias is not None and tuple(bias.shape) != (shape[-1],):
+        raise ValueError(f"matmul: bias must have shape ({shape[-1]},), got {tuple(bias.shape)}")
+    if residual is not None and tuple(residual.shape) != shape:
+        raise ValueError(f"matmul: residual must have shape {shape}, got {tuple(residual.shape)}")
+    if out is not None:
+        if tuple(out.shape) != shape:
+            raise ValueError(f"matmul: out must have shape {shape}, got {tuple(out.shape)}")
+        if out_dtype is not None and out.dtype != out_dtype:
+            raise TypeError(f"matmul: out is {out.dtype} but out_dtype={out_dtype}")
+    if accumulate and (out is None or out.dtype != torch.float32):
+        raise ValueError("matmul: accumulate=True needs an fp32 `out` to accumulate into")
+    return shape
+
+
+def matmul(
+    a, b, *, bias=None, scale=1.0, activation=None, residual=None, out=None,
+    accumulate=False, reduce_batch=False, out_dtype=None,
+):  # fmt: skip
+    """C = act(scale * (a @ b^T) + bias) + residual, with fp32 accumulation, in one kernel.
+
+    `out` (any strides) receives C, or with accumulate=True has C added to it (fp32 only, for
+    weight-gradient accumulation). Returns `out`, or a new tensor of `out_dtype` (default a's).
+    """
+    shape = _check_args(a, b, bias, activation, residual, out, accumulate, reduce_batch, out_dtype)
+    if not INTERPRET and not a.is_cuda:
+        raise RuntimeError(
+            "the Triton matmul needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is "
+            "imported to run in Triton's interpreter; set_backend('torch') uses the reference"
+        )
+    if out is None:
+        out = torch.empty(shape, device=a.device, dtype=out_dtype or a.dtype)
+    M, N, K = a.shape[-2], b.shape[-2], a.shape[-1]
+    batch = a.shape[0] if a.dim() == 3 else 1
+    if M == 0 or N == 0:
+        return out
+    if batch == 0:  # an empty sum
+        return out if accumulate else out.zero_()
+    batch_programs = 1 if reduce_batch or a.dim() == 2 else batch
+    if batch_programs > 65535:
+        raise ValueError(f"matmul: at most 65535 batches, got {batch_programs}")
+
+    def stride3(t):
+        return (0, *t.stride()) if t.dim() == 2 else t.stride()
+
+    residual_strides = stride3(residual) if residual is not None else (0, 0, 0)
+    fp32_in = a.dtype == torch.float32
+    args = (
+        a, b, out, bias if bias is not None else out, residual if residual is not None else out,
+        M, N, K, batch, float(scale),
+        *stride3(a), *stride3(b), *stride3(out), *residual_strides,
+    )  # fmt: skip
+    flags = dict(
+        HAS_BIAS=bias is not None,
+        ACTIVATION=ACTIVATIONS[activation],
+        HAS_RESIDUAL=residual is not None,
+        ACCUMULATE=accumulate,
+        REDUCE_BATCH=reduce_batch,
+        UPCAST=INTERPRET and a.dtype == torch.bfloat16,
+        INPUT_PRECISION="tf32" if fp32_in and torch.backends.cuda.matmul.allow_tf32 else "ieee",
+    )
+
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), batch_programs)
+
+    if INTERPRET:
+        _matmul_kernel[grid](*args, **flags, **INTERPRETER_CONFIG)
+    else:
+        with torch.cuda.device(a.device):
+            _matmul_autotuned[grid](*args, **flags)
+    return out
+
+
+def _activation_ref(c, activation):
+    if activation == "gelu_tanh":
+        return torch.nn.functional.gelu(c, approximate="tanh")
+    if activation == "silu":
+        return torch.nn.functional.silu(c)
+    return c
+
+
+def matmul_ref(
+    a, b, *, bias=None, scale=1.0, activation=None, residual=None, out=None,
+    accumulate=False, reduce_batch=False, out_dtype=None,
+):  # fmt: skip
+    """Pure-torch `matmul`: same signature, same results up to rounding; the CPU path.
+
+    The plain case is exactly `F.linear` (what nn.Linear computes); an epilogue runs in fp32.
+    """
+    _check_args(a, b, bias, activation, residual, out, accumulate, reduce_batch, out_dtype)
+    plain = scale == 1.0 and activation is None and residual is None and not accumulate
+    if reduce_batch:
+        c = torch.einsum("bmk,bnk->mn", a, b)
+    elif b.dim() == 2:
+        c = torch.nn.functional.linear(a, b, bias if plain else None)
+    else:
+        c = torch.matmul(a, b.mT)
+    if reduce_batch and plain and bias is not None:
+        c = c + bias
+    if not plain:
+        c = c.float() * scale
+        if bias is not None:
+            c = c + bias.float()
+        c = _activation_ref(c, activation)
+        if residual is not None:
+            c = c + residual.float()
+        if accumulate:
+            return out.add_(c)
+    if out is None:
+        return c.to(out_dtype or a.dtype)
+    return out.copy_(c)

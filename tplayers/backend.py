@@ -1,0 +1,39 @@
+"""Which GEMM implementation runs: the Triton kernel or its pure-torch reference.
+
+`set_backend("auto" | "triton" | "torch")`, or env `TPLAYERS_BACKEND`. `auto` picks Triton for
+CUDA tensors and the reference otherwise. The kernel module is imported only when Triton is
+chosen, so `import tplayers` never imports triton.
+"""
+
+import os
+
+BACKENDS = ("auto", "triton", "torch")
+_backend = os.environ.get("TPLAYERS_BACKEND", "auto")
+
+
+def set_backend(name: str) -> None:
+    """Select the GEMM backend for every tplayers layer in this process."""
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    _backend = name
+
+
+def get_backend() -> str:
+    if _backend not in BACKENDS:
+        raise ValueError(f"TPLAYERS_BACKEND must be one of {BACKENDS}, got {_backend!r}")
+    return _backend
+
+
+def uses_triton(tensor) -> bool:
+    backend = get_backend()
+    return backend == "triton" or (backend == "auto" and tensor.is_cuda)
+
+
+def gemm(a, b, **epilogue):
+    """`matmul(a, b, **epilogue)` on the selected backend (see kernels/matmul.py for the contract)."""
+    if uses_triton(a):
+        from tplayers.kernels.matmul import matmul
+    else:
+        from tplayers.kernels.matmul import matmul_ref as matmul
+    return matmul(a, b, **epilogue)
