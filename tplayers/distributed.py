@@ -1,0 +1,130 @@
+"""Process groups: `init_mesh` for torchrun, `launch` for local CPU ranks, group resolution.
+
+Every distributed object takes `group=`: a ProcessGroup, a 1-D DeviceMesh, or None for the
+default group. There is no global process-group singleton.
+"""
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+# Long enough for a slow interpreter-mode kernel, short enough that a dead peer is noticed.
+DEFAULT_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("TPLAYERS_TIMEOUT_S", "120")))
+
+
+def resolve_group(group) -> dist.ProcessGroup:
+    """A ProcessGroup from `group` (ProcessGroup, 1-D DeviceMesh or None for the default group)."""
+    if group is None:
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised: call tplayers.init_mesh() or launch()")
+        return dist.group.WORLD
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(f"group must be a 1-D DeviceMesh, got {group.ndim} dims {group.mesh_dim_names}")
+        return group.get_group()
+    return group
+
+
+def _init_process_group(rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+    use_nccl = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+    if use_nccl:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(
+        "nccl" if use_nccl else "gloo",
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=DEFAULT_TIMEOUT,
+    )
+
+
+def init_mesh(*, dp: int = 1, pp: int = 1, tp: int = 1) -> DeviceMesh:
+    """A (dp, pp, tp) DeviceMesh; initialises torch.distributed from torchrun's env vars if needed."""
+    for name, size in (("dp", dp), ("pp", pp), ("tp", tp)):
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"{name} must be a positive int, got {size!r}")
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size != dp * pp * tp:
+        raise ValueError(f"world size {world_size} != dp*pp*tp = {dp}*{pp}*{tp} = {dp * pp * tp}")
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if not dist.is_initialized():
+        if device_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=DEFAULT_TIMEOUT)
+    return init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RankError(RuntimeError):
+    """A rank raised or died; carries the failing rank's traceback."""
+
+
+def _launch_entry(fn, rank, world_size, port, results, args):
+    try:
+        torch.set_num_threads(1)
+        _init_process_group(rank, world_size, "127.0.0.1", port)
+        results.put((rank, "ok", fn(rank, world_size, *args)))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(fn, nprocs: int, *args, timeout: float | None = None):
+    """Run `fn(rank, world_size, *args)` on `nprocs` local CPU ranks (gloo); return each rank's result.
+
+    The first rank to raise or die stops the others at once and its traceback is raised here as
+    a RankError, so a failure never leaves the other ranks waiting for a collective.
+    `fn` must be picklable (a module-level function).
+    """
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_launch_entry, args=(fn, rank, nprocs, port, results, args), daemon=True)
+        for rank in range(nprocs)
+    ]
+    for p in procs:
+        p.start()
+    outputs, deadline = {}, None if timeout is None else _now() + timeout
+    try:
+        while len(outputs) < nprocs:
+            try:
+                rank, status, value = results.get(timeout=0.5)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outputs]
+                if dead:
+                    raise RankError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
+                if deadline is not None and _now() > deadline:
+                    raise TimeoutError(f"launch: ranks {sorted(set(range(nprocs)) - set(outputs))} timed out")
+                continue
+            if status == "error":
+                raise RankError(f"rank {rank} of {nprocs} failed:\n{value}")
+            outputs[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(outputs) == nprocs else 0)
+            if p.is_alive():
+                p.kill()
+    return [outputs[r] for r in range(nprocs)]
+
+
+def _now() -> float:
+    import time
+
+    return time.monotonic()

@@ -1,0 +1,140 @@
+"""Autograd-aware tensor-parallel collectives (Megatron's f / g operators and their SP kin).
+
+Each Function is the adjoint pair of one collective:
+    copy_to_tp_region        fwd identity            bwd all-reduce
+    reduce_from_tp_region    fwd all-reduce          bwd identity
+    scatter_to_tp_region     fwd keep own slice      bwd all-gather       (along `dim`)
+    gather_from_tp_region    fwd all-gather          bwd keep own slice   (along `dim`)
+    all_gather_sequence      fwd all-gather dim 1    bwd reduce-scatter dim 1
+    reduce_scatter_sequence  fwd reduce-scatter dim 1 bwd all-gather dim 1
+"""
+
+import torch
+import torch.distributed as dist
+
+from tplayers.functional import comm
+
+
+def all_gather_dim(x, dim, group):
+    """Concatenate every rank's `x` along `dim`."""
+    n = dist.get_world_size(group)
+    if n == 1:
+        return x
+    out = x.new_empty((n, *x.shape))
+    comm.all_gather_into(out, x.contiguous(), group)
+    dim = dim % x.dim()
+    if dim == 0:
+        return out.view(n * x.shape[0], *x.shape[1:])
+    return out.movedim(0, dim).reshape(*x.shape[:dim], n * x.shape[dim], *x.shape[dim + 1 :])
+
+
+def reduce_scatter_dim(x, dim, group):
+    """Sum `x` over ranks and keep this rank's slice along `dim`."""
+    n = dist.get_world_size(group)
+    if n == 1:
+        return x
+    dim = dim % x.dim()
+    size = x.shape[dim] // n
+    blocks = x.unflatten(dim, (n, size)).movedim(dim, 0).contiguous()  # (n, ..., size, ...)
+    out = x.new_empty(blocks.shape[1:])
+    comm.reduce_scatter_into(out, blocks, group)
+    return out
+
+
+def own_slice(x, dim, group):
+    """This rank's contiguous slice of `x` along `dim`."""
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    return x.chunk(n, dim)[r].contiguous() if n > 1 else x
+
+
+class _CopyToTPRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        dy = dy.contiguous().clone()
+        comm.all_reduce(dy, ctx.group)
+        return dy, None
+
+
+class _ReduceFromTPRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        y = x.contiguous().clone()
+        comm.all_reduce(y, group)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy, None
+
+
+class _ScatterToTPRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return own_slice(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return all_gather_dim(dy, ctx.dim, ctx.group), None, None
+
+
+class _GatherFromTPRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return all_gather_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return own_slice(dy, ctx.dim, ctx.group), None, None
+
+
+class _AllGatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_dim(x, 1, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return reduce_scatter_dim(dy, 1, ctx.group), None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_dim(x, 1, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return all_gather_dim(dy, 1, ctx.group), None
+
+
+def copy_to_tp_region(x, group):
+    return _CopyToTPRegion.apply(x, group)
+
+
+def reduce_from_tp_region(x, group):
+    return _ReduceFromTPRegion.apply(x, group)
+
+
+def scatter_to_tp_region(x, group, dim=-1):
+    return _ScatterToTPRegion.apply(x, dim, group)
+
+
+def gather_from_tp_region(x, group, dim=-1):
+    return _GatherFromTPRegion.apply(x, dim, group)
+
+
+def all_gather_sequence(x, group):
+    return _AllGatherSequence.apply(x, group)
+
+
+def reduce_scatter_sequence(x, group):
+    return _ReduceScatterSequence.apply(x, group)

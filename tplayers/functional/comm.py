@@ -1,0 +1,88 @@
+"""The communication calls every tplayers op goes through, with per-rank byte accounting.
+
+Each call records the bytes this rank puts on the wire: exact bytes for point-to-point sends,
+and the ring algorithm's cost for collectives ((n-1)/n of the gathered / reduced buffer per
+AllGather or ReduceScatter, 2(n-1)/n per AllReduce) — the minimum any algorithm needs.
+`count_bytes()` collects them; `tplayers demo`, the benchmarks and the tests read it.
+"""
+
+import contextlib
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+_counters: list[Counter] = []
+# torch >= 2.13 renamed the single-tensor collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@contextlib.contextmanager
+def count_bytes():
+    """Count bytes this rank sends inside the block, by op kind: `with count_bytes() as c: ...; c.total()`."""
+    counter = Counter()
+    _counters.append(counter)
+    try:
+        yield counter
+    finally:
+        _counters.remove(counter)
+
+
+def _record(kind: str, nbytes: float) -> None:
+    for counter in _counters:
+        counter[kind] += int(round(nbytes))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class _Done:
+    """The handle for a collective that needed no communication (a group of one)."""
+
+    def wait(self):
+        return True
+
+
+def all_reduce(t, group, *, async_op=False):
+    """Sum `t` in place over `group`."""
+    n = dist.get_world_size(group)
+    if n == 1:
+        return _Done() if async_op else None
+    _record("all_reduce", 2 * (n - 1) / n * _nbytes(t))
+    return dist.all_reduce(t, group=group, async_op=async_op)
+
+
+def all_gather_into(out, t, group, *, async_op=False):
+    """Gather `t` from every rank into `out` (n * t.numel() elements, rank-major)."""
+    n = dist.get_world_size(group)
+    if n == 1:
+        out.copy_(t.reshape(out.shape))
+        return _Done() if async_op else None
+    _record("all_gather", (n - 1) / n * _nbytes(out))
+    # gloo wants the gathered buffer shaped (n * t.shape[0], *t.shape[1:])
+    flat_out = out.view(-1, *t.shape[1:])
+    return _all_gather_single(flat_out, t, group=group, async_op=async_op)
+
+
+def reduce_scatter_into(out, t, group, *, async_op=False):
+    """Sum `t` (rank-major, n * out.numel() elements) over `group`; this rank's block into `out`."""
+    n = dist.get_world_size(group)
+    if n == 1:
+        out.copy_(t.reshape(out.shape))
+        return _Done() if async_op else None
+    _record("reduce_scatter", (n - 1) / n * _nbytes(t))
+    flat_in = t.view(-1, *out.shape[1:])
+    return _reduce_scatter_single(out, flat_in, group=group, async_op=async_op)
+
+
+def send(t, group_dst: int, group):
+    """Asynchronous send of a contiguous tensor to the rank with index `group_dst` in `group`."""
+    _record("send", _nbytes(t))
+    return dist.isend(t, group=group, group_dst=group_dst)
+
+
+def recv(t, group_src: int, group):
+    """Asynchronous receive into a contiguous tensor from the rank with index `group_src` in `group`."""
+    return dist.irecv(t, group=group, group_src=group_src)

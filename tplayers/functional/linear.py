@@ -1,0 +1,123 @@
+"""Autograd Functions of the column- and row-parallel linear layers.
+
+n = TP size. Shard shapes (weight layout is nn.Linear's (out, in)):
+
+ColumnParallel: weight (N/n, K), bias (N/n,)
+    plain: x (..., K) replicated    -> y (..., N/n) = x W^T + b
+           dgrad dx = all_reduce(dy W)     (in flight while wgrad dW = dy^T x is computed)
+    SP:    x (B, s, K) seq-sharded  -> y (B, S, N/n) = all_gather_matmul(x, W)
+           dgrad dx = matmul_reduce_scatter(dy, W^T);  wgrad dW = sum_j dy_j^T x_j over the
+           gathered chunks saved in forward (no second all-gather)
+RowParallel:    weight (N, K/n), bias (N,) replicated
+    plain: x (..., K/n)             -> y (..., N) = matmul_all_reduce(x, W) + b
+           dgrad dx = dy W;  wgrad dW = dy^T x;  db = sum dy (dy is whole on every rank)
+    SP:    x (B, S, K/n)            -> y (B, s, N) = matmul_reduce_scatter(x, W) + b
+           dgrad dx = all_gather_matmul(dy, W^T); wgrad dW = sum_j dy_j^T x_j and
+           db = sum of the gathered dy, both from the chunks the dgrad gathered: every rank
+           gets the whole bias gradient without another collective.
+"""
+
+import torch
+import torch.distributed as dist
+
+from tplayers.backend import gemm
+from tplayers.functional import comm
+from tplayers.functional.overlap import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
+
+
+def _flat(t):
+    return t.reshape(-1, t.shape[-1])
+
+
+def _wgrad(dy, x, dtype):
+    """dW = dy^T x over all rows: dy (..., N), x (..., K) -> (N, K)."""
+    return gemm(_flat(dy).t(), _flat(x).t(), out_dtype=dtype)
+
+
+def _wgrad_from_chunks(dy_chunks, x_chunks, dtype):
+    """dW = sum_j dy_j^T x_j with dy_j (B, s, N), x_j (B, s, K): fp32 accumulation across chunks."""
+    N, K = dy_chunks[0].shape[-1], x_chunks[0].shape[-1]
+    acc = dy_chunks[0].new_zeros((N, K), dtype=torch.float32)
+    for dy_j, x_j in zip(dy_chunks, x_chunks, strict=True):
+        gemm(dy_j.transpose(1, 2), x_j.transpose(1, 2), reduce_batch=True, out=acc, accumulate=True)
+    return acc.to(dtype)
+
+
+def _seq_chunks(t, n):
+    """t (B, n*s, ...) -> n views (B, s, ...)."""
+    return t.chunk(n, dim=1)
+
+
+class ColumnParallelLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, sequence_parallel, overlap):
+        ctx.group, ctx.sequence_parallel, ctx.overlap = group, sequence_parallel, overlap
+        ctx.has_bias = bias is not None
+        if sequence_parallel:
+            y, chunks = all_gather_matmul(x, weight, group, bias=bias, overlap=overlap)
+            ctx.save_for_backward(chunks, weight)
+            return y
+        ctx.save_for_backward(x, weight)
+        return gemm(_flat(x), weight, bias=bias).view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        saved, weight = ctx.saved_tensors
+        group, n = ctx.group, dist.get_world_size(ctx.group)
+        dx = dw = db = None
+        if ctx.sequence_parallel:
+            if ctx.needs_input_grad[0]:
+                dx = matmul_reduce_scatter(dy, weight.t(), group, overlap=ctx.overlap)
+            if ctx.needs_input_grad[1]:
+                dw = _wgrad_from_chunks(_seq_chunks(dy, n), saved, weight.dtype)
+        else:
+            reducing = None
+            if ctx.needs_input_grad[0]:
+                dx = gemm(_flat(dy), weight.t()).view(*dy.shape[:-1], weight.shape[1])
+                reducing = comm.all_reduce(dx, group, async_op=ctx.overlap)
+            if ctx.needs_input_grad[1]:
+                dw = _wgrad(dy, saved, weight.dtype)
+            if reducing is not None and ctx.overlap:
+                reducing.wait()
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = _flat(dy).sum(0)
+        return dx, dw, db, None, None, None
+
+
+class RowParallelLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, sequence_parallel, overlap):
+        ctx.group, ctx.sequence_parallel, ctx.overlap = group, sequence_parallel, overlap
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x, weight)
+        if sequence_parallel:
+            return matmul_reduce_scatter(x, weight, group, bias=bias, overlap=overlap)
+        return matmul_all_reduce(x, weight, group, bias=bias, overlap=overlap)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        n = dist.get_world_size(ctx.group)
+        dx = dw = db = None
+        if ctx.sequence_parallel:
+            dx, dy_chunks = all_gather_matmul(dy, weight.t(), ctx.group, overlap=ctx.overlap)
+            if ctx.needs_input_grad[1]:
+                dw = _wgrad_from_chunks(dy_chunks, _seq_chunks(x, n), weight.dtype)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                db = dy_chunks.sum((0, 1, 2))
+            return dx, dw, db, None, None, None
+        if ctx.needs_input_grad[0]:
+            dx = gemm(_flat(dy), weight.t()).view(*dy.shape[:-1], weight.shape[1])
+        if ctx.needs_input_grad[1]:
+            dw = _wgrad(dy, x, weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = _flat(dy).sum(0)
+        return dx, dw, db, None, None, None
+
+
+def column_parallel_linear(x, weight, bias, group, *, sequence_parallel=False, overlap=True):
+    return ColumnParallelLinearFn.apply(x, weight, bias, group, sequence_parallel, overlap)
+
+
+def row_parallel_linear(x, weight, bias, group, *, sequence_parallel=False, overlap=True):
+    return RowParallelLinearFn.apply(x, weight, bias, group, sequence_parallel, overlap)

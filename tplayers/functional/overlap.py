@@ -1,0 +1,115 @@
+"""The overlap engine: GEMMs decomposed per rank chunk so communication hides behind compute.
+
+Notation: n ranks in `group`, this rank r; sequence-sharded activations are (B, s, *) with
+the full sequence S = n * s. GEMMs follow nn.Linear: y = x @ weight^T, weight (N, K).
+
+    all_gather_matmul      x (B, s, K) -> y (B, S, N)   ring all-gather; step i multiplies the
+                           chunk it holds into its rows of y while the next chunk is in flight.
+    matmul_reduce_scatter  x (B, S, K) -> y (B, s, N)   ring reduce-scatter; step i computes the
+                           partial block for one rank, adds the partial sum received from the
+                           previous rank and passes it on; the last block computed is our own.
+    matmul_all_reduce      x (..., K) -> y (..., N)     GEMM chunked along rows, each chunk's
+                           all-reduce in flight while the next chunk is computed.
+
+Communication is asynchronous: NCCL runs it on its own CUDA streams, gloo on its own threads,
+so either GEMM backend (Triton or torch) overlaps with it. overlap=False is the plain
+one-collective path, kept for comparison. Per-rank chunks are contiguous buffers
+(chunk-major, (n, B, s, K)) so they can be sent and received without copies; the GEMMs read
+and write strided views of them.
+"""
+
+import torch.distributed as dist
+
+from tplayers.backend import gemm
+from tplayers.functional import comm
+
+ALL_REDUCE_CHUNKS = 4
+
+
+def all_gather_matmul(x, weight, group, *, bias=None, overlap=True):
+    """y = all_gather(x, dim=1) @ weight^T + bias.
+
+    x (B, s, K), weight (N, K) (any strides), bias (N,) -> y (B, n*s, N) and the gathered
+    input as chunks (n, B, s, K), chunk j being rank j's x (reused for the weight gradient).
+    """
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    B, s, K = x.shape
+    chunks = x.new_empty((n, B, s, K))
+    y = x.new_empty((B, n * s, weight.shape[0]))
+    if n == 1 or not overlap:
+        comm.all_gather_into(chunks, x.contiguous(), group)
+        for j in range(n):
+            gemm(chunks[j], weight, bias=bias, out=y[:, j * s : (j + 1) * s])
+        return y, chunks
+    chunks[r].copy_(x)
+    prev, nxt = (r - 1) % n, (r + 1) % n
+    for step in range(n):
+        held = (r - step) % n
+        if step < n - 1:  # pass on what we hold, receive what the previous rank holds
+            in_flight = [
+                comm.send(chunks[held], nxt, group),
+                comm.recv(chunks[(held - 1) % n], prev, group),
+            ]
+        gemm(chunks[held], weight, bias=bias, out=y[:, held * s : (held + 1) * s])
+        if step < n - 1:
+            for work in in_flight:
+                work.wait()
+    return y, chunks
+
+
+def matmul_reduce_scatter(x, weight, group, *, bias=None, overlap=True):
+    """y = reduce_scatter(x @ weight^T, dim=1) + bias.
+
+    x (B, n*s, K), weight (N, K) (any strides), bias (N,) added once -> y (B, s, N).
+    """
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    B, S, K = x.shape
+    if S % n:
+        raise ValueError(f"sequence length {S} is not divisible by the TP size {n}")
+    s, N = S // n, weight.shape[0]
+    if n == 1:
+        return gemm(x, weight, bias=bias)
+    if not overlap:
+        partials = x.new_empty((n, B, s, N))
+        for j in range(n):
+            gemm(x[:, j * s : (j + 1) * s], weight, out=partials[j])
+        y = x.new_empty((B, s, N))
+        comm.reduce_scatter_into(y, partials, group)
+        return y if bias is None else y.add_(bias)
+    prev, nxt = (r - 1) % n, (r + 1) % n
+    received = x.new_empty((B, s, N))
+    sending = None
+    for step in range(n):
+        block = (r - 1 - step) % n  # the last step computes our own block
+        last = step == n - 1
+        if step > 0:
+            receiving = comm.recv(received, prev, group)
+        # The bias joins only the block's final sum, so it is added exactly once.
+        partial = gemm(x[:, block * s : (block + 1) * s], weight, bias=bias if last else None)
+        if step > 0:
+            receiving.wait()
+            partial += received
+        if sending is not None:
+            sending.wait()
+        if not last:
+            sending = comm.send(partial, nxt, group)
+    return partial
+
+
+def matmul_all_reduce(x, weight, group, *, bias=None, overlap=True):
+    """y = all_reduce(x @ weight^T) + bias, x (..., K) -> y (..., N); bias added once."""
+    r = dist.get_rank(group)
+    x2 = x.reshape(-1, x.shape[-1])
+    M = x2.shape[0]
+    y = x.new_empty((M, weight.shape[0]))
+    # Rank 0 alone adds the bias inside its GEMM: the sum then holds it once, at no extra pass.
+    own_bias = bias if r == 0 else None
+    bounds = [M * i // ALL_REDUCE_CHUNKS for i in range(ALL_REDUCE_CHUNKS + 1)] if overlap else [0, M]
+    works = []
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        if hi > lo:
+            gemm(x2[lo:hi], weight, bias=own_bias, out=y[lo:hi])
+            works.append(comm.all_reduce(y[lo:hi], group, async_op=True))
+    for work in works:
+        work.wait()
+    return y.view(*x.shape[:-1], weight.shape[0])

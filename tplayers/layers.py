@@ -1,0 +1,173 @@
+"""Column- and row-parallel linear layers.
+
+Weights follow nn.Linear's (out, in) layout; rank r of the TP group holds the r-th contiguous
+slice: ColumnParallelLinear splits `out` (weight (out/n, in), bias (out/n,)), RowParallelLinear
+splits `in` (weight (out, in/n), bias (out,) replicated). Each parameter carries its placement
+(tplayers.placement). Inputs are batch-first (B, S, H); with sequence_parallel=True the
+activations outside the TP region are sharded along dim 1. The math and the communication
+per mode are in tplayers/functional/linear.py.
+"""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+
+from tplayers.distributed import resolve_group
+from tplayers.functional.collectives import gather_from_tp_region, own_slice, scatter_to_tp_region
+from tplayers.functional.linear import column_parallel_linear, row_parallel_linear
+from tplayers.placement import set_placement
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _divide(total: int, n: int, what: str) -> int:
+    if total % n:
+        raise ValueError(f"{what} ({total}) is not divisible by the tensor-parallel size ({n})")
+    return total // n
+
+
+def _full_linear_init(in_features, out_features, bias, device, dtype):
+    """Weights exactly as nn.Linear(in, out) would draw them, so a TP layer built under a seed
+    holds the shards of the nn.Linear built under the same seed."""
+    init_device = "meta" if device is not None and torch.device(device).type == "meta" else "cpu"
+    full = nn.Linear(in_features, out_features, bias=bias, device=init_device, dtype=dtype)
+    return full.weight.detach(), (full.bias.detach() if bias else None)
+
+
+def check_input(layer, x, expected_last_dim, sequence_parallel):
+    """The checks every rank makes on its input before any collective (all ranks see the same
+    shapes, so all raise together instead of one hanging in a collective)."""
+    name = type(layer).__name__
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: input must be a Tensor, got {type(x).__name__}")
+    if x.dtype != layer.weight.dtype:
+        raise TypeError(f"{name}: input dtype {x.dtype} does not match the weight dtype {layer.weight.dtype}")
+    if x.device != layer.weight.device:
+        raise ValueError(f"{name}: input is on {x.device} but the weight is on {layer.weight.device}")
+    if x.dim() == 0 or x.shape[-1] != expected_last_dim:
+        raise ValueError(
+            f"{name}: input last dim {tuple(x.shape)[-1:]} does not match the layer's {expected_last_dim}"
+        )
+    if sequence_parallel and x.dim() != 3:
+        raise ValueError(f"{name}: sequence_parallel needs a (batch, seq, hidden) input, got {tuple(x.shape)}")
+
+
+class _ParallelLinear(nn.Module):
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, group=None, **kwargs):
+        """The layer holding this rank's slice of `linear` (which is left unchanged)."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"{cls.__name__}.from_linear needs an nn.Linear, got {type(linear).__name__}")
+        layer = cls(
+            linear.in_features, linear.out_features, linear.bias is not None, group=group,
+            device="meta", dtype=linear.weight.dtype, **kwargs,
+        )  # fmt: skip
+        bias = linear.bias.detach() if linear.bias is not None else None
+        layer._set_shards(linear.weight.detach(), bias, linear.weight.device)
+        return layer
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """y = x A^T + b with A split along its output features over `group`.
+
+    Input (..., in_features) replicated over the group (sequence_parallel: (B, S/n, in)
+    seq-sharded, all-gathered inside the GEMM). Output (..., out_features/n), or the whole
+    (..., out_features) with gather_output=True.
+    """
+
+    def __init__(
+        self, in_features, out_features, bias=True, *, group=None, gather_output=False,
+        sequence_parallel=False, overlap=True, device=None, dtype=None,
+    ):  # fmt: skip
+        super().__init__()
+        self.group = resolve_group(group)
+        self.tp_size = dist.get_world_size(self.group)
+        self.in_features, self.out_features = in_features, out_features
+        self.out_features_per_rank = _divide(out_features, self.tp_size, "out_features")
+        if gather_output and sequence_parallel:
+            raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with sequence_parallel")
+        self.gather_output, self.sequence_parallel, self.overlap = gather_output, sequence_parallel, overlap
+        weight, bias_full = _full_linear_init(in_features, out_features, bias, device, dtype)
+        self._set_shards(weight, bias_full, device)
+
+    def _set_shards(self, weight, bias, device):
+        rank = dist.get_rank(self.group)
+        rows = slice(rank * self.out_features_per_rank, (rank + 1) * self.out_features_per_rank)
+        self.weight = nn.Parameter(weight[rows].to(device=device, copy=True).contiguous())
+        set_placement(self.weight, self.group, Shard(0))
+        if bias is None:
+            self.register_parameter("bias", None)
+        else:
+            self.bias = nn.Parameter(bias[rows].to(device=device, copy=True).contiguous())
+            set_placement(self.bias, self.group, Shard(0))
+
+    def forward(self, x):
+        check_input(self, x, self.in_features, self.sequence_parallel)
+        y = column_parallel_linear(
+            x, self.weight, self.bias, self.group, sequence_parallel=self.sequence_parallel, overlap=self.overlap
+        )
+        return gather_from_tp_region(y, self.group, dim=-1) if self.gather_output else y
+
+    def extra_repr(self):
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} "
+            f"({self.out_features_per_rank} per rank of {self.tp_size}), bias={self.bias is not None}, "
+            f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}, overlap={self.overlap}"
+        )
+
+
+class RowParallelLinear(_ParallelLinear):
+    """y = x A^T + b with A split along its input features over `group`.
+
+    Input (..., in_features/n) split over the group (input_is_parallel=False: the whole
+    (..., in_features), split here). Output (..., out_features) summed over the group
+    (sequence_parallel: (B, S/n, out_features), reduce-scattered along the sequence). The bias
+    is replicated and added once, after the reduction.
+    """
+
+    def __init__(
+        self, in_features, out_features, bias=True, *, group=None, input_is_parallel=True,
+        sequence_parallel=False, overlap=True, device=None, dtype=None,
+    ):  # fmt: skip
+        super().__init__()
+        self.group = resolve_group(group)
+        self.tp_size = dist.get_world_size(self.group)
+        self.in_features, self.out_features = in_features, out_features
+        self.in_features_per_rank = _divide(in_features, self.tp_size, "in_features")
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
+        self.input_is_parallel, self.sequence_parallel, self.overlap = input_is_parallel, sequence_parallel, overlap
+        weight, bias_full = _full_linear_init(in_features, out_features, bias, device, dtype)
+        self._set_shards(weight, bias_full, device)
+
+    def _set_shards(self, weight, bias, device):
+        self.weight = nn.Parameter(own_slice(weight, 1, self.group).to(device=device, copy=True).contiguous())
+        set_placement(self.weight, self.group, Shard(1))
+        if bias is None:
+            self.register_parameter("bias", None)
+        else:
+            self.bias = nn.Parameter(bias.to(device=device, copy=True))
+            set_placement(self.bias, self.group, Replicate())
+
+    def forward(self, x):
+        expected = self.in_features_per_rank if self.input_is_parallel else self.in_features
+        check_input(self, x, expected, self.sequence_parallel)
+        if self.sequence_parallel and x.shape[1] % self.tp_size:
+            raise ValueError(
+                f"RowParallelLinear: sequence length {x.shape[1]} is not divisible by the "
+                f"tensor-parallel size ({self.tp_size})"
+            )
+        if not self.input_is_parallel:
+            x = scatter_to_tp_region(x, self.group, dim=-1)
+        return row_parallel_linear(
+            x, self.weight, self.bias, self.group, sequence_parallel=self.sequence_parallel, overlap=self.overlap
+        )
+
+    def extra_repr(self):
+        return (
+            f"in_features={self.in_features} ({self.in_features_per_rank} per rank of {self.tp_size}), "
+            f"out_features={self.out_features}, bias={self.bias is not None}, "
+            f"input_is_parallel={self.input_is_parallel}, sequence_parallel={self.sequence_parallel}, "
+            f"overlap={self.overlap}"
+        )
