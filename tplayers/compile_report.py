@@ -231,17 +231,22 @@ def compile_report(archs=(80, 90), dtypes=DTYPES, kernels=tuple(VARIANTS), confi
         return list(ex.map(compile_row, jobs))
 
 
+def subprocess_env():
+    """This environment without TRITON_INTERPRET, with `tplayers` importable from a checkout."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
 def run_in_subprocess(*args, timeout=600):
     """Run `python -m tplayers.compile_report --json ARGS` without TRITON_INTERPRET; return its rows."""
     tool_dir()
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = str(Path(__file__).resolve().parents[1])  # makes `tplayers` importable from a checkout
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     proc = subprocess.run(
         [sys.executable, "-m", "tplayers.compile_report", "--json", *args],
         capture_output=True,
         text=True,
-        env=env,
+        env=subprocess_env(),
         timeout=timeout,
     )
     if proc.returncode not in (0, 1):  # 1 only means some row is not ok

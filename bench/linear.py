@@ -1,0 +1,398 @@
+"""Benchmark: forward + backward of a Column -> GeLU -> Row MLP block, tplayers vs DTensor TP.
+
+Providers, timed side by side in one run on the same ranks:
+    tplayers             ColumnParallelLinear / RowParallelLinear.from_linear, overlap=True
+    tplayers-no-overlap  the same layers with overlap=False (one plain collective per op)
+    dtensor              PyTorch's parallelize_module with ColwiseParallel / RowwiseParallel
+    unsharded            the nn.Linear block on one rank (for scaling efficiency)
+Modes: "tp" (input (B, S, H) replicated) and "tp+sp" (input (B, S/n, H) sharded along the
+sequence; DTensor gets Shard(1) input / output layouts).
+
+CPU (default): `python bench/linear.py [--quick] [--tp 2] [--threads 1] [--out bench/out]`
+starts the ranks itself (tplayers.launch, gloo). GPU: `torchrun --nproc-per-node N
+bench/linear.py` (NCCL, one GPU per rank); it also times the forward all_gather_matmul /
+matmul_reduce_scatter against torch.matmul and torch's symm_mem fused ops, in TFLOP/s.
+
+Writes <out>/linear.csv and <out>/linear.png and prints a table of ratios. Ratios below 1
+favour tplayers; scaling efficiency = unsharded time / tp / TP time.
+"""
+
+import argparse
+import copy
+import csv
+import os
+import statistics
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import tplayers
+from tplayers.functional.overlap import all_gather_matmul, matmul_reduce_scatter
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    batch: int
+    seq: int
+    hidden: int
+    ffn: int
+
+    def __str__(self):
+        return f"{self.name}:b{self.batch}s{self.seq}h{self.hidden}f{self.ffn}"
+
+    @property
+    def flops(self):
+        """fwd + bwd of both GEMMs: 3 passes (y, dx, dW) of 2 * tokens * hidden * ffn each."""
+        return 2 * 3 * 2 * self.batch * self.seq * self.hidden * self.ffn
+
+
+SHAPES = [Shape("compute", 4, 512, 512, 2048), Shape("comm", 4, 1024, 2048, 1024)]
+QUICK_SHAPES = [Shape("compute", 2, 64, 64, 256), Shape("comm", 2, 128, 256, 64)]
+MODES = ("tp", "tp+sp")
+PROVIDERS = ("tplayers", "tplayers-no-overlap", "dtensor", "unsharded")
+FIELDS = (
+    "kernel", "provider", "mode", "shape", "device", "threads", "tp", "time_ms", "ratio_to_dtensor",
+    "ratio_overlap_on_off", "scaling_efficiency", "bytes_per_rank", "tflops_per_rank",
+)  # fmt: skip
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="small shapes, few iterations (smoke test)")
+    p.add_argument("--tp", type=int, default=2, help="TP size = local ranks (ignored under torchrun)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--warmup", type=int, default=None, help="untimed rounds (default 3, quick 1)")
+    p.add_argument("--reps", type=int, default=None, help="timed rounds (default 10, quick 3)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="default float32 on CPU, bfloat16 on GPU")  # fmt: skip
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
+    args = p.parse_args(argv)
+    args.shapes = QUICK_SHAPES if args.quick else SHAPES
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
+    args.reps = args.reps if args.reps is not None else (3 if args.quick else 10)
+    return args
+
+
+# ---- blocks -------------------------------------------------------------------------------
+
+
+def reference_block(shape, device, dtype):
+    """The unsharded block; seeded, so every rank builds the same weights."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(shape.hidden, shape.ffn), nn.GELU(), nn.Linear(shape.ffn, shape.hidden)
+    ).to(device=device, dtype=dtype)
+
+
+def tplayers_block(ref, sp, overlap):
+    return nn.Sequential(
+        tplayers.ColumnParallelLinear.from_linear(ref[0], sequence_parallel=sp, overlap=overlap),
+        nn.GELU(),
+        tplayers.RowParallelLinear.from_linear(ref[2], sequence_parallel=sp, overlap=overlap),
+    )
+
+
+def dtensor_block(ref, mesh, sp):
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    # Megatron-style SP: activations outside the block are sharded along the sequence (dim 1).
+    layout = Shard(1) if sp else None
+    plan = {"0": ColwiseParallel(input_layouts=layout), "2": RowwiseParallel(output_layouts=layout)}
+    return parallelize_module(copy.deepcopy(ref), mesh, plan)
+
+
+def fwd_bwd(block, x, dy):
+    x.grad = None
+    for p in block.parameters():
+        p.grad = None  # a fresh gradient each step, not an accumulating add
+    block(x).backward(dy)
+
+
+# ---- timing -------------------------------------------------------------------------------
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_once(fn, device):
+    """Seconds this rank spends in fn, starting together with the other ranks (fn=None: idle)."""
+    sync(device)
+    dist.barrier()
+    start = time.perf_counter()
+    if fn is not None:
+        fn()
+        sync(device)
+    return time.perf_counter() - start
+
+
+def time_round_robin(fns, device, warmup, reps):
+    """{name: median over reps of the max over ranks} for fns {name: callable or None}.
+
+    One call of each provider per round, the order rotated every round, so drift and noise on
+    the machine fall on all providers alike.
+    """
+    names = list(fns)
+    times = {name: [] for name in names}
+    for rnd in range(warmup + reps):
+        shift = rnd % len(names)
+        for name in names[shift:] + names[:shift]:
+            t = time_once(fns[name], device)
+            if rnd >= warmup:
+                times[name].append(t)
+    result = {}
+    for name in names:
+        # The step ends when its slowest rank does: max over ranks per repetition, then the median.
+        per_rep = torch.tensor(times[name], dtype=torch.float64)
+        dist.all_reduce(per_rep, op=dist.ReduceOp.MAX)
+        result[name] = statistics.median(per_rep.tolist())
+    return result
+
+
+# ---- the MLP block benchmark ----------------------------------------------------------------
+
+
+def bench_mlp(shape, mode, mesh, device, dtype, args):
+    """Rows for one (shape, mode): every provider's fwd+bwd time, bytes sent by tplayers."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    sp = mode == "tp+sp"
+    if shape.ffn % n or (sp and shape.seq % n):
+        raise ValueError(f"{shape}: ffn and (with SP) seq must be divisible by the TP size {n}")
+    ref = reference_block(shape, device, dtype)
+    x_full = torch.randn(shape.batch, shape.seq, shape.hidden, device=device, dtype=dtype)
+    dy_full = torch.randn_like(x_full)
+    # Each provider gets its own input leaf, so gradients never mix.
+    x_tp, dy_tp = (x_full.chunk(n, dim=1)[r], dy_full.chunk(n, dim=1)[r]) if sp else (x_full, dy_full)
+    blocks = {
+        "tplayers": tplayers_block(ref, sp, overlap=True),
+        "tplayers-no-overlap": tplayers_block(ref, sp, overlap=False),
+        "dtensor": dtensor_block(ref, mesh, sp),
+    }
+    inputs = {name: x_tp.detach().clone().contiguous().requires_grad_() for name in blocks}
+    x_ref = x_full.detach().clone().requires_grad_()
+
+    # Compare like with like: every TP block must compute the unsharded block's output.
+    with torch.no_grad():
+        expected = ref(x_full)
+        expected = expected.chunk(n, dim=1)[r] if sp else expected
+        for name, block in blocks.items():
+            tol = 1e-4 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(block(inputs[name]), expected, rtol=tol, atol=tol, msg=name)
+
+    fns = {name: (lambda b=block, x=inputs[name]: fwd_bwd(b, x, dy_tp)) for name, block in blocks.items()}
+    # The unsharded block runs on rank 0 alone; the other ranks wait in the barrier.
+    fns["unsharded"] = (lambda: fwd_bwd(ref, x_ref, dy_full)) if r == 0 else None
+    times = time_round_robin(fns, device, args.warmup, args.reps)
+
+    sent = {}
+    for name in ("tplayers", "tplayers-no-overlap"):
+        with tplayers.count_bytes() as counter:
+            fns[name]()
+        sent[name] = counter.total()
+    rows = []
+    for name in PROVIDERS:
+        per_rank_flops = shape.flops / (1 if name == "unsharded" else n)
+        rows.append({
+            "kernel": "mlp_fwd_bwd", "provider": name, "mode": mode, "shape": str(shape),
+            "time_ms": 1e3 * times[name], "bytes_per_rank": sent.get(name, ""),
+            "tflops_per_rank": per_rank_flops / times[name] / 1e12,
+        })  # fmt: skip
+    return rows
+
+
+# ---- GPU only: the fused forward ops against torch.matmul and torch's symm_mem ops ----------
+
+
+def bench_fused_gpu(shape, group, device, dtype, args):
+    """TFLOP/s per rank of the forward AllGather+GEMM and GEMM+ReduceScatter of the SP block.
+
+    torch.matmul is the same per-rank GEMM without communication: the ceiling. The symm_mem ops
+    are torch's own micro-pipelined versions, timed only where this torch build has them.
+    """
+    import torch.distributed._symmetric_memory as symm_mem  # registers torch.ops.symm_mem
+
+    n, B, S, H, F = dist.get_world_size(group), shape.batch, shape.seq, shape.hidden, shape.ffn
+    group_name = group.group_name
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before torch 2.9, a no-op since
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            symm_mem.enable_symm_mem_for_group(group_name)
+    ops = torch.ops.symm_mem
+    x_shard = torch.randn(B, S // n, H, device=device, dtype=dtype)
+    x_full = torch.randn(B, S, H, device=device, dtype=dtype)
+    h_full = torch.randn(B, S, F // n, device=device, dtype=dtype)
+    w1 = torch.randn(F // n, H, device=device, dtype=dtype)  # column shard (out/n, in)
+    w2 = torch.randn(H, F // n, device=device, dtype=dtype)  # row shard (out, in/n)
+    cases = {
+        "all_gather_matmul": {
+            "tplayers": lambda: all_gather_matmul(x_shard, w1, group),
+            "torch.matmul": lambda: torch.matmul(x_full, w1.t()),
+        },
+        "matmul_reduce_scatter": {
+            "tplayers": lambda: matmul_reduce_scatter(h_full, w2, group),
+            "torch.matmul": lambda: torch.matmul(h_full, w2.t()),
+        },
+    }
+    if hasattr(ops, "fused_all_gather_matmul"):
+        cases["all_gather_matmul"]["symm_mem"] = lambda: ops.fused_all_gather_matmul(
+            x_shard, [w1.t()], 1, group_name, return_A=False
+        )
+    if hasattr(ops, "fused_matmul_reduce_scatter"):
+        cases["matmul_reduce_scatter"]["symm_mem"] = lambda: ops.fused_matmul_reduce_scatter(
+            h_full, w2.t(), "sum", 1, group_name
+        )
+    rows = []
+    flops = 2 * B * S * H * F / n
+    for kernel, fns in cases.items():
+        times = time_round_robin(fns, device, args.warmup, args.reps)
+        for name, t in times.items():
+            rows.append({
+                "kernel": kernel, "provider": name, "mode": "fwd", "shape": str(shape),
+                "time_ms": 1e3 * t, "tflops_per_rank": flops / t / 1e12,
+            })  # fmt: skip
+    return rows
+
+
+# ---- per rank -------------------------------------------------------------------------------
+
+
+def worker(rank, world_size, args):
+    """Runs on every rank; returns the rows (identical on every rank: times are max-reduced)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(args.threads)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    # On CPU the torch reference GEMMs, whatever TPLAYERS_BACKEND says (the interpreter is slow).
+    tplayers.set_backend("auto" if device.type == "cuda" else "torch")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    mesh = init_device_mesh(device.type, (world_size,))
+    rows = []
+    for shape in args.shapes:
+        for mode in MODES:
+            rows += bench_mlp(shape, mode, mesh, device, dtype, args)
+        if device.type == "cuda":
+            rows += bench_fused_gpu(shape, mesh.get_group(), device, dtype, args)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    for row in rows:
+        row.update(device=name, threads=args.threads, tp=world_size)
+    return rows
+
+
+def run_torchrun(args):
+    """Under torchrun: one process per GPU (NCCL), or per CPU rank (gloo)."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        return worker(dist.get_rank(), dist.get_world_size(), args)
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- reporting ------------------------------------------------------------------------------
+
+
+def add_ratios(rows):
+    """ratio_to_dtensor, overlap on/off and scaling efficiency, within each (shape, mode)."""
+    by_key = {(r["kernel"], r["shape"], r["mode"], r["provider"]): r["time_ms"] for r in rows}
+    for row in rows:
+        key = (row["kernel"], row["shape"], row["mode"])
+        dtensor, unsharded = by_key.get((*key, "dtensor")), by_key.get((*key, "unsharded"))
+        if dtensor and row["provider"] != "unsharded":
+            row["ratio_to_dtensor"] = row["time_ms"] / dtensor
+        if unsharded and row["provider"] != "unsharded":
+            row["scaling_efficiency"] = unsharded / row["tp"] / row["time_ms"]
+        if row["provider"] == "tplayers" and (*key, "tplayers-no-overlap") in by_key:
+            row["ratio_overlap_on_off"] = row["time_ms"] / by_key[(*key, "tplayers-no-overlap")]
+    return rows
+
+
+def write_csv(rows, path):
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS, restval="")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()})
+
+
+def print_table(rows):
+    mlp = [r for r in rows if r["kernel"] == "mlp_fwd_bwd"]
+    t = {(r["shape"], r["mode"], r["provider"]): r for r in mlp}
+    print(f"\nMLP fwd+bwd, tp={mlp[0]['tp']}, threads/rank={mlp[0]['threads']}, device={mlp[0]['device']}")
+    head = (
+        f"{'shape':<26} {'mode':<6} {'tpl ms':>8} {'no-ovl ms':>9} {'dtensor ms':>10} {'unshard ms':>10} "
+        f"{'tpl/dt':>7} {'noovl/dt':>8} {'on/off':>7} {'eff tpl':>7} {'eff dt':>7} {'MB/rank':>8}"
+    )
+    print(head)
+    print("-" * len(head))
+    for shape, mode in dict.fromkeys((r["shape"], r["mode"]) for r in mlp):
+        on, off = t[shape, mode, "tplayers"], t[shape, mode, "tplayers-no-overlap"]
+        dt, un = t[shape, mode, "dtensor"], t[shape, mode, "unsharded"]
+        print(
+            f"{shape:<26} {mode:<6} {on['time_ms']:8.2f} {off['time_ms']:9.2f} {dt['time_ms']:10.2f} "
+            f"{un['time_ms']:10.2f} {on['ratio_to_dtensor']:7.3f} {off['ratio_to_dtensor']:8.3f} "
+            f"{on['ratio_overlap_on_off']:7.3f} {on['scaling_efficiency']:7.3f} {dt['scaling_efficiency']:7.3f} "
+            f"{on['bytes_per_rank'] / 2**20:8.1f}"
+        )
+    fused = [r for r in rows if r["kernel"] != "mlp_fwd_bwd"]
+    for r in fused:
+        print(f"{r['kernel']:<22} {r['provider']:<13} {r['shape']:<26} {r['time_ms']:8.3f} ms "
+              f"{r['tflops_per_rank']:7.1f} TFLOP/s per rank")  # fmt: skip
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mlp = {(r["shape"], r["mode"], r["provider"]): r for r in rows if r["kernel"] == "mlp_fwd_bwd"}
+    groups = list(dict.fromkeys((shape, mode) for shape, mode, _ in mlp))
+    series = {
+        "tplayers / dtensor": [mlp[g + ("tplayers",)]["ratio_to_dtensor"] for g in groups],
+        "tplayers no-overlap / dtensor": [mlp[g + ("tplayers-no-overlap",)]["ratio_to_dtensor"] for g in groups],
+        "overlap on / off": [mlp[g + ("tplayers",)]["ratio_overlap_on_off"] for g in groups],
+    }
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(2.2 * len(groups) + 2, 4))
+    for i, (label, values) in enumerate(series.items()):
+        ax.bar([g + (i - 1) * width for g in range(len(groups))], values, width, label=label)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(groups)), [f"{shape.split(':')[0]}\n{mode}" for shape, mode in groups])
+    first = next(iter(mlp.values()))
+    ax.set_ylabel("time ratio (lower is better)")
+    ax.set_title(f"MLP fwd+bwd, tp={first['tp']}, {first['threads']} thread(s)/rank, {first['device']}")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None):
+    """Run the benchmark; returns the rows (on torchrun, rank 0 alone writes the files)."""
+    args = parse_args(argv)
+    if "LOCAL_RANK" in os.environ:
+        rows = run_torchrun(args)
+        if int(os.environ.get("RANK", "0")) != 0:
+            return rows
+    else:
+        rows = tplayers.launch(worker, args.tp, args)[0]
+    rows = add_ratios(rows)
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_csv(rows, args.out / "linear.csv")
+    plot(rows, args.out / "linear.png")
+    print_table(rows)
+    print(f"\nwrote {args.out / 'linear.csv'} and {args.out / 'linear.png'}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

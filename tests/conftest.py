@@ -1,0 +1,37 @@
+import os
+
+# Triton reads this when it is imported: the Triton backend then runs in the interpreter on CPU.
+os.environ["TRITON_INTERPRET"] = "1"
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+from tplayers.testing import WorkerPool  # noqa: E402
+
+# References run without TF32 (no effect on CPU; keeps GPU runs of this suite honest).
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+
+settings.register_profile(
+    "ci",
+    deadline=None,
+    derandomize=True,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+settings.register_profile(
+    "dev",
+    deadline=None,
+    max_examples=200,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="session")
+def pool():
+    """Four local gloo ranks, started once and shared by every multi-rank test."""
+    with WorkerPool(world_size=4) as workers:
+        yield workers

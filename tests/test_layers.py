@@ -1,0 +1,176 @@
+"""Column -> activation -> Row block against the unsharded nn.Linear block: forward and every
+gradient, on 1-4 local ranks, both backends, overlap on and off."""
+
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import tplayers
+from tplayers.testing import assert_close, assert_shard_close, integer_valued
+
+pytestmark = pytest.mark.multirank
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@dataclass(frozen=True)
+class BlockCase:
+    batch: int
+    seq_per_rank: int
+    hidden: int
+    ffn_per_rank: int
+    dtype: torch.dtype = torch.float32
+    sequence_parallel: bool = False
+    gather: bool = False  # column gather_output=True, row input_is_parallel=False
+    bias: bool = True
+    overlap: bool = True
+    backend: str = "torch"
+    exact: bool = False  # integer-valued data, compared bit for bit
+    wrong_shard: bool = False  # negative control: the column layer gets its neighbour's slice
+    seed: int = 0
+
+
+def run_block(rank, tp, group, case: BlockCase):
+    """One rank's check; raises on any mismatch. Returns the row bias grad (must be identical everywhere)."""
+    tplayers.set_backend(case.backend)
+    if case.backend == "triton":  # the kernel itself runs, in the interpreter, not the reference
+        from tplayers.kernels import matmul
+
+        assert matmul.INTERPRET
+    torch.manual_seed(case.seed)
+    S, F = case.seq_per_rank * tp, case.ffn_per_rank * tp
+    fc1 = nn.Linear(case.hidden, F, bias=case.bias, dtype=case.dtype)
+    fc2 = nn.Linear(F, case.hidden, bias=case.bias, dtype=case.dtype)
+    shape = (case.batch, S, case.hidden)
+    if case.exact:
+        with torch.no_grad():
+            for p in [*fc1.parameters(), *fc2.parameters()]:
+                p.copy_(integer_valued(p.shape, case.dtype))
+        x, dy = integer_valued(shape, case.dtype), integer_valued(shape, case.dtype)
+        act = torch.relu  # keeps integers integers
+    else:
+        x, dy = torch.randn(shape, dtype=case.dtype), torch.randn(shape, dtype=case.dtype)
+        act = nn.functional.gelu
+
+    x_ref = x.clone().requires_grad_(True)
+    y_ref = fc2(act(fc1(x_ref)))
+    y_ref.backward(dy)
+
+    source = fc1
+    if case.wrong_shard:
+        source = nn.Linear(case.hidden, F, bias=case.bias, dtype=case.dtype)
+        with torch.no_grad():
+            source.weight.copy_(fc1.weight.roll(case.ffn_per_rank, 0))
+            if case.bias:
+                source.bias.copy_(fc1.bias)
+    sp = case.sequence_parallel
+    col = tplayers.ColumnParallelLinear.from_linear(
+        source, group=group, sequence_parallel=sp, gather_output=case.gather, overlap=case.overlap
+    )
+    row = tplayers.RowParallelLinear.from_linear(
+        fc2, group=group, sequence_parallel=sp, input_is_parallel=not case.gather, overlap=case.overlap
+    )
+    seq_dim = 1 if sp else None
+    x_local = (x.chunk(tp, 1)[rank] if sp else x).clone().requires_grad_(True)
+    y = row(act(col(x_local)))
+    y.backward(dy.chunk(tp, 1)[rank] if sp else dy)
+
+    kw = dict(rank=rank, num_shards=tp, exact=case.exact)
+    assert_shard_close(y, y_ref.detach(), dim=seq_dim, **kw, msg=lambda m: f"output: {m}")
+    assert_shard_close(x_local.grad, x_ref.grad, dim=seq_dim, **kw, msg=lambda m: f"input grad: {m}")
+    assert_shard_close(col.weight.grad, fc1.weight.grad, dim=0, **kw, msg=lambda m: f"column weight grad: {m}")
+    assert_shard_close(row.weight.grad, fc2.weight.grad, dim=1, **kw, msg=lambda m: f"row weight grad: {m}")
+    if case.bias:
+        assert_shard_close(col.bias.grad, fc1.bias.grad, dim=0, **kw, msg=lambda m: f"column bias grad: {m}")
+        assert_shard_close(row.bias.grad, fc2.bias.grad, dim=None, **kw, msg=lambda m: f"row bias grad: {m}")
+        return row.bias.grad
+    return None
+
+
+def check_block(pool, tp, case):
+    bias_grads = pool.run(run_block, tp, case)
+    if case.bias:  # a replicated parameter's grad is the same on every rank, bit for bit
+        for g in bias_grads[1:]:
+            assert torch.equal(g, bias_grads[0])
+
+
+def block_cases(draw, dtypes, max_hidden, max_ffn_per_rank, backend):
+    tp = draw(st.integers(1, 4))
+    sp = draw(st.booleans())
+    case = BlockCase(
+        batch=draw(st.integers(1, 3)),
+        seq_per_rank=draw(st.integers(1, 3)),
+        hidden=draw(st.integers(1, max_hidden)),
+        ffn_per_rank=draw(st.integers(1, max_ffn_per_rank)),
+        dtype=draw(st.sampled_from(dtypes)),
+        sequence_parallel=sp,
+        gather=False if sp else draw(st.booleans()),
+        bias=draw(st.booleans()),
+        overlap=draw(st.booleans()),
+        backend=backend,
+        seed=draw(st.integers(0, 2**16)),
+    )
+    return tp, case
+
+
+@settings(max_examples=60)
+@given(st.data())
+def test_block_matches_unsharded_torch_backend(pool, data):
+    tp, case = data.draw(st.composite(lambda draw: block_cases(draw, DTYPES, 40, 12, "torch"))())
+    check_block(pool, tp, case)
+
+
+@pytest.mark.interpreter
+@settings(max_examples=25)
+@given(st.data())
+def test_block_matches_unsharded_triton_backend(pool, data):
+    tp, case = data.draw(st.composite(lambda draw: block_cases(draw, DTYPES, 12, 6, "triton"))())
+    check_block(pool, tp, case)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3, 4])
+@pytest.mark.parametrize(
+    "mode", ["plain", "sequence_parallel", "gather"], ids=["plain", "sp", "gather_output"]
+)
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no_overlap"])
+def test_block_exact_with_integer_values(pool, tp, mode, overlap):
+    case = BlockCase(
+        batch=2, seq_per_rank=3, hidden=13, ffn_per_rank=5, exact=True, overlap=overlap,
+        sequence_parallel=mode == "sequence_parallel", gather=mode == "gather",
+    )  # fmt: skip
+    check_block(pool, tp, case)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("mode", ["plain", "sequence_parallel"])
+def test_block_exact_with_integer_values_triton(pool, mode):
+    case = BlockCase(
+        batch=2, seq_per_rank=2, hidden=7, ffn_per_rank=5, exact=True, backend="triton",
+        sequence_parallel=mode == "sequence_parallel",
+    )  # fmt: skip
+    check_block(pool, 3, case)
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "tolerance"])
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
+def test_negative_control_wrong_shard_fails(pool, exact, sequence_parallel):
+    case = BlockCase(
+        batch=2, seq_per_rank=2, hidden=8, ffn_per_rank=4, exact=exact,
+        sequence_parallel=sequence_parallel, wrong_shard=True,
+    )  # fmt: skip
+    with pytest.raises(tplayers.RankError, match="Tensor-likes are not"):
+        check_block(pool, 2, case)
+    check_block(pool, 2, replace(case, wrong_shard=False))  # and the pool still works
+
+
+def test_tolerance_helper_negative_control():
+    x = torch.randn(64)
+    with pytest.raises(AssertionError):
+        assert_close(x + 1e-3, x)  # well outside fp32 tolerance
+    with pytest.raises(AssertionError):
+        assert_close(x + 1e-7 * x.abs().max(), x, exact=True)
+    assert_close(x.clone(), x, exact=True)

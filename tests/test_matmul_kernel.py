@@ -1,0 +1,113 @@
+"""The Triton GEMM in the interpreter against `matmul_ref` on fp32-upcast inputs."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tplayers.kernels.matmul import INTERPRET, matmul, matmul_ref
+from tplayers.testing import assert_close
+
+pytestmark = pytest.mark.interpreter
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def strided(shape, dtype, layout, gen):
+    """A tensor of `shape` as a strided view of a larger buffer: 'contiguous', 'transposed'
+    (last two dims swapped in memory) or 'sliced' (a window of a wider, taller buffer)."""
+    if layout == "transposed":
+        base = torch.randn(*shape[:-2], shape[-1], shape[-2], generator=gen).to(dtype)
+        return base.transpose(-1, -2)
+    if layout == "sliced":
+        base = torch.randn(*shape[:-2], shape[-2] + 3, shape[-1] + 5, generator=gen).to(dtype)
+        return base[..., 2 : 2 + shape[-2], 1 : 1 + shape[-1]]
+    return torch.randn(shape, generator=gen).to(dtype)
+
+
+@st.composite
+def gemm_cases(draw):
+    mode = draw(st.sampled_from(["2d", "batched", "reduce_batch"]))
+    batch = draw(st.integers(1, 3))
+    m, n, k = draw(st.integers(1, 70)), draw(st.integers(1, 70)), draw(st.integers(1, 70))
+    return dict(
+        mode=mode, batch=batch, m=m, n=n, k=k,
+        dtype=draw(st.sampled_from(DTYPES)),
+        layouts=[draw(st.sampled_from(["contiguous", "transposed", "sliced"])) for _ in range(3)],
+        bias=draw(st.booleans()),
+        scale=draw(st.sampled_from([1.0, 0.5, -1.25])),
+        activation=draw(st.sampled_from([None, "gelu_tanh", "silu"])),
+        residual=draw(st.booleans()) and mode != "reduce_batch",
+        accumulate=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**16)),
+    )  # fmt: skip
+
+
+def test_runs_in_interpreter():
+    assert INTERPRET, "conftest sets TRITON_INTERPRET=1 before triton is imported"
+
+
+@settings(max_examples=60)
+@given(gemm_cases())
+def test_kernel_matches_reference(case):
+    gen = torch.Generator().manual_seed(case["seed"])
+    dt, (la, lb, lc) = case["dtype"], case["layouts"]
+    m, n, k, batch = case["m"], case["n"], case["k"], case["batch"]
+    lead = () if case["mode"] == "2d" else (batch,)
+    a = strided((*lead, m, k), dt, la, gen)
+    b = strided((*lead, n, k) if case["mode"] == "reduce_batch" else (n, k), dt, lb, gen)
+    out_shape = (m, n) if case["mode"] != "batched" else (batch, m, n)
+    out_dtype = torch.float32 if case["accumulate"] else dt
+    out = strided(out_shape, out_dtype, lc, gen)
+    bias = torch.randn(n, generator=gen).to(dt) if case["bias"] else None
+    residual = torch.randn(out_shape, generator=gen).to(dt) if case["residual"] else None
+    epilogue = dict(
+        scale=case["scale"], activation=case["activation"], accumulate=case["accumulate"],
+        reduce_batch=case["mode"] == "reduce_batch",
+    )  # fmt: skip
+    f32 = lambda t: None if t is None else t.float()  # noqa: E731
+    expected = matmul_ref(f32(a), f32(b), bias=f32(bias), residual=f32(residual), out=out.float().clone(), **epilogue)
+    result = matmul(a, b, bias=bias, residual=residual, out=out, **epilogue)
+    assert result is out
+    # fp16 / bf16 inputs are exact in fp32, so the only differences are summation order and
+    # the final rounding to the output dtype: the table's tolerance for that dtype.
+    assert_close(result, expected.to(out_dtype))
+
+
+def test_writes_only_its_window_of_a_larger_buffer():
+    big = torch.zeros(3, 20, 11)
+    a, w = torch.randn(3, 7, 5), torch.randn(11, 5)
+    matmul(a, w, out=big[:, 4:11])
+    assert_close(big[:, 4:11], matmul_ref(a, w))
+    assert big[:, :4].eq(0).all() and big[:, 11:].eq(0).all()
+
+
+@pytest.mark.parametrize("shape", [(0, 5, 4), (6, 0, 4), (6, 5, 0)])
+def test_zero_size(shape):
+    m, n, k = shape
+    a, b, bias = torch.randn(m, k), torch.randn(n, k), torch.randn(n)
+    assert_close(matmul(a, b, bias=bias), matmul_ref(a, b, bias=bias), exact=True)
+
+
+def test_accumulate_into_fp32_weight_grad():
+    dy, x = torch.randn(4, 9, 6, dtype=torch.float16), torch.randn(4, 9, 5, dtype=torch.float16)
+    acc = torch.ones(6, 5)
+    matmul(dy.transpose(1, 2), x.transpose(1, 2), reduce_batch=True, out=acc, accumulate=True)
+    expected = 1 + torch.einsum("bsn,bsk->nk", dy.float(), x.float())
+    assert_close(acc, expected)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        (dict(a=torch.randn(3, 4), b=torch.randn(5, 6)), "K=4"),
+        (dict(a=torch.randn(3, 4), b=torch.randn(5, 4, dtype=torch.float16)), "share a float dtype"),
+        (dict(a=torch.randn(3, 4), b=torch.randn(5, 4), bias=torch.randn(4)), "bias must have shape"),
+        (dict(a=torch.randn(3, 4), b=torch.randn(5, 4), accumulate=True), "fp32 `out`"),
+        (dict(a=torch.randn(3, 4), b=torch.randn(5, 4), activation="relu"), "activation must be"),
+    ],
+)
+def test_bad_arguments(kwargs, error):
+    for fn in (matmul, matmul_ref):
+        with pytest.raises((ValueError, TypeError), match=error):
+            fn(**kwargs)

@@ -1,0 +1,45 @@
+"""The one tolerance table and the comparison helpers built on `torch.testing.assert_close`.
+
+Tolerances are per dtype of the reference. They cover a different summation order (a
+reduction split over ranks, a chunked GEMM) plus the output rounding of the dtype: a few
+units in the last place, never more. Where nothing is reduced across ranks, compare with
+exact=True; integer-valued inputs (`integer_valued`) make every sum exact in any order, so
+even reduced paths can be compared exactly.
+"""
+
+import torch
+
+TOLERANCES = {
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.float16: dict(rtol=2e-3, atol=2e-3),
+    torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
+}
+
+
+def tolerance(dtype: torch.dtype, *, exact: bool = False) -> dict:
+    if exact:
+        return dict(rtol=0.0, atol=0.0)
+    return TOLERANCES[dtype]
+
+
+def assert_close(actual, expected, *, exact=False, msg=None):
+    """assert_close with the table's tolerance for `expected`'s dtype (or bit equality)."""
+    torch.testing.assert_close(actual, expected, **tolerance(expected.dtype, exact=exact), msg=msg)
+
+
+def shard_of(full, dim: int, rank: int, num_shards: int):
+    """Rank `rank`'s contiguous slice of `full` along `dim` (the layout of every tplayers shard)."""
+    if full.shape[dim] % num_shards:
+        raise ValueError(f"dim {dim} of size {full.shape[dim]} is not divisible into {num_shards} shards")
+    return full.chunk(num_shards, dim)[rank]
+
+
+def assert_shard_close(local, full, *, dim, rank, num_shards, exact=False, msg=None):
+    """`local` equals rank `rank`'s slice of the unsharded `full` along `dim` (dim=None: all of it)."""
+    expected = full if dim is None else shard_of(full, dim, rank, num_shards)
+    assert_close(local, expected, exact=exact, msg=msg)
+
+
+def integer_valued(shape, dtype=torch.float32, *, low=-3, high=4, generator=None):
+    """Random small integers as floats: products and sums of a few of them are exact in every dtype."""
+    return torch.randint(low, high, shape, generator=generator).to(dtype)

@@ -1,0 +1,163 @@
+"""A pool of local gloo ranks started once and reused for many multi-rank checks.
+
+`WorkerPool(world_size=4)` starts the ranks and, on each, a process group over the first k
+ranks for every k <= world_size, so one pool serves every TP size. `pool.run(fn, tp, *args)`
+calls `fn(rank, tp, group, *args)` on ranks 0..tp-1 and returns their results. A rank that
+raises makes `run` raise a RankError carrying that rank's traceback; ranks left waiting in a
+collective, and ranks that died, are replaced by restarting the pool, so a failure costs
+seconds, not a collective timeout.
+"""
+
+import datetime
+import multiprocessing as mp
+import queue
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from tplayers.distributed import RankError, free_port
+
+# After one rank fails, how long the others get to report (they may be failing too).
+_GRACE_S = 3.0
+
+
+@dataclass
+class RemoteError:
+    """An exception raised on a rank, as returned by `run(..., return_exceptions=True)`."""
+
+    rank: int
+    type_name: str
+    message: str
+    traceback: str
+
+
+def _worker(rank, world_size, port, tasks, results, timeout_s):
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        groups = {k: dist.new_group(list(range(k))) for k in range(1, world_size + 1)}
+        results.put((rank, -1, "ready", None))
+    except BaseException:
+        results.put((rank, -1, "error", RemoteError(rank, "StartupError", "", traceback.format_exc())))
+        return
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        task_id, fn, tp, args = task
+        if rank >= tp:
+            continue
+        try:
+            results.put((rank, task_id, "ok", fn(rank, tp, groups[tp], *args)))
+        except BaseException as e:
+            results.put((rank, task_id, "error", RemoteError(rank, type(e).__name__, str(e), traceback.format_exc())))
+    dist.destroy_process_group()
+
+
+class WorkerPool:
+    def __init__(self, world_size: int = 4, *, timeout_s: float = 300.0, collective_timeout_s: int = 120):
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.collective_timeout_s = collective_timeout_s
+        self._procs = []
+        self._task_id = 0
+
+    def _start(self):
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        port = free_port()
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                args=(rank, self.world_size, port, self._tasks[rank], self._results, self.collective_timeout_s),
+                daemon=True,
+            )
+            for rank in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        replies = self._collect(-1, range(self.world_size), self.timeout_s)
+        errors = [v for v in replies.values() if isinstance(v, RemoteError)]
+        if errors:
+            self.close()
+            raise RankError(f"worker pool failed to start:\n{errors[0].traceback}")
+
+    def close(self):
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+        self._procs = []
+
+    def _collect(self, task_id, ranks, timeout_s):
+        """Replies of `ranks` for `task_id`: {rank: value or RemoteError}; stops early on an error."""
+        replies, deadline, first_error_at = {}, time.monotonic() + timeout_s, None
+        ranks = set(ranks)
+        while ranks - replies.keys():
+            now = time.monotonic()
+            if first_error_at is not None and now - first_error_at > _GRACE_S:
+                break
+            if now > deadline:
+                raise TimeoutError(f"ranks {sorted(ranks - replies.keys())} gave no answer in {timeout_s:.0f}s")
+            try:
+                rank, tid, status, value = self._results.get(timeout=0.2)
+            except queue.Empty:
+                for r in ranks - replies.keys():
+                    code = self._procs[r].exitcode
+                    if code is not None:
+                        replies[r] = RemoteError(r, "ProcessDied", f"exit code {code}", f"rank {r} died (exit {code})")
+                        first_error_at = first_error_at or time.monotonic()
+                continue
+            if tid != task_id:
+                continue  # a late reply of a task that was given up on
+            replies[rank] = value
+            if status == "error" and first_error_at is None:
+                first_error_at = time.monotonic()
+        return replies
+
+    def run(self, fn, tp: int, *args, return_exceptions: bool = False):
+        """`fn(rank, tp, group, *args)` on ranks 0..tp-1 -> list of results, rank order."""
+        if not 1 <= tp <= self.world_size:
+            raise ValueError(f"tp must be in 1..{self.world_size}, got {tp}")
+        if not self._procs:
+            self._start()
+        self._task_id += 1
+        for q in self._tasks:
+            q.put((self._task_id, fn, tp, args))
+        try:
+            replies = self._collect(self._task_id, range(tp), self.timeout_s)
+        except TimeoutError:
+            self.close()
+            raise
+        missing = [r for r in range(tp) if r not in replies]
+        errors = [replies[r] for r in range(tp) if isinstance(replies.get(r), RemoteError)]
+        if missing or any(e.type_name == "ProcessDied" for e in errors):
+            self.close()  # ranks stuck in a collective, or dead: start afresh next time
+        if errors and not (return_exceptions and not missing):
+            first = errors[0]
+            raise RankError(
+                f"rank {first.rank} of {tp} raised {first.type_name}: {first.message}\n{first.traceback}"
+                + (f"\n(ranks {missing} were left waiting and have been restarted)" if missing else "")
+            )
+        return [replies[r] for r in range(tp)]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self._procs:
+            for q in self._tasks:
+                q.put(None)
+            for p in self._procs:
+                p.join(timeout=5)
+        self.close()
