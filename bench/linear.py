@@ -30,6 +30,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import tplayers
 from tplayers.functional.overlap import all_gather_matmul, matmul_reduce_scatter
@@ -99,9 +103,6 @@ def tplayers_block(ref, sp, overlap):
 
 
 def dtensor_block(ref, mesh, sp):
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
     # Megatron-style SP: activations outside the block are sharded along the sequence (dim 1).
     layout = Shard(1) if sp else None
     plan = {"0": ColwiseParallel(input_layouts=layout), "2": RowwiseParallel(output_layouts=layout)}
@@ -112,7 +113,19 @@ def fwd_bwd(block, x, dy):
     x.grad = None
     for p in block.parameters():
         p.grad = None  # a fresh gradient each step, not an accumulating add
-    block(x).backward(dy)
+    y = block(x)
+    y.backward(dy)
+    # DTensor returns outputs and gradients whose collectives may still be in flight
+    # (AsyncCollectiveTensor); the next layer or the optimizer would wait for them, so we do too.
+    for t in (y, x.grad, *(p.grad for p in block.parameters())):
+        wait(t)
+
+
+def wait(t):
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    if isinstance(t, AsyncCollectiveTensor):
+        t.wait()
 
 
 # ---- timing -------------------------------------------------------------------------------
@@ -266,10 +279,9 @@ def bench_fused_gpu(shape, group, device, dtype, args):
 
 def worker(rank, world_size, args):
     """Runs on every rank; returns the rows (identical on every rank: times are max-reduced)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     torch.set_num_threads(args.threads)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     # On CPU the torch reference GEMMs, whatever TPLAYERS_BACKEND says (the interpreter is slow).
     tplayers.set_backend("auto" if device.type == "cuda" else "torch")
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
@@ -339,7 +351,8 @@ def print_table(rows):
         print(
             f"{shape:<26} {mode:<6} {on['time_ms']:8.2f} {off['time_ms']:9.2f} {dt['time_ms']:10.2f} "
             f"{un['time_ms']:10.2f} {on['ratio_to_dtensor']:7.3f} {off['ratio_to_dtensor']:8.3f} "
-            f"{on['ratio_overlap_on_off']:7.3f} {on['scaling_efficiency']:7.3f} {dt['scaling_efficiency']:7.3f} "
+            f"{on['ratio_overlap_on_off']:7.3f} {on['scaling_efficiency']:7.3f} "
+            f"{dt['scaling_efficiency']:7.3f} "
             f"{on['bytes_per_rank'] / 2**20:8.1f}"
         )
     fused = [r for r in rows if r["kernel"] != "mlp_fwd_bwd"]
@@ -356,10 +369,14 @@ def plot(rows, path):
 
     mlp = {(r["shape"], r["mode"], r["provider"]): r for r in rows if r["kernel"] == "mlp_fwd_bwd"}
     groups = list(dict.fromkeys((shape, mode) for shape, mode, _ in mlp))
+
+    def column(provider, field):
+        return [mlp[shape, mode, provider][field] for shape, mode in groups]
+
     series = {
-        "tplayers / dtensor": [mlp[g + ("tplayers",)]["ratio_to_dtensor"] for g in groups],
-        "tplayers no-overlap / dtensor": [mlp[g + ("tplayers-no-overlap",)]["ratio_to_dtensor"] for g in groups],
-        "overlap on / off": [mlp[g + ("tplayers",)]["ratio_overlap_on_off"] for g in groups],
+        "tplayers / dtensor": column("tplayers", "ratio_to_dtensor"),
+        "tplayers no-overlap / dtensor": column("tplayers-no-overlap", "ratio_to_dtensor"),
+        "overlap on / off": column("tplayers", "ratio_overlap_on_off"),
     }
     width = 0.8 / len(series)
     fig, ax = plt.subplots(figsize=(2.2 * len(groups) + 2, 4))

@@ -30,8 +30,12 @@ def _config_key(row):
     return (row["BLOCK_M"], row["BLOCK_N"], row["BLOCK_K"], row["num_warps"], row["num_stages"])
 
 
+def _name(row):
+    return f"{row['kernel']} {row['arch']} {row['dtype']} {_config_key(row)}"
+
+
 def test_every_config_compiles_ok(rows):
-    bad = [f"{r['kernel']} {r['arch']} {r['dtype']} {_config_key(r)}: {r['error']}" for r in rows if not r["ok"]]
+    bad = [f"{_name(r)}: {r['error']}" for r in rows if not r["ok"]]
     assert not bad, "\n".join(bad)
 
 
@@ -45,7 +49,7 @@ def test_report_covers_every_config_kernel_and_dtype(rows):
 
 def test_tensor_cores_no_spills_and_real_tiles(rows):
     for r in rows:
-        name = f"{r['kernel']} {r['arch']} {r['dtype']} {_config_key(r)}"
+        name = _name(r)
         if r["arch"] == "sm_80":
             assert r["hmma"] > 0, name
         else:
@@ -60,9 +64,10 @@ def test_tensor_cores_no_spills_and_real_tiles(rows):
 
 def test_checker_flags_bad_configs(toolchain):
     """Negative control: one config spills and overflows shared memory, one only overflows it."""
+    bad_configs = ["--config", "128,128,128,4,4", "--config", "64,64,256,4,5"]
     spilling, too_big = cr.run_in_subprocess(
-        "--arch", "80", "--dtype", "fp16", "--kernel", "gemm", "--config", "128,128,128,4,4", "--config", "64,64,256,4,5"
-    )  # fmt: skip
+        "--arch", "80", "--dtype", "fp16", "--kernel", "gemm", *bad_configs
+    )
     assert not spilling["ok"] and spilling["stack"] > 0 and "spills" in spilling["error"]
     assert not too_big["ok"] and too_big["stack"] == 0 and too_big["shared"] > cr.SMEM_PER_BLOCK[80]
     assert "shared" in too_big["error"]
@@ -110,9 +115,8 @@ print(json.dumps(diffs))
 
 
 def test_specialisation_matches_triton_jit(toolchain):
-    proc = subprocess.run(
-        [sys.executable, "-c", _JIT_CHECK], capture_output=True, text=True, env=cr.subprocess_env(), timeout=300
-    )
+    cmd = [sys.executable, "-c", _JIT_CHECK]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=cr.subprocess_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     diffs = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(diffs) == set(cr.VARIANTS)

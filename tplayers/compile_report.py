@@ -73,7 +73,7 @@ def tool_dir():
     bin_dir = Path(spec.submodule_search_locations[0]) / "backends" / "nvidia" / "bin"
     for tool in ("ptxas", "cuobjdump"):
         if not os.access(bin_dir / tool, os.X_OK):
-            raise ToolchainMissing(f"the triton wheel has no {tool} in {bin_dir}: cannot compile for sm_80/sm_90a")
+            raise ToolchainMissing(f"the triton wheel has no {tool} in {bin_dir}: cannot compile for a GPU")
     return bin_dir
 
 
@@ -89,10 +89,8 @@ def configs_for(cc):
     """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) of the configs for `cc`."""
     matmul = _matmul_module()
     configs = matmul.SM80_CONFIGS if cc == 80 else matmul.SM90_CONFIGS
-    return [
-        (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.kwargs["GROUP_M"], c.num_warps, c.num_stages)
-        for c in configs
-    ]
+    keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")
+    return [(*(c.kwargs[k] for k in keys), c.num_warps, c.num_stages) for c in configs]
 
 
 def specialise(kernel_fn, variant, dtype, config):
@@ -114,9 +112,8 @@ def specialise(kernel_fn, variant, dtype, config):
         "bias_ptr": dtype if spec["flags"]["HAS_BIAS"] else out,
         "res_ptr": dtype if spec["flags"]["HAS_RESIDUAL"] else out,
     }
-    constexprs = dict(
-        spec["flags"], UPCAST=False, INPUT_PRECISION="ieee", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m
-    )
+    tiles = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m)
+    constexprs = dict(spec["flags"], UPCAST=False, INPUT_PRECISION="ieee", **tiles)
     constexprs.update({name: 1 for name in spec["unit_strides"]})
     if not spec["batched"]:
         constexprs["BATCH"] = 1
@@ -139,9 +136,10 @@ def specialise(kernel_fn, variant, dtype, config):
 def occupancy(cc, registers, shared, num_warps):
     """Resident blocks per SM and the resource that limits them (registers in units of 8/thread)."""
     regs_per_block = -(-max(registers, 1) // 8) * 8 * 32 * num_warps
+    fits = shared <= SMEM_PER_BLOCK[cc]
     limits = {
         "registers": REGS_PER_SM // regs_per_block,
-        "shared": SMEM_PER_SM[cc] // (shared + SMEM_RESERVED_PER_BLOCK) if shared <= SMEM_PER_BLOCK[cc] else 0,
+        "shared": SMEM_PER_SM[cc] // (shared + SMEM_RESERVED_PER_BLOCK) if fits else 0,
         "warps": WARPS_PER_SM // num_warps,
         "blocks": BLOCKS_PER_SM,
     }
@@ -183,7 +181,9 @@ def compile_row(job):
 
         kernel_fn = _matmul_module()._matmul_kernel
         if not isinstance(kernel_fn, triton.JITFunction):
-            raise RuntimeError("_matmul_kernel is not a JITFunction: TRITON_INTERPRET was set when importing triton")
+            raise RuntimeError(
+                "_matmul_kernel is not a JITFunction: triton was imported with TRITON_INTERPRET"
+            )
         src = triton.compiler.ASTSource(kernel_fn, *specialise(kernel_fn, variant, dtype, config))
         compiled = triton.compile(
             src, target=GPUTarget("cuda", cc, 32), options=dict(num_warps=num_warps, num_stages=num_stages)
@@ -227,8 +227,9 @@ def compile_report(archs=(80, 90), dtypes=DTYPES, kernels=tuple(VARIANTS), confi
     ]
     workers = workers or min(len(jobs), os.cpu_count() or 1, 8)
     # Fresh (spawned) processes: compiles run in parallel, with no interpreter-mode triton.
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_scrub_env) as ex:
-        return list(ex.map(compile_row, jobs))
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=spawn, initializer=_scrub_env) as pool:
+        return list(pool.map(compile_row, jobs))
 
 
 def subprocess_env():

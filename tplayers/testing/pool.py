@@ -144,11 +144,15 @@ class WorkerPool:
         if missing or any(e.type_name == "ProcessDied" for e in errors):
             self.close()  # ranks stuck in a collective, or dead: start afresh next time
         if errors and not (return_exceptions and not missing):
+            # A dead rank is the cause; its peers' connection errors are only the effect.
+            errors.sort(key=lambda e: e.type_name != "ProcessDied")
             first = errors[0]
-            raise RankError(
-                f"rank {first.rank} of {tp} raised {first.type_name}: {first.message}\n{first.traceback}"
-                + (f"\n(ranks {missing} were left waiting and have been restarted)" if missing else "")
+            headline = f"rank {first.rank} died ({first.message})" if first.type_name == "ProcessDied" else (
+                f"rank {first.rank} of {tp} raised {first.type_name}: {first.message}"
             )
+            others = "".join(f"\nthen rank {e.rank} raised {e.type_name}: {e.message[:200]}" for e in errors[1:])
+            waiting = f"\n(ranks {missing} were left waiting and have been restarted)" if missing else ""
+            raise RankError(f"{headline}\n{first.traceback}{others}{waiting}")
         return [replies[r] for r in range(tp)]
 
     def __enter__(self):

@@ -1,0 +1,125 @@
+"""Bad input raises a clear error on every rank before any collective; failures never hang."""
+
+import os
+import re
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tplayers
+from tplayers.testing import RemoteError
+
+pytestmark = pytest.mark.multirank
+
+
+def build_and_call(rank, tp, group, case):
+    if case == "out_not_divisible":
+        tplayers.ColumnParallelLinear(8, 10, group=group)
+    elif case == "in_not_divisible":
+        tplayers.RowParallelLinear(10, 8, group=group)
+    col = tplayers.ColumnParallelLinear(8, 6 * tp, group=group, sequence_parallel=case.startswith("sp"))
+    row = tplayers.RowParallelLinear(6 * tp, 8, group=group, sequence_parallel=case == "sp_row_seq")
+    inputs = {
+        "last_dim": torch.randn(2, 3, 7),
+        "dtype": torch.randn(2, 3, 8, dtype=torch.float16),
+        "device": torch.randn(2, 3, 8, device="meta"),
+        "sp_not_3d": torch.randn(6, 8),
+    }
+    if case == "sp_row_seq":
+        return row(torch.randn(2, 3 * tp + 1, 6))
+    col(inputs[case])
+
+
+CASES = {
+    "out_not_divisible": (ValueError, r"out_features \(10\) is not divisible by the tensor-parallel size \(3\)"),
+    "in_not_divisible": (ValueError, r"in_features \(10\) is not divisible by the tensor-parallel size \(3\)"),
+    "last_dim": (ValueError, r"input last dim \(7,\) does not match the layer's 8"),
+    "dtype": (TypeError, "input dtype torch.float16 does not match the weight dtype torch.float32"),
+    "device": (ValueError, "input is on meta but the weight is on cpu"),
+    "sp_not_3d": (ValueError, r"sequence_parallel needs a \(batch, seq, hidden\) input"),
+    "sp_row_seq": (ValueError, r"sequence length 10 is not divisible by the tensor-parallel size \(3\)"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_rank_raises_before_any_collective(pool, case):
+    error, pattern = CASES[case]
+    start = time.monotonic()
+    replies = pool.run(build_and_call, 3, case, return_exceptions=True)
+    assert time.monotonic() - start < 30  # nobody waited for a collective timeout
+    assert len(replies) == 3
+    for reply in replies:
+        assert isinstance(reply, RemoteError) and reply.type_name == error.__name__, reply
+        assert re.search(pattern, reply.message), reply.message
+
+
+def test_unknown_backend_rejected():
+    with pytest.raises(ValueError, match="backend must be one of"):
+        tplayers.set_backend("cuda")
+
+
+def test_gather_output_with_sequence_parallel_rejected(pool):
+    with pytest.raises(tplayers.RankError, match="gather_output=True cannot be combined"):
+        pool.run(_build_gather_sp, 2)
+
+
+def _build_gather_sp(rank, tp, group):
+    tplayers.ColumnParallelLinear(4, 4, group=group, gather_output=True, sequence_parallel=True)
+
+
+def raise_on_rank_one(rank, tp, group):
+    if rank == 1:
+        raise RuntimeError("injected failure on rank one")
+    dist.all_reduce(torch.ones(1), group=group)  # rank 0 waits for rank 1, which never comes
+
+
+def die_on_rank_one(rank, tp, group):
+    if rank == 1:
+        os._exit(3)
+    dist.all_reduce(torch.ones(1), group=group)
+
+
+def test_failing_rank_traceback_surfaces_fast(pool):
+    start = time.monotonic()
+    with pytest.raises(tplayers.RankError, match="(?s)rank 1 of 2 raised RuntimeError.*raise_on_rank_one"):
+        pool.run(raise_on_rank_one, 2)
+    assert time.monotonic() - start < 20
+    assert pool.run(lambda_free_sum, 2) == [2.0, 2.0]  # the pool recovered
+
+
+def test_dead_rank_fails_the_others_fast(pool):
+    start = time.monotonic()
+    with pytest.raises(tplayers.RankError, match="rank 1 died"):
+        pool.run(die_on_rank_one, 2)
+    assert time.monotonic() - start < 20
+    assert pool.run(lambda_free_sum, 2) == [2.0, 2.0]
+
+
+def lambda_free_sum(rank, tp, group):
+    t = torch.ones(1)
+    dist.all_reduce(t, group=group)
+    return t.item()
+
+
+def launched(rank, world_size, fail):
+    if fail and rank == 1:
+        raise ValueError("launch: injected")
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def test_launch_returns_results_and_surfaces_failures():
+    assert tplayers.launch(launched, 2, False) == [1.0, 1.0]
+    start = time.monotonic()
+    with pytest.raises(tplayers.RankError, match="(?s)rank 1 of 2 failed.*launch: injected"):
+        tplayers.launch(launched, 2, True)
+    assert time.monotonic() - start < 30
+
+
+def test_init_mesh_rejects_wrong_world_size(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match=r"world size 4 != dp\*pp\*tp = 1\*1\*3 = 3"):
+        tplayers.init_mesh(tp=3)
