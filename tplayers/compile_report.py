@@ -162,7 +162,7 @@ def inspect_cubin(cubin, bin_dir):
     return {
         "sass_arch": re.search(r"code for (sm_\w+)", text).group(1),
         "registers": int(usage["REG"]),
-        "stack": int(usage["STACK"]) + int(usage["LOCAL"]),
+        "stack": int(usage["STACK"]) + int(usage["LOCAL"]),  # spills land in either
         "static_shared": int(usage["SHARED"]),
         "hmma": len(re.findall(r"\bHMMA\.", text)),
         "hgmma": len(re.findall(r"\bHGMMA\.", text)),
@@ -190,9 +190,11 @@ def compile_row(job):
         )
         info = inspect_cubin(compiled.asm["cubin"], tool_dir())
     except Exception as e:  # a config that does not compile is a failed row, not a crash
-        row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        row["error"] = f"{type(e).__name__}: {first_line}"
         return row
-    # Triton's shared memory is dynamic (metadata.shared, given at launch); ptxas may add static.
+    # Triton's shared memory is dynamic (metadata.shared, requested at launch): cuobjdump's SHARED
+    # is only the static part ptxas adds (1 KiB on sm_90a). A block needs both.
     shared = compiled.metadata.shared + info["static_shared"]
     blocks, limiter = occupancy(cc, info["registers"], shared, num_warps)
     row.update(registers=info["registers"], stack=info["stack"], shared=shared, hmma=info["hmma"])
@@ -210,11 +212,6 @@ def compile_row(job):
     return row
 
 
-def _scrub_env():
-    # A worker must compile real kernels even if its parent runs Triton's interpreter.
-    os.environ.pop("TRITON_INTERPRET", None)
-
-
 def compile_report(archs=(80, 90), dtypes=DTYPES, kernels=tuple(VARIANTS), configs=None, workers=None):
     """One row per (kernel, arch, config, dtype); `configs` overrides the kernel's config lists."""
     tool_dir()  # fail early and clearly without ptxas
@@ -226,10 +223,15 @@ def compile_report(archs=(80, 90), dtypes=DTYPES, kernels=tuple(VARIANTS), confi
         for variant in kernels
     ]
     workers = workers or min(len(jobs), os.cpu_count() or 1, 8)
-    # Fresh (spawned) processes: compiles run in parallel, with no interpreter-mode triton.
-    spawn = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(workers, mp_context=spawn, initializer=_scrub_env) as pool:
-        return list(pool.map(compile_row, jobs))
+    # Fresh (spawned) processes compile in parallel. They inherit the environment, and importing
+    # `tplayers` imports triton, so TRITON_INTERPRET must be gone before they start.
+    interpret = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            return list(pool.map(compile_row, jobs))
+    finally:
+        if interpret is not None:
+            os.environ["TRITON_INTERPRET"] = interpret
 
 
 def subprocess_env():

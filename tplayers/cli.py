@@ -1,0 +1,65 @@
+"""The `tplayers` command: `demo` (the main job) and `compile-report`."""
+
+import argparse
+import os
+import sys
+
+
+def _demo(args) -> int:
+    if args.backend == "triton":
+        import torch
+
+        if not torch.cuda.is_available():  # CPU ranks run the kernels in Triton's interpreter
+            os.environ["TRITON_INTERPRET"] = "1"
+    from tplayers.demo import DemoConfig, run_demo, summary, write_report
+
+    cfg = DemoConfig(
+        tp=args.tp, steps=args.steps, layers=args.layers, hidden=args.hidden, ffn=args.ffn,
+        batch=args.batch, seq=args.seq, sequence_parallel=args.sequence_parallel,
+        overlap=not args.no_overlap, backend=args.backend, seed=args.seed,
+    )  # fmt: skip
+    report = run_demo(cfg)
+    paths = write_report(report, args.out)
+    print(summary(report))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tplayers", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="train a TP MLP on local CPU ranks and compare with unsharded")
+    demo.add_argument("--tp", type=int, default=2, help="tensor-parallel size (local ranks)")
+    demo.add_argument("--steps", type=int, default=200)
+    demo.add_argument("--layers", type=int, default=2)
+    demo.add_argument("--hidden", type=int, default=64)
+    demo.add_argument("--ffn", type=int, default=256)
+    demo.add_argument("--batch", type=int, default=8)
+    demo.add_argument("--seq", type=int, default=32)
+    demo.add_argument("--sequence-parallel", action="store_true")
+    demo.add_argument("--no-overlap", action="store_true", help="plain collectives, for comparison")
+    demo.add_argument("--backend", choices=["torch", "triton"], default="torch")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--out", default="demo_out", help="folder for loss.csv / loss.png")
+    demo.set_defaults(run=_demo)
+
+    from tplayers import compile_report
+
+    report = sub.add_parser("compile-report", help="compile every kernel config for sm_80 / sm_90a")
+    compile_report.add_arguments(report)
+    report.set_defaults(run=compile_report.run)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except ValueError as e:
+        print(f"tplayers {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
