@@ -3,6 +3,7 @@
 import csv
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -41,3 +42,16 @@ def test_demo_bad_input_exit_code_2(tmp_path):
     result = run_cli("demo", "--tp", "3", "--ffn", "100", cwd=tmp_path)
     assert result.returncode == 2
     assert "ffn (100) is not divisible by the tensor-parallel size (3)" in result.stderr
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "local"])
+def test_example_runs_under_torchrun_and_local_launcher(tmp_path, launcher):
+    script = str(Path(__file__).parents[1] / "examples" / "train_mlp.py")
+    args = ["--steps", "5", "--sequence-parallel"]
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", script, *args]
+    else:
+        cmd = [sys.executable, script, "--tp", "2", *args]
+    result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "max |param - unsharded|" in result.stdout

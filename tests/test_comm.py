@@ -3,7 +3,6 @@ are exact (integer-valued data) forward and backward."""
 
 import pytest
 import torch
-from torch import nn
 
 import tplayers
 from tplayers.functional import (

@@ -133,9 +133,7 @@ def test_block_matches_unsharded_triton_backend(pool, data):
 
 
 @pytest.mark.parametrize("tp", [1, 2, 3, 4])
-@pytest.mark.parametrize(
-    "mode", ["plain", "sequence_parallel", "gather"], ids=["plain", "sp", "gather_output"]
-)
+@pytest.mark.parametrize("mode", ["plain", "sequence_parallel", "gather"], ids=["plain", "sp", "gather_output"])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no_overlap"])
 def test_block_exact_with_integer_values(pool, tp, mode, overlap):
     case = BlockCase(

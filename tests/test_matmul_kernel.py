@@ -4,8 +4,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from tplayers.kernels.matmul import INTERPRET, matmul, matmul_ref
+
 from tplayers.testing import assert_close
 
 pytestmark = pytest.mark.interpreter

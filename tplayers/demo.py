@@ -76,7 +76,7 @@ def _gather_full_params(model: nn.Module, group) -> list:
     return full
 
 
-def _train(rank, world_size, cfg: DemoConfig):
+def train_on_rank(rank, world_size, cfg: DemoConfig):
     tplayers.set_backend(cfg.backend)
     group = dist.group.WORLD
     torch.manual_seed(cfg.seed)
@@ -146,7 +146,7 @@ def run_demo(cfg: DemoConfig) -> dict:
         raise ValueError(f"ffn ({cfg.ffn}) is not divisible by the tensor-parallel size ({cfg.tp})")
     if cfg.sequence_parallel and cfg.seq % cfg.tp:
         raise ValueError(f"seq ({cfg.seq}) is not divisible by the tensor-parallel size ({cfg.tp})")
-    return tplayers.launch(_train, cfg.tp, cfg)[0]
+    return tplayers.launch(train_on_rank, cfg.tp, cfg)[0]
 
 
 def write_report(report: dict, out_dir) -> list:
@@ -189,5 +189,3 @@ def summary(report: dict) -> str:
             f"largest |parameter difference| vs unsharded: {report['max_param_diff']:.3g}",
         ]
     )
-
-

@@ -9,6 +9,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
 
 import torch
@@ -101,7 +102,7 @@ def launch(fn, nprocs: int, *args, timeout: float | None = None):
     ]
     for p in procs:
         p.start()
-    outputs, deadline = {}, None if timeout is None else _now() + timeout
+    outputs, deadline = {}, None if timeout is None else time.monotonic() + timeout
     try:
         while len(outputs) < nprocs:
             try:
@@ -110,8 +111,8 @@ def launch(fn, nprocs: int, *args, timeout: float | None = None):
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outputs]
                 if dead:
                     raise RankError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
-                if deadline is not None and _now() > deadline:
-                    raise TimeoutError(f"launch: ranks {sorted(set(range(nprocs)) - set(outputs))} timed out")
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"launch: ranks {sorted(set(range(nprocs)) - set(outputs))} timed out") from None
                 continue
             if status == "error":
                 raise RankError(f"rank {rank} of {nprocs} failed:\n{value}")
@@ -122,9 +123,3 @@ def launch(fn, nprocs: int, *args, timeout: float | None = None):
             if p.is_alive():
                 p.kill()
     return [outputs[r] for r in range(nprocs)]
-
-
-def _now() -> float:
-    import time
-
-    return time.monotonic()

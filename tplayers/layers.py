@@ -46,9 +46,7 @@ def check_input(layer, x, expected_last_dim, sequence_parallel):
     if x.device != layer.weight.device:
         raise ValueError(f"{name}: input is on {x.device} but the weight is on {layer.weight.device}")
     if x.dim() == 0 or x.shape[-1] != expected_last_dim:
-        raise ValueError(
-            f"{name}: input last dim {tuple(x.shape)[-1:]} does not match the layer's {expected_last_dim}"
-        )
+        raise ValueError(f"{name}: input last dim {tuple(x.shape)[-1:]} does not match the layer's {expected_last_dim}")
     if sequence_parallel and x.dim() != 3:
         raise ValueError(f"{name}: sequence_parallel needs a (batch, seq, hidden) input, got {tuple(x.shape)}")
 

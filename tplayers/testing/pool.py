@@ -147,8 +147,10 @@ class WorkerPool:
             # A dead rank is the cause; its peers' connection errors are only the effect.
             errors.sort(key=lambda e: e.type_name != "ProcessDied")
             first = errors[0]
-            headline = f"rank {first.rank} died ({first.message})" if first.type_name == "ProcessDied" else (
-                f"rank {first.rank} of {tp} raised {first.type_name}: {first.message}"
+            headline = (
+                f"rank {first.rank} died ({first.message})"
+                if first.type_name == "ProcessDied"
+                else (f"rank {first.rank} of {tp} raised {first.type_name}: {first.message}")
             )
             others = "".join(f"\nthen rank {e.rank} raised {e.type_name}: {e.message[:200]}" for e in errors[1:])
             waiting = f"\n(ranks {missing} were left waiting and have been restarted)" if missing else ""
