@@ -65,9 +65,7 @@ def test_tensor_cores_no_spills_and_real_tiles(rows):
 def test_checker_flags_bad_configs(toolchain):
     """Negative control: one config spills and overflows shared memory, one only overflows it."""
     bad_configs = ["--config", "128,128,128,4,4", "--config", "64,64,256,4,5"]
-    spilling, too_big = cr.run_in_subprocess(
-        "--arch", "80", "--dtype", "fp16", "--kernel", "gemm", *bad_configs
-    )
+    spilling, too_big = cr.run_in_subprocess("--arch", "80", "--dtype", "fp16", "--kernel", "gemm", *bad_configs)
     assert not spilling["ok"] and spilling["stack"] > 0 and "spills" in spilling["error"]
     assert not too_big["ok"] and too_big["stack"] == 0 and too_big["shared"] > cr.SMEM_PER_BLOCK[80]
     assert "shared" in too_big["error"]

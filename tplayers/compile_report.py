@@ -181,9 +181,7 @@ def compile_row(job):
 
         kernel_fn = _matmul_module()._matmul_kernel
         if not isinstance(kernel_fn, triton.JITFunction):
-            raise RuntimeError(
-                "_matmul_kernel is not a JITFunction: triton was imported with TRITON_INTERPRET"
-            )
+            raise RuntimeError("_matmul_kernel is not a JITFunction: triton was imported with TRITON_INTERPRET")
         src = triton.compiler.ASTSource(kernel_fn, *specialise(kernel_fn, variant, dtype, config))
         compiled = triton.compile(
             src, target=GPUTarget("cuda", cc, 32), options=dict(num_warps=num_warps, num_stages=num_stages)
@@ -223,8 +221,8 @@ def compile_report(archs=(80, 90), dtypes=DTYPES, kernels=tuple(VARIANTS), confi
         for variant in kernels
     ]
     workers = workers or min(len(jobs), os.cpu_count() or 1, 8)
-    # Fresh (spawned) processes compile in parallel. They inherit the environment, and importing
-    # `tplayers` imports triton, so TRITON_INTERPRET must be gone before they start.
+    # Fresh (spawned) processes compile in parallel. They inherit the environment and import the
+    # kernel module, which imports triton, so TRITON_INTERPRET must be gone before they start.
     interpret = os.environ.pop("TRITON_INTERPRET", None)
     try:
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -237,6 +235,7 @@ def compile_report(archs=(80, 90), dtypes=DTYPES, kernels=tuple(VARIANTS), confi
 def subprocess_env():
     """This environment without TRITON_INTERPRET, with `tplayers` importable from a checkout."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9's default, stated to silence its warning
     root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return env

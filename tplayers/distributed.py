@@ -56,9 +56,14 @@ def init_mesh(*, dp: int = 1, pp: int = 1, tp: int = 1) -> DeviceMesh:
         raise ValueError(f"world size {world_size} != dp*pp*tp = {dp}*{pp}*{tp} = {dp * pp * tp}")
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if not dist.is_initialized():
+        backend = "nccl" if device_type == "cuda" else "gloo"
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=DEFAULT_TIMEOUT)
+        if "MASTER_ADDR" in os.environ:  # torchrun (or a user) set up the rendezvous
+            dist.init_process_group(backend, timeout=DEFAULT_TIMEOUT)
+        else:  # a single process started by hand: a private one-rank world
+            init = f"tcp://127.0.0.1:{free_port()}"
+            dist.init_process_group(backend, init_method=init, rank=0, world_size=1, timeout=DEFAULT_TIMEOUT)
     return init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
 
 

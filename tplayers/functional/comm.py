@@ -77,12 +77,13 @@ def reduce_scatter_into(out, t, group, *, async_op=False):
     return _reduce_scatter_single(out, flat_in, group=group, async_op=async_op)
 
 
-def send(t, group_dst: int, group):
-    """Asynchronous send of a contiguous tensor to the rank with index `group_dst` in `group`."""
-    _record("send", _nbytes(t))
-    return dist.isend(t, group=group, group_dst=group_dst)
-
-
-def recv(t, group_src: int, group):
-    """Asynchronous receive into a contiguous tensor from the rank with index `group_src` in `group`."""
-    return dist.irecv(t, group=group, group_src=group_src)
+def exchange(send_buf, group_dst: int, recv_buf, group_src: int, group):
+    """Send `send_buf` to rank `group_dst` while receiving `recv_buf` from rank `group_src` (indices
+    in `group`); returns the works to wait on. One batched call, so NCCL runs both at once: two
+    separate calls could deadlock a two-rank ring where both ranks send first."""
+    _record("send", _nbytes(send_buf))
+    ops = [
+        dist.P2POp(dist.isend, send_buf, group=group, group_peer=group_dst),
+        dist.P2POp(dist.irecv, recv_buf, group=group, group_peer=group_src),
+    ]
+    return dist.batch_isend_irecv(ops)

@@ -45,15 +45,12 @@ def all_gather_matmul(x, weight, group, *, bias=None, overlap=True):
     prev, nxt = (r - 1) % n, (r + 1) % n
     for step in range(n):
         held = (r - step) % n
+        in_flight = []
         if step < n - 1:  # pass on what we hold, receive what the previous rank holds
-            in_flight = [
-                comm.send(chunks[held], nxt, group),
-                comm.recv(chunks[(held - 1) % n], prev, group),
-            ]
+            in_flight = comm.exchange(chunks[held], nxt, chunks[(held - 1) % n], prev, group)
         gemm(chunks[held], weight, bias=bias, out=y[:, held * s : (held + 1) * s])
-        if step < n - 1:
-            for work in in_flight:
-                work.wait()
+        for work in in_flight:
+            work.wait()
     return y, chunks
 
 
@@ -78,21 +75,20 @@ def matmul_reduce_scatter(x, weight, group, *, bias=None, overlap=True):
         return y if bias is None else y.add_(bias)
     prev, nxt = (r - 1) % n, (r + 1) % n
     received = x.new_empty((B, s, N))
-    sending = None
-    for step in range(n):
-        block = (r - 1 - step) % n  # the last step computes our own block
-        last = step == n - 1
-        if step > 0:
-            receiving = comm.recv(received, prev, group)
-        # The bias joins only the block's final sum, so it is added exactly once.
-        partial = gemm(x[:, block * s : (block + 1) * s], weight, bias=bias if last else None)
-        if step > 0:
-            receiving.wait()
-            partial += received
-        if sending is not None:
-            sending.wait()
-        if not last:
-            sending = comm.send(partial, nxt, group)
+
+    def block(step):  # the block rank r computes at `step`; the last one is its own
+        b = (r - 1 - step) % n
+        return x[:, b * s : (b + 1) * s]
+
+    partial = gemm(block(0), weight)
+    for step in range(1, n):
+        # Pass the running sum on while receiving the previous rank's; compute meanwhile.
+        in_flight = comm.exchange(partial, nxt, received, prev, group)
+        # The bias joins only the final sum of our own block, so it is added exactly once.
+        partial = gemm(block(step), weight, bias=bias if step == n - 1 else None)
+        for work in in_flight:
+            work.wait()
+        partial += received
     return partial
 
 
