@@ -1,6 +1,7 @@
 """Tiled GEMM `C = epilogue(A @ B^T)` with a fused epilogue, its launcher and `matmul_ref`.
 
-Shapes (weights follow nn.Linear's (out, in) layout, so B is usually a weight):
+The contract (shapes, epilogue, argument checks) is shared with the pure-torch `matmul_ref`
+in matmul_ref.py, re-exported here. Shapes (weights follow nn.Linear's (out, in) layout):
     a: (M, K) or (BATCH, M, K)        b: (N, K) or (BATCH, N, K)
     c: (M, N) or (BATCH, M, N); with reduce_batch=True, c is (M, N) = sum_b a_b @ b_b^T
 Epilogue, in this order, in fp32:  c = act(scale * acc + bias) + residual (+ c_old if accumulate)
@@ -14,10 +15,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .matmul_ref import ACTIVATIONS, check_args, matmul_ref
+
+__all__ = ["matmul", "matmul_ref"]
+
 # The interpreter must be chosen before triton is imported; record what was chosen.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-ACTIVATIONS = {None: 0, "gelu_tanh": 1, "silu": 2}
 
 
 def _config(bm, bn, bk, group_m, warps, stages, arch):
@@ -65,7 +68,7 @@ def _matmul_kernel(
     stride_rb, stride_rm, stride_rn,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     ACCUMULATE: tl.constexpr, REDUCE_BATCH: tl.constexpr, UPCAST: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, INT64_OFFSETS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     # Grouped ordering of output tiles so that neighbouring programs share A rows in L2.
@@ -86,6 +89,11 @@ def _matmul_kernel(
     # those results are never stored.
     offs_am = offs_m % M
     offs_bn = offs_n % N
+    if INT64_OFFSETS:  # an operand spans >= 2**31 elements: 32-bit offsets would wrap
+        offs_m = offs_m.to(tl.int64)
+        offs_n = offs_n.to(tl.int64)
+        offs_am = offs_am.to(tl.int64)
+        offs_bn = offs_bn.to(tl.int64)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # A batch is either one program column each, or (reduce_batch) summed by every program.
@@ -140,46 +148,15 @@ def _configs_for_running_gpu(configs, named_args, **kwargs):
 
 _matmul_autotuned = triton.autotune(
     configs=SM80_CONFIGS + SM90_CONFIGS,
-    key=["M", "N", "K", "BATCH", "HAS_BIAS", "ACTIVATION", "HAS_RESIDUAL", "ACCUMULATE"],
+    key=["M", "N", "K", "BATCH", "HAS_BIAS", "ACTIVATION", "HAS_RESIDUAL", "ACCUMULATE", "REDUCE_BATCH"],
     prune_configs_by={"early_config_prune": _configs_for_running_gpu},
     restore_value=["c_ptr"],  # benchmarking an accumulating GEMM must not accumulate
 )(_matmul_kernel)
 
 
-def _output_shape(a, b, reduce_batch):
-    """Check operand shapes and return the shape of C; the rules are the module docstring's."""
-    if a.dim() not in (2, 3) or b.dim() not in (2, 3):
-        raise ValueError(f"matmul: a and b must be 2-D or 3-D, got {tuple(a.shape)} and {tuple(b.shape)}")
-    if a.shape[-1] != b.shape[-1]:
-        raise ValueError(f"matmul: a has K={a.shape[-1]} but b has K={b.shape[-1]} (a @ b^T)")
-    if b.dim() == 3 and (a.dim() != 3 or a.shape[0] != b.shape[0]):
-        raise ValueError(f"matmul: batched b {tuple(b.shape)} needs a with the same batch, got {tuple(a.shape)}")
-    if reduce_batch and a.dim() != 3:
-        raise ValueError("matmul: reduce_batch=True needs a 3-D a")
-    M, N = a.shape[-2], b.shape[-2]
-    return (M, N) if a.dim() == 2 or reduce_batch else (a.shape[0], M, N)
-
-
-def _check_args(a, b, bias, activation, residual, out, accumulate, reduce_batch, out_dtype):
-    if a.dtype != b.dtype or a.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"matmul: a and b must share a float dtype (fp32/fp16/bf16), got {a.dtype} and {b.dtype}")
-    if a.device != b.device:
-        raise ValueError(f"matmul: a is on {a.device} but b is on {b.device}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"matmul: activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
-    shape = _output_shape(a, b, reduce_batch)
-    if bias is not None and tuple(bias.shape) != (shape[-1],):
-        raise ValueError(f"matmul: bias must have shape ({shape[-1]},), got {tuple(bias.shape)}")
-    if residual is not None and tuple(residual.shape) != shape:
-        raise ValueError(f"matmul: residual must have shape {shape}, got {tuple(residual.shape)}")
-    if out is not None:
-        if tuple(out.shape) != shape:
-            raise ValueError(f"matmul: out must have shape {shape}, got {tuple(out.shape)}")
-        if out_dtype is not None and out.dtype != out_dtype:
-            raise TypeError(f"matmul: out is {out.dtype} but out_dtype={out_dtype}")
-    if accumulate and (out is None or out.dtype != torch.float32):
-        raise ValueError("matmul: accumulate=True needs an fp32 `out` to accumulate into")
-    return shape
+def _max_offset(t):
+    """The largest element offset within one matrix of `t` (batch offsets are 64-bit already)."""
+    return sum((size - 1) * abs(stride) for size, stride in zip(t.shape[-2:], t.stride()[-2:], strict=True) if size)
 
 
 def matmul(
@@ -191,7 +168,7 @@ def matmul(
     `out` (any strides) receives C, or with accumulate=True has C added to it (fp32 only, for
     weight-gradient accumulation). Returns `out`, or a new tensor of `out_dtype` (default a's).
     """
-    shape = _check_args(a, b, bias, activation, residual, out, accumulate, reduce_batch, out_dtype)
+    shape = check_args(a, b, bias, activation, residual, out, accumulate, reduce_batch, out_dtype)
     if not INTERPRET and not a.is_cuda:
         raise RuntimeError(
             "the Triton matmul needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is "
@@ -214,6 +191,8 @@ def matmul(
 
     residual_strides = stride3(residual) if residual is not None else (0, 0, 0)
     fp32_in = a.dtype == torch.float32
+    if bias is not None:
+        bias = bias.contiguous()  # (N,): loaded with unit stride
     args = (
         a, b, out, bias if bias is not None else out, residual if residual is not None else out,
         M, N, K, batch, float(scale),
@@ -227,6 +206,7 @@ def matmul(
         REDUCE_BATCH=reduce_batch,
         UPCAST=INTERPRET and a.dtype == torch.bfloat16,
         INPUT_PRECISION="tf32" if fp32_in and torch.backends.cuda.matmul.allow_tf32 else "ieee",
+        INT64_OFFSETS=any(_max_offset(t) >= 2**31 for t in (a, b, out, residual) if t is not None),
     )
 
     def grid(meta):
@@ -238,43 +218,3 @@ def matmul(
         with torch.cuda.device(a.device):
             _matmul_autotuned[grid](*args, **flags)
     return out
-
-
-def _activation_ref(c, activation):
-    if activation == "gelu_tanh":
-        return torch.nn.functional.gelu(c, approximate="tanh")
-    if activation == "silu":
-        return torch.nn.functional.silu(c)
-    return c
-
-
-def matmul_ref(
-    a, b, *, bias=None, scale=1.0, activation=None, residual=None, out=None,
-    accumulate=False, reduce_batch=False, out_dtype=None,
-):  # fmt: skip
-    """Pure-torch `matmul`: same signature, same results up to rounding; the CPU path.
-
-    The plain case is exactly `F.linear` (what nn.Linear computes); an epilogue runs in fp32.
-    """
-    _check_args(a, b, bias, activation, residual, out, accumulate, reduce_batch, out_dtype)
-    plain = scale == 1.0 and activation is None and residual is None and not accumulate
-    if reduce_batch:
-        c = torch.einsum("bmk,bnk->mn", a, b)
-    elif b.dim() == 2:
-        c = torch.nn.functional.linear(a, b, bias if plain else None)
-    else:
-        c = torch.matmul(a, b.mT)
-    if reduce_batch and plain and bias is not None:
-        c = c + bias
-    if not plain:
-        c = c.float() * scale
-        if bias is not None:
-            c = c + bias.float()
-        c = _activation_ref(c, activation)
-        if residual is not None:
-            c = c + residual.float()
-        if accumulate:
-            return out.add_(c)
-    if out is None:
-        return c.to(out_dtype or a.dtype)
-    return out.copy_(c)

@@ -39,6 +39,8 @@ def gemm_cases(draw):
         activation=draw(st.sampled_from([None, "gelu_tanh", "silu"])),
         residual=draw(st.booleans()) and mode != "reduce_batch",
         accumulate=draw(st.booleans()),
+        batched_b=mode != "2d" and draw(st.booleans()),  # a weight per batch, or one shared
+        fp32_out=draw(st.booleans()),
         seed=draw(st.integers(0, 2**16)),
     )  # fmt: skip
 
@@ -55,9 +57,9 @@ def test_kernel_matches_reference(case):
     m, n, k, batch = case["m"], case["n"], case["k"], case["batch"]
     lead = () if case["mode"] == "2d" else (batch,)
     a = strided((*lead, m, k), dt, la, gen)
-    b = strided((*lead, n, k) if case["mode"] == "reduce_batch" else (n, k), dt, lb, gen)
+    b = strided((*lead, n, k) if case["batched_b"] else (n, k), dt, lb, gen)
     out_shape = (m, n) if case["mode"] != "batched" else (batch, m, n)
-    out_dtype = torch.float32 if case["accumulate"] else dt
+    out_dtype = torch.float32 if case["accumulate"] or case["fp32_out"] else dt
     out = strided(out_shape, out_dtype, lc, gen)
     bias = torch.randn(n, generator=gen).to(dt) if case["bias"] else None
     residual = torch.randn(out_shape, generator=gen).to(dt) if case["residual"] else None
@@ -105,9 +107,24 @@ def test_accumulate_into_fp32_weight_grad():
         (dict(a=torch.randn(3, 4), b=torch.randn(5, 4), bias=torch.randn(4)), "bias must have shape"),
         (dict(a=torch.randn(3, 4), b=torch.randn(5, 4), accumulate=True), "fp32 `out`"),
         (dict(a=torch.randn(3, 4), b=torch.randn(5, 4), activation="relu"), "activation must be"),
+        (dict(a=torch.randn(3, 4), b=torch.randn(5, 4), out=torch.empty(3, 5, device="meta")), "out is on meta"),
     ],
 )
 def test_bad_arguments(kwargs, error):
     for fn in (matmul, matmul_ref):
         with pytest.raises((ValueError, TypeError), match=error):
             fn(**kwargs)
+
+
+def test_offsets_beyond_32_bits():
+    """Rows 2**31 elements apart: the launcher switches the kernel to 64-bit offsets."""
+    storage = torch.empty(2**31 + 64, dtype=torch.float16)  # 4 GiB of address space, 2 pages touched
+    out = storage.as_strided((2, 4), (2**31, 1))
+    a, w = torch.randn(2, 8, dtype=torch.float16), torch.randn(4, 8, dtype=torch.float16)
+    matmul(a, w, out=out)
+    assert_close(out.clone(), matmul_ref(a.float(), w.float()).half())
+
+
+def test_strided_bias():
+    a, w, bias = torch.randn(5, 6), torch.randn(4, 6), torch.randn(8)[::2]
+    assert_close(matmul(a, w, bias=bias), matmul_ref(a, w, bias=bias))

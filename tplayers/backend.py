@@ -34,6 +34,6 @@ def gemm(a, b, **epilogue):
     """`matmul(a, b, **epilogue)` on the selected backend (see kernels/matmul.py for the contract)."""
     if uses_triton(a):
         from tplayers.kernels.matmul import matmul
-    else:
-        from tplayers.kernels.matmul import matmul_ref as matmul
+    else:  # the reference module does not import triton
+        from tplayers.kernels.matmul_ref import matmul_ref as matmul
     return matmul(a, b, **epilogue)

@@ -113,7 +113,7 @@ def specialise(kernel_fn, variant, dtype, config):
         "res_ptr": dtype if spec["flags"]["HAS_RESIDUAL"] else out,
     }
     tiles = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m)
-    constexprs = dict(spec["flags"], UPCAST=False, INPUT_PRECISION="ieee", **tiles)
+    constexprs = dict(spec["flags"], UPCAST=False, INPUT_PRECISION="ieee", INT64_OFFSETS=False, **tiles)
     constexprs.update({name: 1 for name in spec["unit_strides"]})
     if not spec["batched"]:
         constexprs["BATCH"] = 1

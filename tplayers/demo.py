@@ -139,7 +139,7 @@ def train_on_rank(rank, world_size, cfg: DemoConfig):
 
 def run_demo(cfg: DemoConfig) -> dict:
     """Train on `cfg.tp` local ranks; rank 0's report (losses, throughput, bytes, differences)."""
-    for name in ("hidden", "ffn"):
+    for name in ("tp", "steps", "layers", "hidden", "ffn", "batch", "seq"):
         if getattr(cfg, name) <= 0:
             raise ValueError(f"{name} must be positive, got {getattr(cfg, name)}")
     if cfg.ffn % cfg.tp:

@@ -7,6 +7,7 @@ default group. There is no global process-group singleton.
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -33,13 +34,10 @@ def resolve_group(group) -> dist.ProcessGroup:
     return group
 
 
-def _init_process_group(rank: int, world_size: int, master_addr: str, master_port: int) -> None:
-    use_nccl = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
-    if use_nccl:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+def _init_cpu_process_group(rank: int, world_size: int, port: int) -> None:
     dist.init_process_group(
-        "nccl" if use_nccl else "gloo",
-        init_method=f"tcp://{master_addr}:{master_port}",
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world_size,
         timeout=DEFAULT_TIMEOUT,
@@ -54,7 +52,13 @@ def init_mesh(*, dp: int = 1, pp: int = 1, tp: int = 1) -> DeviceMesh:
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     if world_size != dp * pp * tp:
         raise ValueError(f"world size {world_size} != dp*pp*tp = {dp}*{pp}*{tp} = {dp * pp * tp}")
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    # One GPU per local rank, or CPU ranks on gloo when there are not enough GPUs for that.
+    if dist.is_initialized():
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    else:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        enough_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
+        device_type = "cuda" if enough_gpus else "cpu"
     if not dist.is_initialized():
         backend = "nccl" if device_type == "cuda" else "gloo"
         if device_type == "cuda":
@@ -80,8 +84,10 @@ class RankError(RuntimeError):
 def _launch_entry(fn, rank, world_size, port, results, args):
     try:
         torch.set_num_threads(1)
-        _init_process_group(rank, world_size, "127.0.0.1", port)
-        results.put((rank, "ok", fn(rank, world_size, *args)))
+        _init_cpu_process_group(rank, world_size, port)
+        # Pickled here, not in the queue's feeder thread, so an unpicklable result is an error
+        # with a traceback instead of a lost reply.
+        results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -92,6 +98,9 @@ def _launch_entry(fn, rank, world_size, port, results, args):
 def launch(fn, nprocs: int, *args, timeout: float | None = None):
     """Run `fn(rank, world_size, *args)` on `nprocs` local CPU ranks (gloo); return each rank's result.
 
+    The ranks are CPU processes on this machine, whatever GPUs it has: the embedded default for
+    trying and testing; torchrun and `init_mesh` are the way onto GPUs.
+
     The first rank to raise or die stops the others at once and its traceback is raised here as
     a RankError, so a failure never leaves the other ranks waiting for a collective.
     `fn` must be picklable (a module-level function).
@@ -101,10 +110,7 @@ def launch(fn, nprocs: int, *args, timeout: float | None = None):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [
-        ctx.Process(target=_launch_entry, args=(fn, rank, nprocs, port, results, args), daemon=True)
-        for rank in range(nprocs)
-    ]
+    procs = [ctx.Process(target=_launch_entry, args=(fn, rank, nprocs, port, results, args)) for rank in range(nprocs)]
     for p in procs:
         p.start()
     outputs, deadline = {}, None if timeout is None else time.monotonic() + timeout
@@ -113,15 +119,16 @@ def launch(fn, nprocs: int, *args, timeout: float | None = None):
             try:
                 rank, status, value = results.get(timeout=0.5)
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outputs]
-                if dead:
+                # Exit code 0 without a reply is a death too (e.g. os._exit(0) inside fn).
+                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in outputs]
+                if dead and results.empty():
                     raise RankError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"launch: ranks {sorted(set(range(nprocs)) - set(outputs))} timed out") from None
                 continue
             if status == "error":
                 raise RankError(f"rank {rank} of {nprocs} failed:\n{value}")
-            outputs[rank] = value
+            outputs[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=5 if len(outputs) == nprocs else 0)

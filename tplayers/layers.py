@@ -8,6 +8,8 @@ activations outside the TP region are sharded along dim 1. The math and the comm
 per mode are in tplayers/functional/linear.py.
 """
 
+from copy import deepcopy
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -28,8 +30,9 @@ def _divide(total: int, n: int, what: str) -> int:
 
 
 def _full_linear_init(in_features, out_features, bias, device, dtype):
-    """Weights exactly as nn.Linear(in, out) would draw them, so a TP layer built under a seed
-    holds the shards of the nn.Linear built under the same seed."""
+    """Weights exactly as nn.Linear(in, out) would draw them on the CPU, so a TP layer built under
+    a seed holds the shards of the CPU nn.Linear built under the same seed. The full weight
+    exists briefly on every rank; device="meta" skips it (then load or use `from_linear`)."""
     init_device = "meta" if device is not None and torch.device(device).type == "meta" else "cpu"
     full = nn.Linear(in_features, out_features, bias=bias, device=init_device, dtype=dtype)
     return full.weight.detach(), (full.bias.detach() if bias else None)
@@ -52,18 +55,44 @@ def check_input(layer, x, expected_last_dim, sequence_parallel):
 
 
 class _ParallelLinear(nn.Module):
+    """What both layers share: building from an nn.Linear, and keeping each parameter's
+    placement attached when parameters are replaced (load_state_dict(assign=True)) or copied."""
+
+    _placements: dict  # parameter name -> Shard(dim) / Replicate(), set by the subclass
+
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, group=None, **kwargs):
-        """The layer holding this rank's slice of `linear` (which is left unchanged)."""
+    def from_linear(cls, linear: nn.Linear, *, group=None, device=None, dtype=None, **kwargs):
+        """The layer holding this rank's slice of `linear` (which is left unchanged), optionally
+        moved to `device` / cast to `dtype`."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"{cls.__name__}.from_linear needs an nn.Linear, got {type(linear).__name__}")
+        dtype = dtype or linear.weight.dtype
         layer = cls(
             linear.in_features, linear.out_features, linear.bias is not None, group=group,
-            device="meta", dtype=linear.weight.dtype, **kwargs,
+            device="meta", dtype=dtype, **kwargs,
         )  # fmt: skip
-        bias = linear.bias.detach() if linear.bias is not None else None
-        layer._set_shards(linear.weight.detach(), bias, linear.weight.device)
+        weight = linear.weight.detach().to(dtype)
+        bias = linear.bias.detach().to(dtype) if linear.bias is not None else None
+        layer._set_shards(weight, bias, device or linear.weight.device)
         return layer
+
+    def _tag_parameters(self, *_):
+        for name, placement in self._placements.items():
+            param = getattr(self, name)
+            if param is not None:
+                set_placement(param, self.group, placement)
+
+    def _register_placement_hooks(self):
+        self.register_load_state_dict_post_hook(self._tag_parameters)
+
+    def __deepcopy__(self, memo):
+        memo[id(self.group)] = self.group  # a copy of the layer shares the process group
+        copy = self.__class__.__new__(self.__class__)
+        memo[id(self)] = copy
+        for key, value in self.__dict__.items():
+            copy.__dict__[key] = deepcopy(value, memo)
+        copy._tag_parameters()  # Parameter.__deepcopy__ drops Python attributes
+        return copy
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -88,17 +117,16 @@ class ColumnParallelLinear(_ParallelLinear):
         self.gather_output, self.sequence_parallel, self.overlap = gather_output, sequence_parallel, overlap
         weight, bias_full = _full_linear_init(in_features, out_features, bias, device, dtype)
         self._set_shards(weight, bias_full, device)
+        self._register_placement_hooks()
+
+    _placements = {"weight": Shard(0), "bias": Shard(0)}
 
     def _set_shards(self, weight, bias, device):
-        rank = dist.get_rank(self.group)
-        rows = slice(rank * self.out_features_per_rank, (rank + 1) * self.out_features_per_rank)
-        self.weight = nn.Parameter(weight[rows].to(device=device, copy=True).contiguous())
-        set_placement(self.weight, self.group, Shard(0))
-        if bias is None:
-            self.register_parameter("bias", None)
-        else:
-            self.bias = nn.Parameter(bias[rows].to(device=device, copy=True).contiguous())
-            set_placement(self.bias, self.group, Shard(0))
+        """Keep this rank's rows of the full weight / bias."""
+        self.weight = nn.Parameter(own_slice(weight, 0, self.group).to(device=device, copy=True))
+        bias = None if bias is None else nn.Parameter(own_slice(bias, 0, self.group).to(device=device, copy=True))
+        self.register_parameter("bias", bias)
+        self._tag_parameters()
 
     def forward(self, x):
         check_input(self, x, self.in_features, self.sequence_parallel)
@@ -138,15 +166,15 @@ class RowParallelLinear(_ParallelLinear):
         self.input_is_parallel, self.sequence_parallel, self.overlap = input_is_parallel, sequence_parallel, overlap
         weight, bias_full = _full_linear_init(in_features, out_features, bias, device, dtype)
         self._set_shards(weight, bias_full, device)
+        self._register_placement_hooks()
+
+    _placements = {"weight": Shard(1), "bias": Replicate()}
 
     def _set_shards(self, weight, bias, device):
-        self.weight = nn.Parameter(own_slice(weight, 1, self.group).to(device=device, copy=True).contiguous())
-        set_placement(self.weight, self.group, Shard(1))
-        if bias is None:
-            self.register_parameter("bias", None)
-        else:
-            self.bias = nn.Parameter(bias.to(device=device, copy=True))
-            set_placement(self.bias, self.group, Replicate())
+        """Keep this rank's columns of the full weight; the bias is whole on every rank."""
+        self.weight = nn.Parameter(own_slice(weight, 1, self.group).to(device=device, copy=True))
+        self.register_parameter("bias", None if bias is None else nn.Parameter(bias.to(device=device, copy=True)))
+        self._tag_parameters()
 
     def forward(self, x):
         expected = self.in_features_per_rank if self.input_is_parallel else self.in_features

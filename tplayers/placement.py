@@ -25,6 +25,9 @@ class ParamPlacement:
     def is_sharded(self) -> bool:
         return isinstance(self.placement, Shard)
 
+    def __deepcopy__(self, memo):
+        return self  # immutable, and a process group is shared, never copied
+
 
 def set_placement(param, group, placement) -> None:
     setattr(param, _ATTR, ParamPlacement(group, placement))

@@ -22,7 +22,12 @@ import torch.distributed as dist
 
 from tplayers.backend import gemm
 from tplayers.functional import comm
-from tplayers.functional.overlap import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
+from tplayers.functional.overlap import (
+    all_gather_chunks,
+    all_gather_matmul,
+    matmul_all_reduce,
+    matmul_reduce_scatter,
+)
 
 
 def _flat(t):
@@ -100,7 +105,10 @@ class RowParallelLinearFn(torch.autograd.Function):
         n = dist.get_world_size(ctx.group)
         dx = dw = db = None
         if ctx.sequence_parallel:
-            dx, dy_chunks = all_gather_matmul(dy, weight.t(), ctx.group, overlap=ctx.overlap)
+            if ctx.needs_input_grad[0]:
+                dx, dy_chunks = all_gather_matmul(dy, weight.t(), ctx.group, overlap=ctx.overlap)
+            else:  # only the weight / bias grads: gather dy, skip the dgrad GEMM
+                dy_chunks = all_gather_chunks(dy, ctx.group)
             if ctx.needs_input_grad[1]:
                 dw = _wgrad_from_chunks(dy_chunks, _seq_chunks(x, n), weight.dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:

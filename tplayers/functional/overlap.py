@@ -26,6 +26,14 @@ from tplayers.functional import comm
 ALL_REDUCE_CHUNKS = 4
 
 
+def all_gather_chunks(x, group):
+    """Every rank's x (B, s, K) as chunks (n, B, s, K), chunk j from rank j."""
+    n = dist.get_world_size(group)
+    chunks = x.new_empty((n, *x.shape))
+    comm.all_gather_into(chunks, x.contiguous(), group)
+    return chunks
+
+
 def all_gather_matmul(x, weight, group, *, bias=None, overlap=True):
     """y = all_gather(x, dim=1) @ weight^T + bias.
 
@@ -34,13 +42,13 @@ def all_gather_matmul(x, weight, group, *, bias=None, overlap=True):
     """
     n, r = dist.get_world_size(group), dist.get_rank(group)
     B, s, K = x.shape
-    chunks = x.new_empty((n, B, s, K))
     y = x.new_empty((B, n * s, weight.shape[0]))
     if n == 1 or not overlap:
-        comm.all_gather_into(chunks, x.contiguous(), group)
+        chunks = all_gather_chunks(x, group)
         for j in range(n):
             gemm(chunks[j], weight, bias=bias, out=y[:, j * s : (j + 1) * s])
         return y, chunks
+    chunks = x.new_empty((n, B, s, K))
     chunks[r].copy_(x)
     prev, nxt = (r - 1) % n, (r + 1) % n
     for step in range(n):

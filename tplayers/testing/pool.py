@@ -10,6 +10,7 @@ seconds, not a collective timeout.
 
 import datetime
 import multiprocessing as mp
+import pickle
 import queue
 import time
 import traceback
@@ -57,7 +58,8 @@ def _worker(rank, world_size, port, tasks, results, timeout_s):
         if rank >= tp:
             continue
         try:
-            results.put((rank, task_id, "ok", fn(rank, tp, groups[tp], *args)))
+            # Pickled here so that an unpicklable result is an error, not a lost reply.
+            results.put((rank, task_id, "ok", pickle.dumps(fn(rank, tp, groups[tp], *args))))
         except BaseException as e:
             results.put((rank, task_id, "error", RemoteError(rank, type(e).__name__, str(e), traceback.format_exc())))
     dist.destroy_process_group()
@@ -86,7 +88,11 @@ class WorkerPool:
         ]
         for p in self._procs:
             p.start()
-        replies = self._collect(-1, range(self.world_size), self.timeout_s)
+        try:
+            replies = self._collect(-1, range(self.world_size), self.timeout_s)
+        except BaseException:
+            self.close()
+            raise
         errors = [v for v in replies.values() if isinstance(v, RemoteError)]
         if errors:
             self.close()
@@ -120,7 +126,7 @@ class WorkerPool:
                 continue
             if tid != task_id:
                 continue  # a late reply of a task that was given up on
-            replies[rank] = value
+            replies[rank] = pickle.loads(value) if status == "ok" else value
             if status == "error" and first_error_at is None:
                 first_error_at = time.monotonic()
         return replies

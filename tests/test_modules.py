@@ -1,0 +1,89 @@
+"""Module behaviour beyond the numerics: placements, copies, loading, construction options."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+
+import tplayers
+from tplayers.testing import assert_close, assert_shard_close
+
+pytestmark = pytest.mark.multirank
+
+
+def placements_survive_copy_and_load(rank, tp, group):
+    col = tplayers.ColumnParallelLinear(6, 4 * tp, group=group)
+    row = tplayers.RowParallelLinear(4 * tp, 6, group=group)
+    expected = {"weight": Shard(0), "bias": Shard(0)}, {"weight": Shard(1), "bias": Replicate()}
+    for layer, placements in zip((col, row, copy.deepcopy(col), copy.deepcopy(row)), expected * 2, strict=True):
+        for name, placement in placements.items():
+            found = tplayers.get_placement(getattr(layer, name))
+            assert found.placement == placement and found.group is group, (name, found)
+    # load_state_dict(assign=True) replaces the Parameter objects; the placement must follow
+    fresh = {k: v.clone() + 1 for k, v in col.state_dict().items()}
+    col.load_state_dict(fresh, assign=True)
+    assert col.weight is not None and tplayers.get_placement(col.weight).placement == Shard(0)
+    assert_close(col.weight.detach(), fresh["weight"], exact=True)
+    # the copy is independent of the original
+    twin = copy.deepcopy(row)
+    with torch.no_grad():
+        twin.weight.add_(1)
+    assert not torch.equal(twin.weight, row.weight)
+
+
+def from_linear_casts_and_keeps_source(rank, tp, group):
+    torch.manual_seed(0)
+    linear = nn.Linear(5, 2 * tp)
+    before = {k: v.clone() for k, v in linear.state_dict().items()}
+    col = tplayers.ColumnParallelLinear.from_linear(linear, group=group, dtype=torch.float16, device="cpu")
+    assert col.weight.dtype == torch.float16
+    assert_shard_close(col.weight.detach(), linear.weight.detach().half(), dim=0, rank=rank, num_shards=tp, exact=True)
+    for k, v in linear.state_dict().items():  # nothing the user gave us is changed
+        assert torch.equal(v, before[k]) and v.dtype == torch.float32
+    # built under a seed, a layer holds the shards of the nn.Linear built under the same seed
+    torch.manual_seed(1)
+    row = tplayers.RowParallelLinear(4 * tp, 3, group=group)
+    torch.manual_seed(1)
+    full = nn.Linear(4 * tp, 3)
+    assert_shard_close(row.weight.detach(), full.weight.detach(), dim=1, rank=rank, num_shards=tp, exact=True)
+    assert_close(row.bias.detach(), full.bias.detach(), exact=True)
+
+
+def row_sp_without_input_grad(rank, tp, group):
+    torch.manual_seed(0)
+    linear = nn.Linear(4 * tp, 5)
+    row = tplayers.RowParallelLinear.from_linear(linear, group=group, sequence_parallel=True)
+    x = torch.randn(2, 3 * tp, 4 * tp)  # no requires_grad: only weight / bias grads
+    dy = torch.randn(2, 3 * tp, 5)
+    linear(x).backward(dy)
+    row(x.chunk(tp, -1)[rank].contiguous()).backward(dy.chunk(tp, 1)[rank])
+    assert_shard_close(row.weight.grad, linear.weight.grad, dim=1, rank=rank, num_shards=tp)
+    assert_close(row.bias.grad, linear.bias.grad)
+
+
+@pytest.mark.parametrize("tp", [1, 3])
+@pytest.mark.parametrize(
+    "check", [placements_survive_copy_and_load, from_linear_casts_and_keeps_source, row_sp_without_input_grad]
+)
+def test_module_behaviour(pool, tp, check):
+    pool.run(check, tp)
+
+
+def unpicklable_result(rank, tp, group):
+    return lambda: None
+
+
+def test_unpicklable_result_is_an_error_not_a_hang(pool):
+    with pytest.raises(tplayers.RankError, match="(?s)raised .*(Pickl|pickle)"):
+        pool.run(unpicklable_result, 2)
+
+
+def launched_unpicklable(rank, world_size):
+    return lambda: None
+
+
+def test_launch_unpicklable_result_is_an_error():
+    with pytest.raises(tplayers.RankError, match="(?s)rank 0 of 2 failed.*(Pickl|pickle)"):
+        tplayers.launch(launched_unpicklable, 2, timeout=60)
