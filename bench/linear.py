@@ -412,7 +412,12 @@ def plot(rows, path):
 
 
 def main(argv=None):
-    """Run the benchmark; returns the rows (on torchrun, rank 0 alone writes the files)."""
+    """Run the benchmark; returns the rows (on torchrun, rank 0 alone writes the files).
+
+    The local ranks are spawned processes that re-import this module by its name, so import it
+    from a directory on sys.path (`import linear` with bench/ on the path) or run the file; a
+    module loaded from a file path under a made-up name cannot be found by them.
+    """
     args = parse_args(argv)
     if "LOCAL_RANK" in os.environ:
         rows = run_torchrun(args)

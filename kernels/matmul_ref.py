@@ -54,6 +54,10 @@ def check_args(a, b, bias, activation, residual, out, accumulate, reduce_batch, 
     return shape
 
 
+def plain_epilogue(scale, activation, residual):
+    return scale == 1.0 and activation is None and residual is None
+
+
 def _activation(c, activation):
     if activation == "gelu_tanh":
         return torch.nn.functional.gelu(c, approximate="tanh")
@@ -77,11 +81,18 @@ def matmul_ref(
     compute = torch.promote_types(a.dtype, target)
     a, b = a.to(compute), b.to(compute)
     bias = bias.to(compute) if bias is not None else None
-    plain = scale == 1.0 and activation is None and residual is None and not accumulate
+    plain = plain_epilogue(scale, activation, residual) and not accumulate
     if plain and out is not None and out.dtype == compute and out.is_contiguous() and a.dim() == 2:
         return torch.addmm(bias, a, b.t(), out=out) if bias is not None else torch.mm(a, b.t(), out=out)
     if reduce_batch:
-        c = torch.einsum("bmk,bnk->mn" if b.dim() == 3 else "bmk,nk->mn", a, b)
+        # One addmm per batch on the strided views: BLAS takes them as they are, where einsum
+        # would first copy them into a transposed layout.
+        accumulate_in_place = accumulate and plain_epilogue(scale, activation, residual) and out.dtype == compute
+        c = out if accumulate_in_place else torch.zeros(output_shape(a, b, True), dtype=compute, device=a.device)
+        for i in range(a.shape[0]):
+            c.addmm_(a[i], (b[i] if b.dim() == 3 else b).t())
+        if accumulate_in_place:
+            return out
     elif b.dim() == 2:
         c = torch.nn.functional.linear(a, b, bias if plain else None)
     else:

@@ -24,6 +24,8 @@ from tplayers.backend import gemm
 from tplayers.functional import comm
 
 ALL_REDUCE_CHUNKS = 4
+# Below this many bytes per chunk, a chunk's collective latency outweighs what overlap hides.
+MIN_ALL_REDUCE_CHUNK_BYTES = 1 << 20
 
 
 def all_gather_chunks(x, group):
@@ -108,7 +110,9 @@ def matmul_all_reduce(x, weight, group, *, bias=None, overlap=True):
     y = x.new_empty((M, weight.shape[0]))
     # Rank 0 alone adds the bias inside its GEMM: the sum then holds it once, at no extra pass.
     own_bias = bias if r == 0 else None
-    bounds = [M * i // ALL_REDUCE_CHUNKS for i in range(ALL_REDUCE_CHUNKS + 1)] if overlap else [0, M]
+    nbytes = M * weight.shape[0] * x.element_size()
+    chunks = max(1, min(ALL_REDUCE_CHUNKS, nbytes // MIN_ALL_REDUCE_CHUNK_BYTES)) if overlap else 1
+    bounds = [M * i // chunks for i in range(chunks + 1)]
     works = []
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
         if hi > lo:
