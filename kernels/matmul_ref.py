@@ -58,6 +58,16 @@ def plain_epilogue(scale, activation, residual):
     return scale == 1.0 and activation is None and residual is None
 
 
+def _addmm_batches(c, a, b, reduce_batch):
+    """c += a @ b^T, per batch (or summed over it), as addmm calls on the strided views: BLAS
+    takes them as they are, where einsum would first copy them into another layout."""
+    if a.dim() == 2:
+        return c.addmm_(a, b.t())
+    for i in range(a.shape[0]):
+        (c if reduce_batch else c[i]).addmm_(a[i], (b[i] if b.dim() == 3 else b).t())
+    return c
+
+
 def _activation(c, activation):
     if activation == "gelu_tanh":
         return torch.nn.functional.gelu(c, approximate="tanh")
@@ -84,15 +94,11 @@ def matmul_ref(
     plain = plain_epilogue(scale, activation, residual) and not accumulate
     if plain and out is not None and out.dtype == compute and out.is_contiguous() and a.dim() == 2:
         return torch.addmm(bias, a, b.t(), out=out) if bias is not None else torch.mm(a, b.t(), out=out)
+    if accumulate and bias is None and plain_epilogue(scale, activation, residual) and out.dtype == compute:
+        return _addmm_batches(out, a, b, reduce_batch)  # weight-gradient accumulation, in place
     if reduce_batch:
-        # One addmm per batch on the strided views: BLAS takes them as they are, where einsum
-        # would first copy them into a transposed layout.
-        accumulate_in_place = accumulate and plain_epilogue(scale, activation, residual) and out.dtype == compute
-        c = out if accumulate_in_place else torch.zeros(output_shape(a, b, True), dtype=compute, device=a.device)
-        for i in range(a.shape[0]):
-            c.addmm_(a[i], (b[i] if b.dim() == 3 else b).t())
-        if accumulate_in_place:
-            return out
+        c = _addmm_batches(torch.zeros(out.shape if out is not None else output_shape(a, b, True), dtype=compute,
+                                       device=a.device), a, b, reduce_batch=True)  # fmt: skip
     elif b.dim() == 2:
         c = torch.nn.functional.linear(a, b, bias if plain else None)
     else:

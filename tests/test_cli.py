@@ -49,7 +49,7 @@ def test_example_runs_under_torchrun_and_local_launcher(tmp_path, launcher):
     script = str(Path(__file__).parents[1] / "examples" / "train_mlp.py")
     args = ["--steps", "5", "--sequence-parallel"]
     if launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", script, *args]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script, *args]
     else:
         cmd = [sys.executable, script, "--tp", "2", *args]
     result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)

@@ -4,7 +4,8 @@ n = TP size. Shard shapes (weight layout is nn.Linear's (out, in)):
 
 ColumnParallel: weight (N/n, K), bias (N/n,)
     plain: x (..., K) replicated    -> y (..., N/n) = x W^T + b
-           dgrad dx = all_reduce(dy W)     (in flight while wgrad dW = dy^T x is computed)
+           dgrad dx = matmul_all_reduce(dy, W^T), the wgrad dW = dy^T x computed while its
+           reduction is in flight
     SP:    x (B, s, K) seq-sharded  -> y (B, S, N/n) = all_gather_matmul(x, W)
            dgrad dx = matmul_reduce_scatter(dy, W^T);  wgrad dW = sum_j dy_j^T x_j over the
            gathered chunks saved in forward (no second all-gather)
@@ -21,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 from tplayers.backend import gemm
-from tplayers.functional import comm
 from tplayers.functional.overlap import (
     all_gather_chunks,
     all_gather_matmul,
@@ -76,14 +76,14 @@ class ColumnParallelLinearFn(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 dw = _wgrad_from_chunks(_seq_chunks(dy, n), saved, weight.dtype)
         else:
-            reducing = None
-            if ctx.needs_input_grad[0]:
-                dx = gemm(_flat(dy), weight.t()).view(*dy.shape[:-1], weight.shape[1])
-                reducing = comm.all_reduce(dx, group, async_op=ctx.overlap)
-            if ctx.needs_input_grad[1]:
-                dw = _wgrad(dy, saved, weight.dtype)
-            if reducing is not None and ctx.overlap:
-                reducing.wait()
+            grads = {}
+            wgrad = lambda: grads.setdefault("dw", _wgrad(dy, saved, weight.dtype))  # noqa: E731
+            if ctx.needs_input_grad[0]:  # the weight gradient is computed in the all-reduce's shadow
+                side_work = [wgrad] if ctx.needs_input_grad[1] else []
+                dx = matmul_all_reduce(dy, weight.t(), group, overlap=ctx.overlap, side_work=side_work)
+            elif ctx.needs_input_grad[1]:
+                wgrad()
+            dw = grads.get("dw")
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = _flat(dy).sum(0)
         return dx, dw, db, None, None, None

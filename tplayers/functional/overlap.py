@@ -8,8 +8,9 @@ the full sequence S = n * s. GEMMs follow nn.Linear: y = x @ weight^T, weight (N
     matmul_reduce_scatter  x (B, S, K) -> y (B, s, N)   ring reduce-scatter; step i computes the
                            partial block for one rank, adds the partial sum received from the
                            previous rank and passes it on; the last block computed is our own.
-    matmul_all_reduce      x (..., K) -> y (..., N)     GEMM chunked along rows, each chunk's
-                           all-reduce in flight while the next chunk is computed.
+    matmul_all_reduce      x (..., K) -> y (..., N)     GEMM split along rows, overlapped with
+                           the all-reduce (chunked all-reduces on NCCL; the reduce-scatter
+                           ring plus an all-gather ring on gloo, see its docstring).
 
 Communication is asynchronous: NCCL runs it on its own CUDA streams, gloo on its own threads,
 so either GEMM backend (Triton or torch) overlaps with it. overlap=False is the plain
@@ -64,60 +65,99 @@ def all_gather_matmul(x, weight, group, *, bias=None, overlap=True):
     return y, chunks
 
 
-def matmul_reduce_scatter(x, weight, group, *, bias=None, overlap=True):
-    """y = reduce_scatter(x @ weight^T, dim=1) + bias.
-
-    x (B, n*s, K), weight (N, K) (any strides), bias (N,) added once -> y (B, s, N).
-    """
+def _ring_reduce_scatter(block_input, weight, group, *, bias=None, out=None):
+    """The reduce-scatter ring: block j of the output, `block_input(j) @ weight^T`, summed over
+    ranks lands on rank j. At each step a rank computes its partial sum for one block while the
+    running sum of the block before travels to the next rank; its own block comes last, and
+    only that final sum gets the bias, so the bias is added exactly once. Returns this rank's
+    block (written into `out` when given)."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
-    B, S, K = x.shape
-    if S % n:
-        raise ValueError(f"sequence length {S} is not divisible by the TP size {n}")
-    s, N = S // n, weight.shape[0]
-    if n == 1:
-        return gemm(x, weight, bias=bias)
-    if not overlap:
-        partials = x.new_empty((n, B, s, N))
-        for j in range(n):
-            gemm(x[:, j * s : (j + 1) * s], weight, out=partials[j])
-        y = x.new_empty((B, s, N))
-        comm.reduce_scatter_into(y, partials, group)
-        return y if bias is None else y.add_(bias)
     prev, nxt = (r - 1) % n, (r + 1) % n
-    received = x.new_empty((B, s, N))
-
-    def block(step):  # the block rank r computes at `step`; the last one is its own
-        b = (r - 1 - step) % n
-        return x[:, b * s : (b + 1) * s]
-
-    partial = gemm(block(0), weight)
+    block = lambda step: (r - 1 - step) % n  # noqa: E731  the block computed at `step`
+    partial = gemm(block_input(block(0)), weight, bias=bias if n == 1 else None, out=out if n == 1 else None)
     for step in range(1, n):
-        # Pass the running sum on while receiving the previous rank's; compute meanwhile.
+        last, x_block = step == n - 1, block_input(block(step))
+        # The previous rank's running sum of the block we compute now (blocks may differ in size).
+        received = partial.new_empty((*x_block.shape[:-1], weight.shape[0]))
         in_flight = comm.exchange(partial, nxt, received, prev, group)
-        # The bias joins only the final sum of our own block, so it is added exactly once.
-        partial = gemm(block(step), weight, bias=bias if step == n - 1 else None)
+        partial = gemm(x_block, weight, bias=bias if last else None, out=out if last else None)
         for work in in_flight:
             work.wait()
         partial += received
     return partial
 
 
-def matmul_all_reduce(x, weight, group, *, bias=None, overlap=True):
-    """y = all_reduce(x @ weight^T) + bias, x (..., K) -> y (..., N); bias added once."""
-    r = dist.get_rank(group)
+def _ring_all_gather_rows(y, bounds, group, side_work=()):
+    """Complete y (M, N), of which this rank holds rows bounds[r]:bounds[r+1], with every other
+    rank's rows, passed around the ring in place; `side_work` runs while the first steps are in
+    flight."""
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    prev, nxt = (r - 1) % n, (r + 1) % n
+    rows = lambda j: y[bounds[j] : bounds[j + 1]]  # noqa: E731
+    side_work = list(side_work)
+    for step in range(n - 1):
+        in_flight = comm.exchange(rows((r - step) % n), nxt, rows((r - step - 1) % n), prev, group)
+        if side_work:
+            side_work.pop(0)()
+        for work in in_flight:
+            work.wait()
+    for work in side_work:
+        work()
+
+
+def matmul_reduce_scatter(x, weight, group, *, bias=None, overlap=True):
+    """y = reduce_scatter(x @ weight^T, dim=1) + bias.
+
+    x (B, n*s, K), weight (N, K) (any strides), bias (N,) added once -> y (B, s, N).
+    """
+    n = dist.get_world_size(group)
+    B, S, K = x.shape
+    if S % n:
+        raise ValueError(f"sequence length {S} is not divisible by the TP size {n}")
+    s, N = S // n, weight.shape[0]
+    if overlap or n == 1:
+        return _ring_reduce_scatter(lambda j: x[:, j * s : (j + 1) * s], weight, group, bias=bias)
+    partials = x.new_empty((n, B, s, N))
+    for j in range(n):
+        gemm(x[:, j * s : (j + 1) * s], weight, out=partials[j])
+    y = x.new_empty((B, s, N))
+    comm.reduce_scatter_into(y, partials, group)
+    return y if bias is None else y.add_(bias)
+
+
+def matmul_all_reduce(x, weight, group, *, bias=None, overlap=True, side_work=()):
+    """y = all_reduce(x @ weight^T) + bias, x (..., K) -> y (..., N); bias added once.
+
+    `side_work`: callables with no collectives (a weight gradient, say) to run while the
+    reduction is in flight. With overlap on, the GEMM is split along the rows of x and
+    overlapped with the reduction in one of two ways, chosen by the group's backend:
+      NCCL: row chunks, each chunk's all-reduce in flight while the next chunk is computed;
+      gloo: n row blocks in the reduce-scatter ring, then a ring all-gather of the reduced
+            blocks with `side_work` in its shadow. gloo's all-reduce competes with the GEMM
+            for the same CPU cores, while its point-to-point transfers hide behind it (measured
+            in bench/linear.py); both send the ring minimum, 2(n-1)/n of y's bytes.
+    """
+    n, r = dist.get_world_size(group), dist.get_rank(group)
     x2 = x.reshape(-1, x.shape[-1])
-    M = x2.shape[0]
-    y = x.new_empty((M, weight.shape[0]))
+    M, N = x2.shape[0], weight.shape[0]
+    y = x.new_empty((M, N))
+    if overlap and n > 1 and dist.get_backend(group) == "gloo":
+        bounds = [M * j // n for j in range(n + 1)]
+        own = y[bounds[r] : bounds[r + 1]]
+        _ring_reduce_scatter(lambda j: x2[bounds[j] : bounds[j + 1]], weight, group, bias=bias, out=own)
+        _ring_all_gather_rows(y, bounds, group, side_work)
+        return y.view(*x.shape[:-1], N)
     # Rank 0 alone adds the bias inside its GEMM: the sum then holds it once, at no extra pass.
     own_bias = bias if r == 0 else None
-    nbytes = M * weight.shape[0] * x.element_size()
-    chunks = max(1, min(ALL_REDUCE_CHUNKS, nbytes // MIN_ALL_REDUCE_CHUNK_BYTES)) if overlap else 1
+    chunks = max(1, min(ALL_REDUCE_CHUNKS, M * N * x.element_size() // MIN_ALL_REDUCE_CHUNK_BYTES)) if overlap else 1
     bounds = [M * i // chunks for i in range(chunks + 1)]
     works = []
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-        if hi > lo:
-            gemm(x2[lo:hi], weight, bias=own_bias, out=y[lo:hi])
-            works.append(comm.all_reduce(y[lo:hi], group, async_op=True))
+        gemm(x2[lo:hi], weight, bias=own_bias, out=y[lo:hi])
+        works.append(comm.all_reduce(y[lo:hi], group, async_op=overlap))
+    for work in side_work:
+        work()
     for work in works:
-        work.wait()
-    return y.view(*x.shape[:-1], weight.shape[0])
+        if work is not None:
+            work.wait()
+    return y.view(*x.shape[:-1], N)
