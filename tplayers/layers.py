@@ -20,8 +20,6 @@ from tplayers.functional.collectives import gather_from_tp_region, own_slice, sc
 from tplayers.functional.linear import column_parallel_linear, row_parallel_linear
 from tplayers.placement import set_placement
 
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
 
 def _divide(total: int, n: int, what: str) -> int:
     if total % n:
@@ -60,6 +58,19 @@ class _ParallelLinear(nn.Module):
 
     _placements: dict  # parameter name -> Shard(dim) / Replicate(), set by the subclass
 
+    def __init__(self, in_features, out_features, *, group, sequence_parallel, overlap):
+        super().__init__()
+        self.group = resolve_group(group)
+        self.tp_size = dist.get_world_size(self.group)
+        self.in_features, self.out_features = in_features, out_features
+        self.sequence_parallel, self.overlap = sequence_parallel, overlap
+
+    def _init_parameters(self, bias, device, dtype):
+        """Draw the full nn.Linear weights, keep this rank's shards, keep placements attached."""
+        weight, bias_full = _full_linear_init(self.in_features, self.out_features, bias, device, dtype)
+        self._set_shards(weight, bias_full, device)
+        self.register_load_state_dict_post_hook(self._tag_parameters)
+
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, group=None, device=None, dtype=None, **kwargs):
         """The layer holding this rank's slice of `linear` (which is left unchanged), optionally
@@ -81,9 +92,6 @@ class _ParallelLinear(nn.Module):
             param = getattr(self, name)
             if param is not None:
                 set_placement(param, self.group, placement)
-
-    def _register_placement_hooks(self):
-        self.register_load_state_dict_post_hook(self._tag_parameters)
 
     def __deepcopy__(self, memo):
         memo[id(self.group)] = self.group  # a copy of the layer shares the process group
@@ -107,17 +115,12 @@ class ColumnParallelLinear(_ParallelLinear):
         self, in_features, out_features, bias=True, *, group=None, gather_output=False,
         sequence_parallel=False, overlap=True, device=None, dtype=None,
     ):  # fmt: skip
-        super().__init__()
-        self.group = resolve_group(group)
-        self.tp_size = dist.get_world_size(self.group)
-        self.in_features, self.out_features = in_features, out_features
+        super().__init__(in_features, out_features, group=group, sequence_parallel=sequence_parallel, overlap=overlap)
         self.out_features_per_rank = _divide(out_features, self.tp_size, "out_features")
         if gather_output and sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with sequence_parallel")
-        self.gather_output, self.sequence_parallel, self.overlap = gather_output, sequence_parallel, overlap
-        weight, bias_full = _full_linear_init(in_features, out_features, bias, device, dtype)
-        self._set_shards(weight, bias_full, device)
-        self._register_placement_hooks()
+        self.gather_output = gather_output
+        self._init_parameters(bias, device, dtype)
 
     _placements = {"weight": Shard(0), "bias": Shard(0)}
 
@@ -156,17 +159,12 @@ class RowParallelLinear(_ParallelLinear):
         self, in_features, out_features, bias=True, *, group=None, input_is_parallel=True,
         sequence_parallel=False, overlap=True, device=None, dtype=None,
     ):  # fmt: skip
-        super().__init__()
-        self.group = resolve_group(group)
-        self.tp_size = dist.get_world_size(self.group)
-        self.in_features, self.out_features = in_features, out_features
+        super().__init__(in_features, out_features, group=group, sequence_parallel=sequence_parallel, overlap=overlap)
         self.in_features_per_rank = _divide(in_features, self.tp_size, "in_features")
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
-        self.input_is_parallel, self.sequence_parallel, self.overlap = input_is_parallel, sequence_parallel, overlap
-        weight, bias_full = _full_linear_init(in_features, out_features, bias, device, dtype)
-        self._set_shards(weight, bias_full, device)
-        self._register_placement_hooks()
+        self.input_is_parallel = input_is_parallel
+        self._init_parameters(bias, device, dtype)
 
     _placements = {"weight": Shard(1), "bias": Replicate()}
 
