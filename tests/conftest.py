@@ -21,10 +21,12 @@ settings.register_profile(
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
+# Longer runs: TPLAYERS_EXAMPLES_SCALE=10 multiplies every test's example count;
+# HYPOTHESIS_PROFILE=random draws fresh examples instead of the fixed CI sequence.
 settings.register_profile(
-    "dev",
+    "random",
     deadline=None,
-    max_examples=200,
+    print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

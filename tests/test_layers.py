@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import tplayers
-from tplayers.testing import assert_close, assert_shard_close, integer_valued
+from tplayers.testing import assert_close, assert_shard_close, examples, integer_valued
 
 pytestmark = pytest.mark.multirank
 
@@ -31,6 +31,7 @@ class BlockCase:
     backend: str = "torch"
     exact: bool = False  # integer-valued data, compared bit for bit
     wrong_shard: bool = False  # negative control: the column layer gets its neighbour's slice
+    leading_dims: int = 2  # without SP any leading dims work: (B*S, H), (B, S, H), (B, 1, S, H)
     seed: int = 0
 
 
@@ -75,13 +76,18 @@ def run_block(rank, tp, group, case: BlockCase):
         fc2, group=group, sequence_parallel=sp, input_is_parallel=not case.gather, overlap=case.overlap
     )
     seq_dim = 1 if sp else None
-    x_local = (x.chunk(tp, 1)[rank] if sp else x).clone().requires_grad_(True)
+    x_local = (x.chunk(tp, 1)[rank] if sp else x).clone()
+    dy_local = dy.chunk(tp, 1)[rank] if sp else dy
+    b, t = x_local.shape[:2]
+    lead = {1: (-1,), 2: (b, t), 3: (b, 1, t)}[case.leading_dims]
+    x_local = x_local.reshape(*lead, case.hidden).requires_grad_(True)
     y = row(act(col(x_local)))
-    y.backward(dy.chunk(tp, 1)[rank] if sp else dy)
+    y.backward(dy_local.reshape(y.shape))
+    y, x_grad = y.reshape(dy_local.shape), x_local.grad.reshape(dy_local.shape)
 
     kw = dict(rank=rank, num_shards=tp, exact=case.exact)
     assert_shard_close(y, y_ref.detach(), dim=seq_dim, **kw, msg=lambda m: f"output: {m}")
-    assert_shard_close(x_local.grad, x_ref.grad, dim=seq_dim, **kw, msg=lambda m: f"input grad: {m}")
+    assert_shard_close(x_grad, x_ref.grad, dim=seq_dim, **kw, msg=lambda m: f"input grad: {m}")
     assert_shard_close(col.weight.grad, fc1.weight.grad, dim=0, **kw, msg=lambda m: f"column weight grad: {m}")
     assert_shard_close(row.weight.grad, fc2.weight.grad, dim=1, **kw, msg=lambda m: f"row weight grad: {m}")
     if case.bias:
@@ -111,13 +117,14 @@ def block_cases(draw, dtypes, max_hidden, max_ffn_per_rank, backend):
         gather=False if sp else draw(st.booleans()),
         bias=draw(st.booleans()),
         overlap=draw(st.booleans()),
+        leading_dims=2 if sp else draw(st.sampled_from([1, 2, 3])),
         backend=backend,
         seed=draw(st.integers(0, 2**16)),
     )
     return tp, case
 
 
-@settings(max_examples=60)
+@settings(max_examples=examples(60))
 @given(st.data())
 def test_block_matches_unsharded_torch_backend(pool, data):
     tp, case = data.draw(st.composite(lambda draw: block_cases(draw, DTYPES, 40, 12, "torch"))())
@@ -125,7 +132,7 @@ def test_block_matches_unsharded_torch_backend(pool, data):
 
 
 @pytest.mark.interpreter
-@settings(max_examples=25)
+@settings(max_examples=examples(25))
 @given(st.data())
 def test_block_matches_unsharded_triton_backend(pool, data):
     tp, case = data.draw(st.composite(lambda draw: block_cases(draw, DTYPES, 12, 6, "triton"))())

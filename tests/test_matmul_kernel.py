@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tplayers.kernels.matmul import INTERPRET, matmul, matmul_ref
 
-from tplayers.testing import assert_close
+from tplayers.testing import assert_close, examples
 
 pytestmark = pytest.mark.interpreter
 
@@ -49,7 +49,7 @@ def test_runs_in_interpreter():
     assert INTERPRET, "conftest sets TRITON_INTERPRET=1 before triton is imported"
 
 
-@settings(max_examples=60)
+@settings(max_examples=examples(60))
 @given(gemm_cases())
 def test_kernel_matches_reference(case):
     gen = torch.Generator().manual_seed(case["seed"])

@@ -1,19 +1,25 @@
 """The one tolerance table and the comparison helpers built on `torch.testing.assert_close`.
 
 Tolerances are per dtype of the reference. They cover a different summation order (a
-reduction split over ranks, a chunked GEMM) plus the output rounding of the dtype: a few
-units in the last place, never more. Where nothing is reduced across ranks, compare with
+reduction split over ranks, a chunked GEMM) and the rounding of every intermediate tensor
+to the dtype: the reference and the sharded layers round at the same places but may land
+one unit in the last place apart, and a gradient that sums many such terms with
+cancellation carries those units into its absolute error. For fp16 / bf16 the absolute
+tolerance is therefore about six units in the last place at 1.0 (seen: 4 at bf16 in a
+gradient summing 12 terms); relative tolerances stay at a few units. Where nothing is reduced across ranks, compare with
 exact=True; integer-valued inputs (`integer_valued`) make every sum exact in any order, so
 even reduced paths can be compared exactly.
 """
+
+import os
 
 import torch
 
 TOLERANCES = {
     torch.float64: dict(rtol=1e-7, atol=1e-7),
     torch.float32: dict(rtol=1e-5, atol=1e-5),
-    torch.float16: dict(rtol=2e-3, atol=2e-3),
-    torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
+    torch.float16: dict(rtol=2e-3, atol=6e-3),
+    torch.bfloat16: dict(rtol=2e-2, atol=5e-2),
 }
 
 
@@ -45,3 +51,8 @@ def integer_valued(shape, dtype=torch.float32, *, low=-3, high=4, generator=None
     """Random small integers as floats. Sums of their products stay exact, in any order, while
     they stay below 2**24 in fp32 (2**11 in fp16, 2**8 in bf16): use fp32 for exact checks."""
     return torch.randint(low, high, shape, generator=generator).to(dtype)
+
+
+def examples(n: int) -> int:
+    """`n` hypothesis examples, times env TPLAYERS_EXAMPLES_SCALE (default 1) for longer runs."""
+    return n * int(os.environ.get("TPLAYERS_EXAMPLES_SCALE", "1"))
