@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seq", type=int, default=32)
     demo.add_argument("--sequence-parallel", action="store_true")
     demo.add_argument("--no-overlap", action="store_true", help="plain collectives, for comparison")
-    demo.add_argument("--backend", choices=["torch", "triton"], default="torch")
+    demo.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--out", default="demo_out", help="folder for loss.csv / loss.png")
     demo.set_defaults(run=_demo)

@@ -28,7 +28,7 @@ class DemoConfig:
     lr: float = 3e-3
     sequence_parallel: bool = False
     overlap: bool = True
-    backend: str = "torch"
+    backend: str = "auto"
     seed: int = 0
 
 
@@ -57,9 +57,9 @@ def tensor_parallel(model: MLPStack, group, cfg: DemoConfig) -> MLPStack:
     return model
 
 
-def _batch(step, cfg, teacher):
+def _batch(step, cfg, teacher, device):
     gen = torch.Generator().manual_seed(cfg.seed * 100_003 + step)
-    x = torch.randn(cfg.batch, cfg.seq, cfg.hidden, generator=gen)
+    x = torch.randn(cfg.batch, cfg.seq, cfg.hidden, generator=gen).to(device)
     with torch.no_grad():
         return x, teacher(x)
 
@@ -80,9 +80,11 @@ def train_on_rank(rank, world_size, cfg: DemoConfig):
     tplayers.set_backend(cfg.backend)
     group = dist.group.WORLD
     torch.manual_seed(cfg.seed)
-    teacher = MLPStack(cfg)
-    model = MLPStack(cfg)
-    reference = MLPStack(cfg) if rank == 0 else None
+    # CPU ranks on gloo (launch, or torchrun without GPUs); one GPU per rank on NCCL (torchrun).
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    teacher = MLPStack(cfg).to(device)
+    model = MLPStack(cfg).to(device)
+    reference = MLPStack(cfg).to(device) if rank == 0 else None
     if reference is not None:
         reference.load_state_dict(model.state_dict())
     model = tensor_parallel(model, group, cfg)
@@ -97,7 +99,7 @@ def train_on_rank(rank, world_size, cfg: DemoConfig):
         progress = tqdm(total=cfg.steps, desc=f"TP={world_size} MLP", unit="step")
     losses, ref_losses, train_time, bytes_per_step = [], [], 0.0, 0
     for step in range(cfg.steps):
-        x, target = _batch(step, cfg, teacher)
+        x, target = _batch(step, cfg, teacher, device)
         start = time.perf_counter()
         with tplayers.count_bytes() as sent:
             # Each rank's loss is over its sequence shard; their sum is the full mean loss.
