@@ -4,10 +4,12 @@ from tplayers.backend import get_backend, set_backend
 from tplayers.distributed import RankError, init_mesh, launch
 from tplayers.functional.comm import count_bytes
 from tplayers.layers import ColumnParallelLinear, RowParallelLinear
+from tplayers.mlp import ParallelMLP
 from tplayers.placement import ParamPlacement, get_placement
 
 __all__ = [
     "ColumnParallelLinear",
+    "ParallelMLP",
     "ParamPlacement",
     "RankError",
     "RowParallelLinear",

@@ -1,0 +1,172 @@
+"""`ParallelMLP`: the tensor-parallel feed-forward block, SwiGLU (Llama) or GeLU (GPT-2).
+
+n = TP size, H = hidden_size, F = ffn_hidden_size, f = F/n. Built from the existing layers, so
+all communication (and its overlap with the GEMMs) is theirs:
+
+    SwiGLU:  x (..., H) -> in_proj: ColumnParallelLinear(H, 2F), local weight (2f, H) = [gate_r; up_r]
+             -> y (..., 2f) = [gate | up] -> h (..., f) = silu(gate) * up (kernels/swiglu.py)
+             -> out_proj: RowParallelLinear(F, H), local weight (H, f) -> (..., H)
+    GeLU:    x -> in_proj: ColumnParallelLinear(H, F) -> gelu -> out_proj: RowParallelLinear(F, H)
+
+Fused gate|up layout. Rank r's in_proj weight is gate_proj.weight[r*f:(r+1)*f] stacked on
+up_proj.weight[r*f:(r+1)*f] (bias likewise), so gate and up are one GEMM whose output halves are
+this rank's slices of gate(x) and up(x), and the shard is local and contiguous. Its placement is
+Shard(0) of a virtual (2F, H) weight that is the rank-major interleaving [gate_0; up_0; gate_1;
+up_1; ...] (what concatenating the shards along dim 0 gives): `fuse_gate_up` builds that weight
+from the unsharded pair, `unfuse_gate_up` maps it back, and `ParallelMLP.unfused_shards()` gives
+each rank's slices in the unsharded gate / up / down layout (for gathering a full state dict).
+With sequence_parallel=True, x and the output are (B, S/n, H), sharded along the sequence.
+"""
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+
+from tplayers.distributed import resolve_group
+from tplayers.functional.swiglu import swiglu_fused
+from tplayers.layers import ColumnParallelLinear, RowParallelLinear, _divide, _full_linear_init
+
+ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh")
+
+
+def fuse_gate_up(gate, up, n):
+    """The unsharded (F, ...) gate / up weights (or biases) -> the (2F, ...) rank-major interleaving
+    [gate_0; up_0; ...; gate_{n-1}; up_{n-1}] whose r-th contiguous slice along dim 0 is rank r's
+    fused [gate_r; up_r] shard."""
+    if gate.shape != up.shape:
+        raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} must have the same shape")
+    _divide(gate.shape[0], n, "ffn_hidden_size")
+    return torch.cat([t for pair in zip(gate.chunk(n, 0), up.chunk(n, 0), strict=True) for t in pair], 0)
+
+
+def unfuse_gate_up(fused, n):
+    """Inverse of `fuse_gate_up`: the (2F, ...) interleaving (the shards concatenated) -> (gate, up)."""
+    pairs = [shard.chunk(2, 0) for shard in fused.chunk(n, 0)]
+    return torch.cat([g for g, _ in pairs], 0), torch.cat([u for _, u in pairs], 0)
+
+
+def _weights(linear):
+    return linear.weight.detach(), (linear.bias.detach() if linear.bias is not None else None)
+
+
+class ParallelMLP(nn.Module):
+    """down(act(x W_in^T + b_in)) with W_in column-parallel and W_down row-parallel over `group`.
+
+    activation="swiglu": Llama's down(silu(gate(x)) * up(x)), gate and up fused into one GEMM (see
+    the module docstring for the shard layout); "gelu" (erf) / "gelu_tanh": GPT-2's
+    proj(gelu(fc(x))). Input (..., H) replicated over the group, or (B, S/n, H) with
+    sequence_parallel; output likewise, summed over the group. Weights are drawn as the unsharded
+    nn.Linear modules would be (gate, up, down in Llama's order) under the same seed.
+    """
+
+    def __init__(
+        self, hidden_size, ffn_hidden_size, *, activation="swiglu", bias=False, group=None,
+        sequence_parallel=False, overlap=True, device=None, dtype=None,
+    ):  # fmt: skip
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"ParallelMLP: activation must be one of {ACTIVATIONS}, got {activation!r}")
+        self.group = resolve_group(group)
+        self.tp_size = torch.distributed.get_world_size(self.group)
+        _divide(ffn_hidden_size, self.tp_size, "ffn_hidden_size")
+        self.hidden_size, self.ffn_hidden_size, self.activation = hidden_size, ffn_hidden_size, activation
+        self.sequence_parallel = sequence_parallel
+        gated = activation == "swiglu"
+        kw = dict(group=self.group, sequence_parallel=sequence_parallel, overlap=overlap, dtype=dtype)
+        in_features = 2 * ffn_hidden_size if gated else ffn_hidden_size
+        self.in_proj = ColumnParallelLinear(hidden_size, in_features, bias, device="meta", **kw)
+        self.out_proj = RowParallelLinear(ffn_hidden_size, hidden_size, bias, device="meta", **kw)
+        if device is not None and torch.device(device).type == "meta":
+            return
+        full = [_full_linear_init(hidden_size, ffn_hidden_size, bias, device, dtype) for _ in range(1 + gated)]
+        down = _full_linear_init(ffn_hidden_size, hidden_size, bias, device, dtype)
+        self._set_full(full, down, device)
+
+    def _set_full(self, in_weights, down, device):
+        """Keep this rank's shards of the unsharded weights: `in_weights` is [(gate_w, gate_b),
+        (up_w, up_b)] for SwiGLU, [(fc_w, fc_b)] for GeLU; `down` is (down_w, down_b)."""
+        if len(in_weights) == 2:
+            (gw, gb), (uw, ub) = in_weights
+            weight, bias = fuse_gate_up(gw, uw, self.tp_size), None
+            if gb is not None:
+                bias = fuse_gate_up(gb, ub, self.tp_size)
+        else:
+            ((weight, bias),) = in_weights
+        self.in_proj._set_shards(weight, bias, device)
+        self.out_proj._set_shards(*down, device)
+
+    @classmethod
+    def _from_full(cls, in_linears, down, activation, *, group, device, dtype, **kwargs):
+        ref = in_linears[0]
+        for lin in (*in_linears, down):
+            if not isinstance(lin, nn.Linear):
+                raise TypeError(f"ParallelMLP: expected nn.Linear modules, got {type(lin).__name__}")
+            if (lin.bias is None) != (ref.bias is None):
+                raise ValueError("ParallelMLP: either every projection has a bias or none has")
+        F, H = ref.weight.shape
+        for lin in in_linears:
+            if tuple(lin.weight.shape) != (F, H):
+                raise ValueError(f"ParallelMLP: gate/up weights {tuple(lin.weight.shape)} and {(F, H)} differ")
+        if tuple(down.weight.shape) != (H, F):
+            raise ValueError(f"ParallelMLP: down weight must be {(H, F)}, got {tuple(down.weight.shape)}")
+        dtype = dtype or ref.weight.dtype
+        mlp = cls(
+            H, F, activation=activation, bias=ref.bias is not None, group=group, device="meta", dtype=dtype,
+            **kwargs,
+        )  # fmt: skip
+        cast = lambda wb: tuple(None if t is None else t.to(dtype) for t in wb)  # noqa: E731
+        mlp._set_full([cast(_weights(lin)) for lin in in_linears], cast(_weights(down)), device or ref.weight.device)
+        return mlp
+
+    @classmethod
+    def from_modules(cls, gate_proj, up_proj, down_proj, *, group=None, device=None, dtype=None, **kwargs):
+        """The SwiGLU MLP holding this rank's slices of HF Llama's gate_proj (F, H), up_proj (F, H)
+        and down_proj (H, F) nn.Linear modules (left unchanged)."""
+        return cls._from_full(
+            [gate_proj, up_proj], down_proj, "swiglu", group=group, device=device, dtype=dtype, **kwargs
+        )
+
+    @classmethod
+    def from_linears(cls, fc, proj, *, activation="gelu_tanh", group=None, device=None, dtype=None, **kwargs):
+        """The GeLU MLP holding this rank's slices of fc (F, H) and proj (H, F) nn.Linear modules."""
+        if activation == "swiglu":
+            raise ValueError("ParallelMLP.from_linears builds a GeLU MLP; use from_modules for SwiGLU")
+        return cls._from_full([fc], proj, activation, group=group, device=device, dtype=dtype, **kwargs)
+
+    def unfused_shards(self):
+        """This rank's parameter slices in the unsharded modules' layout, as {name: (tensor, placement)}:
+        names gate_proj / up_proj / down_proj (SwiGLU) or fc / proj (GeLU), each ".weight" / ".bias".
+        Tensors are detached views of the parameters; concatenating each over the group along its
+        Shard dim (or taking any rank's copy for Replicate) gives the unsharded tensor."""
+        w, b = self.in_proj.weight.detach(), self.in_proj.bias
+        out = {}
+        if self.activation == "swiglu":
+            f = w.shape[0] // 2
+            for i, name in enumerate(("gate_proj", "up_proj")):
+                out[f"{name}.weight"] = (w[i * f : (i + 1) * f], Shard(0))
+                if b is not None:
+                    out[f"{name}.bias"] = (b.detach()[i * f : (i + 1) * f], Shard(0))
+            down = "down_proj"
+        else:
+            out["fc.weight"] = (w, Shard(0))
+            if b is not None:
+                out["fc.bias"] = (b.detach(), Shard(0))
+            down = "proj"
+        out[f"{down}.weight"] = (self.out_proj.weight.detach(), Shard(1))
+        if self.out_proj.bias is not None:
+            out[f"{down}.bias"] = (self.out_proj.bias.detach(), Replicate())
+        return out
+
+    def forward(self, x):
+        y = self.in_proj(x)  # checks x (dtype, device, shape) on every rank before any collective
+        if self.activation == "swiglu":
+            h = swiglu_fused(y)
+        else:
+            h = nn.functional.gelu(y, approximate="tanh" if self.activation == "gelu_tanh" else "none")
+        return self.out_proj(h)
+
+    def extra_repr(self):
+        return (
+            f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size} "
+            f"({self.ffn_hidden_size // self.tp_size} per rank of {self.tp_size}), activation={self.activation!r}"
+        )
