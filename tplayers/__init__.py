@@ -2,7 +2,9 @@
 
 from tplayers.backend import get_backend, set_backend
 from tplayers.distributed import RankError, init_mesh, launch
+from tplayers.embedding import VocabParallelEmbedding
 from tplayers.functional.comm import count_bytes
+from tplayers.functional.cross_entropy import vocab_parallel_cross_entropy
 from tplayers.layers import ColumnParallelLinear, RowParallelLinear
 from tplayers.mlp import ParallelMLP
 from tplayers.placement import ParamPlacement, get_placement
@@ -13,10 +15,12 @@ __all__ = [
     "ParamPlacement",
     "RankError",
     "RowParallelLinear",
+    "VocabParallelEmbedding",
     "count_bytes",
     "get_backend",
     "get_placement",
     "init_mesh",
     "launch",
     "set_backend",
+    "vocab_parallel_cross_entropy",
 ]

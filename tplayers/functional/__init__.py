@@ -9,6 +9,7 @@ from tplayers.functional.collectives import (
     scatter_to_tp_region,
 )
 from tplayers.functional.comm import count_bytes
+from tplayers.functional.cross_entropy import vocab_parallel_cross_entropy
 from tplayers.functional.linear import column_parallel_linear, row_parallel_linear
 from tplayers.functional.overlap import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
 
@@ -25,4 +26,5 @@ __all__ = [
     "reduce_scatter_sequence",
     "row_parallel_linear",
     "scatter_to_tp_region",
+    "vocab_parallel_cross_entropy",
 ]

@@ -1,0 +1,52 @@
+"""`vocab_ce_stats_ref`: the pure-torch version of the fused statistics pass that vocab-parallel
+cross-entropy makes over one rank's vocab shard of the logits, with the Triton
+`vocab_ce_stats`'s signature, and the argument checks both share. No triton import here: it is
+the CPU path, the test oracle and the benchmark baseline.
+
+Shapes: logits (R, V_local) (any float dtype, any strides), target (R,) global token ids (any
+integer dtype), `vocab_start` the global id of this shard's first column. Returns fp32 (R, 4):
+    [:, MAX]     max_j logits[r, j]
+    [:, SUMEXP]  sum_j exp(logits[r, j] - max)
+    [:, TARGET]  logits[r, target[r] - vocab_start] if the target falls in this shard, else 0
+    [:, SUM]     sum_j logits[r, j]                 (the label-smoothing term)
+"""
+
+import torch
+
+MAX, SUMEXP, TARGET, SUM = range(4)
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_args(logits, target, vocab_start):
+    if logits.dim() != 2:
+        raise ValueError(f"vocab_ce_stats: logits must be 2-D (rows, vocab shard), got {tuple(logits.shape)}")
+    if logits.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"vocab_ce_stats: logits must be fp32/fp16/bf16, got {logits.dtype}")
+    if logits.shape[1] == 0:
+        raise ValueError("vocab_ce_stats: the vocab shard is empty")
+    if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
+        raise TypeError(f"vocab_ce_stats: target must be an integer tensor, got {target.dtype}")
+    if tuple(target.shape) != (logits.shape[0],):
+        raise ValueError(f"vocab_ce_stats: target must have shape ({logits.shape[0]},), got {tuple(target.shape)}")
+    if target.device != logits.device:
+        raise ValueError(f"vocab_ce_stats: target is on {target.device} but logits are on {logits.device}")
+    if not isinstance(vocab_start, int) or vocab_start < 0:
+        raise ValueError(f"vocab_ce_stats: vocab_start must be a non-negative int, got {vocab_start!r}")
+
+
+def vocab_ce_stats_ref(logits, target, vocab_start=0):
+    """Per-row max, sum-exp, target logit and logit sum of a vocab shard, in fp32 (see the module docstring)."""
+    check_args(logits, target, vocab_start)
+    x = logits.float()
+    stats = x.new_empty((x.shape[0], 4))
+    if x.shape[0] == 0:
+        return stats
+    row_max = x.amax(dim=1)
+    stats[:, MAX] = row_max
+    stats[:, SUMEXP] = torch.exp(x - row_max[:, None]).sum(dim=1)
+    local = target.long() - vocab_start
+    in_shard = (local >= 0) & (local < x.shape[1])
+    picked = x.gather(1, local.clamp(0, x.shape[1] - 1)[:, None]).squeeze(1)
+    stats[:, TARGET] = torch.where(in_shard, picked, 0.0)
+    stats[:, SUM] = x.sum(dim=1)
+    return stats
