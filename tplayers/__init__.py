@@ -1,5 +1,6 @@
 """tplayers: tensor-parallel transformer layers on fused Triton GEMMs with overlapped communication."""
 
+from tplayers.attention import ParallelAttention
 from tplayers.backend import get_backend, set_backend
 from tplayers.distributed import RankError, init_mesh, launch
 from tplayers.embedding import VocabParallelEmbedding
@@ -11,6 +12,7 @@ from tplayers.placement import ParamPlacement, get_placement
 
 __all__ = [
     "ColumnParallelLinear",
+    "ParallelAttention",
     "ParallelMLP",
     "ParamPlacement",
     "RankError",
