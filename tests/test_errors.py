@@ -60,15 +60,6 @@ def test_unknown_backend_rejected():
         tplayers.set_backend("cuda")
 
 
-def test_gather_output_with_sequence_parallel_rejected(pool):
-    with pytest.raises(tplayers.RankError, match="gather_output=True cannot be combined"):
-        pool.run(_build_gather_sp, 2)
-
-
-def _build_gather_sp(rank, tp, group):
-    tplayers.ColumnParallelLinear(4, 4, group=group, gather_output=True, sequence_parallel=True)
-
-
 def raise_on_rank_one(rank, tp, group):
     if rank == 1:
         raise RuntimeError("injected failure on rank one")

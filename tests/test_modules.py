@@ -63,9 +63,30 @@ def row_sp_without_input_grad(rank, tp, group):
     assert_close(row.bias.grad, linear.bias.grad)
 
 
+def sp_lm_head_gathers_full_output(rank, tp, group):
+    torch.manual_seed(0)
+    linear = nn.Linear(6, 4 * tp)
+    head = tplayers.ColumnParallelLinear.from_linear(linear, group=group, sequence_parallel=True, gather_output=True)
+    x = torch.randn(2, 3 * tp, 6, requires_grad=True)
+    x_local = x.detach().chunk(tp, 1)[rank].clone().requires_grad_(True)
+    y, y_ref = head(x_local), linear(x)
+    assert_close(y, y_ref)  # every rank: the full sequence, the full output features
+    dy = torch.randn_like(y_ref)
+    y.backward(dy)
+    y_ref.backward(dy)
+    assert_shard_close(x_local.grad, x.grad, dim=1, rank=rank, num_shards=tp)
+    assert_shard_close(head.weight.grad, linear.weight.grad, dim=0, rank=rank, num_shards=tp)
+
+
 @pytest.mark.parametrize("tp", [1, 3])
 @pytest.mark.parametrize(
-    "check", [placements_survive_copy_and_load, from_linear_casts_and_keeps_source, row_sp_without_input_grad]
+    "check",
+    [
+        placements_survive_copy_and_load,
+        from_linear_casts_and_keeps_source,
+        row_sp_without_input_grad,
+        sp_lm_head_gathers_full_output,
+    ],
 )
 def test_module_behaviour(pool, tp, check):
     pool.run(check, tp)

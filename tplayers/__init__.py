@@ -8,6 +8,7 @@ from tplayers.functional.comm import count_bytes
 from tplayers.functional.cross_entropy import vocab_parallel_cross_entropy
 from tplayers.layers import ColumnParallelLinear, RowParallelLinear
 from tplayers.mlp import ParallelMLP
+from tplayers.parallelize import gather_state_dict, parallelize
 from tplayers.placement import ParamPlacement, get_placement
 
 __all__ = [
@@ -19,10 +20,12 @@ __all__ = [
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "count_bytes",
+    "gather_state_dict",
     "get_backend",
     "get_placement",
     "init_mesh",
     "launch",
+    "parallelize",
     "set_backend",
     "vocab_parallel_cross_entropy",
 ]

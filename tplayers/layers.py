@@ -108,7 +108,8 @@ class ColumnParallelLinear(_ParallelLinear):
 
     Input (..., in_features) replicated over the group (sequence_parallel: (B, S/n, in)
     seq-sharded, all-gathered inside the GEMM). Output (..., out_features/n), or the whole
-    (..., out_features) with gather_output=True.
+    (..., out_features) with gather_output=True (under sequence_parallel too: an LM head that
+    turns the sequence shards into every rank's full logits).
     """
 
     def __init__(
@@ -117,8 +118,6 @@ class ColumnParallelLinear(_ParallelLinear):
     ):  # fmt: skip
         super().__init__(in_features, out_features, group=group, sequence_parallel=sequence_parallel, overlap=overlap)
         self.out_features_per_rank = _divide(out_features, self.tp_size, "out_features")
-        if gather_output and sequence_parallel:
-            raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with sequence_parallel")
         self.gather_output = gather_output
         self._init_parameters(bias, device, dtype)
 

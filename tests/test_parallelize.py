@@ -1,0 +1,142 @@
+"""`parallelize` on tiny HuggingFace causal LMs (random configs, no network) against the same
+model unsharded: logits, loss, every parameter gradient, greedy generate, state-dict round trip."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import tplayers
+from tplayers.parallelize import gather_grads
+from tplayers.testing import RemoteError, assert_close
+
+pytestmark = pytest.mark.multirank
+
+VOCAB = 96
+
+
+def tiny_model(family):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, max_position_embeddings=64
+    )
+    if family == "llama":  # GQA: 4 query heads, 2 key/value heads (replicated at TP=4)
+        return tf.LlamaForCausalLM(tf.LlamaConfig(**common, num_attention_heads=4, num_key_value_heads=2))
+    if family == "qwen2":  # q/k/v biases, MQA
+        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, num_attention_heads=4, num_key_value_heads=1))
+    if family == "mistral":
+        return tf.MistralForCausalLM(tf.MistralConfig(**common, num_attention_heads=4, num_key_value_heads=4))
+    if family == "gpt2":  # Conv1D, fused c_attn, tied embeddings
+        cfg = tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+        cfg.resid_pdrop = cfg.embd_pdrop = cfg.attn_pdrop = 0.0
+        return tf.GPT2LMHeadModel(cfg)
+    raise ValueError(family)
+
+
+def check_family(rank, tp, group, family, sequence_parallel):
+    model = tiny_model(family).eval()
+    reference = copy.deepcopy(model)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    tplayers.parallelize(model, group=group, sequence_parallel=sequence_parallel)
+
+    full = tplayers.gather_state_dict(model, group=group)  # round trip, exactly
+    assert list(full) == list(original)
+    for key, value in full.items():
+        assert_close(value, original[key], exact=True, msg=lambda m, k=key: f"{k}: {m}")
+    if family == "gpt2":
+        assert model.lm_head.weight is model.transformer.wte.weight  # tied stays tied
+
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    out, out_ref = model(ids, labels=ids), reference(ids, labels=ids)
+    assert out.logits.shape[-1] == VOCAB  # full-vocabulary logits
+    assert_close(out.logits, out_ref.logits)
+    assert_close(out.loss, out_ref.loss)
+    out.loss.backward()
+    out_ref.loss.backward()
+    grads = gather_grads(model, group=group)
+    for name, p in reference.named_parameters():
+        assert_close(grads[name], p.grad, msg=lambda m, k=name: f"grad of {k}: {m}")
+    if not sequence_parallel:  # greedy decoding with the KV cache holding local heads
+        prompt = ids[:, :3]
+        generated = model.generate(prompt, max_new_tokens=6, do_sample=False)
+        assert torch.equal(generated, reference.generate(prompt, max_new_tokens=6, do_sample=False))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2"])
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
+def test_hf_model_matches_unsharded(pool, family, tp, sequence_parallel):
+    pool.run(check_family, tp, family, sequence_parallel)
+
+
+class Custom(nn.Module):
+    """A model parallelize cannot recognise: it needs a plan."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(12, 8)
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, ids):
+        return self.down(torch.relu(self.up(self.emb(ids))))
+
+
+def plan_for_custom_model(rank, tp, group):
+    torch.manual_seed(0)
+    model = Custom()
+    reference = copy.deepcopy(model)
+    tplayers.parallelize(model, group=group, plan={"emb": "vocab", "up": "colwise", "down": "rowwise"})
+    ids = torch.tensor([[1, 5, 11, 0]])
+    y, y_ref = model(ids), reference(ids)
+    assert_close(y, y_ref)
+    y.sum().backward()
+    y_ref.sum().backward()
+    grads = gather_grads(model, group=group)
+    for name, p in reference.named_parameters():
+        assert_close(grads[name], p.grad)
+
+
+def test_plan_for_an_unrecognised_model(pool):
+    pool.run(plan_for_custom_model, 2)
+
+
+def bad_input(rank, tp, group, case):
+    if case == "unrecognised":
+        tplayers.parallelize(Custom(), group=group)
+    elif case == "heads":
+        tplayers.parallelize(tiny_model("mistral"), group=group)  # 4 heads on 3 ranks
+    elif case == "vocab":
+        model = Custom()
+        model.emb = nn.Embedding(10, 8)
+        tplayers.parallelize(model, group=group, plan={"emb": "vocab", "up": "colwise", "down": "rowwise"})
+    elif case == "bad_plan":
+        tplayers.parallelize(Custom(), group=group, plan={"up": "diagonal"})
+    elif case == "too_long":
+        model = tplayers.parallelize(tiny_model("gpt2"), group=group)
+        model(torch.zeros(1, 65, dtype=torch.long))
+    elif case == "sp_sequence":
+        model = tplayers.parallelize(tiny_model("llama"), group=group, sequence_parallel=True)
+        model(torch.zeros(1, 3, dtype=torch.long))
+
+
+CASES = {
+    "unrecognised": r"could not place \['up', 'down'\]",
+    "heads": r"attention heads \(4\) is not divisible by the tensor-parallel size \(3\)",
+    "vocab": r"\(10\) is not divisible by the tensor-parallel size \(3\)",
+    "bad_plan": r"plan values must be one of",
+    "too_long": r"input of 65 positions is longer than the model's 64",
+    "sp_sequence": r"sequence length \(3,\) is not divisible by the tensor-parallel size \(2\)",
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_raises_on_every_rank(pool, case):
+    import re
+
+    replies = pool.run(bad_input, 3 if case in ("heads", "vocab") else 2, case, return_exceptions=True)
+    for reply in replies:
+        assert isinstance(reply, RemoteError) and re.search(CASES[case], reply.message), reply
