@@ -48,6 +48,8 @@ def check_family(rank, tp, group, family, sequence_parallel):
         assert_close(value, original[key], exact=True, msg=lambda m, k=key: f"{k}: {m}")
     if family == "gpt2":
         assert model.lm_head.weight is model.transformer.wte.weight  # tied stays tied
+    else:  # SiLU-gated MLPs run as one gate|up GEMM plus the SwiGLU kernel
+        assert isinstance(model.model.layers[0].mlp, tplayers.ParallelMLP)
 
     ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
     out, out_ref = model(ids, labels=ids), reference(ids, labels=ids)
@@ -140,3 +142,28 @@ def test_bad_input_raises_on_every_rank(pool, case):
     replies = pool.run(bad_input, 3 if case in ("heads", "vocab") else 2, case, return_exceptions=True)
     for reply in replies:
         assert isinstance(reply, RemoteError) and re.search(CASES[case], reply.message), reply
+
+
+def llama_bytes(rank, tp, group, sequence_parallel):
+    model = tplayers.parallelize(tiny_model("llama"), group=group, sequence_parallel=sequence_parallel)
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    with tplayers.count_bytes() as sent:
+        model(ids, labels=ids).loss.backward()
+    return sent.total()
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
+def test_communication_is_the_megatron_minimum(pool, sequence_parallel):
+    """One collective per (block input, block output) each way, as Megatron-LM's layers need."""
+    tp, layers, hidden, tokens = 2, 2, 32, 2 * 8
+    act = tokens * hidden * 4  # one (B, S, H) fp32 activation
+    ring, all_reduce = (tp - 1) / tp, 2 * (tp - 1) / tp
+    logits_gather = ring * tokens * VOCAB * 4  # the LM head's full-vocabulary logits, forward
+    edges = all_reduce * act * 2  # the embedding's partial sums (fwd), the LM head's input grad (bwd)
+    if sequence_parallel:  # per block: attention and MLP each gather in, reduce-scatter out, both ways
+        per_block = 8 * ring * act + 2 * all_reduce * hidden * 4  # + the two norm weights' grads
+        edges += 2 * ring * act  # entering the first block (bwd) and leaving the last (fwd)
+    else:  # per block: attention and MLP each one all-reduce forward, one backward
+        per_block = 4 * all_reduce * act
+    expected = layers * per_block + edges + logits_gather
+    assert pool.run(llama_bytes, tp, sequence_parallel) == [pytest.approx(expected, rel=1e-6)] * tp

@@ -11,7 +11,8 @@ def _demo(args) -> int:
     from tplayers.demo import DemoConfig, run_demo, summary, write_report
 
     cfg = DemoConfig(
-        tp=args.tp, steps=args.steps, layers=args.layers, hidden=args.hidden, ffn=args.ffn,
+        tp=args.tp, steps=args.steps, layers=args.layers, hidden=args.hidden, heads=args.heads,
+        kv_heads=args.kv_heads, ffn=args.ffn,
         batch=args.batch, seq=args.seq, sequence_parallel=args.sequence_parallel,
         overlap=not args.no_overlap, backend=args.backend, seed=args.seed,
     )  # fmt: skip
@@ -26,14 +27,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tplayers", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="train a TP MLP on local CPU ranks and compare with unsharded")
+    demo = sub.add_parser("demo", help="train a Llama-style model with TP on local CPU ranks, compared with unsharded")
     demo.add_argument("--tp", type=int, default=2, help="tensor-parallel size (local ranks)")
-    demo.add_argument("--steps", type=int, default=200)
+    demo.add_argument("--steps", type=int, default=300)
     demo.add_argument("--layers", type=int, default=2)
     demo.add_argument("--hidden", type=int, default=64)
-    demo.add_argument("--ffn", type=int, default=256)
+    demo.add_argument("--heads", type=int, default=4)
+    demo.add_argument("--kv-heads", type=int, default=2)
+    demo.add_argument("--ffn", type=int, default=128)
     demo.add_argument("--batch", type=int, default=8)
-    demo.add_argument("--seq", type=int, default=32)
+    demo.add_argument("--seq", type=int, default=64)
     demo.add_argument("--sequence-parallel", action="store_true")
     demo.add_argument("--no-overlap", action="store_true", help="plain collectives, for comparison")
     demo.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto")

@@ -1,8 +1,10 @@
-"""`tplayers demo`: train a small tensor-parallel MLP stack on local CPU ranks and check it
-step for step against the same model trained unsharded.
+"""`tplayers demo`: train a small Llama-style HuggingFace model with tensor parallelism on local
+CPU ranks and check it step for step against the same model trained unsharded.
 
-Model: `layers` residual blocks h = h + Row(gelu(Col(h))) regressing the output of a fixed
-random teacher network; rank 0 trains the unsharded twin (nn.Linear) on the same batches.
+Model: `LlamaForCausalLM` from a small random config over bytes (vocabulary 256), sharded by
+`tplayers.parallelize` with vocabulary-parallel logits and `vocab_parallel_cross_entropy`.
+Text: generated on the fly, sums written out ("17+25=42;"), so there is structure to learn and
+nothing to download. Rank 0 trains the unsharded twin on the same batches.
 """
 
 import time
@@ -10,111 +12,98 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 import tplayers
-from tplayers.functional.collectives import all_gather_dim
+
+VOCAB = 256  # bytes
+AGREE_TOL = 1e-4
 
 
 @dataclass
 class DemoConfig:
     tp: int = 2
-    steps: int = 200
+    steps: int = 300
     layers: int = 2
     hidden: int = 64
-    ffn: int = 256
+    heads: int = 4
+    kv_heads: int = 2
+    ffn: int = 128
     batch: int = 8
-    seq: int = 32
-    lr: float = 3e-3
+    seq: int = 64
+    lr: float = 1e-3
     sequence_parallel: bool = False
     overlap: bool = True
     backend: str = "auto"
     seed: int = 0
 
 
-class MLPStack(nn.Module):
-    """The unsharded model: plain nn.Linear blocks, knowing nothing about parallelism."""
-
-    def __init__(self, cfg: DemoConfig):
-        super().__init__()
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(cfg.hidden, cfg.ffn), nn.GELU(), nn.Linear(cfg.ffn, cfg.hidden))
-            for _ in range(cfg.layers)
-        )
-
-    def forward(self, h):
-        for block in self.blocks:
-            h = h + block(h)
-        return h
+def build_model(cfg: DemoConfig):
+    """The unsharded model; it knows nothing about parallelism."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as e:
+        raise ImportError("tplayers demo trains a HuggingFace model: pip install 'tplayers[hf]'") from e
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=cfg.hidden, intermediate_size=cfg.ffn, num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads, max_position_embeddings=cfg.seq,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
 
 
-def tensor_parallel(model: MLPStack, group, cfg: DemoConfig) -> MLPStack:
-    """Swap each block's Linear pair for Column/Row-parallel shards of the same weights."""
-    kw = dict(group=group, sequence_parallel=cfg.sequence_parallel, overlap=cfg.overlap)
-    for block in model.blocks:
-        block[0] = tplayers.ColumnParallelLinear.from_linear(block[0], **kw)
-        block[2] = tplayers.RowParallelLinear.from_linear(block[2], **kw)
-    return model
-
-
-def _batch(step, cfg, teacher, device):
+def text_batch(step: int, cfg: DemoConfig, device) -> torch.Tensor:
+    """(batch, seq) byte ids of generated sums, the same on every rank for a given step."""
     gen = torch.Generator().manual_seed(cfg.seed * 100_003 + step)
-    x = torch.randn(cfg.batch, cfg.seq, cfg.hidden, generator=gen).to(device)
-    with torch.no_grad():
-        return x, teacher(x)
+    rows = []
+    for _ in range(cfg.batch):
+        text = ""
+        while len(text) < cfg.seq + 1:
+            a, b = torch.randint(0, 100, (2,), generator=gen).tolist()
+            text += f"{a}+{b}={a + b};"
+        start = int(torch.randint(0, len(text) - cfg.seq, (1,), generator=gen))
+        rows.append(list(text[start : start + cfg.seq].encode()))
+    return torch.tensor(rows, device=device)
 
 
-def _gather_full_params(model: nn.Module, group) -> list:
-    """Every parameter whole (sharded ones all-gathered along their shard dim); a collective."""
-    full = []
-    for p in model.parameters():
-        placement = tplayers.get_placement(p)
-        t = p.detach()
-        if placement is not None and placement.is_sharded:
-            t = all_gather_dim(t.contiguous(), placement.placement.dim, placement.group)
-        full.append(t)
-    return full
+def _loss(model, ids, group):
+    """Next-byte cross-entropy from this rank's vocabulary slice of the logits."""
+    local_logits = model(ids).logits  # (B, S, V/n)
+    return tplayers.vocab_parallel_cross_entropy(local_logits[:, :-1], ids[:, 1:], group=group)
 
 
 def train_on_rank(rank, world_size, cfg: DemoConfig):
     tplayers.set_backend(cfg.backend)
     group = dist.group.WORLD
-    torch.manual_seed(cfg.seed)
     # CPU ranks on gloo (launch, or torchrun without GPUs); one GPU per rank on NCCL (torchrun).
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    teacher = MLPStack(cfg).to(device)
-    model = MLPStack(cfg).to(device)
-    reference = MLPStack(cfg).to(device) if rank == 0 else None
-    if reference is not None:
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg).to(device)
+    reference = None
+    if rank == 0:
+        reference = build_model(cfg).to(device)
         reference.load_state_dict(model.state_dict())
-    model = tensor_parallel(model, group, cfg)
+    tplayers.parallelize(model, group=group, sequence_parallel=cfg.sequence_parallel, vocab_parallel_logits=True)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=cfg.lr) if reference is not None else None
-    shard = (lambda t: t.chunk(world_size, 1)[rank]) if cfg.sequence_parallel else (lambda t: t)
 
     progress = None
     if rank == 0:
         from tqdm import tqdm
 
-        progress = tqdm(total=cfg.steps, desc=f"TP={world_size} MLP", unit="step")
+        progress = tqdm(total=cfg.steps, desc=f"TP={world_size} Llama", unit="step")
     losses, ref_losses, train_time, bytes_per_step = [], [], 0.0, 0
     for step in range(cfg.steps):
-        x, target = _batch(step, cfg, teacher, device)
+        ids = text_batch(step, cfg, device)
         start = time.perf_counter()
         with tplayers.count_bytes() as sent:
-            # Each rank's loss is over its sequence shard; their sum is the full mean loss.
-            loss = nn.functional.mse_loss(model(shard(x)), shard(target), reduction="sum") / target.numel()
+            loss = _loss(model, ids, group)
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         train_time += time.perf_counter() - start
         bytes_per_step = sent.total()
-        total = loss.detach().clone()
-        if cfg.sequence_parallel:
-            dist.all_reduce(total, group=group)
-        losses.append(total.item())
+        losses.append(loss.item())
         if reference is not None:
-            ref_loss = nn.functional.mse_loss(reference(x), target)
+            ref_loss = reference(ids, labels=ids).loss
             ref_loss.backward()
             ref_opt.step()
             ref_opt.zero_grad(set_to_none=True)
@@ -123,11 +112,16 @@ def train_on_rank(rank, world_size, cfg: DemoConfig):
             progress.set_postfix(loss=f"{losses[-1]:.4f}", unsharded=f"{ref_losses[-1]:.4f}")
     if progress is not None:
         progress.close()
-    gathered = _gather_full_params(model, group)
+    full = tplayers.gather_state_dict(model, group=group)  # a collective: every rank
     if rank != 0:
         return None
-    diff = max((a - b.detach()).abs().max().item() for a, b in zip(gathered, reference.parameters(), strict=True))
+    diff = max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())
     tokens = cfg.steps * cfg.batch * cfg.seq
+    loss_diffs = [abs(a - b) for a, b in zip(losses, ref_losses, strict=True)]
+    # Summation order differs between the sharded and the unsharded GEMMs, so the two runs differ
+    # by rounding from the first step; training amplifies that over hundreds of steps. Report how
+    # long they agree to AGREE_TOL and how far apart they end up.
+    agree_steps = next((i for i, d in enumerate(loss_diffs) if d > AGREE_TOL), len(loss_diffs))
     return dict(
         config=asdict(cfg),
         losses=losses,
@@ -135,17 +129,22 @@ def train_on_rank(rank, world_size, cfg: DemoConfig):
         tokens_per_s=tokens / train_time,
         bytes_per_step=bytes_per_step,
         max_param_diff=diff,
-        max_loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
+        max_loss_diff=max(loss_diffs),
+        agree_steps=agree_steps,
+        max_loss_diff_while_agreeing=max(loss_diffs[:agree_steps], default=0.0),
     )
 
 
 def run_demo(cfg: DemoConfig) -> dict:
     """Train on `cfg.tp` local ranks; rank 0's report (losses, throughput, bytes, differences)."""
-    for name in ("tp", "steps", "layers", "hidden", "ffn", "batch", "seq"):
+    for name in ("tp", "steps", "layers", "hidden", "heads", "kv_heads", "ffn", "batch", "seq"):
         if getattr(cfg, name) <= 0:
             raise ValueError(f"{name} must be positive, got {getattr(cfg, name)}")
-    if cfg.ffn % cfg.tp:
-        raise ValueError(f"ffn ({cfg.ffn}) is not divisible by the tensor-parallel size ({cfg.tp})")
+    for name in ("ffn", "heads"):
+        if getattr(cfg, name) % cfg.tp:
+            raise ValueError(f"{name} ({getattr(cfg, name)}) is not divisible by the tensor-parallel size ({cfg.tp})")
+    if cfg.hidden % cfg.heads:
+        raise ValueError(f"hidden ({cfg.hidden}) is not divisible by heads ({cfg.heads})")
     if cfg.sequence_parallel and cfg.seq % cfg.tp:
         raise ValueError(f"seq ({cfg.seq}) is not divisible by the tensor-parallel size ({cfg.tp})")
     return tplayers.launch(train_on_rank, cfg.tp, cfg)[0]
@@ -172,7 +171,7 @@ def write_report(report: dict, out_dir) -> list:
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(report["unsharded_losses"], label="unsharded", linewidth=3, alpha=0.5)
     ax.plot(report["losses"], label=f"TP={report['config']['tp']}", linestyle="--")
-    ax.set(xlabel="step", ylabel="MSE loss", yscale="log", title="tplayers demo")
+    ax.set(xlabel="step", ylabel="cross-entropy (nats / byte)", title="tplayers demo: Llama-style model")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "loss.png", dpi=120)
@@ -187,7 +186,9 @@ def summary(report: dict) -> str:
             f"loss: {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps",
             f"tokens/s (TP ranks, fwd+bwd+step): {report['tokens_per_s']:,.0f}",
             f"bytes sent per rank per step: {report['bytes_per_step']:,}",
-            f"largest |loss difference| vs unsharded: {report['max_loss_diff']:.3g}",
-            f"largest |parameter difference| vs unsharded: {report['max_param_diff']:.3g}",
+            f"agrees with the unsharded run to {AGREE_TOL:g} for {report['agree_steps']} steps "
+            f"(largest |loss difference| there: {report['max_loss_diff_while_agreeing']:.3g})",
+            f"largest |loss difference| vs unsharded over all steps: {report['max_loss_diff']:.3g}",
+            f"largest |parameter difference| vs unsharded at the end: {report['max_param_diff']:.3g}",
         ]
     )

@@ -109,16 +109,20 @@ class ColumnParallelLinear(_ParallelLinear):
     Input (..., in_features) replicated over the group (sequence_parallel: (B, S/n, in)
     seq-sharded, all-gathered inside the GEMM). Output (..., out_features/n), or the whole
     (..., out_features) with gather_output=True (under sequence_parallel too: an LM head that
-    turns the sequence shards into every rank's full logits).
+    turns the sequence shards into every rank's full logits). reduce_input_grad=False leaves the
+    input gradient as this rank's partial sum, for several column layers sharing one input whose
+    gradient the caller sums once (see tplayers.functional.copy_to_tp_region).
     """
 
     def __init__(
         self, in_features, out_features, bias=True, *, group=None, gather_output=False,
-        sequence_parallel=False, overlap=True, device=None, dtype=None,
+        sequence_parallel=False, overlap=True, reduce_input_grad=True, device=None, dtype=None,
     ):  # fmt: skip
         super().__init__(in_features, out_features, group=group, sequence_parallel=sequence_parallel, overlap=overlap)
         self.out_features_per_rank = _divide(out_features, self.tp_size, "out_features")
-        self.gather_output = gather_output
+        if sequence_parallel and not reduce_input_grad:
+            raise ValueError("ColumnParallelLinear: reduce_input_grad=False applies only without sequence_parallel")
+        self.gather_output, self.reduce_input_grad = gather_output, reduce_input_grad
         self._init_parameters(bias, device, dtype)
 
     _placements = {"weight": Shard(0), "bias": Shard(0)}
@@ -133,8 +137,9 @@ class ColumnParallelLinear(_ParallelLinear):
     def forward(self, x):
         check_input(self, x, self.in_features, self.sequence_parallel)
         y = column_parallel_linear(
-            x, self.weight, self.bias, self.group, sequence_parallel=self.sequence_parallel, overlap=self.overlap
-        )
+            x, self.weight, self.bias, self.group, sequence_parallel=self.sequence_parallel, overlap=self.overlap,
+            reduce_input_grad=self.reduce_input_grad,
+        )  # fmt: skip
         return gather_from_tp_region(y, self.group, dim=-1) if self.gather_output else y
 
     def extra_repr(self):

@@ -38,6 +38,7 @@ from tplayers.embedding import VocabParallelEmbedding
 from tplayers.functional import comm
 from tplayers.functional.collectives import (
     all_gather_dim,
+    all_gather_sequence,
     copy_to_tp_region,
     gather_from_tp_region,
     scatter_to_tp_region,
@@ -53,6 +54,17 @@ _ORIGINAL_KEYS = "_tplayers_original_keys"
 
 # export(pick, group) -> {name relative to the module: full tensor}; pick(param) -> param or its grad
 Export = Callable[[Callable, dist.ProcessGroup], dict]
+
+
+def _is_silu(act) -> bool:
+    """Whether an activation module computes SiLU (HF has its own classes for it)."""
+    if not isinstance(act, nn.Module):
+        return False
+    probe = torch.linspace(-4, 4, 17)
+    try:
+        return torch.equal(act(probe), nn.functional.silu(probe))
+    except Exception:  # an activation that does not take a plain tensor is not SiLU
+        return False
 
 
 def _is_conv1d(module) -> bool:
@@ -104,7 +116,7 @@ class ReplicatedKVProjection(ReplicatedLinear):
     def forward(self, x):
         weight = copy_to_tp_region(self.weight, self.group)[self.rows]
         bias = copy_to_tp_region(self.bias, self.group)[self.rows] if self.bias is not None else None
-        return column_parallel_linear(x, weight, bias, self.group, overlap=True)
+        return column_parallel_linear(x, weight, bias, self.group, reduce_input_grad=False)
 
 
 def interleave_shards(parts, n):
@@ -128,7 +140,9 @@ class _Parallelizer:
         self.plan = dict(plan or {})
         self.vocab_parallel_logits = vocab_parallel_logits
         self.exports: list[tuple[str, Export]] = []
-        self.attentions: list[nn.Module] = []  # their inputs are gathered along the sequence under SP
+        # Modules whose column projections share one input: it is prepared once for all of them (summed
+        # gradient, or gathered along the sequence under SP) instead of once per projection.
+        self.shared_input: list[nn.Module] = []
         self.done: set[str] = set()  # names of modules handled, with everything below them
         unknown = {k: v for k, v in self.plan.items() if v not in PLAN_KINDS}
         if unknown:
@@ -149,6 +163,11 @@ class _Parallelizer:
         self.exports.append((name, _linear_export(layer, 0, _is_conv1d(module))))
         return layer
 
+    def _shared_input_column(self, name, module):
+        """A column layer of a module in `shared_input`: its input gradient is summed (or reduce-
+        scattered) once for the module, by the hook _shared_input_hooks puts before it."""
+        return self._column(name, module, sequence_parallel=False, reduce_input_grad=False)
+
     def _row(self, name, module):
         layer = RowParallelLinear.from_linear(_as_linear(module), group=self.group, sequence_parallel=self.sp).to(
             module.weight.device
@@ -167,11 +186,10 @@ class _Parallelizer:
                 f"{name}: key/value heads ({kv_heads}) and the tensor-parallel size ({self.n}): one must divide "
                 "the other (key/value heads split over the ranks, or each replicated on n / heads ranks)"
             )
-        # q, k, v take an input gathered once before them (under sequence parallelism)
-        self._column(f"{name}.q_proj", attn.q_proj, sequence_parallel=False)
+        self._shared_input_column(f"{name}.q_proj", attn.q_proj)
         if kv_heads % self.n == 0:
-            self._column(f"{name}.k_proj", attn.k_proj, sequence_parallel=False)
-            self._column(f"{name}.v_proj", attn.v_proj, sequence_parallel=False)
+            self._shared_input_column(f"{name}.k_proj", attn.k_proj)
+            self._shared_input_column(f"{name}.v_proj", attn.v_proj)
         else:  # fewer key/value heads than ranks: each rank computes the one its query heads use
             kv_index = dist.get_rank(self.group) // (self.n // kv_heads)
             for proj in ("k_proj", "v_proj"):
@@ -182,7 +200,7 @@ class _Parallelizer:
                 self.exports.append((f"{name}.{proj}", _linear_export(layer, None, False)))
             attn.num_key_value_groups = heads // self.n  # local query heads per (one) local kv head
         self._row(f"{name}.o_proj", attn.o_proj)
-        self.attentions.append(attn)
+        self.shared_input.append(attn)
         self.done.add(name)
 
     def gpt2_attention(self, name, attn):
@@ -193,7 +211,9 @@ class _Parallelizer:
         fused.weight = nn.Parameter(interleave_shards(full.weight.split(width, 0), self.n), requires_grad=False)
         if full.bias is not None:
             fused.bias = nn.Parameter(interleave_shards(full.bias.split(width, 0), self.n), requires_grad=False)
-        layer = ColumnParallelLinear.from_linear(fused, group=self.group).to(attn.c_attn.weight.device)
+        layer = ColumnParallelLinear.from_linear(fused, group=self.group, reduce_input_grad=False).to(
+            attn.c_attn.weight.device
+        )
         self._swap(f"{name}.c_attn", layer)
 
         def export(pick, group):
@@ -208,11 +228,11 @@ class _Parallelizer:
         self.exports.append((f"{name}.c_attn", export))
         attn.split_size = width // self.n  # HF splits c_attn's output into q, k, v of this width
         self._row(f"{name}.c_proj", attn.c_proj)
-        self.attentions.append(attn)
+        self.shared_input.append(attn)
         self.done.add(name)
 
     def gated_mlp(self, name, mlp):
-        if isinstance(getattr(mlp, "act_fn", None), nn.SiLU):
+        if _is_silu(getattr(mlp, "act_fn", None)):
             layer = ParallelMLP.from_modules(
                 mlp.gate_proj, mlp.up_proj, mlp.down_proj, group=self.group, sequence_parallel=self.sp
             ).to(mlp.down_proj.weight.device)
@@ -232,9 +252,10 @@ class _Parallelizer:
 
             self.exports.append((name, export))
             return
-        self._column(f"{name}.gate_proj", mlp.gate_proj)
-        self._column(f"{name}.up_proj", mlp.up_proj)
+        self._shared_input_column(f"{name}.gate_proj", mlp.gate_proj)
+        self._shared_input_column(f"{name}.up_proj", mlp.up_proj)
         self._row(f"{name}.down_proj", mlp.down_proj)
+        self.shared_input.append(mlp)
         self.done.add(name)
 
     def gpt2_mlp(self, name, mlp):
@@ -323,11 +344,20 @@ def _check_sequence(hidden, n):
     return hidden
 
 
-def _sequence_parallel_hooks(model, group, blocks, attentions):
+def _shared_input_hooks(modules, group, sequence_parallel):
+    """Before each module whose column projections share one input: copy_to_tp_region (forward
+    identity, backward one all-reduce of the summed partial input gradients), or under sequence
+    parallelism all_gather_sequence (forward one all-gather, backward one reduce-scatter). HF
+    attention reshapes with its input's sequence length, so it must see the whole sequence."""
+    prepare = all_gather_sequence if sequence_parallel else copy_to_tp_region
+    for module in modules:
+        module.register_forward_pre_hook(_replace_hidden(lambda h: prepare(h, group)), with_kwargs=True)
+
+
+def _sequence_parallel_hooks(model, group, blocks):
     """Shard the residual stream along the sequence between the first block's entry and the last
     block's exit (the model's masks and positions are built from the whole sequence before,
-    its final norm and LM head see the whole sequence after). Attention gathers its input once
-    for q, k and v (HF attention reshapes with the input's sequence length). Replicated weights
+    its final norm and LM head see the whole sequence after). Replicated weights
     inside the blocks (norms) see only this rank's part of the sequence: their gradients are
     summed over the group, so every rank holds the whole gradient."""
     n = dist.get_world_size(group)
@@ -343,10 +373,6 @@ def _sequence_parallel_hooks(model, group, blocks, attentions):
             else gather_from_tp_region(out, group, dim=1)
         )
     )
-    for attn in attentions:  # backward: q, k, v's column layers all-reduce dx; keep this rank's part
-        attn.register_forward_pre_hook(
-            _replace_hidden(lambda h: gather_from_tp_region(h, group, dim=1)), with_kwargs=True
-        )
     for block in blocks:
         for p in block.parameters():
             if get_placement(p) is None and p.requires_grad:
@@ -399,12 +425,13 @@ def parallelize(model, *, group=None, sequence_parallel=False, plan=None, vocab_
         if not blocks:
             raise ValueError("parallelize: sequence_parallel=True needs the model's blocks in an nn.ModuleList")
     parallelizer.run()
+    _shared_input_hooks(parallelizer.shared_input, group, sequence_parallel)
     config = getattr(model, "config", None)
     max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if max_positions:
         model.register_forward_pre_hook(_length_check(max_positions), with_kwargs=True)
     if sequence_parallel:
-        _sequence_parallel_hooks(model, group, blocks, parallelizer.attentions)
+        _sequence_parallel_hooks(model, group, blocks)
     setattr(model, _EXPORTS, parallelizer.exports)
     setattr(model, _ORIGINAL_KEYS, keys)
     return model

@@ -5,7 +5,7 @@ n = TP size. Shard shapes (weight layout is nn.Linear's (out, in)):
 ColumnParallel: weight (N/n, K), bias (N/n,)
     plain: x (..., K) replicated    -> y (..., N/n) = x W^T + b
            dgrad dx = matmul_all_reduce(dy, W^T), the wgrad dW = dy^T x computed while its
-           reduction is in flight
+           reduction is in flight (reduce_input_grad=False: dx = dy W, summed by the caller)
     SP:    x (B, s, K) seq-sharded  -> y (B, S, N/n) = all_gather_matmul(x, W)
            dgrad dx = matmul_reduce_scatter(dy, W^T);  wgrad dW = sum_j dy_j^T x_j over the
            gathered chunks saved in forward (no second all-gather)
@@ -55,9 +55,9 @@ def _seq_chunks(t, n):
 
 class ColumnParallelLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel, overlap):
+    def forward(ctx, x, weight, bias, group, sequence_parallel, overlap, reduce_input_grad):
         ctx.group, ctx.sequence_parallel, ctx.overlap = group, sequence_parallel, overlap
-        ctx.has_bias = bias is not None
+        ctx.has_bias, ctx.reduce_input_grad = bias is not None, reduce_input_grad
         if sequence_parallel:
             y, chunks = all_gather_matmul(x, weight, group, bias=bias, overlap=overlap)
             ctx.save_for_backward(chunks, weight)
@@ -78,7 +78,11 @@ class ColumnParallelLinearFn(torch.autograd.Function):
         else:
             grads = {}
             wgrad = lambda: grads.setdefault("dw", _wgrad(dy, saved, weight.dtype))  # noqa: E731
-            if ctx.needs_input_grad[0]:  # the weight gradient is computed in the all-reduce's shadow
+            if ctx.needs_input_grad[0] and not ctx.reduce_input_grad:  # the caller sums dx once, later
+                dx = gemm(_flat(dy), weight.t()).view(*dy.shape[:-1], weight.shape[1])
+                if ctx.needs_input_grad[1]:
+                    wgrad()
+            elif ctx.needs_input_grad[0]:  # the weight gradient is computed in the all-reduce's shadow
                 side_work = [wgrad] if ctx.needs_input_grad[1] else []
                 dx = matmul_all_reduce(dy, weight.t(), group, overlap=ctx.overlap, side_work=side_work)
             elif ctx.needs_input_grad[1]:
@@ -86,7 +90,7 @@ class ColumnParallelLinearFn(torch.autograd.Function):
             dw = grads.get("dw")
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = _flat(dy).sum(0)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 class RowParallelLinearFn(torch.autograd.Function):
@@ -123,8 +127,13 @@ class RowParallelLinearFn(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
-def column_parallel_linear(x, weight, bias, group, *, sequence_parallel=False, overlap=True):
-    return ColumnParallelLinearFn.apply(x, weight, bias, group, sequence_parallel, overlap)
+def column_parallel_linear(x, weight, bias, group, *, sequence_parallel=False, overlap=True, reduce_input_grad=True):
+    """reduce_input_grad=False (plain mode only) leaves dx as this rank's partial sum, for callers
+    that feed several column layers one input and sum its gradient once (copy_to_tp_region or
+    all_gather_sequence before them): one collective instead of one per layer."""
+    if sequence_parallel and not reduce_input_grad:
+        raise ValueError("reduce_input_grad=False applies to plain (not sequence-parallel) column layers")
+    return ColumnParallelLinearFn.apply(x, weight, bias, group, sequence_parallel, overlap, reduce_input_grad)
 
 
 def row_parallel_linear(x, weight, bias, group, *, sequence_parallel=False, overlap=True):
