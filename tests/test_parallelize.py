@@ -46,6 +46,12 @@ def check_family(rank, tp, group, family, sequence_parallel):
     assert list(full) == list(original)
     for key, value in full.items():
         assert_close(value, original[key], exact=True, msg=lambda m, k=key: f"{k}: {m}")
+    # loading a full state dict puts every shard in place: it gathers back to the same, exactly
+    changed = {k: v + 1 if v.is_floating_point() else v for k, v in original.items()}
+    tplayers.load_full_state_dict(model, changed)
+    for key, value in tplayers.gather_state_dict(model, group=group).items():
+        assert_close(value, changed[key], exact=True, msg=lambda m, k=key: f"{k}: {m}")
+    tplayers.load_full_state_dict(model, original)
     if family == "gpt2":
         assert model.lm_head.weight is model.transformer.wte.weight  # tied stays tied
     else:  # SiLU-gated MLPs run as one gate|up GEMM plus the SwiGLU kernel

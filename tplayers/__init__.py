@@ -8,7 +8,7 @@ from tplayers.functional.comm import count_bytes
 from tplayers.functional.cross_entropy import vocab_parallel_cross_entropy
 from tplayers.layers import ColumnParallelLinear, RowParallelLinear
 from tplayers.mlp import ParallelMLP
-from tplayers.parallelize import gather_state_dict, parallelize
+from tplayers.parallelize import gather_state_dict, load_full_state_dict, parallelize
 from tplayers.placement import ParamPlacement, get_placement
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "get_placement",
     "init_mesh",
     "launch",
+    "load_full_state_dict",
     "parallelize",
     "set_backend",
     "vocab_parallel_cross_entropy",

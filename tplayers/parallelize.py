@@ -41,11 +41,12 @@ from tplayers.functional.collectives import (
     all_gather_sequence,
     copy_to_tp_region,
     gather_from_tp_region,
+    own_slice,
     scatter_to_tp_region,
 )
 from tplayers.functional.linear import column_parallel_linear
 from tplayers.layers import ColumnParallelLinear, RowParallelLinear, _divide
-from tplayers.mlp import ParallelMLP, unfuse_gate_up
+from tplayers.mlp import ParallelMLP, fuse_gate_up, unfuse_gate_up
 from tplayers.placement import get_placement, set_placement
 
 PLAN_KINDS = ("colwise", "rowwise", "vocab", "replicate")
@@ -54,6 +55,8 @@ _ORIGINAL_KEYS = "_tplayers_original_keys"
 
 # export(pick, group) -> {name relative to the module: full tensor}; pick(param) -> param or its grad
 Export = Callable[[Callable, dist.ProcessGroup], dict]
+# load({name relative to the module: full tensor}) copies this rank's shards in; no communication
+Load = Callable[[dict], None]
 
 
 def _is_silu(act) -> bool:
@@ -104,6 +107,25 @@ def _linear_export(layer, dim, transpose) -> Export:
     return export
 
 
+def _linear_load(layer, dim, transpose, group) -> Load:
+    """The inverse of `_linear_export`: this rank's slice of the full weight / bias, copied in."""
+
+    def load(full):
+        weight = full["weight"].t() if transpose else full["weight"]
+        _copy_in(layer.weight, own_slice(weight, dim, group) if dim is not None else weight)
+        if getattr(layer, "bias", None) is not None:
+            _copy_in(layer.bias, own_slice(full["bias"], 0, group) if dim == 0 else full["bias"])
+
+    return load
+
+
+def _copy_in(param, value):
+    if tuple(param.shape) != tuple(value.shape):
+        raise ValueError(f"shape {tuple(value.shape)} does not give this rank's shard {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(value)
+
+
 class ReplicatedKVProjection(ReplicatedLinear):
     """k_proj / v_proj when the TP size exceeds the key/value heads: the whole weight on every rank
     (placement Replicate), each rank multiplying only the rows of the key/value head its query
@@ -139,7 +161,7 @@ class _Parallelizer:
         self.n = dist.get_world_size(group)
         self.plan = dict(plan or {})
         self.vocab_parallel_logits = vocab_parallel_logits
-        self.exports: list[tuple[str, Export]] = []
+        self.exports: list[tuple[str, Export, Load]] = []
         # Modules whose column projections share one input: it is prepared once for all of them (summed
         # gradient, or gathered along the sequence under SP) instead of once per projection.
         self.shared_input: list[nn.Module] = []
@@ -160,8 +182,13 @@ class _Parallelizer:
             _as_linear(module), group=self.group, sequence_parallel=sp, **kwargs
         ).to(module.weight.device)
         self._swap(name, layer)
-        self.exports.append((name, _linear_export(layer, 0, _is_conv1d(module))))
+        self._record(name, layer, 0, _is_conv1d(module))
         return layer
+
+    def _record(self, name, layer, dim, transpose):
+        self.exports.append(
+            (name, _linear_export(layer, dim, transpose), _linear_load(layer, dim, transpose, self.group))
+        )
 
     def _shared_input_column(self, name, module):
         """A column layer of a module in `shared_input`: its input gradient is summed (or reduce-
@@ -173,7 +200,7 @@ class _Parallelizer:
             module.weight.device
         )
         self._swap(name, layer)
-        self.exports.append((name, _linear_export(layer, 1, _is_conv1d(module))))
+        self._record(name, layer, 1, _is_conv1d(module))
         return layer
 
     # -- recognised patterns --------------------------------------------------------------
@@ -197,7 +224,7 @@ class _Parallelizer:
                 layer = ReplicatedKVProjection.from_linear(module, group=self.group).to(module.weight.device)
                 layer.rows = slice(kv_index * head_dim, (kv_index + 1) * head_dim)
                 self._swap(f"{name}.{proj}", layer)
-                self.exports.append((f"{name}.{proj}", _linear_export(layer, None, False)))
+                self._record(f"{name}.{proj}", layer, None, False)
             attn.num_key_value_groups = heads // self.n  # local query heads per (one) local kv head
         self._row(f"{name}.o_proj", attn.o_proj)
         self.shared_input.append(attn)
@@ -225,7 +252,12 @@ class _Parallelizer:
                     out[key] = t.t() if key == "weight" else t
             return out
 
-        self.exports.append((f"{name}.c_attn", export))
+        def load(full):
+            for key in ("weight", "bias") if layer.bias is not None else ("weight",):
+                t = full[key].t() if key == "weight" else full[key]
+                _copy_in(getattr(layer, key), own_slice(interleave_shards(t.split(width, 0), self.n), 0, self.group))
+
+        self.exports.append((f"{name}.c_attn", export, load))
         attn.split_size = width // self.n  # HF splits c_attn's output into q, k, v of this width
         self._row(f"{name}.c_proj", attn.c_proj)
         self.shared_input.append(attn)
@@ -250,7 +282,16 @@ class _Parallelizer:
                     out[f"down_proj.{key}"] = _gather(down, 1, group) if key == "weight" else down
                 return out
 
-            self.exports.append((name, export))
+            def load(full):
+                for key in ("weight", "bias"):
+                    if getattr(layer.in_proj, key) is None:
+                        continue
+                    fused = fuse_gate_up(full[f"gate_proj.{key}"], full[f"up_proj.{key}"], self.n)
+                    _copy_in(getattr(layer.in_proj, key), own_slice(fused, 0, self.group))
+                    down = full[f"down_proj.{key}"]
+                    _copy_in(getattr(layer.out_proj, key), own_slice(down, 1, self.group) if key == "weight" else down)
+
+            self.exports.append((name, export, load))
             return
         self._shared_input_column(f"{name}.gate_proj", mlp.gate_proj)
         self._shared_input_column(f"{name}.up_proj", mlp.up_proj)
@@ -271,7 +312,7 @@ class _Parallelizer:
             tied = head is not None and head.weight is emb.weight
             new_emb = VocabParallelEmbedding.from_embedding(emb, group=self.group).to(emb.weight.device)
             self._swap(names[id(emb)], new_emb)
-            self.exports.append((names[id(emb)], _linear_export(new_emb, 0, False)))
+            self._record(names[id(emb)], new_emb, 0, False)
             if isinstance(head, nn.Linear) and names.get(id(head)) not in self.plan:
                 # the LM head sees the whole sequence: sequence parallelism ends after the last block
                 new_head = self._column(
@@ -288,7 +329,7 @@ class _Parallelizer:
         elif kind == "vocab":
             new = VocabParallelEmbedding.from_embedding(module, group=self.group).to(module.weight.device)
             self._swap(name, new)
-            self.exports.append((name, _linear_export(new, 0, False)))
+            self._record(name, new, 0, False)
         else:
             self.done.add(name)
 
@@ -440,7 +481,7 @@ def parallelize(model, *, group=None, sequence_parallel=False, plan=None, vocab_
 def _gathered(model, group, pick):
     """{original name: full tensor} for every sharded module; a collective on every rank."""
     full = {}
-    for prefix, export in getattr(model, _EXPORTS, []):
+    for prefix, export, _ in getattr(model, _EXPORTS, []):
         for key, tensor in export(pick, group).items():
             full[f"{prefix}.{key}"] = tensor
     return full
@@ -450,7 +491,7 @@ def gather_state_dict(model, *, group=None) -> dict:
     """The full, unsharded state dict under the original module names, on every rank."""
     group = resolve_group(group)
     full = _gathered(model, group, lambda p: p.detach())
-    sharded_prefixes = tuple(prefix + "." for prefix, _ in getattr(model, _EXPORTS, []))
+    sharded_prefixes = tuple(prefix + "." for prefix, _, _ in getattr(model, _EXPORTS, []))
     for key, value in model.state_dict().items():
         if not key.startswith(sharded_prefixes):
             full[key] = value
@@ -462,8 +503,30 @@ def gather_grads(model, *, group=None) -> dict:
     """The full, unsharded gradient of every parameter under its original name, on every rank."""
     group = resolve_group(group)
     full = _gathered(model, group, lambda p: p.grad)
-    sharded_prefixes = tuple(prefix + "." for prefix, _ in getattr(model, _EXPORTS, []))
+    sharded_prefixes = tuple(prefix + "." for prefix, _, _ in getattr(model, _EXPORTS, []))
     for key, p in model.named_parameters():
         if not key.startswith(sharded_prefixes):
             full[key] = p.grad
     return {k: v for k, v in full.items() if v is not None}
+
+
+def load_full_state_dict(model, state_dict, *, group=None) -> None:
+    """Load a full, unsharded state dict (original names, what `gather_state_dict` returns) into a
+    parallelized model: each rank copies in its shards. No communication; strict like
+    `load_state_dict`."""
+    records = getattr(model, _EXPORTS, [])
+    state_dict = dict(state_dict)
+    for prefix, _, load in records:
+        start = prefix + "."
+        try:
+            load({k[len(start) :]: state_dict.pop(k) for k in list(state_dict) if k.startswith(start)})
+        except KeyError as e:
+            raise ValueError(f"load_full_state_dict: missing key {start}{e.args[0]}") from None
+    sharded_prefixes = tuple(prefix + "." for prefix, _, _ in records)
+    own = {k for k in model.state_dict() if not k.startswith(sharded_prefixes)}
+    if set(state_dict) != own:
+        raise ValueError(
+            f"load_full_state_dict: unexpected keys {sorted(set(state_dict) - own)}, "
+            f"missing keys {sorted(own - set(state_dict))}"
+        )
+    model.load_state_dict(state_dict, strict=False)
