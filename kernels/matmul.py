@@ -60,15 +60,16 @@ INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}
 
 @triton.jit
 def _matmul_kernel(
-    a_ptr, b_ptr, c_ptr, bias_ptr, res_ptr,
+    a_ptr, b_ptr, c_ptr, bias_ptr, res_ptr, h_ptr,
     M, N, K, BATCH, scale,
     stride_ab, stride_am, stride_ak,
     stride_bb, stride_bn, stride_bk,
     stride_cb, stride_cm, stride_cn,
     stride_rb, stride_rm, stride_rn,
+    stride_hb, stride_hm, stride_hn,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     ACCUMULATE: tl.constexpr, REDUCE_BATCH: tl.constexpr, UPCAST: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, INT64_OFFSETS: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, INT64_OFFSETS: tl.constexpr, SWIGLU: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     # Grouped ordering of output tiles so that neighbouring programs share A rows in L2.
@@ -138,6 +139,15 @@ def _matmul_kernel(
     if ACCUMULATE:
         c += tl.load(c_ptrs, mask=mask, other=0.0)
     tl.store(c_ptrs, c.to(c_ptr.dtype.element_ty), mask=mask)
+    if SWIGLU:  # C's columns alternate gate, up: H = silu(gate) * up, one column per pair
+        gate, up = tl.split(tl.reshape(c, (BLOCK_M, BLOCK_N // 2, 2)))
+        offs_h = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        h_ptrs = (
+            h_ptr + pid_batch.to(tl.int64) * stride_hb
+            + offs_m[:, None] * stride_hm + offs_h[None, :] * stride_hn
+        )  # fmt: skip
+        h_mask = (offs_m < M)[:, None] & (offs_h < N // 2)[None, :]
+        tl.store(h_ptrs, (gate * tl.sigmoid(gate) * up).to(h_ptr.dtype.element_ty), mask=h_mask)
 
 
 def _configs_for_running_gpu(configs, named_args, **kwargs):
@@ -148,7 +158,7 @@ def _configs_for_running_gpu(configs, named_args, **kwargs):
 
 _matmul_autotuned = triton.autotune(
     configs=SM80_CONFIGS + SM90_CONFIGS,
-    key=["M", "N", "K", "BATCH", "HAS_BIAS", "ACTIVATION", "HAS_RESIDUAL", "ACCUMULATE", "REDUCE_BATCH"],
+    key=["M", "N", "K", "BATCH", "HAS_BIAS", "ACTIVATION", "HAS_RESIDUAL", "ACCUMULATE", "REDUCE_BATCH", "SWIGLU"],
     prune_configs_by={"early_config_prune": _configs_for_running_gpu},
     restore_value=["c_ptr"],  # benchmarking an accumulating GEMM must not accumulate
 )(_matmul_kernel)
@@ -161,14 +171,15 @@ def _max_offset(t):
 
 def matmul(
     a, b, *, bias=None, scale=1.0, activation=None, residual=None, out=None,
-    accumulate=False, reduce_batch=False, out_dtype=None,
+    accumulate=False, reduce_batch=False, out_dtype=None, swiglu_out=None,
 ):  # fmt: skip
     """C = act(scale * (a @ b^T) + bias) + residual, with fp32 accumulation, in one kernel.
 
     `out` (any strides) receives C, or with accumulate=True has C added to it (fp32 only, for
     weight-gradient accumulation). Returns `out`, or a new tensor of `out_dtype` (default a's).
+    `swiglu_out` (..., N/2): also H = silu(C[..., 0::2]) * C[..., 1::2], from the same epilogue.
     """
-    shape = check_args(a, b, bias, activation, residual, out, accumulate, reduce_batch, out_dtype)
+    shape = check_args(a, b, bias, activation, residual, out, accumulate, reduce_batch, out_dtype, swiglu_out)
     if not INTERPRET and not a.is_cuda:
         raise RuntimeError(
             "the Triton matmul needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is "
@@ -190,13 +201,15 @@ def matmul(
         return (0, *t.stride()) if t.dim() == 2 else t.stride()
 
     residual_strides = stride3(residual) if residual is not None else (0, 0, 0)
+    swiglu_strides = stride3(swiglu_out) if swiglu_out is not None else (0, 0, 0)
     fp32_in = a.dtype == torch.float32
     if bias is not None:
         bias = bias.contiguous()  # (N,): loaded with unit stride
     args = (
         a, b, out, bias if bias is not None else out, residual if residual is not None else out,
+        swiglu_out if swiglu_out is not None else out,
         M, N, K, batch, float(scale),
-        *stride3(a), *stride3(b), *stride3(out), *residual_strides,
+        *stride3(a), *stride3(b), *stride3(out), *residual_strides, *swiglu_strides,
     )  # fmt: skip
     flags = dict(
         HAS_BIAS=bias is not None,
@@ -206,7 +219,8 @@ def matmul(
         REDUCE_BATCH=reduce_batch,
         UPCAST=INTERPRET and a.dtype == torch.bfloat16,
         INPUT_PRECISION="tf32" if fp32_in and torch.backends.cuda.matmul.allow_tf32 else "ieee",
-        INT64_OFFSETS=any(_max_offset(t) >= 2**31 for t in (a, b, out, residual) if t is not None),
+        INT64_OFFSETS=any(_max_offset(t) >= 2**31 for t in (a, b, out, residual, swiglu_out) if t is not None),
+        SWIGLU=swiglu_out is not None,
     )
 
     def grid(meta):

@@ -28,14 +28,14 @@ def output_shape(a, b, reduce_batch):
     return (M, N) if a.dim() == 2 or reduce_batch else (a.shape[0], M, N)
 
 
-def check_args(a, b, bias, activation, residual, out, accumulate, reduce_batch, out_dtype):
+def check_args(a, b, bias, activation, residual, out, accumulate, reduce_batch, out_dtype, swiglu_out=None):
     """Every check `matmul` and `matmul_ref` make; returns the shape of C."""
     if a.dtype != b.dtype or a.dtype not in FLOAT_DTYPES:
         raise TypeError(f"matmul: a and b must share a float dtype (fp32/fp16/bf16), got {a.dtype} and {b.dtype}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"matmul: activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
     shape = output_shape(a, b, reduce_batch)
-    for name, t in (("b", b), ("bias", bias), ("residual", residual), ("out", out)):
+    for name, t in (("b", b), ("bias", bias), ("residual", residual), ("out", out), ("swiglu_out", swiglu_out)):
         if t is not None and t.device != a.device:
             raise ValueError(f"matmul: {name} is on {t.device} but a is on {a.device}")
         if t is not None and name != "b" and t.dtype not in FLOAT_DTYPES:
@@ -51,6 +51,11 @@ def check_args(a, b, bias, activation, residual, out, accumulate, reduce_batch, 
             raise TypeError(f"matmul: out is {out.dtype} but out_dtype={out_dtype}")
     if accumulate and (out is None or out.dtype != torch.float32):
         raise ValueError("matmul: accumulate=True needs an fp32 `out` to accumulate into")
+    if swiglu_out is not None:
+        if activation is not None or residual is not None or accumulate or reduce_batch:
+            raise ValueError("matmul: swiglu_out goes with a plain epilogue (scale and bias only)")
+        if shape[-1] % 2 or tuple(swiglu_out.shape) != (*shape[:-1], shape[-1] // 2):
+            raise ValueError(f"matmul: swiglu_out must have shape {(*shape[:-1], shape[-1] // 2)} (C has {shape})")
     return shape
 
 
@@ -78,15 +83,31 @@ def _activation(c, activation):
 
 def matmul_ref(
     a, b, *, bias=None, scale=1.0, activation=None, residual=None, out=None,
+    accumulate=False, reduce_batch=False, out_dtype=None, swiglu_out=None,
+):  # fmt: skip
+    """C = act(scale * (a @ b^T) + bias) + residual, like the Triton `matmul`, in torch; with
+    `swiglu_out`, also H = silu(C[..., 0::2]) * C[..., 1::2] (C's columns alternate gate, up)."""
+    check_args(a, b, bias, activation, residual, out, accumulate, reduce_batch, out_dtype, swiglu_out)
+    c = _matmul_ref(
+        a, b, bias=bias, scale=scale, activation=activation, residual=residual, out=out,
+        accumulate=accumulate, reduce_batch=reduce_batch, out_dtype=out_dtype,
+    )  # fmt: skip
+    if swiglu_out is not None:
+        y = c.float()
+        swiglu_out.copy_(torch.nn.functional.silu(y[..., 0::2]) * y[..., 1::2])
+    return c
+
+
+def _matmul_ref(
+    a, b, *, bias=None, scale=1.0, activation=None, residual=None, out=None,
     accumulate=False, reduce_batch=False, out_dtype=None,
 ):  # fmt: skip
-    """C = act(scale * (a @ b^T) + bias) + residual, like the Triton `matmul`, in torch.
+    """The GEMM and epilogue of `matmul_ref`, arguments already checked.
 
     Computed in the wider of the input and output dtypes; an epilogue runs in fp32. The plain
     2-D-weight case is exactly `F.linear` (what nn.Linear computes), writing into a contiguous
     2-D `out` without a copy.
     """
-    check_args(a, b, bias, activation, residual, out, accumulate, reduce_batch, out_dtype)
     target = out.dtype if out is not None else (out_dtype or a.dtype)
     compute = torch.promote_types(a.dtype, target)
     a, b = a.to(compute), b.to(compute)

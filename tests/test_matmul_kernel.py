@@ -128,3 +128,32 @@ def test_offsets_beyond_32_bits():
 def test_strided_bias():
     a, w, bias = torch.randn(5, 6), torch.randn(4, 6), torch.randn(8)[::2]
     assert_close(matmul(a, w, bias=bias), matmul_ref(a, w, bias=bias))
+
+
+@settings(max_examples=examples(25))
+@given(
+    m=st.integers(1, 70), half_n=st.integers(1, 40), k=st.integers(1, 50), batch=st.sampled_from([None, 2]),
+    dtype=st.sampled_from(DTYPES), bias=st.booleans(), sliced=st.booleans(), seed=st.integers(0, 2**16),
+)  # fmt: skip
+def test_swiglu_epilogue_matches_reference(m, half_n, k, batch, dtype, bias, sliced, seed):
+    """C's columns alternate gate, up; the epilogue also writes H = silu(gate) * up."""
+    gen = torch.Generator().manual_seed(seed)
+    lead = () if batch is None else (batch,)
+    a = strided((*lead, m, k), dtype, "sliced" if sliced else "contiguous", gen)
+    w = torch.randn(2 * half_n, k, generator=gen).to(dtype)
+    b = torch.randn(2 * half_n, generator=gen).to(dtype) if bias else None
+    h = strided((*lead, m, half_n), dtype, "sliced" if sliced else "contiguous", gen)
+    y = matmul(a, w, bias=b, swiglu_out=h)
+    f32 = lambda t: None if t is None else t.float()  # noqa: E731
+    h_ref = torch.empty(h.shape)
+    y_ref = matmul_ref(f32(a), f32(w), bias=f32(b), swiglu_out=h_ref)
+    assert_close(y, y_ref.to(dtype))
+    assert_close(h, h_ref.to(dtype))
+
+
+def test_swiglu_epilogue_rejects_bad_arguments():
+    a, w = torch.randn(4, 3), torch.randn(6, 3)
+    with pytest.raises(ValueError, match=r"swiglu_out must have shape \(4, 3\)"):
+        matmul_ref(a, w, swiglu_out=torch.empty(4, 6))
+    with pytest.raises(ValueError, match="plain epilogue"):
+        matmul_ref(a, w, activation="silu", swiglu_out=torch.empty(4, 3))

@@ -102,14 +102,15 @@ def test_swiglu_argument_errors():
 
 
 def test_fused_gate_up_layout():
-    """Rank r's contiguous slice of the fused weight is [gate_r; up_r], and unfusing inverts it."""
+    """Rank r's contiguous slice of the fused weight interleaves gate_r and up_r row by row (so each
+    GEMM output tile pairs gate and up columns), and unfusing inverts it."""
     F, H = 12, 5
     gate, up = torch.randn(F, H), torch.randn(F, H)
     for n in (1, 2, 3, 4):
         fused = fuse_gate_up(gate, up, n)
         for r in range(n):
-            expected = torch.cat([shard_of(gate, 0, r, n), shard_of(up, 0, r, n)])
-            assert torch.equal(shard_of(fused, 0, r, n), expected)
+            shard = shard_of(fused, 0, r, n)
+            assert torch.equal(shard[0::2], shard_of(gate, 0, r, n)) and torch.equal(shard[1::2], shard_of(up, 0, r, n))
         back = unfuse_gate_up(fused, n)
         assert torch.equal(back[0], gate) and torch.equal(back[1], up)
     with pytest.raises(ValueError, match=r"ffn_hidden_size \(12\) is not divisible by the tensor-parallel size \(5\)"):
@@ -179,11 +180,11 @@ def run_mlp(rank, tp, group, case: MLPCase):
     shard = dict(rank=rank, num_shards=tp)
     assert_shard_close(y, y_ref.detach(), dim=seq_dim, **shard, msg=lambda m: f"output: {m}")
     assert_shard_close(x_local.grad, x_ref.grad, dim=seq_dim, **shard, msg=lambda m: f"input grad: {m}")
-    # Every gradient, through the fused shard's halves: rank r's slice of the unsharded gradient.
-    f = case.ffn_per_rank
+    # Every gradient, through the fused shard's interleaved rows (gate even, up odd): rank r's
+    # slice of the unsharded gradient.
     names = ["gate", "up"] if gated else ["fc"]
     for i, (name, lin) in enumerate(zip(names, ins, strict=True)):
-        rows = slice(i * f, (i + 1) * f)
+        rows = slice(i, None, len(names))
         assert_shard_close(
             mlp.in_proj.weight.grad[rows], lin.weight.grad, dim=0, **shard, msg=lambda m, name=name: f"{name}: {m}"
         )
@@ -332,9 +333,8 @@ def run_llama_mlp(rank, tp, group):
     ref(x_ref).sum().backward()
     mlp(x_local).sum().backward()
     assert_close(x_local.grad, x_ref.grad)
-    f = 8
-    assert_shard_close(mlp.in_proj.weight.grad[f:], ref.up_proj.weight.grad, dim=0, rank=rank, num_shards=tp)
-    assert_shard_close(mlp.in_proj.weight.grad[:f], ref.gate_proj.weight.grad, dim=0, rank=rank, num_shards=tp)
+    assert_shard_close(mlp.in_proj.weight.grad[1::2], ref.up_proj.weight.grad, dim=0, rank=rank, num_shards=tp)
+    assert_shard_close(mlp.in_proj.weight.grad[0::2], ref.gate_proj.weight.grad, dim=0, rank=rank, num_shards=tp)
 
 
 @pytest.mark.multirank

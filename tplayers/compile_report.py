@@ -37,19 +37,25 @@ REGS_PER_SM, WARPS_PER_SM, BLOCKS_PER_SM = 65536, 64, 32
 # so its unit strides are along M and N: it also covers the dgrad layout (b = W^T).
 VARIANTS = {
     "gemm": dict(
-        flags=dict(HAS_BIAS=True, ACTIVATION=0, HAS_RESIDUAL=False, ACCUMULATE=False, REDUCE_BATCH=False),
+        flags=dict(HAS_BIAS=True, ACTIVATION=0, HAS_RESIDUAL=False, ACCUMULATE=False, REDUCE_BATCH=False, SWIGLU=False),
         unit_strides=("stride_ak", "stride_bk", "stride_cn"),
         out_dtype=None,
         batched=False,
     ),
+    "gemm+swiglu": dict(
+        flags=dict(HAS_BIAS=True, ACTIVATION=0, HAS_RESIDUAL=False, ACCUMULATE=False, REDUCE_BATCH=False, SWIGLU=True),
+        unit_strides=("stride_ak", "stride_bk", "stride_cn", "stride_hn"),
+        out_dtype=None,
+        batched=False,
+    ),
     "gemm+bias+gelu+residual": dict(
-        flags=dict(HAS_BIAS=True, ACTIVATION=1, HAS_RESIDUAL=True, ACCUMULATE=False, REDUCE_BATCH=False),
+        flags=dict(HAS_BIAS=True, ACTIVATION=1, HAS_RESIDUAL=True, ACCUMULATE=False, REDUCE_BATCH=False, SWIGLU=False),
         unit_strides=("stride_ak", "stride_bk", "stride_cn", "stride_rn"),
         out_dtype=None,
         batched=False,
     ),
     "wgrad-accumulate": dict(
-        flags=dict(HAS_BIAS=False, ACTIVATION=0, HAS_RESIDUAL=False, ACCUMULATE=True, REDUCE_BATCH=True),
+        flags=dict(HAS_BIAS=False, ACTIVATION=0, HAS_RESIDUAL=False, ACCUMULATE=True, REDUCE_BATCH=True, SWIGLU=False),
         unit_strides=("stride_am", "stride_bn", "stride_cn"),
         out_dtype="fp32",
         batched=True,
@@ -111,6 +117,7 @@ def specialise(kernel_fn, variant, dtype, config):
         # the launcher passes `out` in place of an absent bias / residual
         "bias_ptr": dtype if spec["flags"]["HAS_BIAS"] else out,
         "res_ptr": dtype if spec["flags"]["HAS_RESIDUAL"] else out,
+        "h_ptr": dtype if spec["flags"]["SWIGLU"] else out,
     }
     tiles = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m)
     constexprs = dict(spec["flags"], UPCAST=False, INPUT_PRECISION="ieee", INT64_OFFSETS=False, **tiles)

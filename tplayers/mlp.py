@@ -1,20 +1,19 @@
 """`ParallelMLP`: the tensor-parallel feed-forward block, SwiGLU (Llama) or GeLU (GPT-2).
 
-n = TP size, H = hidden_size, F = ffn_hidden_size, f = F/n. Built from the existing layers, so
+n = TP size, H = hidden_size, F = ffn_hidden_size, f = F/n. Built on the column / row layers, so
 all communication (and its overlap with the GEMMs) is theirs:
 
-    SwiGLU:  x (..., H) -> in_proj: ColumnParallelLinear(H, 2F), local weight (2f, H) = [gate_r; up_r]
-             -> y (..., 2f) = [gate | up] -> h (..., f) = silu(gate) * up (kernels/swiglu.py)
-             -> out_proj: RowParallelLinear(F, H), local weight (H, f) -> (..., H)
+    SwiGLU:  x (..., H) -> in_proj: ColumnParallelLinear(H, 2F), local weight (2f, H), rows
+             alternating gate, up -> one GEMM whose epilogue gives h (..., f) = silu(gate) * up
+             (tplayers/functional/swiglu.py) -> out_proj: RowParallelLinear(F, H) -> (..., H)
     GeLU:    x -> in_proj: ColumnParallelLinear(H, F) -> gelu -> out_proj: RowParallelLinear(F, H)
 
-Fused gate|up layout. Rank r's in_proj weight is gate_proj.weight[r*f:(r+1)*f] stacked on
-up_proj.weight[r*f:(r+1)*f] (bias likewise), so gate and up are one GEMM whose output halves are
-this rank's slices of gate(x) and up(x), and the shard is local and contiguous. Its placement is
-Shard(0) of a virtual (2F, H) weight that is the rank-major interleaving [gate_0; up_0; gate_1;
-up_1; ...] (what concatenating the shards along dim 0 gives): `fuse_gate_up` builds that weight
-from the unsharded pair, `unfuse_gate_up` maps it back, and `ParallelMLP.unfused_shards()` gives
-each rank's slices in the unsharded gate / up / down layout (for gathering a full state dict).
+Fused gate|up layout. Rank r's in_proj weight interleaves gate_proj.weight[r*f:(r+1)*f] and
+up_proj.weight[r*f:(r+1)*f] row by row (bias likewise), so every GEMM output tile holds matching
+gate and up columns and the shard is local and contiguous. Its placement is Shard(0) of a virtual
+(2F, H) weight whose rows alternate gate, up (what concatenating the shards along dim 0 gives):
+`fuse_gate_up` builds it from the unsharded pair, `unfuse_gate_up` maps it back, and
+`ParallelMLP.unfused_shards()` gives each rank's slices in the unsharded gate / up / down layout.
 With sequence_parallel=True, x and the output are (B, S/n, H), sharded along the sequence.
 """
 
@@ -23,26 +22,27 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from tplayers.distributed import resolve_group
-from tplayers.functional.swiglu import swiglu_fused
-from tplayers.layers import ColumnParallelLinear, RowParallelLinear, _divide, _full_linear_init
+from tplayers.functional.swiglu import column_parallel_swiglu
+from tplayers.layers import ColumnParallelLinear, RowParallelLinear, _divide, _full_linear_init, check_input
 
 ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh")
 
 
 def fuse_gate_up(gate, up, n):
-    """The unsharded (F, ...) gate / up weights (or biases) -> the (2F, ...) rank-major interleaving
-    [gate_0; up_0; ...; gate_{n-1}; up_{n-1}] whose r-th contiguous slice along dim 0 is rank r's
-    fused [gate_r; up_r] shard."""
+    """The unsharded (F, ...) gate / up weights (or biases) -> the (2F, ...) fused tensor whose rows
+    alternate gate, up: row 2i is gate row i, row 2i+1 up row i. Its r-th contiguous slice along
+    dim 0 is rank r's fused shard (rows r*f .. (r+1)*f of each, interleaved), `n` only checks
+    that the rows split evenly."""
     if gate.shape != up.shape:
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} must have the same shape")
     _divide(gate.shape[0], n, "ffn_hidden_size")
-    return torch.cat([t for pair in zip(gate.chunk(n, 0), up.chunk(n, 0), strict=True) for t in pair], 0)
+    return torch.stack((gate, up), dim=1).flatten(0, 1)
 
 
 def unfuse_gate_up(fused, n):
-    """Inverse of `fuse_gate_up`: the (2F, ...) interleaving (the shards concatenated) -> (gate, up)."""
-    pairs = [shard.chunk(2, 0) for shard in fused.chunk(n, 0)]
-    return torch.cat([g for g, _ in pairs], 0), torch.cat([u for _, u in pairs], 0)
+    """Inverse of `fuse_gate_up`: the (2F, ...) fused tensor (the shards concatenated) -> (gate, up)."""
+    _divide(fused.shape[0], 2 * n, "2 * ffn_hidden_size")
+    return fused[0::2], fused[1::2]
 
 
 def _weights(linear):
@@ -141,11 +141,10 @@ class ParallelMLP(nn.Module):
         w, b = self.in_proj.weight.detach(), self.in_proj.bias
         out = {}
         if self.activation == "swiglu":
-            f = w.shape[0] // 2
-            for i, name in enumerate(("gate_proj", "up_proj")):
-                out[f"{name}.weight"] = (w[i * f : (i + 1) * f], Shard(0))
+            for i, name in enumerate(("gate_proj", "up_proj")):  # rows alternate gate, up
+                out[f"{name}.weight"] = (w[i::2], Shard(0))
                 if b is not None:
-                    out[f"{name}.bias"] = (b.detach()[i * f : (i + 1) * f], Shard(0))
+                    out[f"{name}.bias"] = (b.detach()[i::2], Shard(0))
             down = "down_proj"
         else:
             out["fc.weight"] = (w, Shard(0))
@@ -158,11 +157,15 @@ class ParallelMLP(nn.Module):
         return out
 
     def forward(self, x):
-        y = self.in_proj(x)  # checks x (dtype, device, shape) on every rank before any collective
-        if self.activation == "swiglu":
-            h = swiglu_fused(y)
+        if self.activation == "swiglu":  # the SwiGLU runs in the gate|up GEMM's epilogue
+            layer = self.in_proj
+            check_input(layer, x, layer.in_features, layer.sequence_parallel)  # before any collective
+            h = column_parallel_swiglu(
+                x, layer.weight, layer.bias, layer.group, sequence_parallel=layer.sequence_parallel,
+                overlap=layer.overlap,
+            )  # fmt: skip
         else:
-            h = nn.functional.gelu(y, approximate="tanh" if self.activation == "gelu_tanh" else "none")
+            h = nn.functional.gelu(self.in_proj(x), approximate="tanh" if self.activation == "gelu_tanh" else "none")
         return self.out_proj(h)
 
     def extra_repr(self):

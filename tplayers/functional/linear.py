@@ -68,29 +68,35 @@ class ColumnParallelLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         saved, weight = ctx.saved_tensors
-        group, n = ctx.group, dist.get_world_size(ctx.group)
-        dx = dw = db = None
-        if ctx.sequence_parallel:
-            if ctx.needs_input_grad[0]:
-                dx = matmul_reduce_scatter(dy, weight.t(), group, overlap=ctx.overlap)
+        return (*column_backward(ctx, dy, saved, weight), None, None, None, None)
+
+
+def column_backward(ctx, dy, saved, weight):
+    """(dx, dW, db) of a column-parallel GEMM from its output gradient dy; `saved` is the input
+    (plain) or the gathered input chunks (sequence parallel). Shared with the fused SwiGLU GEMM."""
+    group, n = ctx.group, dist.get_world_size(ctx.group)
+    dx = dw = db = None
+    if ctx.sequence_parallel:
+        if ctx.needs_input_grad[0]:
+            dx = matmul_reduce_scatter(dy, weight.t(), group, overlap=ctx.overlap)
+        if ctx.needs_input_grad[1]:
+            dw = _wgrad_from_chunks(_seq_chunks(dy, n), saved, weight.dtype)
+    else:
+        grads = {}
+        wgrad = lambda: grads.setdefault("dw", _wgrad(dy, saved, weight.dtype))  # noqa: E731
+        if ctx.needs_input_grad[0] and not ctx.reduce_input_grad:  # the caller sums dx once, later
+            dx = gemm(_flat(dy), weight.t()).view(*dy.shape[:-1], weight.shape[1])
             if ctx.needs_input_grad[1]:
-                dw = _wgrad_from_chunks(_seq_chunks(dy, n), saved, weight.dtype)
-        else:
-            grads = {}
-            wgrad = lambda: grads.setdefault("dw", _wgrad(dy, saved, weight.dtype))  # noqa: E731
-            if ctx.needs_input_grad[0] and not ctx.reduce_input_grad:  # the caller sums dx once, later
-                dx = gemm(_flat(dy), weight.t()).view(*dy.shape[:-1], weight.shape[1])
-                if ctx.needs_input_grad[1]:
-                    wgrad()
-            elif ctx.needs_input_grad[0]:  # the weight gradient is computed in the all-reduce's shadow
-                side_work = [wgrad] if ctx.needs_input_grad[1] else []
-                dx = matmul_all_reduce(dy, weight.t(), group, overlap=ctx.overlap, side_work=side_work)
-            elif ctx.needs_input_grad[1]:
                 wgrad()
-            dw = grads.get("dw")
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = _flat(dy).sum(0)
-        return dx, dw, db, None, None, None, None
+        elif ctx.needs_input_grad[0]:  # the weight gradient is computed in the all-reduce's shadow
+            side_work = [wgrad] if ctx.needs_input_grad[1] else []
+            dx = matmul_all_reduce(dy, weight.t(), group, overlap=ctx.overlap, side_work=side_work)
+        elif ctx.needs_input_grad[1]:
+            wgrad()
+        dw = grads.get("dw")
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        db = _flat(dy).sum(0)
+    return dx, dw, db
 
 
 class RowParallelLinearFn(torch.autograd.Function):

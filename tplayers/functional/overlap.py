@@ -37,11 +37,16 @@ def all_gather_chunks(x, group):
     return chunks
 
 
-def all_gather_matmul(x, weight, group, *, bias=None, overlap=True):
+def _swiglu_rows(swiglu_out, j, s):
+    return {} if swiglu_out is None else {"swiglu_out": swiglu_out[:, j * s : (j + 1) * s]}
+
+
+def all_gather_matmul(x, weight, group, *, bias=None, overlap=True, swiglu_out=None):
     """y = all_gather(x, dim=1) @ weight^T + bias.
 
     x (B, s, K), weight (N, K) (any strides), bias (N,) -> y (B, n*s, N) and the gathered
     input as chunks (n, B, s, K), chunk j being rank j's x (reused for the weight gradient).
+    swiglu_out (B, n*s, N/2): also receives silu(y[..., 0::2]) * y[..., 1::2] from each GEMM.
     """
     n, r = dist.get_world_size(group), dist.get_rank(group)
     B, s, K = x.shape
@@ -49,7 +54,7 @@ def all_gather_matmul(x, weight, group, *, bias=None, overlap=True):
     if n == 1 or not overlap:
         chunks = all_gather_chunks(x, group)
         for j in range(n):
-            gemm(chunks[j], weight, bias=bias, out=y[:, j * s : (j + 1) * s])
+            gemm(chunks[j], weight, bias=bias, out=y[:, j * s : (j + 1) * s], **_swiglu_rows(swiglu_out, j, s))
         return y, chunks
     chunks = x.new_empty((n, B, s, K))
     chunks[r].copy_(x)
@@ -59,7 +64,8 @@ def all_gather_matmul(x, weight, group, *, bias=None, overlap=True):
         in_flight = []
         if step < n - 1:  # pass on what we hold, receive what the previous rank holds
             in_flight = comm.exchange(chunks[held], nxt, chunks[(held - 1) % n], prev, group)
-        gemm(chunks[held], weight, bias=bias, out=y[:, held * s : (held + 1) * s])
+        rows = slice(held * s, (held + 1) * s)
+        gemm(chunks[held], weight, bias=bias, out=y[:, rows], **_swiglu_rows(swiglu_out, held, s))
         for work in in_flight:
             work.wait()
     return y, chunks

@@ -1,51 +1,67 @@
-"""SwiGLU on the fused column output: h = silu(gate) * up, as an autograd Function over the
-Triton kernels of kernels/swiglu.py (or their references on the torch backend)."""
+"""The column-parallel GEMM with SwiGLU in its epilogue: h = silu(gate) * up.
+
+n = TP size, f = F/n. The local weight (2f, H) has its rows interleaved gate, up, gate, up, ...
+so every output tile of the GEMM holds matching gate and up columns and the epilogue turns each
+pair into one column of h (kernels/matmul.py, `swiglu_out`):
+
+    plain: x (..., H)       -> y (..., 2f) = x W^T + b (saved) and h (..., f), one kernel
+    SP:    x (B, S/n, H)    -> the same over the all-gathered sequence (all_gather_matmul)
+    backward: dy (..., 2f) = [dgate, dup] interleaved, one elementwise kernel (kernels/swiglu.py)
+              writing straight into the strided halves of one buffer, then the column GEMM's
+              own dgrad / wgrad (linear.column_backward).
+
+Saved: y, the GEMM's output, rather than recomputing it (that would repeat the GEMM and, under
+sequence parallelism, its all-gather); silu(gate) is recomputed in the backward kernel.
+"""
 
 import torch
+import torch.distributed as dist
 
-from tplayers.backend import uses_triton
+from tplayers.backend import gemm, uses_triton
+from tplayers.functional.linear import column_backward
+from tplayers.functional.overlap import all_gather_matmul
 
 
-def _swiglu_kernels(tensor):
+def _swiglu_backward_kernel(tensor):
     if uses_triton(tensor):
-        from tplayers.kernels.swiglu import swiglu, swiglu_backward
+        from tplayers.kernels.swiglu import swiglu_backward
     else:  # the reference module does not import triton
         from tplayers.kernels.swiglu_ref import swiglu_backward_ref as swiglu_backward
-        from tplayers.kernels.swiglu_ref import swiglu_ref as swiglu
-    return swiglu, swiglu_backward
+    return swiglu_backward
 
 
-class SwiGLUFn(torch.autograd.Function):
-    """h (..., f) = silu(gate) * up from the fused column output y (..., 2f) = [gate | up].
-
-    Backward: dy (..., 2f) = [dgate | dup], written by one kernel straight into the two halves of
-    one buffer, which is the column GEMM's output gradient (its dgrad and wgrad read it as is).
-    Saved: y itself, not recomputed. It already exists (the column GEMM's output), so saving it
-    costs no new allocation; recomputing it would cost the column GEMM again, and under sequence
-    parallelism its all-gather too. silu(gate) is recomputed in the backward kernel (elementwise,
-    cheap) rather than saved. Nothing saved is overwritten in place.
-    """
-
+class ColumnSwiGLUFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y):
-        f = y.shape[-1] // 2
-        y2 = y.reshape(-1, 2 * f)  # a view: the column output is contiguous
-        swiglu, _ = _swiglu_kernels(y)
-        h = swiglu(y2[:, :f], y2[:, f:])
-        ctx.save_for_backward(y2)
-        ctx.shape = y.shape
-        return h.view(*y.shape[:-1], f)
+    def forward(ctx, x, weight, bias, group, sequence_parallel, overlap):
+        ctx.group, ctx.sequence_parallel, ctx.overlap = group, sequence_parallel, overlap
+        ctx.has_bias, ctx.reduce_input_grad = bias is not None, True
+        f = weight.shape[0] // 2
+        if sequence_parallel:
+            B, s, _ = x.shape
+            h = x.new_empty((B, dist.get_world_size(group) * s, f))
+            y, chunks = all_gather_matmul(x, weight, group, bias=bias, overlap=overlap, swiglu_out=h)
+            ctx.save_for_backward(chunks, weight, y)
+            return h
+        x2 = x.reshape(-1, x.shape[-1])
+        h = x.new_empty((x2.shape[0], f))
+        y = gemm(x2, weight, bias=bias, swiglu_out=h).view(*x.shape[:-1], 2 * f)
+        ctx.save_for_backward(x, weight, y)
+        return h.view(*x.shape[:-1], f)
 
     @staticmethod
     def backward(ctx, dh):
-        (y2,) = ctx.saved_tensors
-        f = y2.shape[-1] // 2
-        _, swiglu_backward = _swiglu_kernels(y2)
+        saved, weight, y = ctx.saved_tensors
+        y2 = y.reshape(-1, y.shape[-1])
         dy = torch.empty_like(y2)
-        swiglu_backward(dh.reshape(-1, f), y2[:, :f], y2[:, f:], dgate=dy[:, :f], dup=dy[:, f:])
-        return dy.view(ctx.shape)
+        _swiglu_backward_kernel(y2)(
+            dh.reshape(-1, y2.shape[-1] // 2), y2[:, 0::2], y2[:, 1::2], dgate=dy[:, 0::2], dup=dy[:, 1::2]
+        )
+        dy = dy.view(*y.shape)
+        return (*column_backward(ctx, dy, saved, weight), None, None, None)
 
 
-def swiglu_fused(y):
-    """silu(gate) * up of y (..., 2f) = [gate | up], differentiable."""
-    return SwiGLUFn.apply(y)
+def column_parallel_swiglu(x, weight, bias, group, *, sequence_parallel=False, overlap=True):
+    """silu(gate) * up of the column-parallel GEMM x W^T + b whose output columns alternate gate, up."""
+    if weight.shape[0] % 2:
+        raise ValueError(f"the fused gate|up weight needs an even number of rows, got {weight.shape[0]}")
+    return ColumnSwiGLUFn.apply(x, weight, bias, group, sequence_parallel, overlap)
