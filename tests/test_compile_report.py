@@ -90,17 +90,19 @@ s3 = lambda x: (0, *x.stride()) if x.dim() == 2 else x.stride()
 M, N, K, B = 256, 128, 64, 3
 a, w, out = t(M, K), t(N, K), t(M, N)
 dy, x, dw = t(B, M, N), t(B, M, K), t(N, K, dtype=torch.float32)
-launches = {  # a, b, c, bias, residual, BATCH
-    "gemm": (a, w, out, t(N), None, 1),
-    "gemm+bias+gelu+residual": (a, w, out, t(N), t(M, N), 1),
-    "wgrad-accumulate": (dy.mT, x.mT, dw, None, None, B),
+launches = {  # a, b, c, bias, residual, swiglu h, BATCH
+    "gemm": (a, w, out, t(N), None, None, 1),
+    "gemm+swiglu": (a, w, out, t(N), None, t(M, N // 2), 1),
+    "gemm+bias+gelu+residual": (a, w, out, t(N), t(M, N), None, 1),
+    "wgrad-accumulate": (dy.mT, x.mT, dw, None, None, None, B),
 }
 diffs = {}
-for name, (a, b, c, bias, res, batch) in launches.items():
+for name, (a, b, c, bias, res, h, batch) in launches.items():
     signature, constexprs, attrs = cr.specialise(kernel, name, "fp16", (64, 64, 32, 8, 4, 3))
-    args = (a, b, c, c if bias is None else bias, c if res is None else res,
+    args = (a, b, c, c if bias is None else bias, c if res is None else res, c if h is None else h,
             a.shape[-2], b.shape[-2], a.shape[-1], batch, 1.0,
-            *s3(a), *s3(b), *s3(c), *(s3(res) if res is not None else (0, 0, 0)))
+            *s3(a), *s3(b), *s3(c), *(s3(res) if res is not None else (0, 0, 0)),
+            *(s3(h) if h is not None else (0, 0, 0)))
     flags = {k: v for k, v in constexprs.items() if k in flag_names}
     bound, spec, options = binder(*args, **flags, num_warps=4, num_stages=3)
     _, jit_sig, jit_ce, jit_attrs = kernel._pack_args(backend, dict(flags), bound, spec, options)
