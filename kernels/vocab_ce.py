@@ -49,8 +49,10 @@ def _vocab_ce_stats_kernel(
         x = tl.load(row_ptrs[:, None] + cols.to(tl.int64)[None, :] * stride_lv, mask=col_ok[None, :],
                     other=float("-inf")).to(tl.float32)  # fmt: skip
         new_max = tl.maximum(row_max, tl.max(x, axis=1))
-        # Every tile has a valid column, so new_max is finite for finite logits; exp(-inf) = 0.
-        sum_exp = sum_exp * tl.exp(row_max - new_max) + tl.sum(tl.exp(x - new_max[:, None]), axis=1)
+        # A row whose logits so far are all -inf (masked vocabulary) keeps max -inf and sum 0:
+        # shift by 0 there instead, so exp(-inf - -inf) never makes a nan.
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        sum_exp = sum_exp * tl.exp(row_max - shift) + tl.sum(tl.exp(x - shift[:, None]), axis=1)
         row_max = new_max
         row_sum += tl.sum(tl.where(col_ok[None, :], x, 0.0), axis=1)
 

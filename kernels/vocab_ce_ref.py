@@ -43,7 +43,8 @@ def vocab_ce_stats_ref(logits, target, vocab_start=0):
         return stats
     row_max = x.amax(dim=1)
     stats[:, MAX] = row_max
-    stats[:, SUMEXP] = torch.exp(x - row_max[:, None]).sum(dim=1)
+    shift = torch.where(row_max == float("-inf"), 0.0, row_max)  # an all -inf shard: sum 0, not nan
+    stats[:, SUMEXP] = torch.exp(x - shift[:, None]).sum(dim=1)
     local = target.long() - vocab_start
     in_shard = (local >= 0) & (local < x.shape[1])
     picked = x.gather(1, local.clamp(0, x.shape[1] - 1)[:, None]).squeeze(1)

@@ -318,3 +318,26 @@ def run_with_mesh(rank, tp, group):
 def test_device_mesh_group(pool):
     results = pool.run(run_with_mesh, 2)
     assert torch.isfinite(results[0][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def masked_shard_loss(rank, tp, group, backend):
+    """One rank's whole vocabulary shard masked to -inf (padded / banned tokens): finite loss."""
+    tplayers.set_backend(backend)
+    torch.manual_seed(0)
+    logits = torch.randn(5, 8 * tp)
+    logits[:, 8:] = float("-inf")  # everything but rank 0's shard
+    target = torch.randint(0, 8, (5,))
+    local = logits.chunk(tp, -1)[rank].clone().requires_grad_(True)
+    full = logits.clone().requires_grad_(True)
+    loss = tplayers.vocab_parallel_cross_entropy(local, target, group=group)
+    expected = torch.nn.functional.cross_entropy(full, target)
+    loss.backward()
+    expected.backward()
+    assert torch.isfinite(loss)
+    assert_close(loss, expected)
+    assert_close(local.grad, full.grad.chunk(tp, -1)[rank])
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
+def test_masked_vocab_shard_gives_finite_loss(pool, backend):
+    pool.run(masked_shard_loss, 2, backend)

@@ -86,7 +86,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             comm.all_gather_into(gathered, stats, group)
             local_max, local_sum_exp, target_logit, logit_sum = gathered.unbind(-1)  # each (n, R)
             row_max = local_max.amax(0)
-            lse = row_max + torch.log((local_sum_exp * torch.exp(local_max - row_max)).sum(0))
+            # A shard masked to -inf contributes nothing (its sum-exp is 0), never a nan.
+            scale = torch.where(local_max == float("-inf"), 0.0, torch.exp(local_max - row_max))
+            lse = row_max + torch.log((local_sum_exp * scale).sum(0))
             eps = label_smoothing
             loss = lse - (1.0 - eps) * target_logit.sum(0)
             if eps:
