@@ -21,7 +21,7 @@ __all__ = ["swiglu", "swiglu_backward", "swiglu_backward_ref", "swiglu_ref"]
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # A (BLOCK_M, BLOCK_N) tile per program: rows of an FFN activation are long, so wide tiles keep
-# the loads coalesced along N; 4 warps * 32 threads * 8 elements = one 16x64 tile per pass.
+# the loads coalesced along N; a 16x128 tile over 4 warps * 32 threads is 16 elements a thread.
 GPU_CONFIG = dict(BLOCK_M=16, BLOCK_N=128, num_warps=4)
 # The interpreter runs each program in numpy: few, large programs are fastest.
 INTERPRETER_CONFIG = dict(BLOCK_M=64, BLOCK_N=64)

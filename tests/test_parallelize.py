@@ -27,6 +27,11 @@ def tiny_model(family):
         return tf.LlamaForCausalLM(tf.LlamaConfig(**common, num_attention_heads=4, num_key_value_heads=2))
     if family == "qwen2":  # q/k/v biases, MQA
         return tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, num_attention_heads=4, num_key_value_heads=1))
+    if family == "qwen3":  # per-head q_norm / k_norm inside the attention
+        return tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+    if family == "llama_tied":
+        cfg = tf.LlamaConfig(**common, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True)
+        return tf.LlamaForCausalLM(cfg)
     if family == "mistral":
         return tf.MistralForCausalLM(tf.MistralConfig(**common, num_attention_heads=4, num_key_value_heads=4))
     if family == "gpt2":  # Conv1D, fused c_attn, tied embeddings
@@ -41,6 +46,7 @@ def check_family(rank, tp, group, family, sequence_parallel):
     reference = copy.deepcopy(model)
     original = {k: v.clone() for k, v in model.state_dict().items()}
     tplayers.parallelize(model, group=group, sequence_parallel=sequence_parallel)
+    assert all(tplayers.get_placement(p) is not None for p in model.parameters())  # one record for all
 
     full = tplayers.gather_state_dict(model, group=group)  # round trip, exactly
     assert list(full) == list(original)
@@ -73,7 +79,7 @@ def check_family(rank, tp, group, family, sequence_parallel):
         assert torch.equal(generated, reference.generate(prompt, max_new_tokens=6, do_sample=False))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "gpt2"])
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
 def test_hf_model_matches_unsharded(pool, family, tp, sequence_parallel):
@@ -173,3 +179,21 @@ def test_communication_is_the_megatron_minimum(pool, sequence_parallel):
         per_block = 4 * all_reduce * act
     expected = layers * per_block + edges + logits_gather
     assert pool.run(llama_bytes, tp, sequence_parallel) == [pytest.approx(expected, rel=1e-6)] * tp
+
+
+def tied_checkpoint_and_vocab_parallel_loss(rank, tp, group):
+    model = tiny_model("llama_tied")
+    reference = copy.deepcopy(model)
+    tplayers.parallelize(model, group=group, vocab_parallel_logits=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    checkpoint = {k: v for k, v in reference.state_dict().items() if k != "lm_head.weight"}  # as HF saves it
+    tplayers.load_full_state_dict(model, checkpoint)
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="vocab_parallel_cross_entropy"):
+        model(ids, labels=ids)
+    loss = tplayers.vocab_parallel_cross_entropy(model(ids).logits[:, :-1], ids[:, 1:], group=group)
+    assert_close(loss, reference(ids, labels=ids).loss)
+
+
+def test_tied_checkpoint_without_head_and_vocab_parallel_loss(pool):
+    pool.run(tied_checkpoint_and_vocab_parallel_loss, 2)

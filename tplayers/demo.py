@@ -1,7 +1,7 @@
 """`tplayers demo`: train a small Llama-style HuggingFace model with tensor parallelism on local
 CPU ranks and check it step for step against the same model trained unsharded.
 
-Model: `LlamaForCausalLM` from a small random config over bytes (vocabulary 256), sharded by
+Model: `LlamaForCausalLM` from a small random config over bytes (vocabulary 256, padded to a multiple of TP), sharded by
 `tplayers.parallelize` with vocabulary-parallel logits and `vocab_parallel_cross_entropy`.
 Text: generated on the fly, sums written out ("17+25=42;"), so there is structure to learn and
 nothing to download. Rank 0 trains the unsharded twin on the same batches.
@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import tplayers
 
-VOCAB = 256  # bytes
+BYTES = 256
 AGREE_TOL = 1e-4
 
 
@@ -44,7 +44,8 @@ def build_model(cfg: DemoConfig):
     except ImportError as e:
         raise ImportError("tplayers demo trains a HuggingFace model: pip install 'tplayers[hf]'") from e
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=cfg.hidden, intermediate_size=cfg.ffn, num_hidden_layers=cfg.layers,
+        vocab_size=-(-BYTES // cfg.tp) * cfg.tp,  # bytes, padded so the vocabulary splits evenly
+        hidden_size=cfg.hidden, intermediate_size=cfg.ffn, num_hidden_layers=cfg.layers,
         num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads, max_position_embeddings=cfg.seq,
     )  # fmt: skip
     return LlamaForCausalLM(config)
@@ -145,6 +146,12 @@ def run_demo(cfg: DemoConfig) -> dict:
             raise ValueError(f"{name} ({getattr(cfg, name)}) is not divisible by the tensor-parallel size ({cfg.tp})")
     if cfg.hidden % cfg.heads:
         raise ValueError(f"hidden ({cfg.hidden}) is not divisible by heads ({cfg.heads})")
+    if cfg.heads % cfg.kv_heads:
+        raise ValueError(f"heads ({cfg.heads}) is not divisible by kv_heads ({cfg.kv_heads})")
+    if cfg.kv_heads % cfg.tp and cfg.tp % cfg.kv_heads:
+        raise ValueError(
+            f"kv_heads ({cfg.kv_heads}) and the tensor-parallel size ({cfg.tp}): one must divide the other"
+        )
     if cfg.sequence_parallel and cfg.seq % cfg.tp:
         raise ValueError(f"seq ({cfg.seq}) is not divisible by the tensor-parallel size ({cfg.tp})")
     return tplayers.launch(train_on_rank, cfg.tp, cfg)[0]

@@ -52,6 +52,7 @@ from tplayers.placement import get_placement, set_placement
 PLAN_KINDS = ("colwise", "rowwise", "vocab", "replicate")
 _EXPORTS = "_tplayers_exports"  # [(prefix, export)] on the model, read by gather_state_dict
 _ORIGINAL_KEYS = "_tplayers_original_keys"
+_TIED = "_tplayers_tied"  # {LM head name: embedding name} where they share one Parameter
 
 # export(pick, group) -> {name relative to the module: full tensor}; pick(param) -> param or its grad
 Export = Callable[[Callable, dist.ProcessGroup], dict]
@@ -165,6 +166,8 @@ class _Parallelizer:
         # Modules whose column projections share one input: it is prepared once for all of them (summed
         # gradient, or gathered along the sequence under SP) instead of once per projection.
         self.shared_input: list[nn.Module] = []
+        self.partial_grads: list[nn.Parameter] = []
+        self.tied: dict[str, str] = {}  # replicated, each rank holding part of the gradient
         self.done: set[str] = set()  # names of modules handled, with everything below them
         unknown = {k: v for k, v in self.plan.items() if v not in PLAN_KINDS}
         if unknown:
@@ -227,8 +230,25 @@ class _Parallelizer:
                 self._record(f"{name}.{proj}", layer, None, False)
             attn.num_key_value_groups = heads // self.n  # local query heads per (one) local kv head
         self._row(f"{name}.o_proj", attn.o_proj)
+        self._per_head_weights(name, attn, head_dim)
         self.shared_input.append(attn)
         self.done.add(name)
+
+    def _per_head_weights(self, name, attn, head_dim):
+        """Other weights inside the attention (Qwen3's q_norm / k_norm) act on each head alike:
+        replicated, but each rank's heads give only part of their gradient, so it is summed.
+        A weight spanning all heads cannot be split by this pass: an error naming it."""
+        projections = {"q_proj", "k_proj", "v_proj", "o_proj"}
+        for child_name, child in attn.named_children():
+            if child_name in projections:
+                continue
+            for param_name, p in child.named_parameters():
+                if p.shape[-1] != head_dim:
+                    raise ValueError(
+                        f"parallelize: {name}.{child_name}.{param_name} {tuple(p.shape)} spans all heads; "
+                        "pass a plan for this model"
+                    )
+                self.partial_grads.append(p)
 
     def gpt2_attention(self, name, attn):
         width = attn.c_attn.nf // 3
@@ -320,6 +340,7 @@ class _Parallelizer:
                 )
                 if tied:  # one Parameter, one placement: still tied after sharding
                     new_head.weight = new_emb.weight
+                    self.tied[names[id(head)]] = names[id(emb)]
 
     def apply_plan(self, name, module, kind):
         if kind == "colwise":
@@ -414,11 +435,16 @@ def _sequence_parallel_hooks(model, group, blocks):
             else gather_from_tp_region(out, group, dim=1)
         )
     )
-    for block in blocks:
-        for p in block.parameters():
-            if get_placement(p) is None and p.requires_grad:
-                set_placement(p, group, Replicate())
-                p.register_hook(lambda g: _summed(g, group))
+    _summed_grads([p for block in blocks for p in block.parameters() if get_placement(p) is None], group)
+
+
+def _summed_grads(params, group):
+    """Replicated parameters whose gradient each rank holds only part of: tagged Replicate and
+    summed over the group as the gradient is computed, so every rank holds the whole of it."""
+    for p in params:
+        if get_placement(p) is None and p.requires_grad:
+            set_placement(p, group, Replicate())
+            p.register_hook(lambda g: _summed(g, group))
 
 
 def _length_check(max_positions):
@@ -438,6 +464,14 @@ def _length_check(max_positions):
     return hook
 
 
+def _no_labels(module, args, kwargs):
+    if kwargs.get("labels") is not None:
+        raise ValueError(
+            "parallelize(vocab_parallel_logits=True): the model's own loss needs full logits; compute it with "
+            "tplayers.vocab_parallel_cross_entropy(logits[:, :-1], ids[:, 1:]) instead of passing labels"
+        )
+
+
 def _summed(grad, group):
     """The gradient summed over `group` (a replicated weight that saw part of the sequence)."""
     grad = grad.contiguous().clone()
@@ -445,10 +479,17 @@ def _summed(grad, group):
     return grad
 
 
-def _decoder_blocks(model):
-    """The list of transformer blocks: the longest nn.ModuleList in the model."""
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    return max(lists, key=len) if lists else None
+def _decoder_blocks(model, placed):
+    """The transformer blocks: the nn.ModuleList whose items hold the placed attention / MLP modules."""
+    placed_ids = {id(m) for m in placed}
+    for module in model.modules():
+        if (
+            isinstance(module, nn.ModuleList)
+            and len(module)
+            and all(any(id(m) in placed_ids for m in item.modules()) for item in module)
+        ):
+            return module
+    return None
 
 
 def parallelize(model, *, group=None, sequence_parallel=False, plan=None, vocab_parallel_logits=False):
@@ -461,20 +502,27 @@ def parallelize(model, *, group=None, sequence_parallel=False, plan=None, vocab_
     group = resolve_group(group)
     keys = list(model.state_dict().keys())
     parallelizer = _Parallelizer(model, group, sequence_parallel, plan, vocab_parallel_logits)
+    parallelizer.run()
     if sequence_parallel:
-        blocks = _decoder_blocks(model)
+        blocks = _decoder_blocks(model, parallelizer.shared_input)
         if not blocks:
             raise ValueError("parallelize: sequence_parallel=True needs the model's blocks in an nn.ModuleList")
-    parallelizer.run()
     _shared_input_hooks(parallelizer.shared_input, group, sequence_parallel)
+    _summed_grads(parallelizer.partial_grads, group)
+    if vocab_parallel_logits:
+        model.register_forward_pre_hook(_no_labels, with_kwargs=True)
     config = getattr(model, "config", None)
     max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if max_positions:
         model.register_forward_pre_hook(_length_check(max_positions), with_kwargs=True)
     if sequence_parallel:
         _sequence_parallel_hooks(model, group, blocks)
+    for p in model.parameters():  # everything else is whole on every rank, with its whole gradient
+        if get_placement(p) is None:
+            set_placement(p, group, Replicate())
     setattr(model, _EXPORTS, parallelizer.exports)
     setattr(model, _ORIGINAL_KEYS, keys)
+    setattr(model, _TIED, parallelizer.tied)
     return model
 
 
@@ -516,8 +564,12 @@ def load_full_state_dict(model, state_dict, *, group=None) -> None:
     `load_state_dict`."""
     records = getattr(model, _EXPORTS, [])
     state_dict = dict(state_dict)
+    supplied = set(state_dict)
     for prefix, _, load in records:
         start = prefix + "."
+        tied_to = getattr(model, _TIED, {}).get(prefix)
+        if tied_to and f"{start}weight" not in supplied and f"{tied_to}.weight" in supplied:
+            continue  # HF checkpoints of tied models omit the head: it is the embedding's Parameter
         try:
             load({k[len(start) :]: state_dict.pop(k) for k in list(state_dict) if k.startswith(start)})
         except KeyError as e:
