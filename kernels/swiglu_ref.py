@@ -72,7 +72,6 @@ def swiglu_backward_ref(dh, gate, up, *, dgate=None, dup=None):
     two halves of one fused gradient buffer) or new tensors of gate's dtype."""
     check_backward(dh, gate, up, dgate, dup)
     g, u, d = gate.float(), up.float(), dh.float()
-    sig = torch.sigmoid(g)
-    silu = g * sig
-    dg = d * u * sig * (1.0 + g * (1.0 - sig))
-    return _store(dg, dgate, gate.dtype), _store(d * silu, dup, gate.dtype)
+    # dgate = dh * up * silu'(gate), with torch's fused silu backward; dup = dh * silu(gate)
+    dg = torch.ops.aten.silu_backward(d * u, g)
+    return _store(dg, dgate, gate.dtype), _store(d * torch.nn.functional.silu(g), dup, gate.dtype)
