@@ -7,8 +7,6 @@ all-reduced (one rank contributes each row, so the sum is exact). Backward: the 
 adjoint is the identity, so each rank's weight grad is its slice of the unsharded one.
 """
 
-from copy import deepcopy
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -17,15 +15,17 @@ from torch.distributed.tensor import Shard
 from tplayers.distributed import resolve_group
 from tplayers.functional.collectives import own_slice, reduce_from_tp_region
 from tplayers.layers import _divide
-from tplayers.placement import set_placement
+from tplayers.placement import PlacedModule
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(PlacedModule):
     """nn.Embedding(num_embeddings, embedding_dim, padding_idx) with the vocabulary split over `group`.
 
     Input: integer ids (...) in [0, num_embeddings), the same on every rank. Output: (..., embedding_dim),
     the same on every rank. The padding row's gradient stays zero, as in nn.Embedding.
     """
+
+    _placements = {"weight": Shard(0)}  # rank r holds rows [r*V/n, (r+1)*V/n)
 
     def __init__(
         self, num_embeddings, embedding_dim, padding_idx=None, *, group=None, device=None, dtype=None
@@ -79,18 +79,6 @@ class VocabParallelEmbedding(nn.Module):
     def _set_shard(self, weight, device):
         self.weight = nn.Parameter(own_slice(weight, 0, self.group).to(device=device, copy=True))
         self._tag_parameters()
-
-    def _tag_parameters(self, *_):
-        set_placement(self.weight, self.group, Shard(0))
-
-    def __deepcopy__(self, memo):
-        memo[id(self.group)] = self.group  # a copy of the layer shares the process group
-        copy = self.__class__.__new__(self.__class__)
-        memo[id(self)] = copy
-        for key, value in self.__dict__.items():
-            copy.__dict__[key] = deepcopy(value, memo)
-        copy._tag_parameters()  # Parameter.__deepcopy__ drops Python attributes
-        return copy
 
     def check_input(self, ids):
         """The checks every rank makes before the all-reduce (all ranks see the same ids)."""

@@ -8,8 +8,6 @@ activations outside the TP region are sharded along dim 1. The math and the comm
 per mode are in tplayers/functional/linear.py.
 """
 
-from copy import deepcopy
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -18,7 +16,7 @@ from torch.distributed.tensor import Replicate, Shard
 from tplayers.distributed import resolve_group
 from tplayers.functional.collectives import gather_from_tp_region, own_slice, scatter_to_tp_region
 from tplayers.functional.linear import column_parallel_linear, row_parallel_linear
-from tplayers.placement import set_placement
+from tplayers.placement import PlacedModule
 
 
 def _divide(total: int, n: int, what: str) -> int:
@@ -52,7 +50,7 @@ def check_input(layer, x, expected_last_dim, sequence_parallel):
         raise ValueError(f"{name}: sequence_parallel needs a (batch, seq, hidden) input, got {tuple(x.shape)}")
 
 
-class _ParallelLinear(nn.Module):
+class _ParallelLinear(PlacedModule):
     """What both layers share: building from an nn.Linear, and keeping each parameter's
     placement attached when parameters are replaced (load_state_dict(assign=True)) or copied."""
 
@@ -69,7 +67,7 @@ class _ParallelLinear(nn.Module):
         """Draw the full nn.Linear weights, keep this rank's shards, keep placements attached."""
         weight, bias_full = _full_linear_init(self.in_features, self.out_features, bias, device, dtype)
         self._set_shards(weight, bias_full, device)
-        self.register_load_state_dict_post_hook(self._tag_parameters)
+        self._keep_placements()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, group=None, device=None, dtype=None, **kwargs):
@@ -86,21 +84,6 @@ class _ParallelLinear(nn.Module):
         bias = linear.bias.detach().to(dtype) if linear.bias is not None else None
         layer._set_shards(weight, bias, device or linear.weight.device)
         return layer
-
-    def _tag_parameters(self, *_):
-        for name, placement in self._placements.items():
-            param = getattr(self, name)
-            if param is not None:
-                set_placement(param, self.group, placement)
-
-    def __deepcopy__(self, memo):
-        memo[id(self.group)] = self.group  # a copy of the layer shares the process group
-        copy = self.__class__.__new__(self.__class__)
-        memo[id(self)] = copy
-        for key, value in self.__dict__.items():
-            copy.__dict__[key] = deepcopy(value, memo)
-        copy._tag_parameters()  # Parameter.__deepcopy__ drops Python attributes
-        return copy
 
 
 class ColumnParallelLinear(_ParallelLinear):
