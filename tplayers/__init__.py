@@ -2,6 +2,7 @@
 
 from tplayers.attention import ParallelAttention
 from tplayers.backend import get_backend, set_backend
+from tplayers.clip import clip_grad_norm_
 from tplayers.distributed import RankError, init_mesh, launch
 from tplayers.embedding import VocabParallelEmbedding
 from tplayers.functional.comm import count_bytes
@@ -19,6 +20,7 @@ __all__ = [
     "RankError",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "clip_grad_norm_",
     "count_bytes",
     "gather_state_dict",
     "get_backend",

@@ -1,0 +1,178 @@
+"""Global gradient clipping over tensor-parallel (and pipeline) ranks, read off the placements.
+
+`clip_grad_norm_` returns the norm of the full, unsharded gradient, as
+`torch.nn.utils.clip_grad_norm_` would on the unsharded model, and scales every local gradient
+by the same factor on every rank. Each parameter is counted once by construction:
+
+- a sharded gradient (placement `Shard(dim)` over group G) is split over the ranks of G, so its
+  local contribution is summed over G (max for the inf-norm);
+- a replicated gradient (placement `Replicate()`, or a parameter tplayers does not manage) is
+  whole and identical on every rank of its group, so it is counted locally, once, and never
+  reduced (reducing it is the classic bug that inflates the norm by up to the TP size);
+- a parameter passed twice (tied / shared weights: the same Parameter object) counts once.
+"""
+
+import functools
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from tplayers.distributed import resolve_group
+from tplayers.functional import comm
+from tplayers.placement import get_placement
+
+_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
+
+
+def _unique_params(parameters) -> list:
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    seen, unique = set(), []
+    for p in parameters:
+        if id(p) not in seen:
+            seen.add(id(p))
+            unique.append(p)
+    return unique
+
+
+def _local_norms(grads: list, norm_type: float, foreach: bool | None) -> list:
+    """The norm of each gradient in fp32, in the order given."""
+    if not grads:
+        return []
+    by_key: dict = {}
+    for i, g in enumerate(grads):
+        by_key.setdefault((g.device, g.dtype), []).append(i)
+    norms: list = [None] * len(grads)
+    for (device, _), indices in by_key.items():
+        tensors = [grads[i] for i in indices]
+        use_foreach = foreach if foreach is not None else device.type in ("cpu", "cuda")
+        if use_foreach:
+            values = torch._foreach_norm(tensors, norm_type)
+        else:
+            values = [torch.linalg.vector_norm(t, norm_type) for t in tensors]
+        for i, v in zip(indices, values, strict=True):
+            norms[i] = v.to(torch.float32)
+    return norms
+
+
+def _combine(values: list, norm_type: float, device) -> torch.Tensor:
+    """sum of p-th powers of per-tensor norms (max for inf), as an fp32 scalar on `device`."""
+    if not values:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    stacked = torch.stack([v.to(device) for v in values])
+    return stacked.amax() if math.isinf(norm_type) else stacked.pow(norm_type).sum()
+
+
+def _reduce(buf: torch.Tensor, group, is_max: bool) -> torch.Tensor:
+    """Sum `buf` over `group`, or take its max (through an all-gather: comm has no MAX all-reduce,
+    and an all-gather then `amax` propagates nan, which gloo's MAX does not guarantee)."""
+    if dist.get_world_size(group) == 1:
+        return buf
+    if not is_max:
+        comm.all_reduce(buf, group)
+        return buf
+    gathered = torch.empty((dist.get_world_size(group), *buf.shape), dtype=buf.dtype, device=buf.device)
+    comm.all_gather_into(gathered, buf, group)
+    return gathered.amax(dim=0)
+
+
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    *,
+    group=None,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """Clip the gradients of `parameters` by the norm of the full, unsharded gradient; return that norm.
+
+    With ``G_i`` the full gradient of parameter ``i`` (each distinct parameter once), the norm is
+
+    - p finite (any p > 0):  ``total = (sum_i ||G_i||_p^p) ** (1/p)``, where for a parameter
+      sharded over group G, ``||G_i||_p^p = sum_{r in G} ||g_i^(r)||_p^p`` (local shards' sums,
+      all-reduced over G) and for a replicated one ``||G_i||_p^p = ||g_i||_p^p`` (local, once);
+    - p = inf:  ``total = max_i ||G_i||_inf``, with a max over G for sharded parameters.
+
+    One collective per distinct placement group (the sharded contributions of all parameters on
+    that group travel in one buffer), then, if `group` (ProcessGroup, 1-D DeviceMesh) is given,
+    one more over it: the per-rank totals are combined over `group` (sum of p-th powers, max for
+    inf). Pass there ranks that hold *disjoint* parts of the model, e.g. pipeline stages; not
+    data-parallel replicas holding the same gradients (that would count them once per replica).
+
+    Then, like torch, every gradient is multiplied by ``min(max_norm / (total + 1e-6), 1)``.
+    The total is the same on every rank, and so is the non-finite decision: nan / inf anywhere
+    travel as flags with the reductions, so every rank sees ``nan`` (any nan) or ``inf``; with
+    `error_if_nonfinite` every rank raises RuntimeError, otherwise the gradients are scaled by the
+    resulting factor as torch does. Parameters whose grad is None are skipped; all-zero gradients
+    give 0. `foreach` as in torch (None: use the foreach kernels on CPU / CUDA).
+    """
+    norm_type = float(norm_type)
+    if math.isnan(norm_type) or norm_type <= 0:
+        raise ValueError(f"clip_grad_norm_: norm_type must be > 0 (or inf), got {norm_type}")
+    max_norm = float(max_norm)
+    params = _unique_params(parameters)
+    extra = resolve_group(group) if group is not None else None
+    is_max = math.isinf(norm_type)
+
+    grads = [p.grad for p in params if p.grad is not None]
+    norms = _local_norms(grads, norm_type, foreach)
+    if grads:
+        device = grads[0].device
+        out_dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads))
+    else:
+        device = params[0].device if params else torch.device("cpu")
+        out_dtype = torch.float32
+
+    # Every group some parameter is sharded over, in parameter order (the same on every rank of
+    # it, grads or not, so collectives match); sharded norms go to their group, the rest stay local.
+    sharded: dict = {}
+    local = []
+    norm_of = dict(zip((id(g) for g in grads), norms, strict=True))
+    for p in params:
+        placement = get_placement(p)
+        is_sharded = placement is not None and placement.is_sharded
+        if is_sharded:
+            sharded.setdefault(placement.group, [])
+        if p.grad is None:
+            continue
+        (sharded[placement.group] if is_sharded else local).append(norm_of[id(p.grad)])
+
+    all_norms = torch.stack(norms) if norms else torch.zeros(0, device=device)
+    flags = torch.stack([all_norms.isnan().any(), all_norms.isinf().any()]).to(torch.float32).to(device)
+    total = _combine(local, norm_type, device)
+    for pg, values in sharded.items():
+        reduced = _reduce(torch.cat([_combine(values, norm_type, device).reshape(1), flags]), pg, is_max)
+        part, flags = reduced[0], torch.maximum(flags, reduced[1:].clamp(max=1))
+        total = torch.maximum(total, part) if is_max else total + part
+    if extra is not None:
+        reduced = _reduce(torch.cat([total.reshape(1), flags]), extra, is_max)
+        total, flags = reduced[0], reduced[1:].clamp(max=1)
+
+    if not is_max:
+        total = total.pow(1.0 / norm_type)
+    # the same verdict everywhere: any nan -> nan, else any inf -> inf
+    total = torch.where(flags[1] > 0, torch.full_like(total, math.inf), total)
+    total = torch.where(flags[0] > 0, torch.full_like(total, math.nan), total)
+    total = total.to(out_dtype)
+
+    if error_if_nonfinite and not torch.isfinite(total).item():
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
+            "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+            "`error_if_nonfinite=False`"
+        )
+    clip_coef = (max_norm / (total.to(torch.float32) + _EPS)).clamp(max=1.0)
+    by_device: dict = {}
+    for g in grads:
+        by_device.setdefault((g.device, g.dtype), []).append(g)
+    for (dev, _), group_grads in by_device.items():
+        coef = clip_coef.to(dev)
+        if foreach is not False and dev.type in ("cpu", "cuda"):
+            torch._foreach_mul_(group_grads, coef)
+        else:
+            for g in group_grads:
+                g.mul_(coef)
+    return total
