@@ -1,5 +1,6 @@
 """tplayers: tensor-parallel transformer layers on fused Triton GEMMs with overlapped communication."""
 
+from tplayers.amp import DynamicLossScaler
 from tplayers.attention import ParallelAttention
 from tplayers.backend import get_backend, set_backend
 from tplayers.clip import clip_grad_norm_
@@ -14,6 +15,7 @@ from tplayers.placement import ParamPlacement, get_placement
 
 __all__ = [
     "ColumnParallelLinear",
+    "DynamicLossScaler",
     "ParallelAttention",
     "ParallelMLP",
     "ParamPlacement",
