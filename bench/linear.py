@@ -345,9 +345,9 @@ def add_ratios(rows):
     return rows
 
 
-def write_csv(rows, path):
+def write_csv(rows, path, fields=FIELDS):
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS, restval="")
+        writer = csv.DictWriter(f, fieldnames=fields, restval="")
         writer.writeheader()
         for row in rows:
             writer.writerow({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()})

@@ -25,7 +25,6 @@ prints a table. Ratios below 1 favour tplayers; scaling efficiency = unsharded t
 
 import argparse
 import copy
-import csv
 import warnings
 from collections import Counter
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from linear import time_round_robin, wait  # bench/linear.py: the shared timing method
+from linear import time_round_robin, wait, write_csv  # bench/linear.py: the shared timing and CSV
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
@@ -301,14 +300,6 @@ def add_ratios(rows):
     return rows
 
 
-def write_csv(rows, path):
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS, restval="")
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()})
-
-
 def print_table(rows):
     first = rows[0]
     print(f"\nLlama fwd+bwd (loss from labels), tp={first['tp']}, threads/rank={first['threads']}, device=cpu")
@@ -373,7 +364,7 @@ def main(argv=None):
     args = parse_args(argv)
     rows = add_ratios(tplayers.launch(worker, args.tp, args)[0])
     args.out.mkdir(parents=True, exist_ok=True)
-    write_csv(rows, args.out / "transformer.csv")
+    write_csv(rows, args.out / "transformer.csv", FIELDS)
     plot(rows, args.out / "transformer.png")
     print_table(rows)
     print(f"\nwrote {args.out / 'transformer.csv'} and {args.out / 'transformer.png'}")
