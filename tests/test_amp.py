@@ -261,3 +261,29 @@ def test_overflow_on_one_rank_skips_on_every_rank(pool, tp, target):
 @pytest.mark.multirank
 def test_overflow_reaches_ranks_of_other_tp_groups_through_extra_group(pool):
     _check_all_ranks_agree(pool.run(check_fault_injection, 4, 3, "sharded", True))
+
+
+def check_local_verdict(rank, tp, group, bad_rank):
+    """Negative control: the same injection with the consensus reduction switched off (each rank
+    decides alone, as a scaler without the MAX-reduction would). Returns whether this rank skipped."""
+    col, row = _block(tp, group)
+    optimizer = torch.optim.Adam([*col.parameters(), *row.parameters()], lr=1e-2)
+    scaler = DynamicLossScaler(init_scale=INIT_SCALE, group=group)
+    scaler._groups_of = lambda optimizer: []  # no reduction at all
+    _scaled_backward(scaler, col, row, optimizer, seed=0)
+    if rank == bad_rank:
+        col.weight.grad.view(-1)[0] = math.inf
+    scaler.step(optimizer)
+    skipped = scaler.last_step_skipped
+    scaler.update()
+    return skipped, scaler.get_scale()
+
+
+@pytest.mark.multirank
+def test_negative_control_without_consensus_ranks_disagree(pool):
+    """Without the reduction the rank with the inf skips and the others step: the agreement the
+    fault-injection tests check is not automatic, and they would catch its loss."""
+    results = pool.run(check_local_verdict, 2, 1)
+    assert results == [(False, INIT_SCALE), (True, INIT_SCALE / 2)]
+    with pytest.raises(AssertionError):
+        _check_all_ranks_agree([[r] for r in results])

@@ -15,6 +15,7 @@ from tplayers.clip import clip_grad_norm_
 from tplayers.functional import comm
 from tplayers.parallelize import gather_grads
 from tplayers.testing import assert_close
+from tplayers.testing.numerics import tolerance
 
 pytestmark = pytest.mark.multirank
 
@@ -184,6 +185,42 @@ def check_pipeline_group(rank, tp, group, family):
         grads = gather_grads(model, group=tp_groups[stage])
         for name in mine:
             assert_close(grads[name], reference.get_parameter(name).grad, msg=lambda m, k=name: f"{k}: {m}")
+
+
+def check_low_precision(rank, tp, group, family, dtype):
+    """fp16 / bf16 gradients: the norm is accumulated and returned in fp32 and equals torch's
+    on the unsharded gradients (upcast, so torch's own fp16 overflow does not hide the truth)."""
+    model, reference = _setup(group, family)
+    model.to(dtype)  # parameters and their gradients
+    reference.to(dtype)
+    for norm_type in NORM_TYPES:
+        saved, saved_ref = _snapshot(model), _snapshot(reference)
+        ref_grads = [p.grad.float() for p in reference.parameters()]
+        unclipped = torch.nn.utils.get_total_norm(ref_grads, norm_type)
+        max_norm = 0.5 * unclipped.item()
+        total = clip_grad_norm_(_params(model, family), max_norm, norm_type)
+        assert total.dtype == torch.float32 and total.item() > max_norm
+        torch.testing.assert_close(total, unclipped, **tolerance(dtype))
+        coef = min(max_norm / (unclipped.item() + 1e-6), 1.0)  # torch's clipping factor, on the fp32 grads
+        grads = gather_grads(model, group=group)
+        for (name, _), g in zip(reference.named_parameters(), ref_grads, strict=True):
+            assert grads[name].dtype == dtype
+            expected = (g * coef).to(dtype).float()
+            torch.testing.assert_close(
+                grads[name].float(), expected, **tolerance(dtype), msg=lambda m, k=name: f"{k}: {m}"
+            )
+        _restore(saved), _restore(saved_ref)
+    # a norm beyond fp16's range (65504) is finite in fp32 and clips, rather than zeroing grads
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1000.0)
+    total = clip_grad_norm_(model.parameters(), 1.0)
+    assert math.isfinite(total.item()) and total.item() > 65504
+    assert all(bool((p.grad > 0).all()) for p in model.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_clip_low_precision_grads(pool, dtype):
+    pool.run(check_low_precision, 2, "llama", dtype)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

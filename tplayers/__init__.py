@@ -9,18 +9,22 @@ from tplayers.embedding import VocabParallelEmbedding
 from tplayers.functional.comm import count_bytes
 from tplayers.functional.cross_entropy import vocab_parallel_cross_entropy
 from tplayers.layers import ColumnParallelLinear, RowParallelLinear
+from tplayers.master import MixedPrecisionOptimizer
 from tplayers.mlp import ParallelMLP
 from tplayers.parallelize import gather_state_dict, load_full_state_dict, parallelize
 from tplayers.placement import ParamPlacement, get_placement
+from tplayers.train import StepResult, train_step
 
 __all__ = [
     "ColumnParallelLinear",
     "DynamicLossScaler",
+    "MixedPrecisionOptimizer",
     "ParallelAttention",
     "ParallelMLP",
     "ParamPlacement",
     "RankError",
     "RowParallelLinear",
+    "StepResult",
     "VocabParallelEmbedding",
     "clip_grad_norm_",
     "count_bytes",
@@ -32,5 +36,6 @@ __all__ = [
     "load_full_state_dict",
     "parallelize",
     "set_backend",
+    "train_step",
     "vocab_parallel_cross_entropy",
 ]

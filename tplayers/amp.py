@@ -32,6 +32,8 @@ from enum import Enum
 import torch
 import torch.distributed as dist
 
+from tplayers.backend import unscale_and_stats_
+from tplayers.clip import clip_grad_norm_
 from tplayers.distributed import resolve_group
 from tplayers.functional import comm
 from tplayers.placement import get_placement
@@ -173,7 +175,9 @@ class DynamicLossScaler:
         raise ValueError("outputs must be a Tensor or an iterable of Tensors")
 
     def _state(self, optimizer) -> dict:
-        return self._per_optimizer.setdefault(id(optimizer), {"stage": _Stage.READY, "found_inf": None})
+        return self._per_optimizer.setdefault(
+            id(optimizer), {"stage": _Stage.READY, "found_inf": None, "grad_stats": {}}
+        )
 
     def _groups_of(self, optimizer) -> list:
         """The process groups to reduce the flag over, in the order every rank uses."""
@@ -201,7 +205,8 @@ class DynamicLossScaler:
 
         inv_scale = torch.tensor([self._scale], dtype=torch.float64).reciprocal().float()
         found_inf = torch.zeros(1, dtype=torch.float32)
-        by_key: dict = {}
+        dense: dict = {}
+        sparse: dict = {}
         with torch.no_grad():
             for param_group in optimizer.param_groups:
                 for p in param_group["params"]:
@@ -211,12 +216,21 @@ class DynamicLossScaler:
                     if g.is_sparse:
                         if g.dtype is torch.float16:  # coalesce so duplicate indices cannot overflow
                             p.grad = g = g.coalesce()
-                        g = g._values()
-                    by_key.setdefault((g.device, g.dtype), []).append(g)
-            for (device, _), grads in by_key.items():
-                device_found = torch.zeros(1, dtype=torch.float32, device=device)
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, device_found, inv_scale.to(device))
+                        sparse.setdefault((g.device, g.dtype), []).append(g._values())
+                    else:
+                        dense.setdefault(g.device, []).append(g)
+            # One fused pass per device: unscale, check, and measure each gradient for clipping.
+            stats_of = {}
+            for device, grads in dense.items():
+                stats, device_found = unscale_and_stats_(grads, inv_scale.to(device))
                 found_inf = torch.maximum(found_inf, device_found.cpu())
+                for g, row in zip(grads, stats, strict=True):
+                    stats_of[id(g)] = (g, g._version, row)
+            for (device, _), values in sparse.items():
+                device_found = torch.zeros(1, dtype=torch.float32, device=device)
+                torch._amp_foreach_non_finite_check_and_unscale_(values, device_found, inv_scale.to(device))
+                found_inf = torch.maximum(found_inf, device_found.cpu())
+        state["grad_stats"] = stats_of
 
         # Collectives run on the parameters' device (NCCL needs CUDA tensors), the same on every
         # rank whether or not this rank has grads.
@@ -243,6 +257,31 @@ class DynamicLossScaler:
             result = optimizer.step(*args, **kwargs)
         state["stage"] = _Stage.STEPPED
         return result
+
+    def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0, *, group=None, **kwargs):
+        """Unscale `optimizer`'s gradients (if not done yet this step), then
+        `tplayers.clip_grad_norm_` over its parameters, returning the total norm.
+
+        The unscale pass has already measured every dense gradient (sum |g|, sum g^2, max |g|),
+        so for norm types 1, 2 and inf clipping reads no gradient again; a gradient changed in
+        place since then (its version counter moved) is measured afresh. On an overflow the
+        norm is inf / nan on every rank and `step` will skip.
+        """
+        state = self._state(optimizer)
+        if self._enabled and state["stage"] is _Stage.READY:
+            self.unscale_(optimizer)
+        column = {1.0: 0, 2.0: 1, math.inf: 2}.get(float(norm_type))
+        stats_of = state["grad_stats"] if self._enabled else {}
+
+        def known(grad):
+            entry = stats_of.get(id(grad))
+            if column is None or entry is None or entry[0] is not grad or entry[1] != grad._version:
+                return None
+            value = entry[2][column]
+            return value.sqrt() if column == 1 else value
+
+        params = [p for param_group in optimizer.param_groups for p in param_group["params"]]
+        return clip_grad_norm_(params, max_norm, norm_type, group=group, _known_norms=known, **kwargs)
 
     def update(self, new_scale=None) -> None:
         """Adjust the scale from this step's (consensus) overflow verdict, or set `new_scale`."""

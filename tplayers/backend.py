@@ -37,3 +37,14 @@ def gemm(a, b, **epilogue):
     else:  # the reference module does not import triton
         from tplayers.kernels.matmul_ref import matmul_ref as matmul
     return matmul(a, b, **epilogue)
+
+
+def unscale_and_stats_(tensors, inv_scale):
+    """`unscale_and_stats_` (kernels/grad_stats.py) on the selected backend: multiplies `tensors`
+    in place by `inv_scale` (None: no write) and returns per tensor [sum |g|, sum g^2, max |g|]
+    (fp32, (len(tensors), 3)) and the found-inf flag (fp32, (1,))."""
+    if tensors and uses_triton(tensors[0]):
+        from tplayers.kernels.grad_stats import unscale_and_stats_ as fused
+    else:
+        from tplayers.kernels.grad_stats_ref import unscale_and_stats_ref as fused
+    return fused(tensors, inv_scale)

@@ -37,21 +37,24 @@ def _unique_params(parameters) -> list:
     return unique
 
 
-def _local_norms(grads: list, norm_type: float, foreach: bool | None) -> list:
-    """The norm of each gradient in fp32, in the order given."""
+def _local_norms(grads: list, norm_type: float, foreach: bool | None, known=None) -> list:
+    """The norm of each gradient, accumulated and returned in fp32 (a 16-bit gradient's norm can
+    exceed its dtype's range), in the order given. `known(grad)` may supply a norm already
+    measured (by the loss scaler's unscale pass); the others are computed here."""
     if not grads:
         return []
+    norms: list = [known(g) if known is not None else None for g in grads]
     by_key: dict = {}
     for i, g in enumerate(grads):
-        by_key.setdefault((g.device, g.dtype), []).append(i)
-    norms: list = [None] * len(grads)
+        if norms[i] is None:
+            by_key.setdefault((g.device, g.dtype), []).append(i)
     for (device, _), indices in by_key.items():
         tensors = [grads[i] for i in indices]
         use_foreach = foreach if foreach is not None else device.type in ("cpu", "cuda")
         if use_foreach:
-            values = torch._foreach_norm(tensors, norm_type)
+            values = torch._foreach_norm(tensors, norm_type, dtype=torch.float32)
         else:
-            values = [torch.linalg.vector_norm(t, norm_type) for t in tensors]
+            values = [torch.linalg.vector_norm(t, norm_type, dtype=torch.float32) for t in tensors]
         for i, v in zip(indices, values, strict=True):
             norms[i] = v.to(torch.float32)
     return norms
@@ -86,6 +89,7 @@ def clip_grad_norm_(
     group=None,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
+    _known_norms=None,
 ) -> torch.Tensor:
     """Clip the gradients of `parameters` by the norm of the full, unsharded gradient; return that norm.
 
@@ -108,6 +112,8 @@ def clip_grad_norm_(
     `error_if_nonfinite` every rank raises RuntimeError, otherwise the gradients are scaled by the
     resulting factor as torch does. Parameters whose grad is None are skipped; all-zero gradients
     give 0. `foreach` as in torch (None: use the foreach kernels on CPU / CUDA).
+    (`_known_norms(grad) -> fp32 norm | None` is for `DynamicLossScaler.clip_grad_norm_`, whose
+    fused unscale pass has already measured the gradients.)
     """
     norm_type = float(norm_type)
     if math.isnan(norm_type) or norm_type <= 0:
@@ -118,10 +124,12 @@ def clip_grad_norm_(
     is_max = math.isinf(norm_type)
 
     grads = [p.grad for p in params if p.grad is not None]
-    norms = _local_norms(grads, norm_type, foreach)
+    norms = _local_norms(grads, norm_type, foreach, _known_norms)
     if grads:
         device = grads[0].device
-        out_dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads))
+        # torch returns the grads' dtype; fp16 / bf16 norms are returned in fp32, where a norm
+        # above 65504 is not an overflow (torch's fp16 inf would zero every gradient)
+        out_dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads), torch.float32)
     else:
         device = params[0].device if params else torch.device("cpu")
         out_dtype = torch.float32
