@@ -1,4 +1,4 @@
-"""`tplayers demo`, the main job, end to end through the installed command."""
+"""`tplayers demo` (the main job) and `tplayers plan`, end to end through the command line."""
 
 import csv
 import subprocess
@@ -18,7 +18,7 @@ def run_cli(*args, cwd):
 def test_demo_trains_and_matches_unsharded(tmp_path, flags):
     result = run_cli("demo", "--steps", "25", "--out", str(tmp_path), *flags, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "agrees with the unsharded run to 0.0001 for 25 steps" in result.stdout, result.stdout
+    assert "agrees with the unsharded fp32 run to 0.0001 for 25 steps" in result.stdout, result.stdout
     rows = list(csv.DictReader(open(tmp_path / "loss.csv")))
     losses = [float(r["loss_tp"]) for r in rows]
     unsharded = [float(r["loss_unsharded"]) for r in rows]
@@ -35,7 +35,7 @@ def test_demo_on_triton_backend(tmp_path):
         "--batch", "2", "--seq", "8", "--layers", "1", "--out", str(tmp_path), cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert "agrees with the unsharded run" in result.stdout
+    assert "agrees with the unsharded fp32 run" in result.stdout
 
 
 def test_demo_bad_input_exit_code_2(tmp_path):
@@ -55,3 +55,45 @@ def test_example_runs_under_torchrun_and_local_launcher(tmp_path, launcher):
     result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "agrees with unsharded for 5 of 5 steps" in result.stdout, result.stdout
+
+
+def test_plan_estimate_search_and_csv(tmp_path):
+    result = run_cli(
+        "plan", "--model", "llama3-70b", "--cluster", "h100-80gb", "--gpus", "512", "--tp", "8", "--pp", "4",
+        "--dp", "16", "--zero", "1", "--num-microbatches", "32", "--sequence-parallel", "--recompute", "selective",
+        "--csv", str(tmp_path / "one.csv"), cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "fits" in result.stdout and "MFU" in result.stdout
+    (row,) = csv.DictReader(open(tmp_path / "one.csv"))
+    assert row["tp"] == "8" and row["fits"] == "True" and float(row["memory_total_bytes"]) > 0
+
+    result = run_cli("plan", "--num-params", "1e9", "--cluster", "a100-80gb", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "16.00" in result.stdout  # 2 + 2 + 12 bytes per parameter
+
+    result = run_cli(
+        "plan", "--model", "llama3-8b", "--gpus", "16", "--search", "--global-batch", "64", "--top", "3",
+        "--show-rejected", "--csv", str(tmp_path / "search.csv"), cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "rejected" in result.stdout
+    rows = list(csv.DictReader(open(tmp_path / "search.csv")))
+    assert any(r["fits"] == "True" for r in rows) and any(r["reasons"] for r in rows)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "llama9-1t"], "unknown model preset 'llama9-1t'"),
+        (["--model", "llama3-8b", "--tp", "2", "--gpus", "8"], "tp*pp*dp = 2*1*1 = 2 != 8"),
+        (["--layers", "-2", "--hidden", "64", "--heads", "4", "--vocab", "10", "--seq-len", "8"], "layers"),
+        (["--model", "llama3-8b", "--cluster", "tpu-v9"], "tpu-v9"),
+        (["--model", "llama3-8b", "--search"], "--global-batch"),
+        (["--model", "llama3-8b", "--num-params", "1e9"], "one way"),
+    ],
+)
+def test_plan_bad_input_exit_code_2(tmp_path, args, message):
+    result = run_cli("plan", *args, cwd=tmp_path)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert message in result.stderr

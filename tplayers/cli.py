@@ -1,4 +1,4 @@
-"""The `tplayers` command: `demo` (the main job) and `compile-report`."""
+"""The `tplayers` command: `demo` (the main job), `plan`, `bench` and `compile-report`."""
 
 import argparse
 import os
@@ -15,6 +15,7 @@ def _demo(args) -> int:
         kv_heads=args.kv_heads, ffn=args.ffn,
         batch=args.batch, seq=args.seq, sequence_parallel=args.sequence_parallel,
         overlap=not args.no_overlap, backend=args.backend, seed=args.seed,
+        dtype=args.dtype, micro_batches=args.micro_batches, max_grad_norm=args.max_grad_norm,
     )  # fmt: skip
     report = run_demo(cfg)
     paths = write_report(report, args.out)
@@ -41,10 +42,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-overlap", action="store_true", help="plain collectives, for comparison")
     demo.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument(
+        "--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+        help="parameter dtype of the TP model; 16-bit uses fp32 master weights, fp16 also loss scaling",
+    )  # fmt: skip
+    demo.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps per batch")
+    demo.add_argument("--max-grad-norm", type=float, default=1.0, help="global gradient clipping")
     demo.add_argument("--out", default="demo_out", help="folder for loss.csv / loss.png")
     demo.set_defaults(run=_demo)
 
-    from tplayers import compile_report
+    from tplayers import compile_report, plan_cli
+
+    planner = sub.add_parser("plan", help="memory / communication / time estimates for TP x PP x DP x ZeRO layouts")
+    plan_cli.add_arguments(planner)
+    planner.set_defaults(run=plan_cli.run)
 
     report = sub.add_parser("compile-report", help="compile every kernel config for sm_80 / sm_90a")
     compile_report.add_arguments(report)

@@ -1,0 +1,126 @@
+"""`tplayers plan`: estimate one layout, rank every layout (`--search`), or check the estimator
+against measurements on local CPU ranks (`--validate`). Bad input exits with code 2.
+
+    tplayers plan --model llama3-70b --cluster h100-80gb --gpus 512 \\
+        --tp 8 --pp 4 --dp 16 --zero 1 --micro-batch 1 --num-microbatches 32 \\
+        --sequence-parallel --recompute selective --schedule 1f1b
+    tplayers plan --model llama3-8b --cluster a100-80gb --gpus 64 --search --global-batch 512
+    tplayers plan --num-params 1e9 --cluster a100-80gb --gpus 1        # model states only
+    tplayers plan --validate
+"""
+
+import csv
+from pathlib import Path
+
+from tplayers import plan
+
+MODEL_DIMS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len")
+
+
+def add_arguments(parser) -> None:
+    model = parser.add_argument_group("model (one of --model, --hf-config, explicit dimensions, --num-params)")
+    model.add_argument("--model", help="preset: " + ", ".join(sorted(plan.MODEL_PRESETS)))
+    model.add_argument("--hf-config", help="a HuggingFace config.json (or its folder)")
+    for dim in MODEL_DIMS:
+        model.add_argument(f"--{dim.replace('_', '-')}", type=int, dest=dim)
+    model.add_argument("--num-params", type=float, help="parameter count only: model-state memory questions")
+
+    cluster = parser.add_argument_group("cluster")
+    cluster.add_argument("--cluster", default="h100-80gb", help="preset: " + ", ".join(sorted(plan.CLUSTER_PRESETS)))
+    cluster.add_argument("--gpus", type=int, default=None, help="number of GPUs (default: tp*pp*dp)")
+
+    layout = parser.add_argument_group("layout")
+    layout.add_argument("--tp", type=int, default=1)
+    layout.add_argument("--pp", type=int, default=1)
+    layout.add_argument("--dp", type=int, default=1)
+    layout.add_argument("--zero", type=int, default=0, dest="zero_stage", help="ZeRO stage 0-3")
+    layout.add_argument("--micro-batch", type=int, default=1)
+    layout.add_argument("--num-microbatches", type=int, default=1)
+    layout.add_argument("--sequence-parallel", action="store_true")
+    layout.add_argument("--recompute", default="none", help="none | selective | full")
+    layout.add_argument("--schedule", default="1f1b", help="gpipe | 1f1b | interleaved")
+    layout.add_argument("--virtual-stages", type=int, default=1, help="interleaved schedule: chunks per stage")
+    layout.add_argument("--precision", default="mixed-adam", help="preset: " + ", ".join(plan.PRECISION_PRESETS))
+
+    mode = parser.add_argument_group("mode")
+    mode.add_argument("--search", action="store_true", help="rank every valid layout for --gpus GPUs")
+    mode.add_argument("--global-batch", type=int, help="sequences per step (--search)")
+    mode.add_argument("--top", type=int, default=10, help="--search: rows shown")
+    mode.add_argument("--show-rejected", action="store_true", help="--search: also list rejected layouts and why")
+    mode.add_argument("--validate", action="store_true", help="compare predictions with measurements on CPU ranks")
+    mode.add_argument("--csv", help="write the estimate(s) as CSV rows here")
+
+
+def _model(args) -> plan.ModelSpec:
+    dims = {d: getattr(args, d) for d in MODEL_DIMS if getattr(args, d) is not None}
+    given = [name for name, used in (("--model", args.model), ("--hf-config", args.hf_config),
+                                     ("--num-params", args.num_params)) if used is not None]  # fmt: skip
+    if len(given) > 1 or (given and given[0] == "--num-params" and dims):
+        raise ValueError(f"give the model one way: {', '.join(given + [f'--{d}' for d in dims])}")
+    if args.model is not None:
+        return plan.ModelSpec.preset(args.model, **dims)
+    if args.hf_config is not None:
+        return plan.ModelSpec.from_hf_config(args.hf_config, **dims)
+    if args.num_params is not None:
+        return plan.ModelSpec(num_params=args.num_params)
+    if not dims:
+        raise ValueError("no model: give --model PRESET, --hf-config PATH, the dimensions, or --num-params")
+    return plan.ModelSpec(**dims)
+
+
+def _layout(args) -> plan.Layout:
+    return plan.Layout(
+        tp=args.tp, pp=args.pp, dp=args.dp, zero_stage=args.zero_stage, micro_batch=args.micro_batch,
+        num_microbatches=args.num_microbatches, sequence_parallel=args.sequence_parallel,
+        recompute=args.recompute, schedule=args.schedule, virtual_stages=args.virtual_stages,
+    )  # fmt: skip
+
+
+def _write_csv(path, estimates) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=plan.ESTIMATE_FIELDS)
+        writer.writeheader()
+        writer.writerows(plan.estimate_to_dict(est) for est in estimates)
+    print(f"wrote {path}")
+
+
+def _validate(args) -> int:
+    from tplayers.plan_validate import format_validation, validate
+
+    rows = validate()
+    print(format_validation(rows))
+    return 0 if all(row.ok for row in rows) else 1
+
+
+def run(args) -> int:
+    if args.validate:
+        return _validate(args)
+    model = _model(args)
+    precision = plan.Precision.preset(args.precision)
+    layout = _layout(args)
+    gpus = args.gpus if args.gpus is not None else layout.tp * layout.pp * layout.dp
+    cluster = plan.ClusterSpec.preset(args.cluster, num_gpus=gpus)
+    if args.search:
+        if args.global_batch is None:
+            raise ValueError("--search needs --global-batch (sequences per step)")
+        ranked = plan.search(model, cluster, args.global_batch, precision, include_invalid=args.show_rejected)
+        fitting = [pair for pair in ranked if pair[1].fits]
+        print(f"{len(fitting)} layouts fit {model.name or 'the model'} on {gpus} x {cluster.name}")
+        print(plan.format_ranking(ranked if args.show_rejected else fitting, top=args.top))
+        if args.show_rejected:
+            for layout_, est in ranked[len(fitting) :][: args.top]:
+                print(f"rejected {layout_.describe()}: {'; '.join(est.reasons)}")
+        if args.csv:
+            _write_csv(args.csv, [est for _, est in ranked])
+        if not fitting:
+            print("no layout fits")
+            return 1
+        return 0
+    est = plan.estimate(model, cluster, layout, precision)
+    print(plan.format_estimate(est))
+    if args.csv:
+        _write_csv(args.csv, [est])
+    if not est.valid:  # an impossible layout is bad input
+        raise ValueError("invalid layout: " + "; ".join(est.reasons))
+    return 0
