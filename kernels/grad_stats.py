@@ -32,7 +32,7 @@ __all__ = ["GPU_CONFIG", "unscale_and_stats_", "unscale_and_stats_ref"]
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # 4096 elements over 8 warps = 16 a thread: 2 (fp16 / bf16) or 4 (fp32) 16-byte loads a thread.
-# Compiled for sm_80 / sm_90a: 31-32 registers (statistics only) to 45-54 (unscale), no spills,
+# Compiled for sm_80 / sm_90a: 31-32 registers (statistics only) to 45-52 (unscale), no spills,
 # so 4-8 programs (32-64 warps) are resident per SM, with 32-128 KiB of loads in flight: above
 # the ~20 KiB per SM that H100's HBM3 needs (3.35 TB/s * ~0.8 us latency / 132 SMs). The
 # partials cost 16 bytes per 8-16 KiB read, noise next to the gradients.
@@ -84,7 +84,7 @@ def _unscale_stats_kernel(
     UNSCALE (multiply in place by inv_scale), ALIGNED (every data_ptr() is 16-byte aligned),
     EMULATE_BF16 (bf16 <-> fp32 by integer bit operations; False on GPU), BLOCK. Grid: (n_blocks,).
     Ahead of time: signature *i64, *i64, *fp32, *fp32 (all 16-byte aligned), i32, with GPU_CONFIG's
-    BLOCK / num_warps, ALIGNED=True and EMULATE_BF16=False (sm_80 / sm_90a: 31-54 registers, no
+    BLOCK / num_warps, ALIGNED=True and EMULATE_BF16=False (sm_80 / sm_90a: 31-52 registers, no
     spills, 128-bit loads and stores in full blocks).
     """
     pid = tl.program_id(0)

@@ -32,7 +32,7 @@ from enum import Enum
 import torch
 import torch.distributed as dist
 
-from tplayers.backend import unscale_and_stats_
+from tplayers.backend import unscale_and_stats_, uses_triton
 from tplayers.clip import clip_grad_norm_
 from tplayers.distributed import resolve_group
 from tplayers.functional import comm
@@ -219,13 +219,24 @@ class DynamicLossScaler:
                         sparse.setdefault((g.device, g.dtype), []).append(g._values())
                     else:
                         dense.setdefault(g.device, []).append(g)
-            # One fused pass per device: unscale, check, and measure each gradient for clipping.
+            # With the Triton backend, one fused pass per device unscales, checks, and measures
+            # each gradient for clipping. The torch backend unscales with torch's op and lets
+            # clipping take its one norm: on CPU torch's 1- and inf-norms cost more than the
+            # second read they would save (bench/amp.py: the reference pass is 4-6x torch's).
             stats_of = {}
             for device, grads in dense.items():
-                stats, device_found = unscale_and_stats_(grads, inv_scale.to(device))
+                if uses_triton(grads[0]):
+                    stats, device_found = unscale_and_stats_(grads, inv_scale.to(device))
+                    for g, row in zip(grads, stats, strict=True):
+                        stats_of[id(g)] = (g, g._version, row)
+                else:
+                    device_found = torch.zeros(1, dtype=torch.float32, device=device)
+                    by_dtype: dict = {}
+                    for g in grads:
+                        by_dtype.setdefault(g.dtype, []).append(g)
+                    for same_dtype in by_dtype.values():
+                        torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, device_found, inv_scale.to(device))
                 found_inf = torch.maximum(found_inf, device_found.cpu())
-                for g, row in zip(grads, stats, strict=True):
-                    stats_of[id(g)] = (g, g._version, row)
             for (device, _), values in sparse.items():
                 device_found = torch.zeros(1, dtype=torch.float32, device=device)
                 torch._amp_foreach_non_finite_check_and_unscale_(values, device_found, inv_scale.to(device))
@@ -262,9 +273,10 @@ class DynamicLossScaler:
         """Unscale `optimizer`'s gradients (if not done yet this step), then
         `tplayers.clip_grad_norm_` over its parameters, returning the total norm.
 
-        The unscale pass has already measured every dense gradient (sum |g|, sum g^2, max |g|),
-        so for norm types 1, 2 and inf clipping reads no gradient again; a gradient changed in
-        place since then (its version counter moved) is measured afresh. On an overflow the
+        With the Triton backend the unscale pass has already measured every dense gradient
+        (sum |g|, sum g^2, max |g|), so for norm types 1, 2 and inf clipping reads no gradient
+        again; a gradient changed in place since then (its version counter moved) is measured
+        afresh, as is every gradient on the torch backend. On an overflow the
         norm is inf / nan on every rank and `step` will skip.
         """
         state = self._state(optimizer)
