@@ -97,3 +97,32 @@ def test_plan_bad_input_exit_code_2(tmp_path, args, message):
     result = run_cli("plan", *args, cwd=tmp_path)
     assert result.returncode == 2, (result.stdout, result.stderr)
     assert message in result.stderr
+
+
+def test_bench_runs_scripts_into_one_csv_and_png(tmp_path):
+    result = run_cli("bench", "--quick", "--only", "amp", "--reps", "1", "--out", str(tmp_path), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = list(csv.DictReader(open(tmp_path / "bench.csv")))
+    assert {r["provider"] for r in rows} >= {"torch", "tplayers-scaler", "tplayers-ref"}
+    assert all(r["op"] and r["device"] and "torch=" in r["version"] for r in rows)
+    assert all(float(r["ratio_to_baseline"]) > 0 for r in rows)
+    assert (tmp_path / "bench.png").stat().st_size > 0 and (tmp_path / "amp" / "amp.csv").is_file()
+
+
+def test_bench_says_where_overlap_pays_off():
+    from tplayers.bench_cli import merge
+
+    raw = [
+        dict(kernel="mlp", provider="tplayers", mode="tp", shape="s", device="cpu", time_ms="1.0",
+             ratio_to_dtensor="0.9", ratio_overlap_on_off="0.8"),
+        dict(kernel="mlp", provider="tplayers", mode="tp+sp", shape="s", device="cpu", time_ms="1.0",
+             ratio_to_dtensor="1.1", ratio_overlap_on_off="1.2"),
+        dict(kernel="mlp", provider="dtensor", mode="tp", shape="s", device="cpu", time_ms="1.0",
+             ratio_to_dtensor="1.0", ratio_overlap_on_off=""),
+    ]  # fmt: skip
+    assert [r["overlap_pays_off"] for r in merge("linear", raw, "v")] == ["yes", "no", ""]
+
+
+def test_bench_without_scripts_exit_code_2(tmp_path):
+    result = run_cli("bench", "--bench-dir", str(tmp_path), cwd=tmp_path)
+    assert result.returncode == 2 and "no benchmark scripts" in result.stderr

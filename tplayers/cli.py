@@ -51,7 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="demo_out", help="folder for loss.csv / loss.png")
     demo.set_defaults(run=_demo)
 
-    from tplayers import compile_report, plan_cli
+    from tplayers import bench_cli, compile_report, plan_cli
+
+    bench = sub.add_parser("bench", help="run the benchmark scripts in bench/ into one CSV and PNG")
+    bench_cli.add_arguments(bench)
+    bench.set_defaults(run=bench_cli.run)
 
     planner = sub.add_parser("plan", help="memory / communication / time estimates for TP x PP x DP x ZeRO layouts")
     plan_cli.add_arguments(planner)

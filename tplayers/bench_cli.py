@@ -1,0 +1,160 @@
+"""`tplayers bench`: run the benchmark scripts in `bench/` and merge their results into one CSV
+(keyed by op, provider, mode, shape, device, version) and one PNG.
+
+    tplayers bench [--quick] [--only linear --only amp] [--out bench/out] [--bench-dir bench]
+
+Each script runs in its own process, as it would by hand (linear.py under torchrun with one rank
+per GPU when two or more GPUs are visible, else on local CPU ranks), and writes its own CSV and
+PNG into `<out>/<script>/`; this command then writes `<out>/bench.csv` and `<out>/bench.png`.
+Every row carries its ratio to the script's baseline (DTensor for the layers, torch's ops for
+the AMP pass): ratios, not absolute times, compare across noisy machines. For the overlapped
+layers it also says, per shape and mode, whether overlap paid off in this run (it does not
+always: a comm-GEMM fusion loses where the GEMM is too small to hide the transfer).
+"""
+
+import csv
+import importlib.metadata
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPTS = ("linear", "transformer", "amp")
+FIELDS = (
+    "op", "provider", "mode", "shape", "device", "version", "time_ms", "baseline", "ratio_to_baseline",
+    "overlap_pays_off", "script",
+)  # fmt: skip
+# Per script: (column with the ratio, the provider it is relative to, how its rows map to FIELDS)
+RATIO_OF = {
+    "linear": ("ratio_to_dtensor", "dtensor"),
+    "transformer": ("ratio_to_dtensor", "dtensor"),
+    "amp": ("ratio_vs_torch", "torch"),
+}
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--quick", action="store_true", help="small shapes, few repetitions (a smoke run)")
+    parser.add_argument("--only", action="append", choices=SCRIPTS, help="run only these scripts (repeatable)")
+    parser.add_argument("--reps", type=int, help="timed rounds, passed to every script")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default: <bench-dir>/out)")
+    parser.add_argument("--bench-dir", type=Path, default=None, help="folder of the scripts (default: the checkout's bench/)")
+
+
+def _bench_dir(given) -> Path:
+    path = given if given is not None else Path(__file__).resolve().parents[1] / "bench"
+    missing = [s for s in SCRIPTS if not (path / f"{s}.py").is_file()]
+    if missing:
+        raise ValueError(f"no benchmark scripts {missing} in {path}: run from a checkout or pass --bench-dir")
+    return path
+
+
+def _versions() -> str:
+    def version(package):
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return "-"
+
+    return " ".join(f"{p}={version(p)}" for p in ("tplayers", "torch", "triton"))
+
+
+def _command(script: Path, args, out: Path) -> list:
+    flags = ["--out", str(out)] + (["--quick"] if args.quick else []) + (["--reps", str(args.reps)] if args.reps else [])
+    if script.stem == "linear":
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if gpus >= 2:  # NCCL, one rank per GPU: the fused-op and TFLOP/s rows exist only there
+            return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
+                    str(script), *flags]  # fmt: skip
+    return [sys.executable, str(script), *flags]
+
+
+def merge(name: str, rows: list, versions: str) -> list:
+    """One script's CSV rows in the common schema."""
+    ratio_column, baseline = RATIO_OF[name]
+    merged = []
+    for row in rows:
+        on_off = row.get("ratio_overlap_on_off", "")
+        merged.append(
+            dict(
+                op=row.get("kernel") or row.get("op"),
+                provider=row["provider"],
+                mode=row.get("mode") or row.get("dtype", ""),
+                shape=row.get("shape") or row.get("config", ""),
+                device=row["device"],
+                version=versions,
+                time_ms=row["time_ms"],
+                baseline=baseline,
+                ratio_to_baseline=row.get(ratio_column, ""),
+                overlap_pays_off="" if on_off in ("", None) else ("yes" if float(on_off) < 1.0 else "no"),
+                script=name,
+            )
+        )
+    return merged
+
+
+def plot(rows: list, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scripts = list(dict.fromkeys(r["script"] for r in rows))
+    fig, axes = plt.subplots(1, len(scripts), figsize=(5.5 * len(scripts), 4.2), squeeze=False)
+    for ax, name in zip(axes[0], scripts, strict=True):
+        mine = [r for r in rows if r["script"] == name and r["ratio_to_baseline"] not in ("", None)]
+        groups = list(dict.fromkeys((r["op"], r["shape"], r["mode"]) for r in mine))
+        providers = [p for p in dict.fromkeys(r["provider"] for r in mine) if p != mine[0]["baseline"]]
+        width = 0.8 / max(len(providers), 1)
+        value = {(r["op"], r["shape"], r["mode"], r["provider"]): float(r["ratio_to_baseline"]) for r in mine}
+        for i, provider in enumerate(providers):
+            xs = [g + (i - (len(providers) - 1) / 2) * width for g in range(len(groups))]
+            ax.bar(xs, [value.get((*g, provider), 0.0) for g in groups], width, label=provider)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(groups)), [f"{s.split(':')[0]}\n{m}" for _, s, m in groups], fontsize="small")
+        ax.set_title(f"{name}: time / {mine[0]['baseline'] if mine else '?'}")
+        ax.set_ylabel("ratio (lower is better)")
+        ax.legend(fontsize="x-small")
+    fig.suptitle(f"tplayers bench on {rows[0]['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def summary(rows: list) -> str:
+    lines = [f"{'script':<12}{'op':<16}{'shape':<36}{'mode':<10}{'provider':<22}{'ratio':>8}  overlap pays off"]
+    for r in rows:
+        if r["provider"] == r["baseline"]:
+            continue
+        ratio = r["ratio_to_baseline"]
+        ratio = f"{float(ratio):8.3f}" if ratio not in ("", None) else f"{'-':>8}"
+        lines.append(
+            f"{r['script']:<12}{r['op']:<16}{r['shape'][:35]:<36}{r['mode']:<10}{r['provider']:<22}{ratio}  "
+            f"{r['overlap_pays_off']}"
+        )
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    bench_dir = _bench_dir(args.bench_dir)
+    out = args.out if args.out is not None else bench_dir / "out"
+    versions = _versions()
+    merged = []
+    for name in args.only or SCRIPTS:
+        script_out = out / name
+        script_out.mkdir(parents=True, exist_ok=True)
+        print(f"== {name}: {' '.join(_command(bench_dir / f'{name}.py', args, script_out))}", flush=True)
+        done = subprocess.run(_command(bench_dir / f"{name}.py", args, script_out), cwd=bench_dir)
+        if done.returncode != 0:
+            print(f"tplayers bench: {name}.py failed with exit code {done.returncode}", file=sys.stderr)
+            return 1
+        with open(script_out / f"{name}.csv", newline="") as f:
+            merged += merge(name, list(csv.DictReader(f)), versions)
+    with open(out / "bench.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(merged)
+    plot(merged, out / "bench.png")
+    print(summary(merged))
+    print(f"wrote {out / 'bench.csv'} and {out / 'bench.png'}")
+    return 0
