@@ -36,7 +36,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--only", action="append", choices=SCRIPTS, help="run only these scripts (repeatable)")
     parser.add_argument("--reps", type=int, help="timed rounds, passed to every script")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: <bench-dir>/out)")
-    parser.add_argument("--bench-dir", type=Path, default=None, help="folder of the scripts (default: the checkout's bench/)")
+    parser.add_argument(
+        "--bench-dir", type=Path, default=None, help="folder of the scripts (default: the checkout's bench/)"
+    )
 
 
 def _bench_dir(given) -> Path:
@@ -58,7 +60,12 @@ def _versions() -> str:
 
 
 def _command(script: Path, args, out: Path) -> list:
-    flags = ["--out", str(out)] + (["--quick"] if args.quick else []) + (["--reps", str(args.reps)] if args.reps else [])
+    flags = [
+        "--out",
+        str(out),
+        *(["--quick"] if args.quick else []),
+        *(["--reps", str(args.reps)] if args.reps else []),
+    ]
     if script.stem == "linear":
         import torch
 
