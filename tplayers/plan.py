@@ -88,6 +88,7 @@ __all__ = [
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved")
 RANK_ORDER_CHOICES = ("tp-dp-pp", "tp-pp-dp")
+IMPLEMENTATION_CHOICES = ("megatron", "tplayers")
 NORM_CHOICES = ("rmsnorm", "layernorm")
 POSITION_CHOICES = ("rope", "learned")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -660,6 +661,17 @@ class Assumptions:
     hbm_reserve_fraction: HBM kept out of reach for the CUDA context, NCCL buffers and
         allocator fragmentation; `fits` means total <= hbm_bytes * (1 - reserve).
     vocab_divisible_by: Megatron's vocabulary padding multiple (times tp).
+    implementation: whose layers the model's edges follow; the transformer layers are priced
+        alike. "megatron" (Megatron-LM, the published accounting): the cross-entropy
+        all-reduces three s*b fp32 vectors and keeps fp32 logits; under sequence parallelism the
+        embedding reduce-scatters and the LM head all-gathers. "tplayers" (what
+        `tplayers.parallelize` + `vocab_parallel_cross_entropy` do, checked by
+        `tplayers.plan_validate`): the cross-entropy all-gathers 4 fp32 statistics per row and
+        keeps the logits in the activation dtype; under sequence parallelism the embedding
+        all-reduces, the first block keeps its sequence slice (an all-gather in backward), the
+        last block's output is all-gathered (the final norm and LM head see the whole
+        sequence), and column-parallel layers keep their all-gathered input for the weight
+        gradient instead of re-gathering it.
     """
 
     compute_efficiency: float = 0.5
@@ -668,6 +680,7 @@ class Assumptions:
     overlap_dp_comm: bool = True
     hbm_reserve_fraction: float = 0.1
     vocab_divisible_by: int = 128
+    implementation: str = "megatron"
 
     def __post_init__(self):
         _positive_number("Assumptions", "compute_efficiency", self.compute_efficiency)
@@ -676,6 +689,7 @@ class Assumptions:
         for name in ("tp_comm_overlap", "pp_comm_overlap", "hbm_reserve_fraction"):
             _fraction("Assumptions", name, getattr(self, name))
         _positive_int("Assumptions", "vocab_divisible_by", self.vocab_divisible_by)
+        _choice(self.implementation, IMPLEMENTATION_CHOICES, "implementation")
 
 
 # --------------------------------------------------------------------------------------------
@@ -716,6 +730,7 @@ def layer_activation_bytes(
     sequence_parallel: bool = False,
     recompute: str = "none",
     activation_bytes: float = 2,
+    implementation: str = "megatron",
 ) -> float:
     """Activation bytes one transformer layer stores per micro-batch on one TP rank.
 
@@ -736,10 +751,14 @@ def layer_activation_bytes(
     outputs and their product (3 d f / t, a fused SwiGLU as in Megatron), i.e. Korthikanti's 24
     for q = k*t = h, f = 4h. Attention core per local head: softmax output d*s^2*b, plus its
     dropout mask and dropout output (m + d)*s^2*b when dropout, i.e. 5*a*s^2*b.
+
+    implementation="tplayers" with sequence parallelism: the QKV and MLP inputs are kept
+    all-gathered (whole sequence, not /t) for the weight gradients (see `Assumptions`).
     """
     if not model.has_dims:
         raise ValueError("activation memory needs the model's dimensions (this ModelSpec has num_params only)")
     _choice(recompute, RECOMPUTE_CHOICES, "recompute")
+    _choice(implementation, IMPLEMENTATION_CHOICES, "implementation")
     s, b, h = model.seq_len, micro_batch, model.hidden
     d = activation_bytes
     sp_div = tp if sequence_parallel else 1
@@ -747,6 +766,8 @@ def layer_activation_bytes(
         return d * s * b * h / sp_div
     mask = MASK_BYTES if model.dropout else 0
     outside = (4 * d + 2 * mask) * s * b * h / sp_div
+    if implementation == "tplayers" and sequence_parallel:  # the gathered QKV and MLP inputs
+        outside += 2 * d * s * b * h * (1 - 1 / sp_div)
     mlp_tensors = 3 if model.gated_mlp else 2
     inside = d * s * b * (2 * model.q_dim / tp + 2 * _local_kv_heads(model, tp) * model.head_dim)
     inside += d * s * b * mlp_tensors * model.ffn_hidden / tp
@@ -764,10 +785,15 @@ def _embedding_activation_bytes(model: ModelSpec, micro_batch: int, tp: int, sp:
     return MASK_BYTES * model.seq_len * micro_batch * model.hidden / (tp if sp else 1)
 
 
-def _output_activation_bytes(model: ModelSpec, micro_batch: int, tp: int, sp: bool, d: float, vocab: int) -> float:
+def _output_activation_bytes(
+    model: ModelSpec, micro_batch: int, tp: int, sp: bool, d: float, vocab: int, implementation: str = "megatron"
+) -> float:
     """Output layer: final-norm input and projection input (2*d*s*b*h, /t with SP) and the fp32
-    logits 4*s*b*V/t kept by the cross-entropy: Korthikanti Sec. 4.3, 4*s*b*h/t*(1 + V/h)."""
+    logits 4*s*b*V/t kept by the cross-entropy: Korthikanti Sec. 4.3, 4*s*b*h/t*(1 + V/h).
+    tplayers: the final norm and LM head see the whole sequence, the logits are kept in d bytes."""
     s, b = model.seq_len, micro_batch
+    if implementation == "tplayers":
+        return 2 * d * s * b * model.hidden + d * s * b * vocab / tp
     return 2 * d * s * b * model.hidden / (tp if sp else 1) + LOGITS_BYTES * s * b * vocab / tp
 
 
@@ -1123,7 +1149,12 @@ def _stage_activations(ctx: _Context, stage: int) -> float | None:
     model, layout, precision = ctx.model, ctx.layout, ctx.precision
     if not model.has_dims:
         return None
-    kw = dict(tp=layout.tp, sequence_parallel=layout.sequence_parallel, activation_bytes=precision.activation_bytes)
+    kw = dict(
+        tp=layout.tp,
+        sequence_parallel=layout.sequence_parallel,
+        activation_bytes=precision.activation_bytes,
+        implementation=ctx.assumptions.implementation,
+    )
     mb, tp, sp, pp, m = layout.micro_batch, layout.tp, layout.sequence_parallel, layout.pp, layout.num_microbatches
     per_layer = layer_activation_bytes(model, mb, recompute=layout.recompute, **kw)
     layers_per_stage = model.layers // pp
@@ -1134,7 +1165,9 @@ def _stage_activations(ctx: _Context, stage: int) -> float | None:
     if stage == 0:
         total += micro_batches_held * _embedding_activation_bytes(model, mb, tp, sp)
     if stage == pp - 1:
-        out = _output_activation_bytes(model, mb, tp, sp, precision.activation_bytes, ctx.vocab)
+        out = _output_activation_bytes(
+            model, mb, tp, sp, precision.activation_bytes, ctx.vocab, ctx.assumptions.implementation
+        )
         total += micro_batches_held * out
     return total
 
@@ -1158,23 +1191,41 @@ def _stage_flops_per_microbatch(ctx: _Context, stage: int) -> float:
 
 def _stage_tp_bytes_per_microbatch(ctx: _Context, stage: int) -> float:
     """TP bytes per GPU per micro-batch: the layers' collectives (`tp_bytes_per_layer`), plus,
-    when tp > kv_heads, the all-reduce of the replicated k / v weights' gradients in each
-    backward (as `tplayers.ParallelAttention` does); the vocab-parallel embedding's forward
+    when tp > kv_heads, the all-reduce of the replicated k / v weights' (and biases') gradients
+    in each backward (as `tplayers.ParallelAttention` does); under sequence parallelism the
+    all-reduce of the gradients of the replicated weights that saw a sequence slice (the two
+    norms; Megatron also its row-parallel biases); the vocab-parallel embedding's forward
     all-reduce (stage 0); the LM head's backward all-reduce and the cross-entropy's three
-    all-reduces of s*b fp32 values (last stage)."""
+    all-reduces of s*b fp32 values (last stage). These weight gradients are all-reduced as
+    autograd produces them, in the parameter's dtype (param_bytes). `Assumptions.implementation`
+    "tplayers": the cross-entropy all-gathers 4 fp32 statistics per row instead, and under
+    sequence parallelism the first block's entry (backward) and the last block's exit (forward)
+    each all-gather s*b*h."""
     model, layout = ctx.model, ctx.layout
     tp, mb, d = layout.tp, layout.micro_batch, ctx.precision.activation_bytes
     if tp == 1:
         return 0.0
+    tplayers = ctx.assumptions.implementation == "tplayers"
     sbh = model.seq_len * mb * model.hidden * d
     per_layer = tp_bytes_per_layer(model, mb, tp, layout.recompute, d)
+    grad_bytes = ctx.precision.param_bytes
     if not _kv_sharded(model, tp):
-        per_layer += all_reduce_bytes(2 * model.hidden * model.kv_dim * ctx.precision.grad_bytes, tp)
+        kv_params = 2 * model.kv_dim * (model.hidden + (1 if model.linear_bias else 0))
+        per_layer += all_reduce_bytes(kv_params * grad_bytes, tp)
+    if layout.sequence_parallel:
+        seq_sliced = 2 * _norm_params(model) + (2 * model.hidden if model.linear_bias and not tplayers else 0)
+        per_layer += all_reduce_bytes(seq_sliced * grad_bytes, tp)
     total = model.layers // layout.pp * per_layer
+    sp_edge = all_gather_bytes(sbh, tp) if tplayers and layout.sequence_parallel else 0.0
+    rows = model.seq_len * mb
     if stage == 0:
-        total += all_reduce_bytes(sbh, tp)
+        total += all_reduce_bytes(sbh, tp) + sp_edge
     if stage == layout.pp - 1:
-        total += all_reduce_bytes(sbh, tp) + 3 * all_reduce_bytes(model.seq_len * mb * LOGITS_BYTES, tp)
+        if tplayers:
+            cross_entropy = all_gather_bytes(tp * rows * 4 * 4, tp)  # every rank's (rows, 4) fp32
+        else:
+            cross_entropy = 3 * all_reduce_bytes(rows * LOGITS_BYTES, tp)
+        total += all_reduce_bytes(sbh, tp) + sp_edge + cross_entropy
     return total
 
 

@@ -41,6 +41,10 @@ def add_arguments(parser) -> None:
     layout.add_argument("--schedule", default="1f1b", help="gpipe | 1f1b | interleaved")
     layout.add_argument("--virtual-stages", type=int, default=1, help="interleaved schedule: chunks per stage")
     layout.add_argument("--precision", default="mixed-adam", help="preset: " + ", ".join(plan.PRECISION_PRESETS))
+    layout.add_argument(
+        "--implementation", default="megatron", choices=plan.IMPLEMENTATION_CHOICES,
+        help="whose layers to price: Megatron-LM's (the published analyses) or tplayers' own",
+    )  # fmt: skip
 
     mode = parser.add_argument_group("mode")
     mode.add_argument("--search", action="store_true", help="rank every valid layout for --gpus GPUs")
@@ -98,13 +102,16 @@ def run(args) -> int:
         return _validate(args)
     model = _model(args)
     precision = plan.Precision.preset(args.precision)
+    assumptions = plan.Assumptions(implementation=args.implementation)
     layout = _layout(args)
     gpus = args.gpus if args.gpus is not None else layout.tp * layout.pp * layout.dp
     cluster = plan.ClusterSpec.preset(args.cluster, num_gpus=gpus)
     if args.search:
         if args.global_batch is None:
             raise ValueError("--search needs --global-batch (sequences per step)")
-        ranked = plan.search(model, cluster, args.global_batch, precision, include_invalid=args.show_rejected)
+        ranked = plan.search(
+            model, cluster, args.global_batch, precision, include_invalid=args.show_rejected, assumptions=assumptions
+        )
         fitting = [pair for pair in ranked if pair[1].fits]
         print(f"{len(fitting)} layouts fit {model.name or 'the model'} on {gpus} x {cluster.name}")
         print(plan.format_ranking(ranked if args.show_rejected else fitting, top=args.top))
@@ -117,7 +124,7 @@ def run(args) -> int:
             print("no layout fits")
             return 1
         return 0
-    est = plan.estimate(model, cluster, layout, precision)
+    est = plan.estimate(model, cluster, layout, precision, assumptions=assumptions)
     print(plan.format_estimate(est))
     if args.csv:
         _write_csv(args.csv, [est])

@@ -1,0 +1,143 @@
+"""tplayers.plan_validate: the planner's per-GPU numbers against one real training step on local
+ranks (exact bytes sent, parameter / gradient / optimizer bytes, activations), with negative
+controls: a wrong prediction or a perturbed measurement must fail the comparison."""
+
+from dataclasses import replace
+
+import pytest
+
+from tplayers.plan import Layout, ModelSpec, Precision
+from tplayers.plan_validate import (
+    DEFAULT_CASES,
+    VALIDATION_MODEL,
+    Check,
+    ValidationCase,
+    all_ok,
+    compare,
+    format_validation,
+    measure,
+    validate,
+)
+
+
+@pytest.fixture(scope="module")
+def measured(pool):
+    """Every default case (up to tp=4, and tp=2 x dp=2) measured once on the shared 4-rank pool."""
+    return measure(pool=pool)
+
+
+def _rows(measured, **kw):
+    return [compare(m, **kw) for m in measured]
+
+
+def _failures(measured, **kw):
+    """{case name: [failed quantities]} of the comparison with `kw` (a wrong prediction)."""
+    return {row.case.name: row.failures for row in _rows(measured, **kw)}
+
+
+@pytest.mark.multirank
+def test_validation_passes_on_4_ranks(measured):
+    rows = _rows(measured)
+    table = format_validation(rows)
+    assert all_ok(rows), table
+    assert [row.case for row in rows] == list(DEFAULT_CASES)
+    assert f"{len(rows)}/{len(rows)} layouts agree with the plan" in table
+    by_name = {row.case.name: row for row in rows}
+    # The cases exercise what they are there for: TP traffic, replicated kv heads, DP traffic.
+    assert by_name["tp1 bf16"].check("comm total").measured == 0
+    assert by_name["tp4 bf16"].check("comm tp").measured > 0
+    assert by_name["tp2 dp2 sp bf16"].check("comm dp").measured > 0
+    two = by_name["tp2 bf16"].check("comm tp").measured
+    assert by_name["tp2 m2 bf16"].check("comm tp").measured == 2 * two  # one per micro-batch
+    # mixed precision keeps fp32 gradients: twice the bf16 parameter bytes
+    assert by_name["tp2 bf16"].check("grads").measured == 2 * by_name["tp2 bf16"].check("params").measured
+    # The plan's analysis is a lower bound of the real activations; the documented band holds.
+    for row in rows:
+        assert 1.0 <= row.check("activations").ratio <= 1.75
+
+
+@pytest.mark.multirank
+def test_validation_passes_on_2_ranks_through_launch():
+    """The path the CLI takes: fresh local ranks from tplayers.launch, cases that fit in 2."""
+    rows = validate(nprocs_max=2)
+    assert all_ok(rows), format_validation(rows)
+    assert {row.case.layout.num_gpus for row in rows} == {1, 2}
+    assert len(rows) == sum(c.layout.num_gpus <= 2 for c in DEFAULT_CASES)
+
+
+# ---------------------------------------------------------------------------- negative controls
+
+
+@pytest.mark.multirank
+def test_megatron_precision_convention_fails(measured):
+    """The plan's 2 + 2 + 12 mixed-precision Adam keeps bf16 gradients; tplayers keeps fp32 ones."""
+    failures = _failures(measured[:4] + measured[-1:], precision=Precision.preset("mixed-adam"))
+    for name, failed in failures.items():
+        assert "grads" in failed, name
+    assert "comm dp" in failures["tp2 dp2 sp bf16"]  # the DP all-reduce moves fp32 gradients
+
+
+@pytest.mark.multirank
+def test_megatron_edges_fail_the_tp_bytes(measured):
+    """Megatron's cross-entropy (3 all-reduces) and SP edges are not what tplayers sends, nor
+    are its fp32 logits what tplayers keeps of a bf16 model."""
+    megatron = replace(measured[0].assumptions, implementation="megatron")
+    for name, failed in _failures(measured, assumptions=megatron).items():
+        assert ("activations+hf" in failed) == name.endswith("bf16"), name
+        if name.startswith("tp1"):
+            assert "comm total" not in failed, name  # nothing is sent on one rank
+        else:
+            assert "comm tp" in failed and "comm total" in failed, name
+
+
+@pytest.mark.multirank
+def test_wrong_vocab_padding_or_model_fails(measured):
+    tp4 = [m for m in measured if m.case.layout.tp == 4]
+    # Padded to a multiple of 128 * 4 = 512 instead of the 256 the model was built with.
+    padded_more = replace(measured[0].assumptions, vocab_divisible_by=128)
+    assert all("params" in failed for failed in _failures(tp4, assumptions=padded_more).values())
+    wider = replace(VALIDATION_MODEL, ffn_hidden=192, num_params=None)
+    for failed in _failures(measured[:3], model=wider).values():
+        assert {"params", "grads", "optimizer", "activations+hf"} <= set(failed)
+
+
+@pytest.mark.multirank
+def test_perturbed_measurement_fails(measured):
+    """One rank off by a couple of bytes fails the exact checks; the activation band is one-sided."""
+    m = measured[1]  # tp2 bf16
+    assert compare(m).ok
+    for field, quantity in (("comm", "comm total"), ("params", "params"), ("activations", "activations+hf")):
+        ranks = list(m.ranks)
+        ranks[1] = replace(ranks[1], **{field: getattr(ranks[1], field) + 2})
+        row = compare(replace(m, ranks=tuple(ranks)))
+        assert quantity in row.failures and not row.ok
+        assert "FAIL" in format_validation([row]) and "0/1 layouts agree" in format_validation([row])
+    assert "activations" in compare(m, activation_rtol=0.2).failures
+
+
+# ---------------------------------------------------------------------------- the comparison, alone
+
+
+def test_check_semantics():
+    assert Check("x", (10, 10), 10.0).ok
+    assert not Check("x", (10, 11), 10.0).ok  # exact: every rank
+    assert Check("x", (0,), 0.0).ok and Check("x", (0,), 0.0).ratio == 1.0
+    band = dict(predicted=100.0, rtol=0.5)
+    assert Check("a", (100,), **band).ok and Check("a", (150,), **band).ok
+    assert not Check("a", (151,), **band).ok and not Check("a", (99,), **band).ok
+    assert Check("a", (90, 120), **band).measured == 120  # the most loaded rank
+    assert not all_ok([])
+
+
+def test_cases_tplayers_cannot_run_are_rejected_before_launch():
+    with pytest.raises(ValueError, match="pp=1, zero_stage=0"):
+        ValidationCase(Layout(tp=2, pp=2))
+    with pytest.raises(ValueError, match="pp=1, zero_stage=0"):
+        ValidationCase(Layout(tp=2, dp=2, zero_stage=1))
+    with pytest.raises(ValueError, match="dtype"):
+        ValidationCase(Layout(tp=2), dtype="fp16")
+    with pytest.raises(ValueError, match="nprocs_max=2"):
+        validate([Layout(tp=4, micro_batch=2)], nprocs_max=2)
+    gpt = ModelSpec(layers=2, hidden=64, heads=4, vocab=256, seq_len=32, gated_mlp=False, norm="layernorm")
+    with pytest.raises(ValueError, match="HuggingFace Llama"):
+        validate(model=gpt)
