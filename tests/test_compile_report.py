@@ -1,7 +1,11 @@
-"""GPU readiness without a GPU: every GEMM config compiles for sm_80 / sm_90a, uses tensor cores,
-does not spill and fits shared memory. Compiles run in a subprocess: the suite's interpreter
-mode (TRITON_INTERPRET=1) replaces @triton.jit functions with objects that cannot compile."""
+"""GPU readiness without a GPU: every kernel config in kernels/ (GEMM, SwiGLU, vocab cross-entropy
+statistics, gradient unscale + statistics) compiles for sm_80 / sm_90a in every dtype it is
+launched with, does not spill and fits shared memory; the GEMMs use tensor cores. Compiles run in
+a subprocess: the suite's interpreter mode (TRITON_INTERPRET=1) replaces @triton.jit functions
+with objects that cannot compile."""
 
+import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -11,6 +15,8 @@ import pytest
 from tplayers import compile_report as cr
 
 pytestmark = pytest.mark.compile
+
+GEMMS = set(cr.GEMM_VARIANTS)
 
 
 @pytest.fixture(scope="module")
@@ -26,12 +32,17 @@ def rows(toolchain):
     return cr.run_in_subprocess()
 
 
-def _config_key(row):
-    return (row["BLOCK_M"], row["BLOCK_N"], row["BLOCK_K"], row["num_warps"], row["num_stages"])
-
-
 def _name(row):
-    return f"{row['kernel']} {row['arch']} {row['dtype']} {_config_key(row)}"
+    return f"{row['kernel']} {row['arch']} {row['dtype']} {row['blocks']} warps={row['num_warps']}"
+
+
+def _run(script, timeout=600):
+    """Run `script` without TRITON_INTERPRET and return the JSON of its last output line."""
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=cr.subprocess_env(), timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_every_config_compiles_ok(rows):
@@ -39,30 +50,50 @@ def test_every_config_compiles_ok(rows):
     assert not bad, "\n".join(bad)
 
 
-def test_report_covers_every_config_kernel_and_dtype(rows):
-    for cc, arch in cr.ARCHS.items():
-        configs = {(bm, bn, bk, w, s) for bm, bn, bk, _, w, s in cr.configs_for(cc)}
-        arch_rows = [r for r in rows if r["arch"] == arch]
-        assert {_config_key(r) for r in arch_rows} == configs
-        assert len(arch_rows) == len(configs) * len(cr.DTYPES) * len(cr.VARIANTS)
+def test_report_covers_every_kernel_config_and_dtype(rows):
+    assert {r["kernel"] for r in rows} == set(cr.KERNELS)
+    for kernel, spec in cr.KERNELS.items():
+        for cc, arch in cr.ARCHS.items():
+            configs = cr.configs_for(kernel, cc)
+            expected = {
+                (cr._blocks(c), c["num_warps"], c.get("num_stages", 3), d) for c in configs for d in spec.dtypes
+            }
+            got = [
+                (r["blocks"], r["num_warps"], r["num_stages"], r["dtype"])
+                for r in rows
+                if r["kernel"] == kernel and r["arch"] == arch
+            ]
+            assert sorted(got) == sorted(expected), (kernel, arch)
+    # the elementwise and reduction kernels also run on fp32 (fp32 models, fp32 gradients, fp32 logits)
+    assert all("fp32" in spec.dtypes for kernel, spec in cr.KERNELS.items() if kernel not in GEMMS)
 
 
-def test_tensor_cores_no_spills_and_real_tiles(rows):
+def test_no_spills_shared_fits_and_resident(rows):
     for r in rows:
         name = _name(r)
-        if r["arch"] == "sm_80":
-            assert r["hmma"] > 0, name
-        else:
-            assert r["hgmma"] > 0, name
         assert r["stack"] == 0, name
-        # The K loop is pipelined through shared memory with the config's tiles: at least
-        # num_stages - 1 buffers of A (BLOCK_M x BLOCK_K) and B (BLOCK_K x BLOCK_N), 2-byte inputs.
-        stage_bytes = (r["BLOCK_M"] + r["BLOCK_N"]) * r["BLOCK_K"] * 2
-        assert r["shared"] >= (r["num_stages"] - 1) * stage_bytes, name
-        assert r["blocks_per_sm"] >= 1, name
+        assert 0 < r["registers"] <= 255, name
+        assert r["shared"] <= cr.SMEM_PER_BLOCK[80 if r["arch"] == "sm_80" else 90], name
+        assert r["blocks_per_sm"] >= 1 and r["occupancy_limit"], name
 
 
-def test_checker_flags_bad_configs(toolchain):
+def test_tensor_cores_in_gemms_only(rows):
+    assert {k for k, spec in cr.KERNELS.items() if spec.tensor_cores} == GEMMS
+    for r in rows:
+        name = _name(r)
+        tensor_core_ops = r["hmma"] if r["arch"] == "sm_80" else r["hgmma"]
+        if r["kernel"] in GEMMS:
+            assert tensor_core_ops > 0, name
+            # The K loop is pipelined through shared memory with the config's tiles: at least
+            # num_stages - 1 buffers of A (BLOCK_M x BLOCK_K) and B (BLOCK_K x BLOCK_N), 2-byte inputs.
+            tile = dict(kv.split("=") for kv in r["blocks"].split())
+            stage_bytes = (int(tile["BLOCK_M"]) + int(tile["BLOCK_N"])) * int(tile["BLOCK_K"]) * 2
+            assert r["shared"] >= (r["num_stages"] - 1) * stage_bytes, name
+        else:  # no tl.dot: ok without any tensor-core instruction
+            assert r["ok"] and r["hmma"] == r["hgmma"] == 0, name
+
+
+def test_checker_flags_bad_gemm_configs(toolchain):
     """Negative control: one config spills and overflows shared memory, one only overflows it."""
     bad_configs = ["--config", "128,128,128,4,4", "--config", "64,64,256,4,5"]
     spilling, too_big = cr.run_in_subprocess("--arch", "80", "--dtype", "fp16", "--kernel", "gemm", *bad_configs)
@@ -71,53 +102,146 @@ def test_checker_flags_bad_configs(toolchain):
     assert "shared" in too_big["error"]
 
 
-# Builds each report kernel's arguments the way the layers will (contiguous tensors and their
-# transposed views), asks triton's own JIT binder how it specialises them and prints where
-# `specialise` differs.
+_BAD_ROWS = """
+import json
+from tplayers import compile_report as cr
+print(json.dumps(cr.compile_rows([
+    ("swiglu-fwd", 80, "fp32", dict(BLOCK_M=32, BLOCK_N=128, num_warps=1)),
+    ("gemm", 80, "fp32", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3)),
+])))
+"""
+
+
+def test_checker_flags_spilling_elementwise_and_gemm_without_tensor_cores(toolchain):
+    """Negative controls: a 32x128 fp32 SwiGLU tile on one warp (128 elements a thread) spills,
+    flagged for that alone, not for lacking tensor cores; an fp32 GEMM at IEEE precision runs on
+    FMAs, flagged as no HMMA."""
+    spilling, fma_gemm = _run(_BAD_ROWS)
+    assert not spilling["ok"] and spilling["stack"] > 0 and spilling["error"].startswith("spills")
+    assert "HMMA" not in spilling["error"]
+    assert not fma_gemm["ok"] and fma_gemm["hmma"] == 0 and fma_gemm["error"] == "no HMMA"
+
+
+def test_config_option_and_spec_mismatch():
+    assert cr._config("64,64,32,4,3") == dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3)
+    assert cr._config("BLOCK_M=16,BLOCK_N=128,num_warps=4") == dict(BLOCK_M=16, BLOCK_N=128, num_warps=4)
+    for bad in ("64,64,32", "BLOCK_M=x", "BLOCK_M"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            cr._config(bad)
+
+    class Kernel:  # a kernel whose parameters no longer match its KERNELS row
+        __name__ = "_swiglu_bwd_kernel"
+        arg_names = ["dh_ptr", "gate_ptr", "new_ptr", "M", "N", "BLOCK_M", "BLOCK_N"]
+
+    with pytest.raises(cr.SpecMismatch, match="new_ptr"):
+        cr.specialise(Kernel(), "swiglu-bwd", "fp16", dict(BLOCK_M=16, BLOCK_N=128))
+
+
+def test_kernel_that_does_not_import_is_a_failed_row(toolchain, monkeypatch):
+    broken = dataclasses.replace(cr.KERNELS["swiglu-fwd"], module="no_such_module")
+    monkeypatch.setitem(cr.KERNELS, "broken", broken)
+    rows = cr.compile_report(archs=(80,), kernels=("broken",))
+    assert [r["dtype"] for r in rows] == list(broken.dtypes)
+    assert all(not r["ok"] and r["error"].startswith("ModuleNotFoundError") for r in rows)
+
+
+# Calls each kernel's real launcher the way the library does (the layers' shapes and views) with
+# the @triton.jit kernel replaced by a recorder, hands the recorded arguments to triton's own JIT
+# binder with our constexprs, and prints where `specialise` differs from what the JIT builds, and
+# where our constexprs differ from the launcher's own keyword arguments. The launchers run their
+# interpreter path (no CUDA needed): same arguments, but the interpreter's block sizes and
+# workarounds (UPCAST, EMULATE_BF16), which are therefore not compared.
 _JIT_CHECK = """
-import json, torch
+import dataclasses, json, torch
 from triton.backends.compiler import GPUTarget
 from triton.compiler import make_backend
 from triton.runtime.jit import create_function_from_signature
 from tplayers import compile_report as cr
 
-kernel = cr._matmul_module()._matmul_kernel
+INTERPRETER_ONLY = {"UPCAST", "EMULATE_BF16"}
+TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+M, N, K, B, V = 64, 96, 32, 3, 256
+
+class Recorder:
+    def __init__(self):
+        self.launches = []
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((args, kwargs))
+
+def launched(kernel, call):
+    spec = cr.KERNELS[kernel]
+    module = cr.kernel_module(spec.module)
+    real, interpret, recorder = getattr(module, spec.attr), module.INTERPRET, Recorder()
+    setattr(module, spec.attr, recorder)
+    module.INTERPRET = True
+    try:
+        call()
+    finally:
+        setattr(module, spec.attr, real)
+        module.INTERPRET = interpret
+    (launch,) = recorder.launches
+    return launch
+
+def calls(dtype):
+    t = lambda *shape, dtype=dtype: torch.zeros(shape, dtype=dtype)
+    matmul = cr.kernel_module("matmul").matmul
+    swiglu = cr.kernel_module("swiglu")
+    y, dy = t(M, 2 * N), t(M, 2 * N)  # interleaved [gate, up] GEMM output and its gradient
+    grads = [t(1000), t(40, 50), t(30, 20).T]
+    vocab_ce_stats = cr.kernel_module("vocab_ce").vocab_ce_stats
+    unscale_and_stats_ = cr.kernel_module("grad_stats").unscale_and_stats_
+    return {
+        "gemm": lambda: matmul(t(M, K), t(N, K), bias=t(N)),
+        "gemm+swiglu": lambda: matmul(t(M, K), t(N, K), bias=t(N), swiglu_out=t(M, N // 2)),
+        "gemm+bias+gelu+residual": lambda: matmul(t(M, K), t(N, K), bias=t(N), activation="gelu_tanh",
+                                                  residual=t(M, N)),
+        # dW += sum_b dY_b^T X_b from contiguous (B, M, N) dY and (B, M, K) X
+        "wgrad-accumulate": lambda: matmul(t(B, M, N).mT, t(B, M, K).mT, out=t(N, K, dtype=torch.float32),
+                                           accumulate=True, reduce_batch=True),
+        "swiglu-fwd": lambda: swiglu.swiglu(y[:, 0::2], y[:, 1::2]),
+        "swiglu-bwd": lambda: swiglu.swiglu_backward(t(M, N), y[:, 0::2], y[:, 1::2], dgate=dy[:, 0::2],
+                                                     dup=dy[:, 1::2]),
+        "vocab-ce-stats": lambda: vocab_ce_stats(t(M, V), torch.zeros(M, dtype=torch.int64), vocab_start=V),
+        "grad-stats+unscale": lambda: unscale_and_stats_(grads, torch.ones(1)),
+        "grad-stats": lambda: unscale_and_stats_(grads, None),
+    }
+
 backend = make_backend(GPUTarget("cuda", 90, 32))
-binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-flag_names = {p.name for p in kernel.params if p.is_constexpr}
-t = lambda *shape, dtype=torch.float16: torch.empty(shape, dtype=dtype)
-s3 = lambda x: (0, *x.stride()) if x.dim() == 2 else x.stride()
-M, N, K, B = 256, 128, 64, 3
-a, w, out = t(M, K), t(N, K), t(M, N)
-dy, x, dw = t(B, M, N), t(B, M, K), t(N, K, dtype=torch.float32)
-launches = {  # a, b, c, bias, residual, swiglu h, BATCH
-    "gemm": (a, w, out, t(N), None, None, 1),
-    "gemm+swiglu": (a, w, out, t(N), None, t(M, N // 2), 1),
-    "gemm+bias+gelu+residual": (a, w, out, t(N), t(M, N), None, 1),
-    "wgrad-accumulate": (dy.mT, x.mT, dw, None, None, None, B),
-}
-diffs = {}
-for name, (a, b, c, bias, res, h, batch) in launches.items():
-    signature, constexprs, attrs = cr.specialise(kernel, name, "fp16", (64, 64, 32, 8, 4, 3))
-    args = (a, b, c, c if bias is None else bias, c if res is None else res, c if h is None else h,
-            a.shape[-2], b.shape[-2], a.shape[-1], batch, 1.0,
-            *s3(a), *s3(b), *s3(c), *(s3(res) if res is not None else (0, 0, 0)),
-            *(s3(h) if h is not None else (0, 0, 0)))
-    flags = {k: v for k, v in constexprs.items() if k in flag_names}
-    bound, spec, options = binder(*args, **flags, num_warps=4, num_stages=3)
-    _, jit_sig, jit_ce, jit_attrs = kernel._pack_args(backend, dict(flags), bound, spec, options)
-    jit_ce = {kernel.arg_names[k[0]]: v for k, v in jit_ce.items()}
+
+def differences(kernel, dtype, call):
+    fn = cr.kernel_fn(kernel)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    param_constexprs = {p.name for p in fn.params if p.is_constexpr}
+    config = cr.configs_for(kernel, 90)[0]
+    args, kwargs = launched(kernel, call)
+    signature, constexprs, attrs = cr.specialise(fn, kernel, dtype, config)
+    flags = {k: v for k, v in constexprs.items() if k in param_constexprs}
+    bound, sig_spec, options = binder(*args, **flags, num_warps=4, num_stages=3)
+    _, jit_sig, jit_ce, jit_attrs = fn._pack_args(backend, dict(flags), bound, sig_spec, options)
+    jit_ce = {fn.arg_names[k[0]]: v for k, v in jit_ce.items()}
     jit_attrs = {k: v for k, v in jit_attrs.items() if v}
-    diffs[name] = [what for what, ours, jit in [("signature", signature, jit_sig),
-                   ("constexprs", constexprs, jit_ce), ("attrs", attrs, jit_attrs)] if ours != jit]
+    launcher = {k: v for k, v in kwargs.items() if k not in INTERPRETER_ONLY and k not in config}
+    ours = {k: constexprs.get(k, "missing") for k in launcher}
+    return [what for what, a, b in [("signature", signature, jit_sig), ("constexprs", constexprs, jit_ce),
+                                    ("attrs", attrs, jit_attrs), ("launcher flags", ours, launcher)] if a != b]
+
+diffs = {f"{kernel} {dtype}": differences(kernel, dtype, calls(TORCH[dtype])[kernel])
+         for kernel, spec in cr.KERNELS.items() for dtype in spec.dtypes}
+# Negative controls: a table that calls every pointer aligned (the up / dup halves are not), and
+# the statistics-only table against the unscaling launch (UNSCALE differs).
+launch = cr.KERNELS["swiglu-bwd"].launch
+aligned = lambda dtype: ({k: cr.Ptr(v.dtype) if isinstance(v, cr.Ptr) else v for k, v in launch(dtype)[0].items()},
+                         launch(dtype)[1])
+cr.KERNELS["swiglu-bwd"] = dataclasses.replace(cr.KERNELS["swiglu-bwd"], launch=aligned)
+diffs["control: all aligned"] = differences("swiglu-bwd", "fp16", calls(torch.float16)["swiglu-bwd"])
+diffs["control: UNSCALE"] = differences("grad-stats", "fp16", calls(torch.float16)["grad-stats+unscale"])
 print(json.dumps(diffs))
 """
 
 
 def test_specialisation_matches_triton_jit(toolchain):
-    cmd = [sys.executable, "-c", _JIT_CHECK]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=cr.subprocess_env(), timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    diffs = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert set(diffs) == set(cr.VARIANTS)
-    assert not any(diffs.values()), diffs
+    diffs = _run(_JIT_CHECK, timeout=300)
+    assert diffs.pop("control: all aligned") == ["attrs"]
+    assert diffs.pop("control: UNSCALE") == ["launcher flags"]
+    assert set(diffs) == {f"{k} {d}" for k, spec in cr.KERNELS.items() for d in spec.dtypes}
+    assert not any(diffs.values()), {k: v for k, v in diffs.items() if v}

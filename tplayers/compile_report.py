@@ -1,15 +1,23 @@
-"""Ahead-of-time compile report for the GEMM kernel: GPU readiness checked without a GPU.
+"""Ahead-of-time compile report for every Triton kernel in kernels/: GPU readiness checked without a GPU.
 
-Every config in SM80_CONFIGS / SM90_CONFIGS is compiled with `triton.compile` for its target
-(sm_80, sm_90a), for each input dtype and for the three specialisations the layers launch.
-The cubin is inspected with the wheel's `cuobjdump` for registers, stack (spills), shared
-memory and tensor-core instructions (HMMA on sm_80, HGMMA = wgmma on sm_90a).
+KERNELS is one table: each row is a kernel launched one way (the GEMM's four epilogue variants,
+the SwiGLU epilogue forward and backward, the vocab-parallel cross-entropy statistics pass, the
+fused gradient unscale + statistics pass with and without the unscale), with the arguments its
+launcher passes, its configs for sm_80 / sm_90a and the dtypes it is launched with. Every
+(kernel, arch, config, dtype) is compiled with `triton.compile` for its target, specialised as
+the JIT would specialise that launch, and the cubin is inspected with the wheel's `cuobjdump`
+for registers, stack (spills), shared memory and tensor-core instructions (HMMA on sm_80, HGMMA
+= wgmma on sm_90a). A row is ok when its cubin is for its arch, nothing spills, its shared
+memory fits one block and, for the GEMM rows only, tensor-core instructions were emitted (the
+elementwise and reduction kernels have no tl.dot).
 
-    python -m tplayers.compile_report [--csv PATH] [--json]     (exit code 1 if a row is not ok)
+    python -m tplayers.compile_report [--kernel K] [--arch CC] [--dtype D] [--csv PATH] [--json]
+    (exit code 1 if a row is not ok)
 """
 
 import argparse
 import csv
+import importlib
 import importlib.util
 import json
 import multiprocessing
@@ -18,10 +26,13 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
-DTYPES = ("fp16", "bf16")
+DTYPES = ("fp16", "bf16", "fp32")
 ARCHS = {80: "sm_80", 90: "sm_90a"}
 TENSOR_CORE_OP = {80: "HMMA", 90: "HGMMA"}
 # Per-SM shared memory; CUDA reserves 1 KiB of it per resident block, hence the per-block limit.
@@ -29,13 +40,75 @@ SMEM_PER_SM = {80: 164 * 1024, 90: 228 * 1024}
 SMEM_RESERVED_PER_BLOCK = 1024
 SMEM_PER_BLOCK = {cc: smem - SMEM_RESERVED_PER_BLOCK for cc, smem in SMEM_PER_SM.items()}
 REGS_PER_SM, WARPS_PER_SM, BLOCKS_PER_SM = 65536, 64, 32
+# Config keys that are compile options, not constexpr arguments of the kernel.
+OPTIONS = ("num_warps", "num_stages")
+COLUMNS = [
+    "kernel", "arch", "dtype", "blocks", "num_warps", "num_stages",
+    "registers", "stack", "shared", "hmma", "hgmma", "blocks_per_sm", "occupancy_limit", "ok", "error",
+]  # fmt: skip
 
-# The three specialisations the layers launch: constexpr flags, which strides are 1 (the JIT
+
+class ToolchainMissing(RuntimeError):
+    """The triton wheel ships no ptxas / cuobjdump: nothing can be compiled for a GPU here."""
+
+
+class SpecMismatch(RuntimeError):
+    """A KERNELS row no longer describes its kernel's parameters (the kernel changed)."""
+
+
+class Ptr(NamedTuple):
+    """A pointer argument: its element type and whether its address is a multiple of 16 bytes."""
+
+    dtype: str
+    aligned: bool = True
+
+
+# The JIT specialises an int argument on its value only: 1 becomes a constexpr, a multiple of 16
+# gets tt.divisibility=16, anything else neither. The launch tables below give each int argument
+# a representative value: 1, DIV16 or ANY. We assume sizes and non-unit strides are multiples of
+# 16 (hidden sizes, vocab shards and token counts are; stride 0 is too) and counts are anything.
+DIV16, ANY = 16, 3
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One row family of the report.
+
+    module / attr: the @triton.jit function (kernels/<module>.py). launch(dtype) -> (runtime
+    arguments {name: Ptr | int | float}, constexpr arguments {name: value}) as the launcher
+    passes them, without the config's constexprs. configs(module, cc) -> the launcher's configs
+    for that arch, each a dict of constexprs (BLOCK_*) plus the options it sets (num_warps,
+    num_stages; triton's defaults otherwise). dtypes: the input dtypes it is launched with.
+    tensor_cores: the cubin must contain HMMA / HGMMA (GEMMs only).
+    """
+
+    module: str
+    attr: str
+    launch: Callable
+    configs: Callable
+    dtypes: tuple
+    tensor_cores: bool = False
+
+
+def _tl_dtype(dtype):
+    import triton.language as tl
+
+    return {"fp16": tl.float16, "bf16": tl.bfloat16, "fp32": tl.float32}[dtype]
+
+
+def _gpu_config(module, cc):
+    """A kernel whose launcher uses one GPU_CONFIG on every arch."""
+    return [dict(module.GPU_CONFIG)]
+
+
+# -- GEMM (kernels/matmul.py): four specialisations of one kernel --------------------------------
+
+# The four specialisations the layers launch: constexpr flags, which strides are 1 (the JIT
 # turns an int argument equal to 1 into a constexpr), C's dtype (None: the input dtype) and
 # whether BATCH is a runtime value (3-D reduce_batch) or the constexpr 1 of a 2-D GEMM.
 # The weight gradient reads transposed views of contiguous activations (a = dY^T, b = X^T),
 # so its unit strides are along M and N: it also covers the dgrad layout (b = W^T).
-VARIANTS = {
+GEMM_VARIANTS = {
     "gemm": dict(
         flags=dict(HAS_BIAS=True, ACTIVATION=0, HAS_RESIDUAL=False, ACCUMULATE=False, REDUCE_BATCH=False, SWIGLU=False),
         unit_strides=("stride_ak", "stride_bk", "stride_cn"),
@@ -61,14 +134,120 @@ VARIANTS = {
         batched=True,
     ),
 }
-COLUMNS = [
-    "kernel", "arch", "dtype", "BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages",
-    "registers", "stack", "shared", "hmma", "hgmma", "blocks_per_sm", "occupancy_limit", "ok", "error",
-]  # fmt: skip
+# (batch, row, column) strides of a, b, c, the residual and the SwiGLU output h
+GEMM_STRIDES = (
+    "stride_ab stride_am stride_ak stride_bb stride_bn stride_bk stride_cb stride_cm stride_cn "
+    "stride_rb stride_rm stride_rn stride_hb stride_hm stride_hn"
+).split()
 
 
-class ToolchainMissing(RuntimeError):
-    """The triton wheel ships no ptxas / cuobjdump: nothing can be compiled for a GPU here."""
+def _gemm_launch(variant):
+    spec = GEMM_VARIANTS[variant]
+    flags = spec["flags"]
+
+    def launch(dtype):
+        out = spec["out_dtype"] or dtype
+        args = dict(
+            a_ptr=Ptr(dtype),
+            b_ptr=Ptr(dtype),
+            c_ptr=Ptr(out),
+            # the launcher passes `out` in place of an absent bias / residual / SwiGLU output
+            bias_ptr=Ptr(dtype if flags["HAS_BIAS"] else out),
+            res_ptr=Ptr(dtype if flags["HAS_RESIDUAL"] else out),
+            h_ptr=Ptr(dtype if flags["SWIGLU"] else out),
+            M=DIV16, N=DIV16, K=DIV16, BATCH=ANY if spec["batched"] else 1, scale=1.0,
+        )  # fmt: skip
+        args.update({name: 1 if name in spec["unit_strides"] else DIV16 for name in GEMM_STRIDES})
+        return args, dict(flags, UPCAST=False, INPUT_PRECISION="ieee", INT64_OFFSETS=False)
+
+    return launch
+
+
+def _gemm_configs(matmul, cc):
+    configs = matmul.SM80_CONFIGS if cc == 80 else matmul.SM90_CONFIGS
+    return [dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) for c in configs]
+
+
+# -- elementwise and reduction kernels -----------------------------------------------------------
+
+
+def _swiglu_fwd_launch(dtype):
+    """`swiglu(gate, up)` on the layout the backward reads (the layers fuse the forward into the
+    GEMM's epilogue): gate / up the column halves y[:, 0::2] / y[:, 1::2] of an interleaved
+    (M, 2f) [gate, up] output (up starts one element in: not 16-byte aligned), h a new (M, f)."""
+    args = dict(
+        gate_ptr=Ptr(dtype), up_ptr=Ptr(dtype, aligned=False), h_ptr=Ptr(dtype), M=DIV16, N=DIV16,
+        stride_gm=DIV16, stride_gn=2, stride_um=DIV16, stride_un=2, stride_hm=DIV16, stride_hn=1,
+    )  # fmt: skip
+    return args, dict(INT64_OFFSETS=False)
+
+
+def _swiglu_bwd_launch(dtype):
+    """As ColumnSwiGLUFn.backward launches it: dh contiguous (M, f); gate / up the halves of the
+    saved GEMM output y and dgate / dup the halves of the new dy, both (M, 2f) interleaved."""
+    args = dict(
+        dh_ptr=Ptr(dtype), gate_ptr=Ptr(dtype), up_ptr=Ptr(dtype, aligned=False),
+        dgate_ptr=Ptr(dtype), dup_ptr=Ptr(dtype, aligned=False), M=DIV16, N=DIV16,
+        stride_dhm=DIV16, stride_dhn=1, stride_gm=DIV16, stride_gn=2, stride_um=DIV16, stride_un=2,
+        stride_dgm=DIV16, stride_dgn=2, stride_dum=DIV16, stride_dun=2,
+    )  # fmt: skip
+    return args, dict(INT64_OFFSETS=False)
+
+
+def _vocab_ce_launch(dtype):
+    """logits (R, V_local) contiguous (the LM head's output, reshaped), target (R,) int64 global
+    ids, stats a new fp32 (R, 4); vocab_start = rank * V_local."""
+    args = dict(
+        logits_ptr=Ptr(dtype), target_ptr=Ptr("i64"), stats_ptr=Ptr("fp32"),
+        R=DIV16, V=DIV16, vocab_start=DIV16, stride_lr=DIV16, stride_lv=1, stride_t=1,
+    )  # fmt: skip
+    return args, {}
+
+
+# The launcher picks its tile from the shard size: every shard over 2048 columns gets the 4096
+# tile on 8 warps, smaller ones a tile of at most 2048 on 4 warps (2048 is the heaviest of those).
+VOCAB_SHARDS = (4096, 2048)
+
+
+def _vocab_ce_configs(vocab_ce, cc):
+    configs = []
+    for meta, warps in map(vocab_ce._gpu_config, VOCAB_SHARDS):
+        if dict(meta, num_warps=warps) not in configs:
+            configs.append(dict(meta, num_warps=warps))
+    return configs
+
+
+def _grad_stats_launch(unscale):
+    def launch(dtype):
+        """One launch per dtype group: the int64 tables of data pointers and of blocks, inv_scale
+        fp32 [1] (the partials in its place without UNSCALE) and the fp32 partials, all from the
+        caching allocator, with 16-byte aligned gradients; n_blocks is any count."""
+        args = dict(
+            ptr_table_ptr=Ptr("i64"), block_table_ptr=Ptr("i64"), inv_scale_ptr=Ptr("fp32"), partials_ptr=Ptr("fp32"),
+            n_blocks=ANY,
+        )  # fmt: skip
+        return args, dict(DTYPE=_tl_dtype(dtype), UNSCALE=unscale, ALIGNED=True, EMULATE_BF16=False)
+
+    return launch
+
+
+KERNELS = {
+    **{
+        name: KernelSpec("matmul", "_matmul_kernel", _gemm_launch(name), _gemm_configs, ("fp16", "bf16"), True)
+        for name in GEMM_VARIANTS
+    },
+    "swiglu-fwd": KernelSpec("swiglu", "_swiglu_fwd_kernel", _swiglu_fwd_launch, _gpu_config, DTYPES),
+    "swiglu-bwd": KernelSpec("swiglu", "_swiglu_bwd_kernel", _swiglu_bwd_launch, _gpu_config, DTYPES),
+    "vocab-ce-stats": KernelSpec("vocab_ce", "_vocab_ce_stats_kernel", _vocab_ce_launch, _vocab_ce_configs, DTYPES),
+    # DynamicLossScaler.unscale_ (UNSCALE), and statistics only (inv_scale None)
+    "grad-stats+unscale": KernelSpec(
+        "grad_stats", "_unscale_stats_kernel", _grad_stats_launch(True), _gpu_config, DTYPES
+    ),
+    "grad-stats": KernelSpec("grad_stats", "_unscale_stats_kernel", _grad_stats_launch(False), _gpu_config, DTYPES),
+}
+
+
+# -- compiling and inspecting --------------------------------------------------------------------
 
 
 def tool_dir():
@@ -83,60 +262,64 @@ def tool_dir():
     return bin_dir
 
 
-def _matmul_module():
+def kernel_module(name):
+    """kernels/<name>.py, installed as tplayers.kernels or from a source checkout on PYTHONPATH."""
     try:
-        from tplayers.kernels import matmul
-    except ImportError:  # a source checkout on PYTHONPATH, not installed
-        from kernels import matmul
-    return matmul
+        return importlib.import_module(f"tplayers.kernels.{name}")
+    except ModuleNotFoundError as e:
+        if e.name not in ("tplayers.kernels", f"tplayers.kernels.{name}"):
+            raise
+        return importlib.import_module(f"kernels.{name}")
 
 
-def configs_for(cc):
-    """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) of the configs for `cc`."""
-    matmul = _matmul_module()
-    configs = matmul.SM80_CONFIGS if cc == 80 else matmul.SM90_CONFIGS
-    keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")
-    return [(*(c.kwargs[k] for k in keys), c.num_warps, c.num_stages) for c in configs]
+def kernel_fn(kernel):
+    """The @triton.jit function of KERNELS[kernel]."""
+    spec = KERNELS[kernel]
+    return getattr(kernel_module(spec.module), spec.attr)
 
 
-def specialise(kernel_fn, variant, dtype, config):
-    """signature, constexprs and attrs as triton 3.9's JIT builds them for such a launch.
+def configs_for(kernel, cc):
+    """The launcher's configs of KERNELS[kernel] for `cc`: dicts of constexprs and options."""
+    spec = KERNELS[kernel]
+    return spec.configs(kernel_module(spec.module), cc)
+
+
+def specialise(fn, kernel, dtype, config):
+    """signature, constexprs and attrs as triton 3.9's JIT builds them for KERNELS[kernel]'s launch.
 
     The JIT turns int arguments equal to 1 into constexprs and marks pointers aligned to 16 bytes
-    and ints divisible by 16 with tt.divisibility=16 (floats are never specialised). We assume
-    16-byte aligned tensors and M, N, K and non-unit strides divisible by 16 (hidden sizes and
-    token counts are); stride 0 (a 2-D operand's batch stride, an absent residual) is too.
+    and ints divisible by 16 with tt.divisibility=16 (floats are never specialised). Raises
+    SpecMismatch if the table's arguments are not exactly the kernel's parameters.
     """
-    spec = VARIANTS[variant]
-    bm, bn, bk, group_m, _, _ = config
-    out = spec["out_dtype"] or dtype
-    pointers = {
-        "a_ptr": dtype,
-        "b_ptr": dtype,
-        "c_ptr": out,
-        # the launcher passes `out` in place of an absent bias / residual
-        "bias_ptr": dtype if spec["flags"]["HAS_BIAS"] else out,
-        "res_ptr": dtype if spec["flags"]["HAS_RESIDUAL"] else out,
-        "h_ptr": dtype if spec["flags"]["SWIGLU"] else out,
-    }
-    tiles = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m)
-    constexprs = dict(spec["flags"], UPCAST=False, INPUT_PRECISION="ieee", INT64_OFFSETS=False, **tiles)
-    constexprs.update({name: 1 for name in spec["unit_strides"]})
-    if not spec["batched"]:
-        constexprs["BATCH"] = 1
+    args, constexprs = KERNELS[kernel].launch(dtype)
+    constexprs = dict(constexprs, **{k: v for k, v in config.items() if k not in OPTIONS})
+    given = args.keys() | constexprs.keys()
+    missing, unknown = set(fn.arg_names) - given, given - set(fn.arg_names)
+    both = args.keys() & constexprs.keys()
+    if missing or unknown or both:
+        problems = [("not given", missing), ("not parameters", unknown), ("given twice", both)]
+        raise SpecMismatch(
+            f"{kernel}: the launch table and config do not match {fn.__name__}'s parameters: "
+            + "; ".join(f"{what} {sorted(names)}" for what, names in problems if names)
+        )
     signature, attrs = {}, {}
-    for i, name in enumerate(kernel_fn.arg_names):
-        if name in constexprs:
+    for i, name in enumerate(fn.arg_names):
+        value = args.get(name)
+        if name in constexprs or (type(value) is int and value == 1):
+            constexprs.setdefault(name, value)
             signature[name] = "constexpr"
-        elif name in pointers:
-            signature[name] = "*" + pointers[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name == "scale":
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i32"
-            if name != "BATCH":  # a batch count is anything
+        elif isinstance(value, Ptr):
+            signature[name] = "*" + value.dtype
+            if value.aligned:
                 attrs[(i,)] = [["tt.divisibility", 16]]
+        elif type(value) is float:
+            signature[name] = "fp32"
+        elif type(value) is int:
+            signature[name] = "i32"
+            if value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            raise SpecMismatch(f"{kernel}: argument {name} = {value!r} is not a Ptr, int or float")
     return signature, constexprs, attrs
 
 
@@ -176,38 +359,47 @@ def inspect_cubin(cubin, bin_dir):
     }
 
 
+def _blocks(config):
+    return " ".join(f"{k}={v}" for k, v in config.items() if k not in OPTIONS)
+
+
+def _failed_row(kernel, cc, dtype, config, error):
+    row = dict(kernel=kernel, arch=ARCHS[cc], dtype=dtype, blocks=_blocks(config), ok=False)
+    row.update({k: config.get(k, "") for k in OPTIONS})
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    row["error"] = f"{type(error).__name__}: {first_line}"
+    return row
+
+
 def compile_row(job):
     """Compile one (kernel, cc, dtype, config) and return its report row."""
-    variant, cc, dtype, config = job
-    bm, bn, bk, _, num_warps, num_stages = config
-    row = dict(kernel=variant, arch=ARCHS[cc], dtype=dtype, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
-    row.update(num_warps=num_warps, num_stages=num_stages, ok=False, error="")
+    kernel, cc, dtype, config = job
     try:
         import triton
         from triton.backends.compiler import GPUTarget
 
-        kernel_fn = _matmul_module()._matmul_kernel
-        if not isinstance(kernel_fn, triton.JITFunction):
-            raise RuntimeError("_matmul_kernel is not a JITFunction: triton was imported with TRITON_INTERPRET")
-        src = triton.compiler.ASTSource(kernel_fn, *specialise(kernel_fn, variant, dtype, config))
-        compiled = triton.compile(
-            src, target=GPUTarget("cuda", cc, 32), options=dict(num_warps=num_warps, num_stages=num_stages)
-        )
+        fn = kernel_fn(kernel)
+        if not isinstance(fn, triton.JITFunction):
+            raise RuntimeError(f"{fn} is not a JITFunction: triton was imported with TRITON_INTERPRET")
+        src = triton.compiler.ASTSource(fn, *specialise(fn, kernel, dtype, config))
+        options = {k: config[k] for k in OPTIONS if k in config}  # the rest: triton's defaults, as at launch
+        compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=options)
         info = inspect_cubin(compiled.asm["cubin"], tool_dir())
     except Exception as e:  # a config that does not compile is a failed row, not a crash
-        first_line = (str(e).strip().splitlines() or [""])[0]
-        row["error"] = f"{type(e).__name__}: {first_line}"
-        return row
+        return _failed_row(kernel, cc, dtype, config, e)
+    meta = compiled.metadata
     # Triton's shared memory is dynamic (metadata.shared, requested at launch): cuobjdump's SHARED
     # is only the static part ptxas adds (1 KiB on sm_90a). A block needs both.
-    shared = compiled.metadata.shared + info["static_shared"]
-    blocks, limiter = occupancy(cc, info["registers"], shared, num_warps)
-    row.update(registers=info["registers"], stack=info["stack"], shared=shared, hmma=info["hmma"])
-    row.update(hgmma=info["hgmma"], blocks_per_sm=blocks, occupancy_limit=limiter)
+    shared = meta.shared + info["static_shared"]
+    blocks, limiter = occupancy(cc, info["registers"], shared, meta.num_warps)
+    row = dict(kernel=kernel, arch=ARCHS[cc], dtype=dtype, blocks=_blocks(config))
+    row.update(num_warps=meta.num_warps, num_stages=meta.num_stages, registers=info["registers"])
+    row.update(stack=info["stack"], shared=shared, hmma=info["hmma"], hgmma=info["hgmma"])
+    row.update(blocks_per_sm=blocks, occupancy_limit=limiter)
     problems = []
     if info["sass_arch"] != ARCHS[cc]:
         problems.append(f"cubin is {info['sass_arch']}")
-    if info[TENSOR_CORE_OP[cc].lower()] == 0:
+    if KERNELS[kernel].tensor_cores and info[TENSOR_CORE_OP[cc].lower()] == 0:
         problems.append(f"no {TENSOR_CORE_OP[cc]}")
     if info["stack"]:
         problems.append(f"spills ({info['stack']} B stack)")
@@ -217,26 +409,44 @@ def compile_row(job):
     return row
 
 
-def compile_report(archs=(80, 90), dtypes=DTYPES, kernels=tuple(VARIANTS), configs=None, workers=None):
-    """One row per (kernel, arch, config, dtype); `configs` overrides the kernel's config lists."""
+def compile_rows(jobs, workers=None):
+    """compile_row over `jobs` in fresh processes, in parallel; rows in the order of `jobs`."""
     tool_dir()  # fail early and clearly without ptxas
-    jobs = [
-        (variant, cc, dtype, config)
-        for cc in archs
-        for config in (configs or configs_for(cc))
-        for dtype in dtypes
-        for variant in kernels
-    ]
+    if not jobs:
+        return []
     workers = workers or min(len(jobs), os.cpu_count() or 1, 8)
-    # Fresh (spawned) processes compile in parallel. They inherit the environment and import the
-    # kernel module, which imports triton, so TRITON_INTERPRET must be gone before they start.
-    interpret = os.environ.pop("TRITON_INTERPRET", None)
+    # Spawned processes inherit the environment and import the kernel modules, which import
+    # triton, so TRITON_INTERPRET must be gone before they start.
+    saved = {k: os.environ.get(k) for k in ("TRITON_INTERPRET", "TRITON_DEFAULT_FP_FUSION")}
+    os.environ.pop("TRITON_INTERPRET", None)
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9's default, stated to silence its warning
     try:
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
             return list(pool.map(compile_row, jobs))
     finally:
-        if interpret is not None:
-            os.environ["TRITON_INTERPRET"] = interpret
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def compile_report(archs=tuple(ARCHS), dtypes=DTYPES, kernels=tuple(KERNELS), configs=None, workers=None):
+    """One row per (kernel, arch, config, dtype), for the dtypes in `dtypes` each kernel is
+    launched with; `configs` replaces every kernel's own configs (meant for one kernel)."""
+    tool_dir()
+    planned = []  # jobs, and rows of kernels whose configs could not even be read
+    for cc in archs:
+        for kernel in kernels:
+            kernel_dtypes = [d for d in KERNELS[kernel].dtypes if d in dtypes]
+            try:
+                kernel_configs = configs or configs_for(kernel, cc)
+            except Exception as e:  # e.g. a kernel module that does not import
+                planned += [_failed_row(kernel, cc, dtype, {}, e) for dtype in kernel_dtypes]
+                continue
+            planned += [(kernel, cc, dtype, config) for config in kernel_configs for dtype in kernel_dtypes]
+    compiled = iter(compile_rows([p for p in planned if isinstance(p, tuple)], workers))
+    return [next(compiled) if isinstance(p, tuple) else p for p in planned]
 
 
 def subprocess_env():
@@ -248,7 +458,7 @@ def subprocess_env():
     return env
 
 
-def run_in_subprocess(*args, timeout=600):
+def run_in_subprocess(*args, timeout=900):
     """Run `python -m tplayers.compile_report --json ARGS` without TRITON_INTERPRET; return its rows."""
     tool_dir()
     proc = subprocess.run(
@@ -268,29 +478,39 @@ def format_table(rows):
         value = row.get(col, "")
         return "ok" if value is True else "FAIL" if value is False else str(value)
 
-    widths = {col: max(len(col), *(len(cell(r, col)) for r in rows)) for col in COLUMNS}
+    widths = {col: max([len(col), *(len(cell(r, col)) for r in rows)]) for col in COLUMNS}
     lines = ["  ".join(col.ljust(widths[col]) for col in COLUMNS)]
     lines += ["  ".join(cell(r, col).ljust(widths[col]) for col in COLUMNS) for r in rows]
     return "\n".join(line.rstrip() for line in lines)
 
 
+CONFIG_SYNTAX = "a config is BM,BN,BK,WARPS,STAGES (a GEMM) or NAME=INT,... e.g. BLOCK_M=16,BLOCK_N=128,num_warps=4"
+
+
 def _config(text):
-    values = tuple(int(v) for v in text.split(","))
-    if len(values) != 5:
-        raise argparse.ArgumentTypeError("a config is BLOCK_M,BLOCK_N,BLOCK_K,NUM_WARPS,NUM_STAGES")
-    bm, bn, bk, warps, stages = values
-    return (bm, bn, bk, 8, warps, stages)
+    """A GEMM config BM,BN,BK,WARPS,STAGES (GROUP_M=8), or NAME=VALUE,... for any kernel."""
+    try:
+        if "=" not in text:
+            bm, bn, bk, warps, stages = (int(v) for v in text.split(","))
+            return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
+        return {k.strip(): int(v) for k, v in (item.split("=") for item in text.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(CONFIG_SYNTAX) from None
 
 
 def add_arguments(parser):
     parser.add_argument("--csv", metavar="PATH", help="also write the rows as CSV")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     parser.add_argument("--arch", type=int, choices=sorted(ARCHS), action="append", help="default: all")
-    parser.add_argument("--dtype", choices=DTYPES, action="append", help="default: all")
-    parser.add_argument("--kernel", choices=list(VARIANTS), action="append", help="default: all")
     parser.add_argument(
-        "--config", type=_config, action="append", metavar="BM,BN,BK,WARPS,STAGES",
-        help="compile these configs instead of SM80_CONFIGS / SM90_CONFIGS (GROUP_M=8)",
+        "--dtype", choices=DTYPES, action="append",
+        help="default: all; each kernel only for the dtypes it is launched with (the GEMM: fp16, bf16)",
+    )  # fmt: skip
+    parser.add_argument("--kernel", choices=list(KERNELS), action="append", help="default: all")
+    parser.add_argument(
+        "--config", type=_config, action="append", metavar="BM,BN,BK,WARPS,STAGES | NAME=INT,...",
+        help="compile these configs instead of the kernels' own (use with one --kernel): a GEMM config "
+        "(GROUP_M=8), or the kernel's constexprs and num_warps / num_stages, e.g. BLOCK_M=16,BLOCK_N=128,num_warps=4",
     )  # fmt: skip
     parser.add_argument("--workers", type=int, help="parallel compiles (default: CPU count, at most 8)")
     return parser
@@ -301,7 +521,7 @@ def run(args):
     rows = compile_report(
         archs=tuple(args.arch or ARCHS),
         dtypes=tuple(args.dtype or DTYPES),
-        kernels=tuple(args.kernel or VARIANTS),
+        kernels=tuple(args.kernel or KERNELS),
         configs=args.config,
         workers=args.workers,
     )
