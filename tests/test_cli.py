@@ -78,6 +78,12 @@ def test_plan_estimate_search_and_csv(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "rejected" in result.stdout
+
+    result = run_cli("plan", "--model", "llama3-8b", "--gpus", "16", "--search", "--global-batch", "64", "--tp", "4",
+                     "--top", "50", cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    ranked = [line for line in result.stdout.splitlines() if "tp=" in line]
+    assert ranked and all("tp=4 " in line for line in ranked)  # --tp narrows the search
     rows = list(csv.DictReader(open(tmp_path / "search.csv")))
     assert any(r["fits"] == "True" for r in rows) and any(r["reasons"] for r in rows)
 
@@ -91,6 +97,10 @@ def test_plan_estimate_search_and_csv(tmp_path):
         (["--model", "llama3-8b", "--cluster", "tpu-v9"], "tpu-v9"),
         (["--model", "llama3-8b", "--search"], "--global-batch"),
         (["--model", "llama3-8b", "--num-params", "1e9"], "one way"),
+        (["--model", "llama3-8b", "--search", "--global-batch", "64"], "--search needs --gpus"),
+        (["--model", "llama3-8b", "--global-batch", "64"], "--global-batch is for --search"),
+        (["--model", "llama3-8b", "--top", "0"], "--top must be >= 1"),
+        (["--model", "llama3-8b", "--gpus", "24", "--tp", "6", "--dp", "4"], "some TP groups would span two nodes"),
     ],
 )
 def test_plan_bad_input_exit_code_2(tmp_path, args, message):

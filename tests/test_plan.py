@@ -4,6 +4,7 @@ import csv
 import io
 import json
 import math
+import re
 from dataclasses import replace
 
 import pytest
@@ -414,10 +415,51 @@ def test_invalid_layouts_rejected_with_reason():
     ]
     for cluster, layout, reason in cases:
         assert any(reason in r for r in validate_layout(model, cluster, layout)), (layout, reason)
-        est = estimate(model, cluster, layout)
-        assert not est.valid and not est.fits and any(reason in r for r in est.reasons)
-        assert est.memory is None and est.step_time_s is None
-        assert "INVALID" in format_estimate(est)
+        with pytest.raises(ValueError, match=re.escape(reason)):
+            estimate(model, cluster, layout)  # bad input: every reason in the message
+
+
+def test_tp_groups_must_not_span_nodes():
+    model = ModelSpec(layers=24, hidden=3072, heads=24, kv_heads=24, ffn_hidden=9216, vocab=32000, seq_len=2048)
+    cluster = ClusterSpec.preset("h100", num_gpus=24)  # 3 nodes of 8
+    with pytest.raises(ValueError, match="tp=6 does not divide 8 GPUs per node"):
+        estimate(model, cluster, Layout(tp=6, dp=4, num_microbatches=12))
+    single_node = ClusterSpec.preset("h100", num_gpus=6)
+    assert estimate(model, single_node, Layout(tp=6)).valid  # within one node any tp <= 8 is fine
+    ranked = search(model, cluster, global_batch=48)
+    assert ranked and all(cluster.gpus_per_node % layout.tp == 0 for layout, _ in ranked)
+    assert all(est.comm_links["tp"] == "intra_node" for _, est in ranked)
+    rejected = search(model, cluster, global_batch=48, include_invalid=True)
+    assert any(layout.tp == 3 and not est.valid for layout, est in rejected)
+    assert "INVALID" in format_estimate(next(est for layout, est in rejected if layout.tp == 3))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(micro_batches=(0,)), "micro_batches"),
+        (dict(tp_sizes=(0,)), "tp_sizes"),
+        (dict(zero_stages=(4,)), "zero_stage"),
+    ],
+)
+def test_search_bad_options_raise_value_error(kwargs, message):
+    model, cluster = ModelSpec.preset("llama3-8b"), ClusterSpec.preset("h100", num_gpus=8)
+    with pytest.raises(ValueError, match=message):
+        search(model, cluster, global_batch=8, **kwargs)
+
+
+def test_precision_by_name_and_types():
+    model, cluster = ModelSpec.preset("llama3-8b"), ClusterSpec.preset("h100", num_gpus=8)
+    by_name = estimate(model, cluster, Layout(tp=8), "mixed-adam-fp32-grads")
+    assert by_name.memory.optimizer == estimate(model, cluster, Layout(tp=8), Precision(2, 2, 16)).memory.optimizer
+    with pytest.raises(ValueError, match="precision"):
+        estimate(model, cluster, Layout(tp=8), "fp7-adam")
+    assert all(isinstance(training_flops(model, 8, r), float) for r in ("none", "selective", "full"))
+
+
+def test_no_pipeline_holds_one_micro_batch_whatever_the_schedule():
+    assert microbatches_in_flight("gpipe", 0, 1, 8) == 1.0
+    assert microbatches_in_flight("gpipe", 0, 4, 8) == 8.0
 
 
 def test_schedule_and_sequence_parallel_rules():

@@ -542,7 +542,7 @@ class ClusterSpec:
         key = name.lower() if isinstance(name, str) else name
         key = _GPU_ALIASES.get(key, key)
         gpu = _preset(_GPU_PRESETS, key, "cluster")
-        return cls(num_gpus=num_gpus, name=key, **{**gpu, **overrides})
+        return cls(num_gpus=num_gpus, **{"name": key, **gpu, **overrides})
 
 
 # Datasheet numbers. Capacities are the nominal GiB nvidia-smi shows (within ~1%).
@@ -807,6 +807,8 @@ def microbatches_in_flight(schedule: str, stage: int, pp: int, num_microbatches:
     for stage 0 that is L*(1 + (pp - 1)/(pp*v)) layers, Korthikanti Sec. 4.2.3.
     """
     m, v = num_microbatches, virtual_stages
+    if pp == 1:  # no pipeline: plain gradient accumulation, one micro-batch at a time
+        return 1.0
     if schedule == "gpipe":
         return float(m)
     if schedule == "1f1b":
@@ -872,7 +874,7 @@ def training_flops(model: ModelSpec, global_batch: int, recompute: str = "none",
     per_token = _forward_flops_per_token(model, vocab)
     passes = 3 * (model.layers * per_token.layer + per_token.logits)
     extra = model.layers * _recompute_flops_per_token(per_token, recompute)
-    return global_batch * model.seq_len * (passes + extra)
+    return float(global_batch * model.seq_len * (passes + extra))
 
 
 def all_reduce_bytes(size: float, n: int) -> float:
@@ -966,6 +968,10 @@ def validate_layout(
         reasons.append(f"tp*pp*dp = {tp}*{pp}*{dp} = {layout.num_gpus} != {cluster.num_gpus} GPUs in the cluster")
     if tp > cluster.gpus_per_node:
         reasons.append(f"tp={tp} > {cluster.gpus_per_node} GPUs per node: tensor parallelism must stay within a node")
+    elif cluster.num_gpus > cluster.gpus_per_node and cluster.gpus_per_node % tp:
+        reasons.append(
+            f"tp={tp} does not divide {cluster.gpus_per_node} GPUs per node: some TP groups would span two nodes"
+        )
     if global_batch is not None and layout.global_batch != global_batch:
         reasons.append(
             f"dp*micro_batch*num_microbatches = {dp}*{layout.micro_batch}*{layout.num_microbatches} = "
@@ -1305,11 +1311,20 @@ def estimate(
 ) -> Estimate:
     """Memory, FLOPs, communication and step time of `layout` (see the module docstring).
 
-    Never raises for an unworkable layout: an invalid one comes back with `valid=False`,
-    `fits=False`, its `reasons` and no numbers; one that does not fit in memory with its numbers
-    and a reason naming the bytes needed and available.
+    An invalid layout (GPU count, divisibility, TP across nodes, schedule rules: see
+    `validate_layout`) is bad input: ValueError listing every reason. One that is valid but
+    does not fit in memory comes back with its numbers, `fits=False` and a reason naming the
+    bytes needed and available. `precision` is a `Precision` or a preset name.
     """
-    precision = Precision() if precision is None else precision
+    est = _estimate(model, cluster, layout, precision, assumptions)
+    if not est.valid:
+        raise ValueError(f"invalid layout {layout.describe()}: " + "; ".join(est.reasons))
+    return est
+
+
+def _estimate(model, cluster, layout, precision, assumptions) -> Estimate:
+    """`estimate`, returning an invalid layout as `valid=False` with its reasons (for `search`)."""
+    precision = _resolve_precision(precision)
     assumptions = Assumptions() if assumptions is None else assumptions
     usable = cluster.hbm_bytes * (1 - assumptions.hbm_reserve_fraction)
     base = dict(layout=layout, num_gpus=cluster.num_gpus, num_params=model.num_params, usable_hbm_bytes=usable)
@@ -1325,7 +1340,7 @@ def estimate(
     if memory.total > usable:
         reasons.append(
             f"needs {memory.total / 1e9:.1f} GB per GPU (stage {memory.stage}) > {usable / 1e9:.1f} GB usable "
-            f"of {cluster.hbm_bytes / 1e9:.1f} GB on {cluster.name}"
+            f"of {cluster.hbm_bytes / 1e9:.1f} GB ({cluster.hbm_bytes / GiB:.0f} GiB) on {cluster.name}"
         )
     timed = model.has_dims
     critical = max(stages, key=lambda s: s.step_time_s) if timed else stages[0]
@@ -1356,6 +1371,16 @@ def estimate(
         tokens_per_step=tokens,
         notes=tuple(notes),
     )
+
+
+def _resolve_precision(precision) -> Precision:
+    if precision is None:
+        return Precision()
+    if isinstance(precision, str):
+        return Precision.preset(precision)
+    if not isinstance(precision, Precision):
+        raise ValueError(f"precision must be a Precision or a preset name, got {precision!r}")
+    return precision
 
 
 def _by_link(by_group: dict[str, float | None], links: dict[str, str]) -> dict[str, float]:
@@ -1448,6 +1473,13 @@ def search(
     if not model.has_dims:
         raise ValueError("search ranks by step time, which needs the model's dimensions (not just num_params)")
     _positive_int("search", "global_batch", global_batch)
+    for name, values in (("micro_batches", micro_batches), ("virtual_stages", virtual_stages),
+                         ("tp_sizes", tp_sizes or ()), ("pp_sizes", pp_sizes or ())):  # fmt: skip
+        for value in values:
+            _positive_int("search", name, value)
+    for value in zero_stages:
+        if value not in ZERO_STAGES:
+            raise ValueError(f"unknown zero_stage {value!r}; valid: 0, 1, 2, 3")
     for value in recompute:
         _choice(value, RECOMPUTE_CHOICES, "recompute")
     for value in schedules:
@@ -1468,7 +1500,7 @@ def search(
         reasons = validate_layout(model, cluster, layout, global_batch=global_batch)
         if reasons and not include_invalid:
             continue
-        est = estimate(model, cluster, layout, precision, assumptions=assumptions)
+        est = _estimate(model, cluster, layout, precision, assumptions)
         if reasons:
             est = replace(est, reasons=tuple(dict.fromkeys((*reasons, *est.reasons))), valid=False)
         (good if est.fits else bad).append((layout, est))

@@ -24,16 +24,21 @@ def add_arguments(parser) -> None:
     for dim in MODEL_DIMS:
         model.add_argument(f"--{dim.replace('_', '-')}", type=int, dest=dim)
     model.add_argument("--num-params", type=float, help="parameter count only: model-state memory questions")
+    model.add_argument(
+        "--plain-mlp", action="store_true",
+        help="explicit dimensions: a GPT-style 2-matrix GeLU MLP (default: gated SwiGLU, as Llama)",
+    )  # fmt: skip
+    model.add_argument("--dropout", action="store_true", help="explicit dimensions: the model trains with dropout")
 
     cluster = parser.add_argument_group("cluster")
     cluster.add_argument("--cluster", default="h100-80gb", help="preset: " + ", ".join(sorted(plan.CLUSTER_PRESETS)))
     cluster.add_argument("--gpus", type=int, default=None, help="number of GPUs (default: tp*pp*dp)")
 
     layout = parser.add_argument_group("layout")
-    layout.add_argument("--tp", type=int, default=1)
-    layout.add_argument("--pp", type=int, default=1)
-    layout.add_argument("--dp", type=int, default=1)
-    layout.add_argument("--zero", type=int, default=0, dest="zero_stage", help="ZeRO stage 0-3")
+    layout.add_argument("--tp", type=int, default=None, help="default 1; with --search: only this size")
+    layout.add_argument("--pp", type=int, default=None, help="default 1; with --search: only this size")
+    layout.add_argument("--dp", type=int, default=None, help="default 1; with --search: only this size")
+    layout.add_argument("--zero", type=int, default=None, dest="zero_stage", help="ZeRO stage 0-3 (default 0)")
     layout.add_argument("--micro-batch", type=int, default=1)
     layout.add_argument("--num-microbatches", type=int, default=1)
     layout.add_argument("--sequence-parallel", action="store_true")
@@ -47,7 +52,9 @@ def add_arguments(parser) -> None:
     )  # fmt: skip
 
     mode = parser.add_argument_group("mode")
-    mode.add_argument("--search", action="store_true", help="rank every valid layout for --gpus GPUs")
+    mode.add_argument(
+        "--search", action="store_true", help="rank every valid layout for --gpus GPUs (--tp / --pp / --zero narrow it)"
+    )
     mode.add_argument("--global-batch", type=int, help="sequences per step (--search)")
     mode.add_argument("--top", type=int, default=10, help="--search: rows shown")
     mode.add_argument("--show-rejected", action="store_true", help="--search: also list rejected layouts and why")
@@ -69,12 +76,13 @@ def _model(args) -> plan.ModelSpec:
         return plan.ModelSpec(num_params=args.num_params)
     if not dims:
         raise ValueError("no model: give --model PRESET, --hf-config PATH, the dimensions, or --num-params")
-    return plan.ModelSpec(**dims)
+    return plan.ModelSpec(**dims, gated_mlp=not args.plain_mlp, dropout=args.dropout)
 
 
 def _layout(args) -> plan.Layout:
     return plan.Layout(
-        tp=args.tp, pp=args.pp, dp=args.dp, zero_stage=args.zero_stage, micro_batch=args.micro_batch,
+        tp=args.tp or 1, pp=args.pp or 1, dp=args.dp or 1, zero_stage=args.zero_stage or 0,
+        micro_batch=args.micro_batch,
         num_microbatches=args.num_microbatches, sequence_parallel=args.sequence_parallel,
         recompute=args.recompute, schedule=args.schedule, virtual_stages=args.virtual_stages,
     )  # fmt: skip
@@ -106,12 +114,24 @@ def run(args) -> int:
     layout = _layout(args)
     gpus = args.gpus if args.gpus is not None else layout.tp * layout.pp * layout.dp
     cluster = plan.ClusterSpec.preset(args.cluster, num_gpus=gpus)
+    if args.top < 1:
+        raise ValueError(f"--top must be >= 1, got {args.top}")
+    if not args.search and args.global_batch is not None:
+        raise ValueError("--global-batch is for --search (one layout's batch is dp * micro-batch * num-microbatches)")
     if args.search:
         if args.global_batch is None:
             raise ValueError("--search needs --global-batch (sequences per step)")
-        ranked = plan.search(
-            model, cluster, args.global_batch, precision, include_invalid=args.show_rejected, assumptions=assumptions
+        if args.gpus is None:
+            raise ValueError("--search needs --gpus (the number of GPUs to lay out)")
+        narrow = dict(
+            tp_sizes=(args.tp,) if args.tp else None,
+            pp_sizes=(args.pp,) if args.pp else None,
+            **({"zero_stages": (args.zero_stage,)} if args.zero_stage is not None else {}),
         )
+        ranked = plan.search(
+            model, cluster, args.global_batch, precision,
+            include_invalid=args.show_rejected, assumptions=assumptions, **narrow,
+        )  # fmt: skip
         fitting = [pair for pair in ranked if pair[1].fits]
         print(f"{len(fitting)} layouts fit {model.name or 'the model'} on {gpus} x {cluster.name}")
         print(plan.format_ranking(ranked if args.show_rejected else fitting, top=args.top))
@@ -128,6 +148,4 @@ def run(args) -> int:
     print(plan.format_estimate(est))
     if args.csv:
         _write_csv(args.csv, [est])
-    if not est.valid:  # an impossible layout is bad input
-        raise ValueError("invalid layout: " + "; ".join(est.reasons))
     return 0
