@@ -236,8 +236,7 @@ def _check_remeasured():
     scaler = DynamicLossScaler(init_scale=8.0)
     scaler.scale(_mse(model, (x, y))).backward()
     scaler.unscale_(opt)
-    with torch.no_grad():
-        model[0].weight.grad.mul_(100.0)  # after the fused pass measured it
+    model[0].weight.grad.data.mul_(100.0)  # after the fused pass; .data: no version bump to see
     expected = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()]))
     torch.testing.assert_close(scaler.clip_grad_norm_(opt, 1e9), expected, rtol=1e-6, atol=0)
 
@@ -273,3 +272,93 @@ def test_fp16_tp2_training_tracks_the_fp32_run():
     # (measured 0.002; the 300-step demo stays within 0.05).
     assert max(abs(a - b) for a, b in zip(losses, fp32, strict=True)) < 1e-2
     assert report["skipped_steps"] == 0
+
+
+def test_frozen_parameters_and_lbfgs():
+    frozen = nn.Parameter(torch.ones(3, dtype=torch.bfloat16), requires_grad=False)
+    live = nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+    opt = MixedPrecisionOptimizer(torch.optim.SGD([frozen, live], lr=0.5))
+    assert opt.master_of(frozen) is frozen and opt.master_of(live) is not live
+    _backward_with([live], [torch.ones(3, dtype=torch.bfloat16)])
+    opt.step()
+    assert torch.equal(frozen, torch.ones(3, dtype=torch.bfloat16)) and torch.equal(
+        live.detach(), torch.full((3,), 0.5).bfloat16()
+    )
+
+    p = nn.Parameter(torch.tensor([3.0, -2.0], dtype=torch.bfloat16))
+    lbfgs = MixedPrecisionOptimizer(torch.optim.LBFGS([p], lr=1.0, max_iter=20))  # LBFGS keeps the param list
+
+    def closure():
+        lbfgs.zero_grad()
+        loss = (p.float() - 1).square().sum()
+        loss.backward()
+        return loss
+
+    lbfgs.step(closure)
+    assert torch.allclose(p.float(), torch.ones(2), atol=1e-2)
+
+
+def test_wrapping_twice_raises_until_hooks_removed():
+    p = nn.Parameter(torch.ones(2, dtype=torch.float16))
+    first = MixedPrecisionOptimizer(torch.optim.SGD([p], lr=0.1))
+    with pytest.raises(RuntimeError, match="remove_hooks"):
+        MixedPrecisionOptimizer(torch.optim.SGD([p], lr=0.1))
+    first.remove_hooks()
+    second = MixedPrecisionOptimizer(torch.optim.SGD([p], lr=0.1))
+    _backward_with([p], [torch.ones(2, dtype=torch.float16)])
+    assert torch.equal(second.master_of(p).grad, torch.ones(2)) and first.master_of(p).grad is None
+
+
+def test_stale_master_gradients_raise_instead_of_accumulating():
+    """model.zero_grad() does not reach the masters: a backward after a step (taken or skipped)
+    without opt.zero_grad() raises, rather than adding the old gradients in."""
+    model, x, y = _regression(torch.float16)
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    _mse(model, (x, y)).backward()
+    opt.step()
+    model.zero_grad()
+    with pytest.raises(RuntimeError, match=r"call opt.zero_grad\(\)"):
+        _mse(model, (x, y)).backward()
+    opt.zero_grad()
+    _mse(model, (x, y)).backward()  # fine again
+
+    scaler = DynamicLossScaler(init_scale=2.0**15)
+    opt.zero_grad()
+    scaler.scale(_mse(model, (x, y)) * 1e10).backward()  # overflows: the step is skipped
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.last_step_skipped
+    with pytest.raises(RuntimeError, match="zero_grad"):
+        _mse(model, (x, y)).backward()
+
+
+def test_reload_model_params_after_loading_weights():
+    model, x, y = _regression(torch.bfloat16)
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.0))
+    loaded = {k: torch.randn_like(v, dtype=torch.float32).to(v.dtype) for k, v in model.state_dict().items()}
+    model.load_state_dict(loaded)
+    opt.reload_model_params()
+    _mse(model, (x, y)).backward()
+    opt.step()  # lr 0: the weights must stay the loaded ones
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, loaded[k])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fp64_gradients_unscale_and_clip(backend):
+    """fp64 (the dtype of unsharded-reference property tests) through the scaler and clipping."""
+    tplayers.set_backend(backend)
+    try:
+        model, x, y = _regression(torch.float64)
+        twin = copy.deepcopy(model)
+        opt, twin_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(twin.parameters(), lr=0.1)
+        scaler, gs = DynamicLossScaler(init_scale=64.0), torch.amp.GradScaler("cpu", init_scale=64.0)
+        scaler.scale(_mse(model, (x, y))).backward()
+        gs.scale(_mse(twin, (x, y))).backward()
+        norm = scaler.clip_grad_norm_(opt, 0.01)
+        gs.unscale_(twin_opt)
+        expected = torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.01)
+        assert norm.dtype == torch.float64
+        torch.testing.assert_close(norm, expected, rtol=1e-12, atol=0)
+    finally:
+        tplayers.set_backend("auto")

@@ -38,6 +38,8 @@ from tplayers.distributed import resolve_group
 from tplayers.functional import comm
 from tplayers.placement import get_placement
 
+FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the fused Triton pass takes
+
 
 class _Stage(Enum):
     READY = 0
@@ -82,7 +84,8 @@ class DynamicLossScaler:
       multiplied by ``growth_factor`` (when the result is finite). Every overflow step resets the
       growth counter. The scale never drops below ``min_scale``: it is clamped there, or, with
       ``raise_on_min_scale``, a back-off below it raises RuntimeError (on every rank alike).
-      With ``hysteresis=1`` the sequence of scales and skipped steps equals GradScaler's.
+      With ``hysteresis=1`` the sequence of scales and skipped steps equals GradScaler's (as
+      long as the scale stays above ``min_scale``; GradScaler has no floor).
 
     `group`: a ProcessGroup, a 1-D DeviceMesh, a sequence of them (reduced in that order), or
     None for the default group (every rank of the job; without torch.distributed initialised,
@@ -175,9 +178,7 @@ class DynamicLossScaler:
         raise ValueError("outputs must be a Tensor or an iterable of Tensors")
 
     def _state(self, optimizer) -> dict:
-        return self._per_optimizer.setdefault(
-            id(optimizer), {"stage": _Stage.READY, "found_inf": None, "grad_stats": {}}
-        )
+        return self._per_optimizer.setdefault(id(optimizer), {"stage": _Stage.READY, "found_inf": None})
 
     def _groups_of(self, optimizer) -> list:
         """The process groups to reduce the flag over, in the order every rank uses."""
@@ -195,8 +196,12 @@ class DynamicLossScaler:
 
     def unscale_(self, optimizer) -> None:
         """Unscale `optimizer`'s grads in place and compute the consensus found-inf flag."""
-        if not self._enabled:
-            return
+        if self._enabled:
+            self._unscale(optimizer)
+
+    def _unscale(self, optimizer) -> dict:
+        """`unscale_`; returns {id(grad): (grad, [sum |g|, sum g^2, max |g|])} for the gradients
+        the fused pass measured (Triton backend), for `clip_grad_norm_` to use at once."""
         state = self._state(optimizer)
         if state["stage"] is _Stage.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
@@ -220,28 +225,28 @@ class DynamicLossScaler:
                     else:
                         dense.setdefault(g.device, []).append(g)
             # With the Triton backend, one fused pass per device unscales, checks, and measures
-            # each gradient for clipping. The torch backend unscales with torch's op and lets
-            # clipping take its one norm: on CPU torch's 1- and inf-norms cost more than the
-            # second read they would save (bench/amp.py: the reference pass is 4-6x torch's).
+            # each fp32 / fp16 / bf16 gradient for clipping (others take torch's op). The torch
+            # backend unscales with torch's op and lets clipping take its one norm: on CPU torch's
+            # 1- and inf-norms cost more than the second read they would save (bench/amp.py).
             stats_of = {}
             for device, grads in dense.items():
-                if uses_triton(grads[0]):
-                    stats, device_found = unscale_and_stats_(grads, inv_scale.to(device))
-                    for g, row in zip(grads, stats, strict=True):
-                        stats_of[id(g)] = (g, g._version, row)
-                else:
-                    device_found = torch.zeros(1, dtype=torch.float32, device=device)
-                    by_dtype: dict = {}
-                    for g in grads:
+                device_found = torch.zeros(1, dtype=torch.float32, device=device)
+                fused = [g for g in grads if g.dtype in FUSED_DTYPES] if uses_triton(grads[0]) else []
+                if fused:
+                    stats, fused_found = unscale_and_stats_(fused, inv_scale.to(device))
+                    device_found = torch.maximum(device_found, fused_found)
+                    stats_of.update((id(g), (g, row)) for g, row in zip(fused, stats, strict=True))
+                by_dtype: dict = {}
+                for g in grads:
+                    if id(g) not in stats_of:
                         by_dtype.setdefault(g.dtype, []).append(g)
-                    for same_dtype in by_dtype.values():
-                        torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, device_found, inv_scale.to(device))
+                for same_dtype in by_dtype.values():
+                    torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, device_found, inv_scale.to(device))
                 found_inf = torch.maximum(found_inf, device_found.cpu())
             for (device, _), values in sparse.items():
                 device_found = torch.zeros(1, dtype=torch.float32, device=device)
                 torch._amp_foreach_non_finite_check_and_unscale_(values, device_found, inv_scale.to(device))
                 found_inf = torch.maximum(found_inf, device_found.cpu())
-        state["grad_stats"] = stats_of
 
         # Collectives run on the parameters' device (NCCL needs CUDA tensors), the same on every
         # rank whether or not this rank has grads.
@@ -250,6 +255,7 @@ class DynamicLossScaler:
             flag = _max_over(flag, pg)
         state["found_inf"] = flag.cpu()
         state["stage"] = _Stage.UNSCALED
+        return stats_of
 
     def step(self, optimizer, *args, **kwargs):
         """`optimizer.step(*args, **kwargs)` unless any rank found an overflow; its result or None."""
@@ -266,6 +272,8 @@ class DynamicLossScaler:
         self.last_step_skipped = bool(state["found_inf"].item() > 0)
         if not self.last_step_skipped:
             result = optimizer.step(*args, **kwargs)
+        elif hasattr(optimizer, "step_skipped"):  # MixedPrecisionOptimizer: its grads are now stale
+            optimizer.step_skipped()
         state["stage"] = _Stage.STEPPED
         return result
 
@@ -273,23 +281,24 @@ class DynamicLossScaler:
         """Unscale `optimizer`'s gradients (if not done yet this step), then
         `tplayers.clip_grad_norm_` over its parameters, returning the total norm.
 
-        With the Triton backend the unscale pass has already measured every dense gradient
-        (sum |g|, sum g^2, max |g|), so for norm types 1, 2 and inf clipping reads no gradient
-        again; a gradient changed in place since then (its version counter moved) is measured
-        afresh, as is every gradient on the torch backend. On an overflow the
-        norm is inf / nan on every rank and `step` will skip.
+        Called before `unscale_` (as `train_step` does), it unscales with the fused pass and, on
+        the Triton backend, clips with the norms that pass measured (sum |g|, sum g^2, max |g|
+        for norm types 1, 2, inf): the gradients are read once. Nothing can change them in
+        between, which is why the measured norms are used only within this one call; after a
+        separate `unscale_` (the gradients may have been reduced or edited since) every norm is
+        measured afresh. On an overflow the norm is inf / nan on every rank of the clip groups
+        and `step` will skip.
         """
-        state = self._state(optimizer)
-        if self._enabled and state["stage"] is _Stage.READY:
-            self.unscale_(optimizer)
+        stats_of = {}
+        if self._enabled and self._state(optimizer)["stage"] is _Stage.READY:
+            stats_of = self._unscale(optimizer)
         column = {1.0: 0, 2.0: 1, math.inf: 2}.get(float(norm_type))
-        stats_of = state["grad_stats"] if self._enabled else {}
 
         def known(grad):
             entry = stats_of.get(id(grad))
-            if column is None or entry is None or entry[0] is not grad or entry[1] != grad._version:
+            if column is None or entry is None or entry[0] is not grad:
                 return None
-            value = entry[2][column]
+            value = entry[1][column]
             return value.sqrt() if column == 1 else value
 
         params = [p for param_group in optimizer.param_groups for p in param_group["params"]]

@@ -39,7 +39,7 @@ def _unique_params(parameters) -> list:
 
 def _local_norms(grads: list, norm_type: float, foreach: bool | None, known=None) -> list:
     """The norm of each gradient, accumulated and returned in fp32 (a 16-bit gradient's norm can
-    exceed its dtype's range), in the order given. `known(grad)` may supply a norm already
+    exceed its dtype's range; fp64 stays fp64), in the order given. `known(grad)` may supply a norm already
     measured (by the loss scaler's unscale pass); the others are computed here."""
     if not grads:
         return []
@@ -52,12 +52,17 @@ def _local_norms(grads: list, norm_type: float, foreach: bool | None, known=None
         tensors = [grads[i] for i in indices]
         use_foreach = foreach if foreach is not None else device.type in ("cpu", "cuda")
         if use_foreach:
-            values = torch._foreach_norm(tensors, norm_type, dtype=torch.float32)
+            values = torch._foreach_norm(tensors, norm_type, dtype=_norm_dtype(tensors[0].dtype))
         else:
-            values = [torch.linalg.vector_norm(t, norm_type, dtype=torch.float32) for t in tensors]
+            values = [torch.linalg.vector_norm(t, norm_type, dtype=_norm_dtype(t.dtype)) for t in tensors]
         for i, v in zip(indices, values, strict=True):
-            norms[i] = v.to(torch.float32)
+            norms[i] = v if v.dtype == torch.float64 else v.to(torch.float32)
     return norms
+
+
+def _norm_dtype(dtype):
+    """fp32 for 16-bit (and fp32) gradients, fp64 kept as is (torch refuses a narrowing dtype)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _combine(values: list, norm_type: float, device) -> torch.Tensor:

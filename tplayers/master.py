@@ -16,7 +16,19 @@ fresh gradient into its master's fp32 `.grad` and drops the 16-bit one. So
 
 The masters carry their parameter's placement (`tplayers.get_placement`), so
 `clip_grad_norm_(opt.parameters(), ...)` and `DynamicLossScaler` treat them exactly as the model's
-parameters. fp32 parameters (e.g. norms kept in fp32) are optimised in place, with no copy.
+parameters. fp32 parameters (e.g. norms kept in fp32) and frozen ones are left as they are.
+
+What follows from the gradients living on the masters:
+- clear them with `opt.zero_grad()`: `model.zero_grad()` does not reach the masters. A backward
+  after a step (taken, or skipped by the loss scaler) without `opt.zero_grad()` raises, rather
+  than silently adding the old gradients in;
+- read them through the optimizer (`opt.parameters()`, `train_step`'s result), not the model;
+- torch's DistributedDataParallel reads the model's 16-bit `.grad`, which the hook has already
+  moved: not supported. Reduce the masters' gradients over the data-parallel group instead
+  (e.g. `tplayers.functional.comm.all_reduce(m.grad, dp_group)` before unscaling);
+- weights loaded into the model after wrapping (`load_state_dict`, `load_full_state_dict`)
+  must be read into the masters with `opt.reload_model_params()`, or the next step would
+  restore the old ones; `opt.load_state_dict` restores masters and model together.
 """
 
 from collections.abc import Iterator
@@ -26,6 +38,7 @@ import torch
 from tplayers.placement import get_placement, set_placement
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
+_HOOKED = "_tplayers_has_master"  # set on a model parameter whose gradients go to a master
 
 
 class MixedPrecisionOptimizer:
@@ -48,24 +61,32 @@ class MixedPrecisionOptimizer:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"MixedPrecisionOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.optimizer = optimizer
+        self._stepped = False  # a step was taken or skipped since the last zero_grad
         self._model_params: list[torch.nn.Parameter] = []  # 16-bit parameters, in order of first listing
         self._masters: list[torch.nn.Parameter] = []
         master_of: dict[int, torch.nn.Parameter] = {}
         for group in optimizer.param_groups:
             swapped = []
             for p in group["params"]:
-                if p.dtype not in LOW_PRECISION:
+                if p.dtype not in LOW_PRECISION or not p.requires_grad:
                     swapped.append(p)
                     continue
+                if getattr(p, _HOOKED, False):
+                    raise RuntimeError(
+                        "a parameter already has fp32 master weights from another MixedPrecisionOptimizer: "
+                        "call remove_hooks() on that one first"
+                    )
                 if id(p) not in master_of:
                     master_of[id(p)] = self._make_master(p)
                 swapped.append(master_of[id(p)])
-            group["params"] = swapped
+            group["params"][:] = swapped  # in place: some optimizers (LBFGS) hold this list
         self._move_state(master_of)
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._grad_mover(m))
             for p, m in zip(self._model_params, self._masters, strict=True)
         ]
+        for p in self._model_params:
+            setattr(p, _HOOKED, True)
 
     def _make_master(self, param: torch.nn.Parameter) -> torch.nn.Parameter:
         master = torch.nn.Parameter(param.detach().float(), requires_grad=param.requires_grad)
@@ -89,9 +110,13 @@ class MixedPrecisionOptimizer:
                 for name, v in state.items()
             }
 
-    @staticmethod
-    def _grad_mover(master: torch.nn.Parameter):
+    def _grad_mover(self, master: torch.nn.Parameter):
         def move(param: torch.Tensor) -> None:
+            if self._stepped and master.grad is not None:
+                raise RuntimeError(
+                    "MixedPrecisionOptimizer: the fp32 master gradients of the last step are still there; "
+                    "call opt.zero_grad() before the next backward (model.zero_grad() does not clear them)"
+                )
             if master.grad is None:
                 master.grad = param.grad.float()
             else:
@@ -132,14 +157,37 @@ class MixedPrecisionOptimizer:
             p.copy_(m)  # rounds to the parameter's dtype
 
     def step(self, closure=None):
-        result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        if closure is None:
+            result = self.optimizer.step()
+        else:  # optimizers that re-evaluate (LBFGS) must see the masters' current values
+
+            def closure_on_masters():
+                self._copy_to_model()
+                with torch.enable_grad():
+                    return closure()
+
+            result = self.optimizer.step(closure_on_masters)
         self._copy_to_model()
+        self._stepped = True
         return result
+
+    def step_skipped(self) -> None:
+        """Record a step skipped on overflow (`DynamicLossScaler.step` calls this): its
+        gradients must be cleared before the next backward, as after a step."""
+        self._stepped = True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
         for p in self._model_params:
             p.grad = None
+        self._stepped = False
+
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        """Read the masters from the model's current 16-bit parameters (after loading weights
+        into the model), as Megatron-LM's optimizer of the same name."""
+        for p, m in zip(self._model_params, self._masters, strict=True):
+            m.copy_(p)
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "masters": [m.detach() for m in self._masters]}
@@ -164,6 +212,8 @@ class MixedPrecisionOptimizer:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        for p in self._model_params:
+            setattr(p, _HOOKED, False)
 
     def __repr__(self) -> str:
         return f"MixedPrecisionOptimizer({len(self._masters)} fp32 masters, {self.optimizer!r})"

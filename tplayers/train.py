@@ -13,8 +13,8 @@ The order, and why:
    holding part of the model; clipping must come after it, or it would clip scaled gradients;
 3. `clip_grad_norm_` over the optimizer's parameters: the norm of the full unsharded gradient
    (sharded parts summed over their group, replicated ones once, `clip_group` combining
-   pipeline stages); with a scaler the unscale pass has already measured the gradients, so
-   clipping does not read them again (`DynamicLossScaler.clip_grad_norm_`);
+   pipeline stages); with a scaler on the Triton backend the fused unscale pass has already
+   measured the gradients, so clipping does not read them again (`DynamicLossScaler.clip_grad_norm_`);
 4. `scaler.step` steps, or skips on every rank together; `scaler.update` adjusts the scale;
 5. the gradients are cleared for the next step.
 """
