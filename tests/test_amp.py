@@ -287,3 +287,16 @@ def test_negative_control_without_consensus_ranks_disagree(pool):
     assert results == [(False, INIT_SCALE), (True, INIT_SCALE / 2)]
     with pytest.raises(AssertionError):
         _check_all_ranks_agree([[r] for r in results])
+
+
+def test_fp16_gradients_refused_unless_allowed():
+    """As GradScaler: unscaling fp16 gradients in fp16 underflows; fp32 masters are the fix."""
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
+    optimizer = torch.optim.SGD([p], lr=0.1)
+    scaler = DynamicLossScaler(init_scale=1024.0)
+    scaler.scale(p.float().sum()).backward()
+    with pytest.raises(ValueError, match="MixedPrecisionOptimizer"):
+        scaler.unscale_(optimizer)
+    allowed = DynamicLossScaler(init_scale=1024.0, allow_fp16_grads=True)
+    allowed.unscale_(optimizer)
+    assert torch.equal(p.grad, torch.ones(4, dtype=torch.float16))

@@ -87,6 +87,9 @@ class DynamicLossScaler:
       With ``hysteresis=1`` the sequence of scales and skipped steps equals GradScaler's (as
       long as the scale stays above ``min_scale``; GradScaler has no floor).
 
+    fp16 gradients are refused, as GradScaler refuses them: unscaled in fp16 they underflow; keep
+    fp32 master weights (`MixedPrecisionOptimizer`) or pass ``allow_fp16_grads=True``.
+
     `group`: a ProcessGroup, a 1-D DeviceMesh, a sequence of them (reduced in that order), or
     None for the default group (every rank of the job; without torch.distributed initialised,
     a single process: no collective at all).
@@ -104,6 +107,7 @@ class DynamicLossScaler:
         group=None,
         raise_on_min_scale: bool = False,
         enabled: bool = True,
+        allow_fp16_grads: bool = False,
     ):
         self._check_hyperparameters(init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale)
         self._scale = _f32(float(init_scale))
@@ -114,6 +118,7 @@ class DynamicLossScaler:
         self._min_scale = float(min_scale)
         self._raise_on_min_scale = bool(raise_on_min_scale)
         self._enabled = bool(enabled)
+        self._allow_fp16_grads = bool(allow_fp16_grads)
         self._growth_tracker = 0
         self._hysteresis_tracker = self._hysteresis
         self._skipped_steps = 0
@@ -223,6 +228,11 @@ class DynamicLossScaler:
                             p.grad = g = g.coalesce()
                         sparse.setdefault((g.device, g.dtype), []).append(g._values())
                     else:
+                        if g.dtype == torch.float16 and not self._allow_fp16_grads:
+                            raise ValueError(
+                                "Attempting to unscale fp16 gradients: grad / scale underflows in fp16. Keep fp32 "
+                                "master weights (tplayers.MixedPrecisionOptimizer) or pass allow_fp16_grads=True"
+                            )
                         dense.setdefault(g.device, []).append(g)
             # With the Triton backend, one fused pass per device unscales, checks, and measures
             # each fp32 / fp16 / bf16 gradient for clipping (others take torch's op). The torch

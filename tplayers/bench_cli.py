@@ -7,7 +7,9 @@ Each script runs in its own process, as it would by hand (linear.py under torchr
 per GPU when two or more GPUs are visible, else on local CPU ranks), and writes its own CSV and
 PNG into `<out>/<script>/`; this command then writes `<out>/bench.csv` and `<out>/bench.png`.
 Every row carries its ratio to the script's baseline (DTensor for the layers, torch's ops for
-the AMP pass): ratios, not absolute times, compare across noisy machines. For the overlapped
+the AMP pass): ratios, not absolute times, compare across noisy machines; TFLOP/s (the layers,
+and on GPUs the fused GEMM + collective ops against torch.matmul and torch's symm_mem ops) and
+GB/s (the AMP pass) where the script measures them. For the overlapped
 layers it also says, per shape and mode, whether overlap paid off in this run (it does not
 always: a comm-GEMM fusion loses where the GEMM is too small to hide the transfer).
 """
@@ -21,7 +23,7 @@ from pathlib import Path
 SCRIPTS = ("linear", "transformer", "amp")
 FIELDS = (
     "op", "provider", "mode", "shape", "device", "version", "time_ms", "baseline", "ratio_to_baseline",
-    "overlap_pays_off", "script",
+    "tflops_per_rank", "gbps", "overlap_pays_off", "script",
 )  # fmt: skip
 # Per script: (column with the ratio, the provider it is relative to, how its rows map to FIELDS)
 RATIO_OF = {
@@ -93,6 +95,8 @@ def merge(name: str, rows: list, versions: str) -> list:
                 time_ms=row["time_ms"],
                 baseline=baseline,
                 ratio_to_baseline=row.get(ratio_column, ""),
+                tflops_per_rank=row.get("tflops_per_rank", ""),
+                gbps=row.get("gbps", ""),
                 overlap_pays_off="" if on_off in ("", None) else ("yes" if float(on_off) < 1.0 else "no"),
                 script=name,
             )
