@@ -3,6 +3,10 @@ local CPU ranks.
 
     torchrun --nproc-per-node 2 examples/train_llama.py --sequence-parallel   # GPUs (nccl) or CPU (gloo)
     python examples/train_llama.py --tp 2                                      # local CPU ranks, no torchrun
+    torchrun --nproc-per-node 2 examples/train_llama.py --dtype fp16 --micro-batches 2
+
+Each step is `tplayers.train_step`: gradient accumulation over micro-batches, the loss scaler
+(fp16), global gradient clipping and, for bf16 / fp16, fp32 master weights.
 
 Rank 0 prints the loss and how closely the run follows the same model trained unsharded
 (tplayers.demo holds the model, the data and the check).
@@ -22,7 +26,8 @@ def main(rank, world_size, cfg):
     if report is not None:
         print(
             f"loss {report['losses'][0]:.4f} -> {report['losses'][-1]:.4f}; "
-            f"agrees with unsharded for {report['agree_steps']} of {len(report['losses'])} steps; "
+            f"agrees with unsharded for {report['agree_steps']} of {len(report['losses'])} steps "
+            f"(to {report['agree_tol']:g}, {cfg.dtype}); "
             f"{report['bytes_per_step']:,} bytes sent per rank per step"
         )
 
@@ -32,12 +37,17 @@ if __name__ == "__main__":
     parser.add_argument("--tp", type=int, default=2, help="local ranks when not under torchrun")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    parser.add_argument("--micro-batches", type=int, default=1)
     args = parser.parse_args()
+    options = dict(
+        steps=args.steps, sequence_parallel=args.sequence_parallel, dtype=args.dtype, micro_batches=args.micro_batches
+    )
     if "RANK" in os.environ:  # torchrun: the whole world is one TP group
         mesh = tplayers.init_mesh(tp=int(os.environ["WORLD_SIZE"]))
-        cfg = DemoConfig(tp=mesh.size(), steps=args.steps, sequence_parallel=args.sequence_parallel)
+        cfg = DemoConfig(tp=mesh.size(), **options)
         main(dist.get_rank(), dist.get_world_size(), cfg)
         dist.destroy_process_group()
     else:
-        cfg = DemoConfig(tp=args.tp, steps=args.steps, sequence_parallel=args.sequence_parallel)
+        cfg = DemoConfig(tp=args.tp, **options)
         tplayers.launch(main, args.tp, cfg)

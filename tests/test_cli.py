@@ -44,10 +44,14 @@ def test_demo_bad_input_exit_code_2(tmp_path):
     assert "ffn (102) is not divisible by the tensor-parallel size (4)" in result.stderr
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "local"])
-def test_example_runs_under_torchrun_and_local_launcher(tmp_path, launcher):
+@pytest.mark.parametrize(
+    "launcher, extra",
+    [("torchrun", []), ("local", []), ("torchrun", ["--dtype", "fp16", "--micro-batches", "2"])],
+    ids=["torchrun", "local", "torchrun-fp16"],
+)
+def test_example_runs_under_torchrun_and_local_launcher(tmp_path, launcher, extra):
     script = str(Path(__file__).parents[1] / "examples" / "train_llama.py")
-    args = ["--steps", "5", "--sequence-parallel"]
+    args = ["--steps", "5", "--sequence-parallel", *extra]
     if launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script, *args]
     else:
