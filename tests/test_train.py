@@ -362,3 +362,70 @@ def test_fp64_gradients_unscale_and_clip(backend):
         torch.testing.assert_close(norm, expected, rtol=1e-12, atol=0)
     finally:
         tplayers.set_backend("auto")
+
+
+# -- tensor x data parallel ----------------------------------------------------------------------
+
+HIDDEN, FFN = 8, 16
+
+
+def _tp_dp_batches(step):
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randn(4, 3, HIDDEN, generator=gen)  # the global batch: 4 sequences
+
+
+def check_tp_dp_training(rank, world, group):
+    """2 TP groups of 2 ranks ([0, 1], [2, 3]) and 2 data-parallel replicas of each ([0, 2],
+    [1, 3]): each replica trains on its half of every global batch, with 2 micro-batches, the
+    scaler and clipping; the result must be the unsharded block trained on the whole batch."""
+    import torch.distributed as dist
+
+    tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    dp_rank, tp_rank = divmod(rank, 2)
+    tp_group, dp_group = tp_groups[dp_rank], dp_groups[tp_rank]
+    torch.manual_seed(0)
+    fc1, fc2 = nn.Linear(HIDDEN, FFN), nn.Linear(FFN, HIDDEN)
+    reference = nn.Sequential(copy.deepcopy(fc1), nn.GELU(approximate="tanh"), copy.deepcopy(fc2))
+    model = nn.Sequential(
+        tplayers.ColumnParallelLinear.from_linear(fc1, group=tp_group),
+        nn.GELU(approximate="tanh"),
+        tplayers.RowParallelLinear.from_linear(fc2, group=tp_group),
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    scaler = DynamicLossScaler(init_scale=2.0**8)  # default group: all four ranks
+
+    def loss_fn(m, x):
+        return m(x).square().mean()
+
+    norms = []
+    for step in range(3):
+        full = _tp_dp_batches(step)
+        mine = full.chunk(2)[dp_rank]
+        result = tplayers.train_step(
+            model, opt, mine.chunk(2), loss_fn, scaler=scaler, max_grad_norm=0.05, dp_group=dp_group
+        )
+        loss = loss_fn(reference, full)
+        loss.backward()
+        norms.append((result.grad_norm, torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05).item()))
+        ref_opt.step()
+        ref_opt.zero_grad()
+    col, row = model[0], model[2]
+    shard = slice(tp_rank * FFN // 2, (tp_rank + 1) * FFN // 2)
+    torch.testing.assert_close(col.weight, reference[0].weight[shard], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(row.weight, reference[2].weight[:, shard], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(row.bias, reference[2].bias, rtol=1e-5, atol=1e-6)
+    for ours, theirs in norms:
+        assert theirs > 0.05  # clipping was active
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=0)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.multirank
+def test_tensor_and_data_parallel_train_step_matches_unsharded(pool):
+    results = pool.run(check_tp_dp_training, 4)
+    for a, b in zip(results[0], results[2], strict=True):  # replicas of one shard: bit-identical
+        assert torch.equal(a, b)
+    for a, b in zip(results[1], results[3], strict=True):
+        assert torch.equal(a, b)

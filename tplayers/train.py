@@ -9,6 +9,8 @@ gradient clipping and (optionally) fp32 master weights, in the order that keeps 
 The order, and why:
 1. each micro-batch's loss is divided by their number (the step sees the mean) and scaled
    before `backward()`; the gradients accumulate (in fp32 with master weights);
+   with `dp_group`, they are then averaged over the data-parallel replicas (one all-reduce per
+   dtype, on the master gradients), before anything reads them;
 2. `scaler.unscale_` divides the gradients by the scale and agrees on overflow across every rank
    holding part of the model; clipping must come after it, or it would clip scaled gradients;
 3. `clip_grad_norm_` over the optimizer's parameters: the norm of the full unsharded gradient
@@ -25,6 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from tplayers.clip import clip_grad_norm_
+from tplayers.distributed import resolve_group
+from tplayers.functional import comm
 
 
 @dataclass(frozen=True)
@@ -49,13 +53,17 @@ def train_step(
     max_grad_norm: float | None = None,
     norm_type: float = 2.0,
     clip_group=None,
+    dp_group=None,
 ) -> StepResult:
     """One optimizer step over `micro_batches`; `loss_fn(model, micro_batch)` returns a scalar loss.
 
     `optimizer`: a torch optimizer or a `MixedPrecisionOptimizer`; `scaler`: a
     `DynamicLossScaler` (None: no loss scaling); `max_grad_norm`: clip to this global norm
     (None: no clipping); `clip_group`: passed to `clip_grad_norm_` as `group` (ranks holding
-    disjoint parts of the model, e.g. pipeline stages). Returns a `StepResult`.
+    disjoint parts of the model, e.g. pipeline stages); `dp_group`: data-parallel replicas whose
+    gradients are averaged (each rank passes its own micro-batches; the loss reported is this
+    rank's). The scaler's default group (every rank) already spans the replicas, so they skip or
+    step together. Returns a `StepResult`.
     """
     batches = list(micro_batches)
     if not batches:
@@ -70,6 +78,8 @@ def train_step(
         loss = loss / len(batches)
         (scaler.scale(loss) if scaler is not None else loss).backward()
 
+    if dp_group is not None:
+        _average_gradients(_optimizer_parameters(optimizer), resolve_group(dp_group))
     grad_norm = None
     if max_grad_norm is not None:
         if scaler is not None:
@@ -90,3 +100,23 @@ def train_step(
         skipped=skipped,
         scale=scale,
     )
+
+
+@torch.no_grad()
+def _average_gradients(params: list, group) -> None:
+    """Mean of every gradient over `group`: one flat all-reduce per (device, dtype)."""
+    n = torch.distributed.get_world_size(group)
+    if n == 1:
+        return
+    buckets: dict = {}
+    for p in dict.fromkeys(params):  # a tied parameter once
+        if p.grad is not None:
+            buckets.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+    for grads in buckets.values():  # the same keys in the same order on every replica
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        comm.all_reduce(flat, group)
+        flat.div_(n)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
