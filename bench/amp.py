@@ -176,7 +176,7 @@ def bench_one(decoder, dtype, device, providers, args):
     holders = holders_for(grads)
     inv_scale = torch.full((1,), 1 / LOSS_SCALE, dtype=torch.float32, device=device)
     fns = {"torch": lambda: torch_step(grads, holders, inv_scale)}
-    scaler = DynamicLossScaler(init_scale=LOSS_SCALE, growth_interval=10**9)
+    scaler = DynamicLossScaler(init_scale=LOSS_SCALE, growth_interval=10**9, allow_fp16_grads=True)
     optimizer = SimpleNamespace(param_groups=[{"params": holders}])  # all the scaler reads of one
     fns["tplayers-scaler"] = lambda: scaler_step(scaler, optimizer)
     for name, impl in providers.items():
