@@ -131,10 +131,12 @@ def test_bench_says_where_overlap_pays_off():
              ratio_to_dtensor="0.9", ratio_overlap_on_off="0.8"),
         dict(kernel="mlp", provider="tplayers", mode="tp+sp", shape="s", device="cpu", time_ms="1.0",
              ratio_to_dtensor="1.1", ratio_overlap_on_off="1.2"),
+        dict(kernel="mlp", provider="tplayers", mode="tp", shape="t", device="cpu", time_ms="1.0",
+             ratio_to_dtensor="1.0", ratio_overlap_on_off="0.99"),
         dict(kernel="mlp", provider="dtensor", mode="tp", shape="s", device="cpu", time_ms="1.0",
              ratio_to_dtensor="1.0", ratio_overlap_on_off=""),
     ]  # fmt: skip
-    assert [r["overlap_pays_off"] for r in merge("linear", raw, "v")] == ["yes", "no", ""]
+    assert [r["overlap_pays_off"] for r in merge("linear", raw, "v")] == ["yes", "no", "even", ""]
 
 
 def test_bench_without_scripts_exit_code_2(tmp_path):
