@@ -22,8 +22,12 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def strided_pair(m, n, dtype, layout, gen):
-    """Two (m, n) tensors: the halves of one fused (m, 2n) buffer ('fused'), column-major
-    ('transposed'), windows of a larger buffer ('sliced') or 'contiguous'."""
+    """Two (m, n) tensors: the halves of one fused (m, 2n) buffer ('fused'), its interleaved
+    stride-2 columns as ParallelMLP lays them out ('interleaved': the backward's paired kernel),
+    column-major ('transposed'), windows of a larger buffer ('sliced') or 'contiguous'."""
+    if layout == "interleaved":
+        buf = torch.randn(m, 2 * n, generator=gen).to(dtype)
+        return buf[:, 0::2], buf[:, 1::2]
     if layout == "fused":
         buf = torch.randn(m, 2 * n, generator=gen).to(dtype)
         return buf[:, :n], buf[:, n:]
@@ -40,8 +44,8 @@ def strided_pair(m, n, dtype, layout, gen):
     m=st.integers(1, 80),
     n=st.integers(1, 80),
     dtype=st.sampled_from(DTYPES),
-    in_layout=st.sampled_from(["fused", "transposed", "sliced", "contiguous"]),
-    out_layout=st.sampled_from(["fused", "transposed", "sliced", "contiguous", "new"]),
+    in_layout=st.sampled_from(["interleaved", "fused", "transposed", "sliced", "contiguous"]),
+    out_layout=st.sampled_from(["interleaved", "fused", "transposed", "sliced", "contiguous", "new"]),
     scale=st.sampled_from([1.0, 8.0]),  # 8: sigmoid saturates (exp overflows in the interpreter)
     seed=st.integers(0, 2**16),
 )
@@ -67,6 +71,27 @@ def test_swiglu_kernel_matches_reference(m, n, dtype, in_layout, out_layout, sca
     # Both compute in fp32 and round once: the table's tolerance for the dtype.
     assert_close(h, swiglu_ref(gate, up))
     expected_dgate, expected_dup = swiglu_backward_ref(dh, gate, up)
+    assert_close(dgate, expected_dgate)
+    assert_close(dup, expected_dup)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("m, n", [(1, 1), (5, 7), (70, 3), (64, 64), (33, 130)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_backward_on_interleaved_pairs(m, n, dtype, monkeypatch):
+    """ParallelMLP's layout takes the paired kernel (and only it), with the reference's result."""
+    from tplayers.kernels import swiglu as kernels
+
+    launched = []
+    real_launch = kernels._launch
+    monkeypatch.setattr(kernels, "_launch", lambda k, *a, **kw: (launched.append(k), real_launch(k, *a, **kw)))
+    gen = torch.Generator().manual_seed(m * 1000 + n)
+    gate, up = strided_pair(m, n, dtype, "interleaved", gen)
+    dgate, dup = strided_pair(m, n, dtype, "interleaved", gen)
+    dh = torch.randn(m, n, generator=gen).to(dtype)
+    kernels.swiglu_backward(dh, gate, up, dgate=dgate, dup=dup)
+    assert launched == [kernels._swiglu_bwd_pairs_kernel]
+    expected_dgate, expected_dup = kernels.swiglu_backward_ref(dh, gate, up)
     assert_close(dgate, expected_dgate)
     assert_close(dup, expected_dup)
 

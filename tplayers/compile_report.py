@@ -183,13 +183,23 @@ def _swiglu_fwd_launch(dtype):
 
 
 def _swiglu_bwd_launch(dtype):
-    """As ColumnSwiGLUFn.backward launches it: dh contiguous (M, f); gate / up the halves of the
-    saved GEMM output y and dgate / dup the halves of the new dy, both (M, 2f) interleaved."""
+    """The general strided kernel, on a layout the paired one does not take: dh contiguous
+    (M, f); gate / up the stride-2 halves of an interleaved (M, 2f) y; dgate / dup new (M, f)."""
     args = dict(
         dh_ptr=Ptr(dtype), gate_ptr=Ptr(dtype), up_ptr=Ptr(dtype, aligned=False),
-        dgate_ptr=Ptr(dtype), dup_ptr=Ptr(dtype, aligned=False), M=DIV16, N=DIV16,
+        dgate_ptr=Ptr(dtype), dup_ptr=Ptr(dtype), M=DIV16, N=DIV16,
         stride_dhm=DIV16, stride_dhn=1, stride_gm=DIV16, stride_gn=2, stride_um=DIV16, stride_un=2,
-        stride_dgm=DIV16, stride_dgn=2, stride_dum=DIV16, stride_dun=2,
+        stride_dgm=DIV16, stride_dgn=1, stride_dum=DIV16, stride_dun=1,
+    )  # fmt: skip
+    return args, dict(INT64_OFFSETS=False)
+
+
+def _swiglu_bwd_pairs_launch(dtype):
+    """As ColumnSwiGLUFn.backward launches it: dh contiguous (M, f), the saved GEMM output y and
+    the new dy both (M, 2f) with interleaved [gate, up] columns, read and written as pairs."""
+    args = dict(
+        dh_ptr=Ptr(dtype), y_ptr=Ptr(dtype), dy_ptr=Ptr(dtype), M=DIV16, N=DIV16,
+        stride_dhm=DIV16, stride_dhn=1, stride_ym=DIV16, stride_dym=DIV16,
     )  # fmt: skip
     return args, dict(INT64_OFFSETS=False)
 
@@ -238,6 +248,7 @@ KERNELS = {
     },
     "swiglu-fwd": KernelSpec("swiglu", "_swiglu_fwd_kernel", _swiglu_fwd_launch, _gpu_config, DTYPES),
     "swiglu-bwd": KernelSpec("swiglu", "_swiglu_bwd_kernel", _swiglu_bwd_launch, _gpu_config, DTYPES),
+    "swiglu-bwd-pairs": KernelSpec("swiglu", "_swiglu_bwd_pairs_kernel", _swiglu_bwd_pairs_launch, _gpu_config, DTYPES),
     "vocab-ce-stats": KernelSpec("vocab_ce", "_vocab_ce_stats_kernel", _vocab_ce_launch, _vocab_ce_configs, DTYPES),
     # DynamicLossScaler.unscale_ (UNSCALE), and statistics only (inv_scale None)
     "grad-stats+unscale": KernelSpec(
