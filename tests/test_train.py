@@ -12,6 +12,7 @@ import tplayers
 from tplayers.amp import DynamicLossScaler
 from tplayers.master import MixedPrecisionOptimizer
 from tplayers.placement import set_placement
+from tplayers.testing import assert_close
 
 OPTIMIZERS = {
     "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
@@ -184,10 +185,10 @@ def test_accumulated_micro_batches_equal_one_full_batch_step():
     norm = torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.05)
     twin_opt.step()
     assert result.grad_norm > 0.05  # clipping was not vacuous
-    torch.testing.assert_close(result.grad_norm, norm.item(), rtol=1e-5, atol=0)
-    torch.testing.assert_close(result.loss, loss.item(), rtol=1e-6, atol=0)
+    assert_close(torch.tensor(result.grad_norm), norm.detach())
+    assert_close(torch.tensor(result.loss), loss.detach())
     for a, b in zip(model.parameters(), twin.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        assert_close(a.detach(), b.detach())
         assert a.grad is None
     assert not result.skipped and result.scale == 1.0
 
@@ -216,9 +217,9 @@ def _compare_scaler_clip_with_torch():
         gs.unscale_(twin_opt)
         expected = torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.01, norm_type)
         assert expected > 0.01
-        torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
+        assert_close(norm, expected)
         for a, b in zip(model.parameters(), twin.parameters(), strict=True):
-            torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=0)
+            assert_close(a.grad, b.grad)
 
 
 def test_scaler_clip_measures_again_a_gradient_changed_after_unscale():
@@ -238,7 +239,7 @@ def _check_remeasured():
     scaler.unscale_(opt)
     model[0].weight.grad.data.mul_(100.0)  # after the fused pass; .data: no version bump to see
     expected = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()]))
-    torch.testing.assert_close(scaler.clip_grad_norm_(opt, 1e9), expected, rtol=1e-6, atol=0)
+    assert_close(scaler.clip_grad_norm_(opt, 1e9), expected)
 
 
 def test_overflow_step_is_skipped_and_scale_backs_off():
@@ -295,7 +296,7 @@ def test_frozen_parameters_and_lbfgs():
         return loss
 
     lbfgs.step(closure)
-    assert torch.allclose(p.float(), torch.ones(2), atol=1e-2)
+    assert torch.allclose(p.float(), torch.ones(2), atol=1e-2)  # converged to 1 within bf16 resolution (2^-8)
 
 
 def test_wrapping_twice_raises_until_hooks_removed():
@@ -359,7 +360,7 @@ def test_fp64_gradients_unscale_and_clip(backend):
         gs.unscale_(twin_opt)
         expected = torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.01)
         assert norm.dtype == torch.float64
-        torch.testing.assert_close(norm, expected, rtol=1e-12, atol=0)
+        assert_close(norm, expected)
     finally:
         tplayers.set_backend("auto")
 
@@ -413,12 +414,12 @@ def check_tp_dp_training(rank, world, group):
         ref_opt.zero_grad()
     col, row = model[0], model[2]
     shard = slice(tp_rank * FFN // 2, (tp_rank + 1) * FFN // 2)
-    torch.testing.assert_close(col.weight, reference[0].weight[shard], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(row.weight, reference[2].weight[:, shard], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(row.bias, reference[2].bias, rtol=1e-5, atol=1e-6)
+    assert_close(col.weight.detach(), reference[0].weight[shard].detach())
+    assert_close(row.weight.detach(), reference[2].weight[:, shard].detach())
+    assert_close(row.bias.detach(), reference[2].bias.detach())
     for ours, theirs in norms:
         assert theirs > 0.05  # clipping was active
-        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=0)
+        assert_close(torch.tensor(ours), torch.tensor(theirs))
     return [p.detach().clone() for p in model.parameters()]
 
 
