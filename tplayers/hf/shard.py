@@ -32,9 +32,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate
 
-from tplayers.attention import ReplicatedLinear
+from tplayers.nn.attention import ReplicatedLinear
 from tplayers.distributed import resolve_group
-from tplayers.embedding import VocabParallelEmbedding
+from tplayers.nn.embedding import VocabParallelEmbedding
 from tplayers.functional import comm
 from tplayers.functional.collectives import (
     all_gather_dim,
@@ -45,8 +45,8 @@ from tplayers.functional.collectives import (
     scatter_to_tp_region,
 )
 from tplayers.functional.linear import column_parallel_linear
-from tplayers.layers import ColumnParallelLinear, RowParallelLinear, _divide
-from tplayers.mlp import ParallelMLP, fuse_gate_up, unfuse_gate_up
+from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear, _divide
+from tplayers.nn.mlp import ParallelMLP, fuse_gate_up, unfuse_gate_up
 from tplayers.placement import get_placement, set_placement
 
 PLAN_KINDS = ("colwise", "rowwise", "vocab", "replicate")
