@@ -36,7 +36,7 @@ import torch
 from linear import sync, write_csv  # bench/linear.py: the shared device sync and CSV writer
 from tplayers.kernels.grad_stats_ref import unscale_and_stats_ref
 
-from tplayers.amp import DynamicLossScaler
+from tplayers.train.scaler import DynamicLossScaler
 
 
 @dataclass(frozen=True)

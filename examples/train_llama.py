@@ -9,7 +9,7 @@ Each step is `tplayers.train_step`: gradient accumulation over micro-batches, th
 (fp16), global gradient clipping and, for bf16 / fp16, fp32 master weights.
 
 Rank 0 prints the loss and how closely the run follows the same model trained unsharded
-(tplayers.demo holds the model, the data and the check).
+(tplayers.tools.demo holds the model, the data and the check).
 """
 
 import argparse
@@ -18,7 +18,7 @@ import os
 import torch.distributed as dist
 
 import tplayers
-from tplayers.demo import DemoConfig, train_on_rank
+from tplayers.tools.demo import DemoConfig, train_on_rank
 
 
 def main(rank, world_size, cfg):

@@ -1,4 +1,4 @@
-"""`tplayers.amp.DynamicLossScaler`: scale sequences equal torch.amp.GradScaler's where their
+"""`tplayers.train.scaler.DynamicLossScaler`: scale sequences equal torch.amp.GradScaler's where their
 semantics overlap, hysteresis, state_dict round trips, argument checks, and fault injection on a
 tensor-parallel block: an inf / -inf / nan in one rank's gradient makes every rank skip."""
 
@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 import tplayers
-from tplayers.amp import DynamicLossScaler
+from tplayers.train.scaler import DynamicLossScaler
 
 BAD_VALUES = [math.inf, -math.inf, math.nan]
 

@@ -16,7 +16,7 @@ from transformers.masking_utils import create_causal_mask
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
 import tplayers
-from tplayers.attention import ParallelAttention
+from tplayers.nn.attention import ParallelAttention
 from tplayers.placement import get_placement
 from tplayers.testing import RemoteError, assert_close, assert_shard_close, examples
 
@@ -270,7 +270,7 @@ def test_bad_input_raises_on_every_rank(pool, case):
 def test_rope_matches_hf():
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from tplayers.attention import apply_rope, rope_cos_sin, rope_inv_freq
+    from tplayers.nn.attention import apply_rope, rope_cos_sin, rope_inv_freq
 
     config = LlamaConfig(hidden_size=16, num_attention_heads=2, head_dim=8, rope_theta=123.0)
     pos = torch.tensor([[0, 3, 7, 1000]])

@@ -10,7 +10,7 @@ import pytest
 
 def run_cli(*args, cwd):
     return subprocess.run(
-        [sys.executable, "-m", "tplayers.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "tplayers.tools.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=600
     )
 
 
@@ -124,7 +124,7 @@ def test_bench_runs_scripts_into_one_csv_and_png(tmp_path):
 
 
 def test_bench_says_where_overlap_pays_off():
-    from tplayers.bench_cli import merge
+    from tplayers.tools.bench import merge
 
     raw = [
         dict(kernel="mlp", provider="tplayers", mode="tp", shape="s", device="cpu", time_ms="1.0",

@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 
 import tplayers
-from tplayers.clip import clip_grad_norm_
 from tplayers.functional import comm
-from tplayers.parallelize import gather_grads
+from tplayers.hf import gather_grads
 from tplayers.testing import assert_close
 from tplayers.testing.numerics import tolerance
+from tplayers.train.clip import clip_grad_norm_
 
 pytestmark = pytest.mark.multirank
 

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tplayers import compile_report as cr
+from tplayers.tools import compile_report as cr
 
 pytestmark = pytest.mark.compile
 
@@ -104,7 +104,7 @@ def test_checker_flags_bad_gemm_configs(toolchain):
 
 _BAD_ROWS = """
 import json
-from tplayers import compile_report as cr
+from tplayers.tools import compile_report as cr
 print(json.dumps(cr.compile_rows([
     ("swiglu-fwd", 80, "fp32", dict(BLOCK_M=32, BLOCK_N=128, num_warps=1)),
     ("gemm", 80, "fp32", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3)),
@@ -156,7 +156,7 @@ import dataclasses, json, torch
 from triton.backends.compiler import GPUTarget
 from triton.compiler import make_backend
 from triton.runtime.jit import create_function_from_signature
-from tplayers import compile_report as cr
+from tplayers.tools import compile_report as cr
 
 INTERPRETER_ONLY = {"UPCAST", "EMULATE_BF16"}
 TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}

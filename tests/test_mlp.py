@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 import tplayers
-from tplayers.mlp import ParallelMLP, fuse_gate_up, unfuse_gate_up
+from tplayers.nn.mlp import ParallelMLP, fuse_gate_up, unfuse_gate_up
 from tplayers.testing import assert_close, assert_shard_close, examples, shard_of
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

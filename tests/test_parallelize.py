@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import tplayers
-from tplayers.parallelize import gather_grads
+from tplayers.hf import gather_grads
 from tplayers.testing import RemoteError, assert_close
 
 pytestmark = pytest.mark.multirank

@@ -1,4 +1,4 @@
-"""tplayers.plan_validate: the planner's per-GPU numbers against one real training step on local
+"""tplayers.plan.validate: the planner's per-GPU numbers against one real training step on local
 ranks (exact bytes sent, parameter / gradient / optimizer bytes, activations), with negative
 controls: a wrong prediction or a perturbed measurement must fail the comparison."""
 
@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from tplayers.plan import Layout, ModelSpec, Precision
-from tplayers.plan_validate import (
+from tplayers.plan.validate import (
     DEFAULT_CASES,
     VALIDATION_MODEL,
     Check,

@@ -9,10 +9,10 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 import tplayers
-from tplayers.amp import DynamicLossScaler
-from tplayers.master import MixedPrecisionOptimizer
 from tplayers.placement import set_placement
 from tplayers.testing import assert_close
+from tplayers.train.master import MixedPrecisionOptimizer
+from tplayers.train.scaler import DynamicLossScaler
 
 OPTIMIZERS = {
     "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
@@ -264,7 +264,7 @@ def test_overflow_step_is_skipped_and_scale_backs_off():
 def test_fp16_tp2_training_tracks_the_fp32_run():
     """`tplayers demo --dtype fp16` in small: TP=2, fp16 parameters with fp32 masters, the loss
     scaler, clipping and 2 micro-batches, against the unsharded fp32 twin."""
-    from tplayers.demo import DemoConfig, run_demo
+    from tplayers.tools.demo import DemoConfig, run_demo
 
     report = run_demo(DemoConfig(tp=2, steps=40, batch=4, seq=32, dtype="fp16", micro_batches=2, lr=3e-3))
     losses, fp32 = report["losses"], report["unsharded_losses"]

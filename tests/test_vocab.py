@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import tplayers
-from tplayers.embedding import VocabParallelEmbedding
 from tplayers.functional.cross_entropy import vocab_parallel_cross_entropy
+from tplayers.nn.embedding import VocabParallelEmbedding
 from tplayers.testing import RemoteError, assert_close, assert_shard_close, examples
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

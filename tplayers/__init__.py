@@ -1,19 +1,29 @@
-"""tplayers: tensor-parallel transformer layers on fused Triton GEMMs with overlapped communication."""
+"""tplayers: tensor-parallel transformer layers on fused Triton GEMMs with overlapped communication.
 
-from tplayers.amp import DynamicLossScaler
-from tplayers.attention import ParallelAttention
+Layers, each importing only those below it (a test checks):
+
+    tplayers.kernels       Triton kernels, launchers and pure-torch `<op>_ref` (no torch.distributed)
+    backend, distributed, placement
+                           foundations: GEMM backend choice; meshes, groups, launch; the placement record
+    tplayers.functional    autograd Functions with their collectives; the overlap engine
+    tplayers.nn            tensor-parallel modules: linear, attention, MLP, embedding
+    tplayers.train         loss scaler, clipping, master weights, train_step
+    tplayers.hf            HuggingFace integration: parallelize, state-dict gather / load
+    tplayers.plan          the layout estimator, its validation and CLI
+    tplayers.tools         the `tplayers` command: demo, bench, compile-report
+    tplayers.testing       worker pool, tolerance table, shard-aware comparisons
+
+This module holds the public names of DESIGN.md's contract and nothing else.
+"""
+
 from tplayers.backend import get_backend, set_backend
-from tplayers.clip import clip_grad_norm_
 from tplayers.distributed import RankError, init_mesh, launch
-from tplayers.embedding import VocabParallelEmbedding
 from tplayers.functional.comm import count_bytes
 from tplayers.functional.cross_entropy import vocab_parallel_cross_entropy
-from tplayers.layers import ColumnParallelLinear, RowParallelLinear
-from tplayers.master import MixedPrecisionOptimizer
-from tplayers.mlp import ParallelMLP
-from tplayers.parallelize import gather_state_dict, load_full_state_dict, parallelize
+from tplayers.hf import gather_state_dict, load_full_state_dict, parallelize
+from tplayers.nn import ColumnParallelLinear, ParallelAttention, ParallelMLP, RowParallelLinear, VocabParallelEmbedding
 from tplayers.placement import ParamPlacement, get_placement
-from tplayers.train import StepResult, train_step
+from tplayers.train import DynamicLossScaler, MixedPrecisionOptimizer, StepResult, clip_grad_norm_, train_step
 
 __all__ = [
     "ColumnParallelLinear",

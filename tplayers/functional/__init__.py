@@ -1,4 +1,15 @@
-"""The functional layer: autograd-aware collectives, the overlap engine and the linear Functions."""
+"""The functional layer: autograd-aware collectives, the overlap engine and the linear Functions.
+
+    comm.py           the collectives every layer issues (one place to count bytes sent)
+    collectives.py    Megatron's f / g Functions: copy / reduce / scatter / gather, sequence gather / scatter
+    overlap.py        the overlap engine: all_gather_matmul, matmul_reduce_scatter, matmul_all_reduce
+    linear.py         column / row-parallel linear Functions (forward, dgrad, wgrad)
+    swiglu.py         the column-parallel gate|up GEMM with SwiGLU in its epilogue
+    cross_entropy.py  vocab_parallel_cross_entropy
+
+May import: tplayers.kernels (lazily: `import tplayers` must not import triton) and the
+foundations (backend, distributed, placement); never tplayers.nn or anything above it.
+"""
 
 from tplayers.functional.collectives import (
     all_gather_sequence,

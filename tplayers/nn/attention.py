@@ -29,7 +29,7 @@ from torch.distributed.tensor import Replicate
 from tplayers.distributed import resolve_group
 from tplayers.functional.collectives import copy_to_tp_region
 from tplayers.functional.linear import column_parallel_linear
-from tplayers.layers import ColumnParallelLinear, RowParallelLinear, _ParallelLinear
+from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear, _ParallelLinear
 
 
 class ReplicatedLinear(_ParallelLinear):

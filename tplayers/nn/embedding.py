@@ -14,7 +14,7 @@ from torch.distributed.tensor import Shard
 
 from tplayers.distributed import resolve_group
 from tplayers.functional.collectives import own_slice, reduce_from_tp_region
-from tplayers.layers import _divide
+from tplayers.nn.linear import _divide
 from tplayers.placement import PlacedModule
 
 

@@ -23,7 +23,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from tplayers.distributed import resolve_group
 from tplayers.functional.swiglu import column_parallel_swiglu
-from tplayers.layers import ColumnParallelLinear, RowParallelLinear, _divide, _full_linear_init, check_input
+from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear, _divide, _full_linear_init, check_input
 
 ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh")
 

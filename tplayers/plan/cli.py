@@ -98,7 +98,7 @@ def _write_csv(path, estimates) -> None:
 
 
 def _validate(args) -> int:
-    from tplayers.plan_validate import format_validation, validate
+    from tplayers.plan.validate import format_validation, validate
 
     rows = validate()
     print(format_validation(rows))

@@ -52,16 +52,10 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from tplayers.plan import (
-    Assumptions,
-    ClusterSpec,
-    Layout,
-    ModelSpec,
-    Precision,
-    estimate,
-    layer_activation_bytes,
-    padded_vocab,
-)
+from tplayers.plan.estimate import estimate
+from tplayers.plan.layout import Assumptions, Layout
+from tplayers.plan.memory import layer_activation_bytes
+from tplayers.plan.specs import ClusterSpec, ModelSpec, Precision, padded_vocab
 
 __all__ = [
     "DEFAULT_CASES",

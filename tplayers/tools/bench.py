@@ -47,7 +47,7 @@ def add_arguments(parser) -> None:
 
 
 def _bench_dir(given) -> Path:
-    path = given if given is not None else Path(__file__).resolve().parents[1] / "bench"
+    path = given if given is not None else Path(__file__).resolve().parents[2] / "bench"
     missing = [s for s in SCRIPTS if not (path / f"{s}.py").is_file()]
     if missing:
         raise ValueError(f"no benchmark scripts {missing} in {path}: run from a checkout or pass --bench-dir")

@@ -8,7 +8,7 @@ import sys
 def _demo(args) -> int:
     if args.backend == "triton":  # the demo's ranks are CPU processes: Triton's interpreter runs the kernels
         os.environ["TRITON_INTERPRET"] = "1"
-    from tplayers.demo import DemoConfig, run_demo, summary, write_report
+    from tplayers.tools.demo import DemoConfig, run_demo, summary, write_report
 
     cfg = DemoConfig(
         tp=args.tp, steps=args.steps, layers=args.layers, hidden=args.hidden, heads=args.heads,
@@ -51,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="demo_out", help="folder for loss.csv / loss.png")
     demo.set_defaults(run=_demo)
 
-    from tplayers import bench_cli, compile_report, plan_cli
+    from tplayers.plan import cli as plan_cli
+    from tplayers.tools import bench as bench_cli
+    from tplayers.tools import compile_report
 
     bench = sub.add_parser("bench", help="run the benchmark scripts in bench/ into one CSV and PNG")
     bench_cli.add_arguments(bench)

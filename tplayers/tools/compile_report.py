@@ -11,7 +11,7 @@ for registers, stack (spills), shared memory and tensor-core instructions (HMMA 
 memory fits one block and, for the GEMM rows only, tensor-core instructions were emitted (the
 elementwise and reduction kernels have no tl.dot).
 
-    python -m tplayers.compile_report [--kernel K] [--arch CC] [--dtype D] [--csv PATH] [--json]
+    python -m tplayers.tools.compile_report [--kernel K] [--arch CC] [--dtype D] [--csv PATH] [--json]
     (exit code 1 if a row is not ok)
 """
 
@@ -464,16 +464,16 @@ def subprocess_env():
     """This environment without TRITON_INTERPRET, with `tplayers` importable from a checkout."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9's default, stated to silence its warning
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return env
 
 
 def run_in_subprocess(*args, timeout=900):
-    """Run `python -m tplayers.compile_report --json ARGS` without TRITON_INTERPRET; return its rows."""
+    """Run `python -m tplayers.tools.compile_report --json ARGS` without TRITON_INTERPRET; return its rows."""
     tool_dir()
     proc = subprocess.run(
-        [sys.executable, "-m", "tplayers.compile_report", "--json", *args],
+        [sys.executable, "-m", "tplayers.tools.compile_report", "--json", *args],
         capture_output=True,
         text=True,
         env=subprocess_env(),

@@ -33,10 +33,10 @@ import torch
 import torch.distributed as dist
 
 from tplayers.backend import unscale_and_stats_, uses_triton
-from tplayers.clip import clip_grad_norm_
 from tplayers.distributed import resolve_group
 from tplayers.functional import comm
 from tplayers.placement import get_placement
+from tplayers.train.clip import clip_grad_norm_
 
 FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the fused Triton pass takes
 

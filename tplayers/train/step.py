@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tplayers.clip import clip_grad_norm_
 from tplayers.distributed import resolve_group
 from tplayers.functional import comm
+from tplayers.train.clip import clip_grad_norm_
 
 
 @dataclass(frozen=True)

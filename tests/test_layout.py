@@ -1,0 +1,141 @@
+"""The package layout: every import in tplayers points down the layer stack of DESIGN.md
+("Layout"), kernels never touch torch.distributed, `import tplayers` does not import triton,
+and no module grows past the size where it should be split."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_DIRS = {"tplayers": ROOT / "tplayers", "tplayers.kernels": ROOT / "kernels"}
+
+# Lower numbers are lower layers; a module may import its own layer and those below it.
+LAYERS = {
+    "tplayers.kernels": 0,
+    "tplayers.backend": 1,
+    "tplayers.distributed": 1,
+    "tplayers.placement": 1,
+    "tplayers.functional": 2,
+    "tplayers.nn": 3,
+    "tplayers.train": 4,
+    "tplayers.data_parallel": 4,
+    "tplayers.pipeline": 4,
+    "tplayers.hf": 5,
+    "tplayers.checkpoint": 6,
+    "tplayers": 7,  # the root package: the public names, gathered from every layer below
+    "tplayers.plan": 8,
+    "tplayers.tools": 9,
+    "tplayers.testing": 9,
+}
+MAX_LINES = 600
+
+
+def modules():
+    """(dotted name, path) of every module of tplayers, kernels included."""
+    for package, folder in PACKAGE_DIRS.items():
+        for path in sorted(folder.rglob("*.py")):
+            if package == "tplayers" and (ROOT / "kernels") in path.parents:
+                continue
+            parts = path.relative_to(folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            yield ".".join((package, *parts)), path
+
+
+def layer_of(module: str) -> str:
+    """The LAYERS key a dotted module name belongs to (the longest matching prefix)."""
+    best = max((k for k in LAYERS if module == k or module.startswith(k + ".")), key=len, default=None)
+    if best is None:
+        raise AssertionError(f"{module} belongs to no layer: add its package to LAYERS and DESIGN.md")
+    return best
+
+
+def _exists(module: str) -> bool:
+    rel = module.split(".")
+    folder = PACKAGE_DIRS["tplayers.kernels"] if rel[:2] == ["tplayers", "kernels"] else PACKAGE_DIRS["tplayers"]
+    parts = rel[2:] if rel[:2] == ["tplayers", "kernels"] else rel[1:]
+    base = folder.joinpath(*parts)
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
+def imports_of(module: str, source: str, is_package: bool) -> list[tuple[int, str]]:
+    """(line, dotted module) of every import in `source`, top level or inside functions, with
+    relative imports resolved; `from pkg import name` counts as `pkg.name` where that is a module."""
+    found = []
+    package = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.append((node.lineno, sub if base.startswith("tplayers") and _exists(sub) else base))
+    return found
+
+
+def violations(module: str, source: str, is_package: bool = False) -> list[str]:
+    """Every import of `module` that points up the stack, or kernels importing torch.distributed."""
+    own = layer_of(module)
+    bad = []
+    for line, target in imports_of(module, source, is_package):
+        if own == "tplayers.kernels" and target.startswith("torch.distributed"):
+            bad.append(f"{module}:{line} imports {target}: kernels never touch torch.distributed")
+        if target != "tplayers" and not target.startswith("tplayers."):
+            continue
+        theirs = layer_of(target)
+        if LAYERS[theirs] > LAYERS[own]:
+            bad.append(f"{module}:{line} ({own}, layer {LAYERS[own]}) imports {target} (layer {LAYERS[theirs]})")
+    return bad
+
+
+def test_imports_point_down_the_stack():
+    bad = []
+    for module, path in modules():
+        bad += violations(module, path.read_text(), path.name == "__init__.py")
+    assert not bad, "imports against the layer order:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    "module, source",
+    [
+        ("tplayers.nn.linear", "from tplayers.hf import parallelize"),
+        ("tplayers.functional.overlap", "def f():\n    from tplayers.nn.mlp import ParallelMLP"),
+        ("tplayers.train.step", "import tplayers"),
+        ("tplayers.hf.shard", "from tplayers import plan"),
+        ("tplayers.plan.validate", "from tplayers.tools import demo"),
+        ("tplayers.kernels.matmul", "from ..backend import gemm"),
+        ("tplayers.kernels.matmul", "import torch.distributed as dist"),
+    ],
+)
+def test_negative_control_upward_imports_are_found(module, source):
+    assert violations(module, source), f"{source!r} in {module} should be flagged"
+
+
+def test_allowed_imports_pass():
+    assert not violations("tplayers.hf.parallelize", "from tplayers.nn.linear import ColumnParallelLinear")
+    assert not violations("tplayers.tools.cli", "from tplayers.plan import cli\nimport tplayers")
+    assert not violations("tplayers.kernels.matmul", "from .matmul_ref import matmul_ref")
+
+
+def test_every_module_has_a_layer_and_stays_small():
+    too_long = []
+    for module, path in modules():
+        layer_of(module)
+        n = len(path.read_text().splitlines())
+        if n > MAX_LINES:
+            too_long.append(f"{module}: {n} lines")
+    assert not too_long, f"split these modules (over {MAX_LINES} lines): {too_long}"
+
+
+def test_import_tplayers_does_not_import_triton():
+    code = "import sys, tplayers, tplayers.plan, tplayers.testing; print('triton' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "False", out.stderr

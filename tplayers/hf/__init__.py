@@ -1,0 +1,16 @@
+"""HuggingFace integration: `parallelize` shards a causal LM in place, `gather_state_dict` /
+`load_full_state_dict` move its full weights in and out of the shards.
+
+    shard.py        the generic pass: walk the modules, apply a plan, swap linears, record exports
+    families.py     what tplayers knows about each model family: one adapter per module pattern
+    parallelize.py  the entry point: runs the pass, wires SP / shared-input hooks into the forward
+    state_dict.py   full state dict / gradients under the original names, and loading them back
+
+May import: tplayers.nn, tplayers.functional, the foundations (backend, distributed, placement)
+and transformers; never tplayers.checkpoint, tplayers.plan or tplayers.tools.
+"""
+
+from tplayers.hf.parallelize import parallelize
+from tplayers.hf.state_dict import gather_grads, gather_state_dict, load_full_state_dict
+
+__all__ = ["gather_grads", "gather_state_dict", "load_full_state_dict", "parallelize"]

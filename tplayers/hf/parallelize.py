@@ -1,0 +1,177 @@
+"""`parallelize(model)`: shard a HuggingFace causal LM (or any model, given a plan) in place.
+
+The model's own forward keeps running (so `generate()` and its KV cache keep working); only
+its projections are swapped for tensor-parallel layers holding this rank's shard. Which
+modules are recognised, and how each is sharded, is `tplayers.hf.families`; the walk over the
+modules is `tplayers.hf.shard`; this file wires the pass into the model's forward:
+
+    input embeddings -> VocabParallelEmbedding; output embeddings (LM head) -> column-parallel
+        over the vocabulary, gathered to full logits (or left vocab-sharded for
+        `vocab_parallel_cross_entropy`); tied embeddings stay tied: both hold one Parameter.
+
+Anything else takes `plan={module name: "colwise" | "rowwise" | "vocab" | "replicate"}`; a
+projection that neither is recognised nor in the plan is an error naming it.
+
+With sequence_parallel=True the residual stream between the projections is sharded along the
+sequence: the hidden states are split along dim 1 as they enter the first block, each column
+layer all-gathers its input inside its GEMM, each row layer reduce-scatters its output, and
+the replicated weights applied to sequence shards (norms) get their gradients summed over the
+group, so every `.grad` is complete.
+"""
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import Replicate
+
+from tplayers.distributed import resolve_group
+from tplayers.functional import comm
+from tplayers.functional.collectives import (
+    all_gather_sequence,
+    copy_to_tp_region,
+    gather_from_tp_region,
+    scatter_to_tp_region,
+)
+from tplayers.hf.families import ADAPTERS
+from tplayers.hf.shard import ShardingPass
+from tplayers.hf.state_dict import EXPORTS, ORIGINAL_KEYS, TIED
+from tplayers.placement import get_placement, set_placement
+
+
+def _replace_hidden(fn):
+    """A forward pre-hook applying `fn` to a module's hidden states, passed first or by keyword."""
+
+    def hook(module, args, kwargs):
+        if args:
+            return (fn(args[0]), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
+
+    return hook
+
+
+def _check_sequence(hidden, n):
+    if hidden.dim() != 3 or hidden.shape[1] % n:
+        raise ValueError(
+            f"parallelize(sequence_parallel=True): sequence length {tuple(hidden.shape)[1:2]} is not divisible "
+            f"by the tensor-parallel size ({n}); generate with a model parallelized without sequence_parallel"
+        )
+    return hidden
+
+
+def _shared_input_hooks(modules, group, sequence_parallel):
+    """Before each module whose column projections share one input: copy_to_tp_region (forward
+    identity, backward one all-reduce of the summed partial input gradients), or under sequence
+    parallelism all_gather_sequence (forward one all-gather, backward one reduce-scatter). HF
+    attention reshapes with its input's sequence length, so it must see the whole sequence."""
+    prepare = all_gather_sequence if sequence_parallel else copy_to_tp_region
+    for module in modules:
+        module.register_forward_pre_hook(_replace_hidden(lambda h: prepare(h, group)), with_kwargs=True)
+
+
+def _sequence_parallel_hooks(model, group, blocks):
+    """Shard the residual stream along the sequence between the first block's entry and the last
+    block's exit (the model's masks and positions are built from the whole sequence before,
+    its final norm and LM head see the whole sequence after). Replicated weights
+    inside the blocks (norms) see only this rank's part of the sequence: their gradients are
+    summed over the group, so every rank holds the whole gradient."""
+    n = dist.get_world_size(group)
+    # Entry: keep this rank's part; backward all-gathers the parts (the embeddings are replicated).
+    blocks[0].register_forward_pre_hook(
+        _replace_hidden(lambda h: scatter_to_tp_region(_check_sequence(h, n), group, dim=1)), with_kwargs=True
+    )
+    # Exit: the whole sequence on every rank; backward keeps this rank's part of the (replicated) gradient.
+    blocks[-1].register_forward_hook(
+        lambda module, args, out: (
+            (gather_from_tp_region(out[0], group, dim=1), *out[1:])
+            if isinstance(out, tuple)
+            else gather_from_tp_region(out, group, dim=1)
+        )
+    )
+    _summed_grads([p for block in blocks for p in block.parameters() if get_placement(p) is None], group)
+
+
+def _summed_grads(params, group):
+    """Replicated parameters whose gradient each rank holds only part of: tagged Replicate and
+    summed over the group as the gradient is computed, so every rank holds the whole of it."""
+    for p in params:
+        if get_placement(p) is None and p.requires_grad:
+            set_placement(p, group, Replicate())
+            p.register_hook(lambda g: _summed(g, group))
+
+
+def _length_check(max_positions):
+    """A forward pre-hook: inputs (with what the KV cache already holds) longer than the model's
+    positions get a clear error on every rank, before any collective."""
+
+    def hook(module, args, kwargs):
+        ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+        if ids is None:
+            return
+        cache = kwargs.get("past_key_values")
+        cached = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
+        length = cached + ids.shape[1]
+        if length > max_positions:
+            raise ValueError(f"input of {length} positions is longer than the model's {max_positions}")
+
+    return hook
+
+
+def _no_labels(module, args, kwargs):
+    if kwargs.get("labels") is not None:
+        raise ValueError(
+            "parallelize(vocab_parallel_logits=True): the model's own loss needs full logits; compute it with "
+            "tplayers.vocab_parallel_cross_entropy(logits[:, :-1], ids[:, 1:]) instead of passing labels"
+        )
+
+
+def _summed(grad, group):
+    """The gradient summed over `group` (a replicated weight that saw part of the sequence)."""
+    grad = grad.contiguous().clone()
+    comm.all_reduce(grad, group)
+    return grad
+
+
+def _decoder_blocks(model, placed):
+    """The transformer blocks: the nn.ModuleList whose items hold the placed attention / MLP modules."""
+    placed_ids = {id(m) for m in placed}
+    for module in model.modules():
+        if (
+            isinstance(module, nn.ModuleList)
+            and len(module)
+            and all(any(id(m) in placed_ids for m in item.modules()) for item in module)
+        ):
+            return module
+    return None
+
+
+def parallelize(model, *, group=None, sequence_parallel=False, plan=None, vocab_parallel_logits=False):
+    """Shard `model` in place over `group` (see the module docstring); returns it.
+
+    After it, `model(ids).logits` are the full-vocabulary logits of the unsharded model
+    (`vocab_parallel_logits=True` leaves them split along the vocabulary) and `backward()`
+    leaves on each rank its slice of the unsharded gradients.
+    """
+    group = resolve_group(group)
+    keys = list(model.state_dict().keys())
+    parallelizer = ShardingPass(model, group, sequence_parallel, plan, vocab_parallel_logits)
+    parallelizer.run(ADAPTERS)
+    if sequence_parallel:
+        blocks = _decoder_blocks(model, parallelizer.shared_input)
+        if not blocks:
+            raise ValueError("parallelize: sequence_parallel=True needs the model's blocks in an nn.ModuleList")
+    _shared_input_hooks(parallelizer.shared_input, group, sequence_parallel)
+    _summed_grads(parallelizer.partial_grads, group)
+    if vocab_parallel_logits:
+        model.register_forward_pre_hook(_no_labels, with_kwargs=True)
+    config = getattr(model, "config", None)
+    max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if max_positions:
+        model.register_forward_pre_hook(_length_check(max_positions), with_kwargs=True)
+    if sequence_parallel:
+        _sequence_parallel_hooks(model, group, blocks)
+    for p in model.parameters():  # everything else is whole on every rank, with its whole gradient
+        if get_placement(p) is None:
+            set_placement(p, group, Replicate())
+    setattr(model, EXPORTS, parallelizer.exports)
+    setattr(model, ORIGINAL_KEYS, keys)
+    setattr(model, TIED, parallelizer.tied)
+    return model

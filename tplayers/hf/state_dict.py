@@ -1,0 +1,71 @@
+"""The full, unsharded state dict (and gradients) of a parallelized model under its original
+names, and loading one back into the shards. `parallelize` leaves on the model, for each
+swapped module, how to export and load it (`EXPORTS`); nothing else is needed."""
+
+from tplayers.distributed import resolve_group
+
+EXPORTS = "_tplayers_exports"  # [(prefix, export, load)] on the model
+ORIGINAL_KEYS = "_tplayers_original_keys"  # model.state_dict() keys before parallelize
+TIED = "_tplayers_tied"  # {LM head name: embedding name} where they share one Parameter
+
+
+def _gathered(model, group, pick):
+    """{original name: full tensor} for every sharded module; a collective on every rank."""
+    full = {}
+    for prefix, export, _ in getattr(model, EXPORTS, []):
+        for key, tensor in export(pick, group).items():
+            full[f"{prefix}.{key}"] = tensor
+    return full
+
+
+def _sharded_prefixes(model) -> tuple[str, ...]:
+    return tuple(prefix + "." for prefix, _, _ in getattr(model, EXPORTS, []))
+
+
+def gather_state_dict(model, *, group=None) -> dict:
+    """The full, unsharded state dict under the original module names, on every rank."""
+    group = resolve_group(group)
+    full = _gathered(model, group, lambda p: p.detach())
+    sharded = _sharded_prefixes(model)
+    for key, value in model.state_dict().items():
+        if not key.startswith(sharded):
+            full[key] = value
+    order = getattr(model, ORIGINAL_KEYS, list(full))
+    return {key: full[key] for key in order if key in full}
+
+
+def gather_grads(model, *, group=None) -> dict:
+    """The full, unsharded gradient of every parameter under its original name, on every rank."""
+    group = resolve_group(group)
+    full = _gathered(model, group, lambda p: p.grad)
+    sharded = _sharded_prefixes(model)
+    for key, p in model.named_parameters():
+        if not key.startswith(sharded):
+            full[key] = p.grad
+    return {k: v for k, v in full.items() if v is not None}
+
+
+def load_full_state_dict(model, state_dict, *, group=None) -> None:
+    """Load a full, unsharded state dict (original names, what `gather_state_dict` returns) into a
+    parallelized model: each rank copies in its shards. No communication; strict like
+    `load_state_dict`."""
+    records = getattr(model, EXPORTS, [])
+    state_dict = dict(state_dict)
+    supplied = set(state_dict)
+    for prefix, _, load in records:
+        start = prefix + "."
+        tied_to = getattr(model, TIED, {}).get(prefix)
+        if tied_to and f"{start}weight" not in supplied and f"{tied_to}.weight" in supplied:
+            continue  # HF checkpoints of tied models omit the head: it is the embedding's Parameter
+        try:
+            load({k[len(start) :]: state_dict.pop(k) for k in list(state_dict) if k.startswith(start)})
+        except KeyError as e:
+            raise ValueError(f"load_full_state_dict: missing key {start}{e.args[0]}") from None
+    sharded = _sharded_prefixes(model)
+    own = {k for k in model.state_dict() if not k.startswith(sharded)}
+    if set(state_dict) != own:
+        raise ValueError(
+            f"load_full_state_dict: unexpected keys {sorted(set(state_dict) - own)}, "
+            f"missing keys {sorted(own - set(state_dict))}"
+        )
+    model.load_state_dict(state_dict, strict=False)

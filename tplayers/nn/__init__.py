@@ -1,0 +1,18 @@
+"""Tensor-parallel modules: column / row-parallel linear layers, attention (head split, GQA /
+MQA), the gated MLP with its fused SwiGLU epilogue, and the vocabulary-parallel embedding.
+
+    linear.py     ColumnParallelLinear, RowParallelLinear (and their shared base)
+    attention.py  ParallelAttention, RoPE, ReplicatedLinear
+    mlp.py        ParallelMLP (one gate|up GEMM + SwiGLU), fuse / unfuse the gate|up layout
+    embedding.py  VocabParallelEmbedding
+
+May import: tplayers.functional and the foundations (backend, distributed, placement); never
+anything that composes modules (train, data_parallel, pipeline, hf, checkpoint, plan, tools).
+"""
+
+from tplayers.nn.attention import ParallelAttention
+from tplayers.nn.embedding import VocabParallelEmbedding
+from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear
+from tplayers.nn.mlp import ParallelMLP
+
+__all__ = ["ColumnParallelLinear", "ParallelAttention", "ParallelMLP", "RowParallelLinear", "VocabParallelEmbedding"]

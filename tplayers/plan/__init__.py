@@ -1,0 +1,139 @@
+"""Memory, communication and time estimates for TP x PP x DP x ZeRO training layouts.
+
+Pure Python (no torch): `estimate` prices one `Layout` of a `ModelSpec` on a `ClusterSpec`;
+`search` enumerates layouts for a global batch and ranks the valid ones that fit by step time.
+
+Modules, each importing only those listed above it (`specs` imports `presets` on use, in the
+`preset` constructors):
+
+    specs      ModelSpec (dimensions, parameter counts, HuggingFace configs), Precision, ClusterSpec,
+               the choice constants and argument checks
+    presets    the named models, precision recipes and GPUs
+    layout     Layout, Assumptions
+    memory     model-state bytes under ZeRO, activation bytes per layer and at the edges
+    schedule   pipeline schedules: micro-batches in flight, the bubble
+    flops      matmul FLOPs per token and per step
+    comm       bytes of ring collectives, DP and TP traffic, the link of each parallel group
+    rules      validate_layout: why a layout cannot run a model on a cluster
+    estimate   estimate: memory, FLOPs, communication and time of one layout, stage by stage
+    search     search: every layout for a global batch, ranked by step time
+    report     estimate_to_dict, format_estimate, format_ranking
+    cli        `tplayers plan`
+    validate   `tplayers plan --validate`: the estimates against one real training step
+
+What may be imported here: the estimator modules (all but `cli` and `validate`) are pure Python,
+the standard library and each other, never torch, so the planner runs on any machine.
+`validate` measures on local CPU ranks: it may import torch (and transformers) and any lower
+tplayers layer (`tplayers.hf`, `tplayers.train`, `tplayers.nn`, `tplayers.functional`, the
+foundations such as `tplayers.distributed`), never `tplayers.tools`. This `__init__` imports
+neither `cli` nor `validate`; `cli` imports `validate` only for `--validate`.
+
+Conventions (read these before the numbers)
+-------------------------------------------
+* Memory (`Estimate.memory`, `MemoryBreakdown`): bytes **per GPU**, for the pipeline stage
+  that needs the most (`MemoryBreakdown.stage`; every stage is in `Estimate.stages`). That is
+  the one that decides whether a layout fits. Under 1F1B it is usually stage 0 (most
+  micro-batches in flight, plus the embedding); with a large vocabulary and few layers per
+  stage it can be the last (LM head and fp32 logits).
+* FLOPs (`Estimate.model_flops`, `Estimate.hardware_flops`): per optimizer step for the
+  **whole job** (all GPUs), the Megatron / PaLM convention; divide by `num_gpus` for an
+  average per GPU. Model FLOPs count forward + backward (3 passes of matmuls, no
+  recomputation, true vocabulary); hardware FLOPs add the recomputed forward and the padded
+  vocabulary.
+* Communication (`Estimate.comm_bytes`): bytes **sent per GPU per step**, ring algorithms,
+  split by link class ("intra_node" NVLink, "inter_node" network) and, in
+  `Estimate.comm_bytes_by_group`, by parallelism ("tp", "pp", "dp"), for the critical stage.
+* Time (`Estimate.step_time_s`): seconds per optimizer step of the slowest pipeline stage
+  (`Estimate.critical_stage`); `Estimate.time_breakdown` splits it.
+* `bubble_fraction` is pipeline bubble time / ideal (bubble-free) time, as in Narayanan et al.
+  2021 Sec. 2.2; bubble / total is `b / (1 + b)`.
+
+Parallel layout conventions
+---------------------------
+* Ranks are ordered tp fastest, then dp, then pp (`rank_order="tp-dp-pp"`, Megatron-LM's
+  default), or tp, pp, dp (`"tp-pp-dp"`, the order of `tplayers.init_mesh`'s ("dp", "pp", "tp")
+  mesh). A group runs over the network ("inter_node") as soon as any of its groups spans two
+  nodes; TP must stay within a node.
+* Pipeline stages hold `layers / pp` transformer layers each; stage 0 also holds the word (and
+  learned position) embedding, stage pp-1 the final norm and the LM head. Tied embeddings keep
+  a second copy of the word embedding on the last stage when pp > 1 (Megatron does, and
+  all-reduces the two gradients).
+* The vocabulary is padded to a multiple of `Assumptions.vocab_divisible_by * tp` (Megatron's
+  `--make-vocab-size-divisible-by 128`), so any tp is valid for any vocabulary.
+* Key / value heads: TP needs `kv_heads % tp == 0` (heads split) or `tp % kv_heads == 0`
+  (each kv head replicated on tp / kv_heads ranks, k / v weights held whole on every rank,
+  their gradients all-reduced over TP), exactly what `tplayers.ParallelAttention` accepts.
+
+What is left out (see each function): the optimizer's temporary buffers, NCCL / CUDA context
+memory (covered by `Assumptions.hbm_reserve_fraction`), allocator fragmentation, the
+sequence-parallel re-gather of stored inputs in backward, and layer-norm / softmax FLOPs.
+"""
+
+from tplayers.plan.comm import (
+    all_gather_bytes,
+    all_reduce_bytes,
+    dp_bytes_per_step,
+    group_link,
+    reduce_scatter_bytes,
+    tp_bytes_per_layer,
+)
+from tplayers.plan.estimate import BACKWARD_SHARE as BACKWARD_SHARE
+from tplayers.plan.estimate import DP_BUCKET_PARAMS as DP_BUCKET_PARAMS
+from tplayers.plan.estimate import DP_BUCKET_PARAMS_PER_RANK as DP_BUCKET_PARAMS_PER_RANK
+from tplayers.plan.estimate import Estimate, MemoryBreakdown, StageEstimate, estimate
+from tplayers.plan.flops import training_flops
+from tplayers.plan.layout import Assumptions, Layout
+from tplayers.plan.memory import LOGITS_BYTES as LOGITS_BYTES
+from tplayers.plan.memory import MASK_BYTES as MASK_BYTES
+from tplayers.plan.memory import layer_activation_bytes, model_state_bytes
+from tplayers.plan.presets import CLUSTER_PRESETS as CLUSTER_PRESETS
+from tplayers.plan.presets import MODEL_PRESETS as MODEL_PRESETS
+from tplayers.plan.presets import PRECISION_PRESETS as PRECISION_PRESETS
+from tplayers.plan.report import ESTIMATE_FIELDS, estimate_to_dict, format_estimate, format_ranking
+from tplayers.plan.rules import validate_layout
+from tplayers.plan.schedule import bubble_fraction, microbatches_in_flight
+from tplayers.plan.search import search
+from tplayers.plan.specs import GROUPS as GROUPS
+from tplayers.plan.specs import IMPLEMENTATION_CHOICES as IMPLEMENTATION_CHOICES
+from tplayers.plan.specs import LINK_CLASSES as LINK_CLASSES
+from tplayers.plan.specs import NORM_CHOICES as NORM_CHOICES
+from tplayers.plan.specs import POSITION_CHOICES as POSITION_CHOICES
+from tplayers.plan.specs import RANK_ORDER_CHOICES as RANK_ORDER_CHOICES
+from tplayers.plan.specs import RECOMPUTE_CHOICES as RECOMPUTE_CHOICES
+from tplayers.plan.specs import SCHEDULE_CHOICES as SCHEDULE_CHOICES
+from tplayers.plan.specs import ZERO_STAGES as ZERO_STAGES
+from tplayers.plan.specs import ClusterSpec, ModelSpec, ParamCounts, Precision, count_params, padded_vocab
+from tplayers.plan.specs import GiB as GiB
+
+# The `X as X` imports: the single-module planner's other public names, importable from here as before.
+__all__ = [
+    "Assumptions",
+    "ClusterSpec",
+    "Estimate",
+    "ESTIMATE_FIELDS",
+    "Layout",
+    "MemoryBreakdown",
+    "ModelSpec",
+    "ParamCounts",
+    "Precision",
+    "StageEstimate",
+    "all_gather_bytes",
+    "all_reduce_bytes",
+    "bubble_fraction",
+    "count_params",
+    "dp_bytes_per_step",
+    "estimate",
+    "estimate_to_dict",
+    "format_estimate",
+    "format_ranking",
+    "group_link",
+    "layer_activation_bytes",
+    "microbatches_in_flight",
+    "model_state_bytes",
+    "padded_vocab",
+    "reduce_scatter_bytes",
+    "search",
+    "tp_bytes_per_layer",
+    "training_flops",
+    "validate_layout",
+]

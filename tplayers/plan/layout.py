@@ -1,0 +1,115 @@
+"""What one estimate chooses and assumes: the parallel `Layout` (tp x pp x dp, ZeRO stage,
+micro-batching, recomputation, pipeline schedule, rank order) and the cost model's `Assumptions`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tplayers.plan.specs import (
+    IMPLEMENTATION_CHOICES,
+    RANK_ORDER_CHOICES,
+    RECOMPUTE_CHOICES,
+    SCHEDULE_CHOICES,
+    ZERO_STAGES,
+    _choice,
+    _fraction,
+    _positive_int,
+    _positive_number,
+)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One parallel layout: tp x pp x dp GPUs, ZeRO stage, micro-batching, recomputation.
+
+    `micro_batch` is sequences per micro-batch per DP replica; `num_microbatches` micro-batches
+    per step (gradient accumulation / pipeline), so the global batch is
+    dp * micro_batch * num_microbatches sequences. `virtual_stages` (model chunks per GPU)
+    only with `schedule="interleaved"`.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    zero_stage: int = 0
+    micro_batch: int = 1
+    num_microbatches: int = 1
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    rank_order: str = "tp-dp-pp"
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "dp", "micro_batch", "num_microbatches", "virtual_stages"):
+            _positive_int("Layout", name, getattr(self, name))
+        if isinstance(self.zero_stage, bool) or self.zero_stage not in ZERO_STAGES:
+            raise ValueError(f"unknown zero_stage {self.zero_stage!r}; valid: 0, 1, 2, 3")
+        _choice(self.recompute, RECOMPUTE_CHOICES, "recompute")
+        _choice(self.schedule, SCHEDULE_CHOICES, "schedule")
+        _choice(self.rank_order, RANK_ORDER_CHOICES, "rank_order")
+
+    @property
+    def num_gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step."""
+        return self.dp * self.micro_batch * self.num_microbatches
+
+    def describe(self) -> str:
+        parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}", f"zero={self.zero_stage}"]
+        parts.append(f"mb={self.micro_batch}x{self.num_microbatches}")
+        if self.sequence_parallel:
+            parts.append("sp")
+        parts.append(f"recompute={self.recompute}")
+        if self.pp > 1:
+            v = f"(v={self.virtual_stages})" if self.schedule == "interleaved" else ""
+            parts.append(f"{self.schedule}{v}")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """Knobs of the time and memory model that are assumptions, not measurements.
+
+    compute_efficiency: achieved / peak FLOP/s of the matmuls (0.5: Megatron-LM reaches 44-52%
+        of A100 peak on 1.7B-1T GPT models, Narayanan et al. 2021 Table 1).
+    tp_comm_overlap, pp_comm_overlap: fraction of TP / PP communication time hidden behind
+        compute (0: exposed, Megatron's behaviour without its overlap options).
+    overlap_dp_comm: DP gradient reduction overlaps the backward pass, except the last bucket
+        (`DP_BUCKET_PARAMS`) and whatever does not fit behind the backward of the last
+        micro-batch (ZeRO 0/1) or behind all compute (ZeRO 2/3, reduced every micro-batch).
+    hbm_reserve_fraction: HBM kept out of reach for the CUDA context, NCCL buffers and
+        allocator fragmentation; `fits` means total <= hbm_bytes * (1 - reserve).
+    vocab_divisible_by: Megatron's vocabulary padding multiple (times tp).
+    implementation: whose layers the model's edges follow; the transformer layers are priced
+        alike. "megatron" (Megatron-LM, the published accounting): the cross-entropy
+        all-reduces three s*b fp32 vectors and keeps fp32 logits; under sequence parallelism the
+        embedding reduce-scatters and the LM head all-gathers. "tplayers" (what
+        `tplayers.parallelize` + `vocab_parallel_cross_entropy` do, checked by
+        `tplayers.plan.validate`): the cross-entropy all-gathers 4 fp32 statistics per row and
+        keeps the logits in the activation dtype; under sequence parallelism the embedding
+        all-reduces, the first block keeps its sequence slice (an all-gather in backward), the
+        last block's output is all-gathered (the final norm and LM head see the whole
+        sequence), and column-parallel layers keep their all-gathered input for the weight
+        gradient instead of re-gathering it.
+    """
+
+    compute_efficiency: float = 0.5
+    tp_comm_overlap: float = 0.0
+    pp_comm_overlap: float = 0.0
+    overlap_dp_comm: bool = True
+    hbm_reserve_fraction: float = 0.1
+    vocab_divisible_by: int = 128
+    implementation: str = "megatron"
+
+    def __post_init__(self):
+        _positive_number("Assumptions", "compute_efficiency", self.compute_efficiency)
+        if self.compute_efficiency > 1:
+            raise ValueError(f"Assumptions.compute_efficiency must be in (0, 1], got {self.compute_efficiency!r}")
+        for name in ("tp_comm_overlap", "pp_comm_overlap", "hbm_reserve_fraction"):
+            _fraction("Assumptions", name, getattr(self, name))
+        _positive_int("Assumptions", "vocab_divisible_by", self.vocab_divisible_by)
+        _choice(self.implementation, IMPLEMENTATION_CHOICES, "implementation")

@@ -1,0 +1,120 @@
+"""Memory formulas: model-state bytes under ZeRO (Rajbhandari et al. 2020) and the activation bytes
+of a transformer layer and of the model's edges (Korthikanti et al. 2022)."""
+
+from __future__ import annotations
+
+from tplayers.plan.specs import (
+    IMPLEMENTATION_CHOICES,
+    RECOMPUTE_CHOICES,
+    ZERO_STAGES,
+    ModelSpec,
+    Precision,
+    _choice,
+    _kv_sharded,
+    _positive_int,
+)
+
+# Dropout masks are stored as 1 byte per element (Korthikanti et al. 2022, Sec. 4.1).
+MASK_BYTES = 1
+# Cross-entropy keeps the logits in fp32 (Korthikanti et al. 2022, Sec. 4.3: 4sbv/t).
+LOGITS_BYTES = 4
+
+
+def model_state_bytes(num_params: float, precision: Precision | None = None, *, zero_stage: int = 0, dp: int = 1):
+    """(params, grads, optimizer) bytes per GPU for `num_params` parameters on one model replica slice.
+
+    ZeRO paper (Rajbhandari et al. 2020), Sec. 3.1 and Figure 1: unsharded (2 + 2 + K) * psi;
+    stage 1 (P_os) shards the optimizer states over the dp ranks, stage 2 (P_os+g) also the
+    gradients, stage 3 (P_os+g+p) also the parameters:
+        params = psi * param_bytes / (dp if stage >= 3 else 1)
+        grads = psi * grad_bytes / (dp if stage >= 2 else 1)
+        optimizer = psi * optimizer_bytes / (dp if stage >= 1 else 1)
+    E.g. psi = 7.5e9, dp = 64, K = 12: 120, 31.4, 16.6, 1.9 GB for stages 0-3.
+    """
+    precision = Precision() if precision is None else precision
+    if zero_stage not in ZERO_STAGES:
+        raise ValueError(f"unknown zero_stage {zero_stage!r}; valid: 0, 1, 2, 3")
+    _positive_int("model_state_bytes", "dp", dp)
+    params = num_params * precision.param_bytes / (dp if zero_stage >= 3 else 1)
+    grads = num_params * precision.grad_bytes / (dp if zero_stage >= 2 else 1)
+    optimizer = num_params * precision.optimizer_bytes / (dp if zero_stage >= 1 else 1)
+    return params, grads, optimizer
+
+
+def _local_kv_heads(model: ModelSpec, tp: int) -> float:
+    return model.kv_heads / tp if _kv_sharded(model, tp) else 1
+
+
+def layer_activation_bytes(
+    model: ModelSpec,
+    micro_batch: int = 1,
+    *,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    activation_bytes: float = 2,
+    implementation: str = "megatron",
+) -> float:
+    """Activation bytes one transformer layer stores per micro-batch on one TP rank.
+
+    Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+    Sec. 4 and Table 2 (s = seq_len, b = micro_batch, h = hidden, a = heads, t = tp; 16-bit
+    activations, 1-byte dropout masks):
+        no parallelism         s*b*h*(34 + 5*a*s/h)
+        tensor parallel        s*b*h*(10 + 24/t + 5*a*s/(h*t))
+        TP + sequence parallel s*b*h/t*(34 + 5*a*s/h)
+        selective recompute    drops the 5*a*s/h term (FlashAttention stores the same)
+        full recompute         2*s*b*h (the layer input; /t with sequence parallelism)
+
+    Generalisation (d = activation_bytes, m = 1 if dropout else 0, q = heads*head_dim,
+    k = local kv heads * head_dim, f = ffn_hidden). Outside the TP region (/t only with SP):
+    the two norm inputs, the QKV input, the MLP input (4 d) and two dropout masks (2 m), i.e.
+    Korthikanti's 10. Inside (per rank): Q, the attention output (2 d q / t), K and V (2 d k),
+    the MLP intermediates: non-gated GeLU input and output (2 d f / t), gated gate and up
+    outputs and their product (3 d f / t, a fused SwiGLU as in Megatron), i.e. Korthikanti's 24
+    for q = k*t = h, f = 4h. Attention core per local head: softmax output d*s^2*b, plus its
+    dropout mask and dropout output (m + d)*s^2*b when dropout, i.e. 5*a*s^2*b.
+
+    implementation="tplayers" with sequence parallelism: the QKV and MLP inputs are kept
+    all-gathered (whole sequence, not /t) for the weight gradients (see `Assumptions`).
+    """
+    if not model.has_dims:
+        raise ValueError("activation memory needs the model's dimensions (this ModelSpec has num_params only)")
+    _choice(recompute, RECOMPUTE_CHOICES, "recompute")
+    _choice(implementation, IMPLEMENTATION_CHOICES, "implementation")
+    s, b, h = model.seq_len, micro_batch, model.hidden
+    d = activation_bytes
+    sp_div = tp if sequence_parallel else 1
+    if recompute == "full":
+        return d * s * b * h / sp_div
+    mask = MASK_BYTES if model.dropout else 0
+    outside = (4 * d + 2 * mask) * s * b * h / sp_div
+    if implementation == "tplayers" and sequence_parallel:  # the gathered QKV and MLP inputs
+        outside += 2 * d * s * b * h * (1 - 1 / sp_div)
+    mlp_tensors = 3 if model.gated_mlp else 2
+    inside = d * s * b * (2 * model.q_dim / tp + 2 * _local_kv_heads(model, tp) * model.head_dim)
+    inside += d * s * b * mlp_tensors * model.ffn_hidden / tp
+    if recompute == "selective":
+        return outside + inside
+    core_bytes = d + (mask + d if model.dropout else 0)
+    core = core_bytes * (model.heads / tp) * s * s * b
+    return outside + inside + core
+
+
+def _embedding_activation_bytes(model: ModelSpec, micro_batch: int, tp: int, sp: bool) -> float:
+    """Input embedding: its dropout mask, s*b*h (/t with SP) bytes (Korthikanti Sec. 4.3)."""
+    if not model.dropout:
+        return 0.0
+    return MASK_BYTES * model.seq_len * micro_batch * model.hidden / (tp if sp else 1)
+
+
+def _output_activation_bytes(
+    model: ModelSpec, micro_batch: int, tp: int, sp: bool, d: float, vocab: int, implementation: str = "megatron"
+) -> float:
+    """Output layer: final-norm input and projection input (2*d*s*b*h, /t with SP) and the fp32
+    logits 4*s*b*V/t kept by the cross-entropy: Korthikanti Sec. 4.3, 4*s*b*h/t*(1 + V/h).
+    tplayers: the final norm and LM head see the whole sequence, the logits are kept in d bytes."""
+    s, b = model.seq_len, micro_batch
+    if implementation == "tplayers":
+        return 2 * d * s * b * model.hidden + d * s * b * vocab / tp
+    return 2 * d * s * b * model.hidden / (tp if sp else 1) + LOGITS_BYTES * s * b * vocab / tp

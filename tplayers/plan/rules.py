@@ -1,0 +1,71 @@
+"""The validity rules of a layout: when `validate_layout` says a `Layout` cannot run a `ModelSpec`
+on a `ClusterSpec` (GPU count, TP within a node, divisibility, schedule requirements)."""
+
+from __future__ import annotations
+
+from tplayers.plan.layout import Layout
+from tplayers.plan.specs import ClusterSpec, ModelSpec
+
+
+def validate_layout(
+    model: ModelSpec, cluster: ClusterSpec, layout: Layout, *, global_batch: int | None = None
+) -> list[str]:
+    """Reasons `layout` cannot run `model` on `cluster` (empty when it can).
+
+    Checks the GPU count, TP within a node, head / kv-head / ffn / layer divisibility, the
+    interleaved schedule's requirements, sequence parallelism's seq_len % tp, and (with
+    `global_batch`) dp * micro_batch * num_microbatches == global_batch. Vocabulary size is
+    never a reason: it is padded (see the `tplayers.plan` docstring).
+    """
+    reasons = []
+    tp, pp, dp = layout.tp, layout.pp, layout.dp
+    if layout.num_gpus != cluster.num_gpus:
+        reasons.append(f"tp*pp*dp = {tp}*{pp}*{dp} = {layout.num_gpus} != {cluster.num_gpus} GPUs in the cluster")
+    if tp > cluster.gpus_per_node:
+        reasons.append(f"tp={tp} > {cluster.gpus_per_node} GPUs per node: tensor parallelism must stay within a node")
+    elif cluster.num_gpus > cluster.gpus_per_node and cluster.gpus_per_node % tp:
+        reasons.append(
+            f"tp={tp} does not divide {cluster.gpus_per_node} GPUs per node: some TP groups would span two nodes"
+        )
+    if global_batch is not None and layout.global_batch != global_batch:
+        reasons.append(
+            f"dp*micro_batch*num_microbatches = {dp}*{layout.micro_batch}*{layout.num_microbatches} = "
+            f"{layout.global_batch} != global batch {global_batch}"
+        )
+    v = layout.virtual_stages
+    if layout.schedule == "interleaved":
+        if pp < 2:
+            reasons.append(f"the interleaved schedule needs pp >= 2, got pp={pp}")
+        if v < 2:
+            reasons.append(f"the interleaved schedule needs virtual_stages >= 2, got {v}")
+        if layout.num_microbatches % pp:
+            reasons.append(
+                f"num_microbatches ({layout.num_microbatches}) not divisible by pp ({pp}) "
+                "(the interleaved schedule runs micro-batches in groups of pp)"
+            )
+    elif v != 1:
+        reasons.append(f"virtual_stages={v} needs schedule='interleaved', got {layout.schedule!r}")
+    if model.has_dims:
+        reasons += _model_reasons(model, layout)
+    return reasons
+
+
+def _model_reasons(model: ModelSpec, layout: Layout) -> list[str]:
+    tp, pp, v = layout.tp, layout.pp, layout.virtual_stages
+    reasons = []
+    if model.heads % tp:
+        reasons.append(f"heads ({model.heads}) not divisible by tp ({tp})")
+    if model.kv_heads % tp and tp % model.kv_heads:
+        reasons.append(
+            f"kv_heads ({model.kv_heads}) and tp ({tp}): one must divide the other "
+            "(kv heads split over the ranks, or each replicated on tp/kv_heads ranks)"
+        )
+    if model.ffn_hidden % tp:
+        reasons.append(f"ffn_hidden ({model.ffn_hidden}) not divisible by tp ({tp})")
+    if model.layers % pp:
+        reasons.append(f"layers ({model.layers}) not divisible by pp ({pp})")
+    elif layout.schedule == "interleaved" and model.layers % (pp * v):
+        reasons.append(f"layers ({model.layers}) not divisible by pp*virtual_stages ({pp}*{v} = {pp * v})")
+    if layout.sequence_parallel and model.seq_len % tp:
+        reasons.append(f"sequence parallelism: seq_len ({model.seq_len}) not divisible by tp ({tp})")
+    return reasons

@@ -1,0 +1,409 @@
+"""What is trained on what: `ModelSpec` (dimensions, parameter counts, HuggingFace configs), `Precision`
+and `ClusterSpec`, with the choice constants and argument checks the planner shares. The `preset`
+constructors import `tplayers.plan.presets`, whose tables are built from these classes, on use."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+RECOMPUTE_CHOICES = ("none", "selective", "full")
+SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved")
+RANK_ORDER_CHOICES = ("tp-dp-pp", "tp-pp-dp")
+IMPLEMENTATION_CHOICES = ("megatron", "tplayers")
+NORM_CHOICES = ("rmsnorm", "layernorm")
+POSITION_CHOICES = ("rope", "learned")
+ZERO_STAGES = (0, 1, 2, 3)
+LINK_CLASSES = ("intra_node", "inter_node")
+GROUPS = ("tp", "pp", "dp")
+GiB = 2**30
+
+
+def _choice(value, choices, what: str):
+    if value not in choices:
+        raise ValueError(f"unknown {what} {value!r}; valid: {', '.join(repr(c) for c in choices)}")
+    return value
+
+
+def _positive_int(owner: str, name: str, value, *, allow_zero: bool = False) -> None:
+    low = 0 if allow_zero else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        kind = "non-negative" if allow_zero else "positive"
+        raise ValueError(f"{owner}.{name} must be a {kind} integer, got {value!r}")
+
+
+def _positive_number(owner: str, name: str, value, *, allow_zero: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (value == 0 and not allow_zero):
+        kind = "non-negative" if allow_zero else "positive"
+        raise ValueError(f"{owner}.{name} must be a {kind} number, got {value!r}")
+
+
+def _fraction(owner: str, name: str, value) -> None:
+    _positive_number(owner, name, value, allow_zero=True)
+    if value > 1:
+        raise ValueError(f"{owner}.{name} must be in [0, 1], got {value!r}")
+
+
+def _preset(table: dict, name: str, what: str):
+    key = name.lower() if isinstance(name, str) else name
+    if key not in table:
+        raise ValueError(f"unknown {what} preset {name!r}; valid: {', '.join(sorted(table))}")
+    return table[key]
+
+
+# --------------------------------------------------------------------------------------------
+# Precision
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter of the model states, and per activation element.
+
+    Default: mixed-precision Adam (ZeRO paper, Rajbhandari et al. 2020, Sec. 3.1): fp16/bf16
+    parameters (2) and gradients (2), optimizer states K = 12 (fp32 master copy 4 + momentum 4 +
+    variance 4): 16 bytes per parameter.
+    """
+
+    param_bytes: float = 2
+    grad_bytes: float = 2
+    optimizer_bytes: float = 12
+    activation_bytes: float = 2
+
+    def __post_init__(self):
+        for name in ("param_bytes", "activation_bytes"):
+            _positive_number("Precision", name, getattr(self, name))
+        for name in ("grad_bytes", "optimizer_bytes"):
+            _positive_number("Precision", name, getattr(self, name), allow_zero=True)
+
+    @property
+    def model_state_bytes(self) -> float:
+        """Bytes per parameter of params + grads + optimizer states, unsharded."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    @classmethod
+    def preset(cls, name: str) -> Precision:
+        """A named precision recipe; see `PRECISION_PRESETS` for the list."""
+        from tplayers.plan.presets import PRECISION_PRESETS
+
+        return _preset(PRECISION_PRESETS, name, "precision")
+
+
+# --------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------
+
+
+def _llama_ffn(hidden: int) -> int:
+    """Llama's SwiGLU width: 2/3 of 4h, rounded up to a multiple of 256 (Touvron et al. 2023)."""
+    return 256 * math.ceil(8 * hidden / 3 / 256)
+
+
+_DIM_FIELDS = ("layers", "hidden", "heads", "vocab", "seq_len")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer, by its dimensions or only by its parameter count.
+
+    Dimensions: `layers`, `hidden`, `heads`, `vocab`, `seq_len` (training sequence length) are
+    required together; `kv_heads` defaults to `heads` (multi-head attention), `head_dim` to
+    `hidden // heads`, `ffn_hidden` to 4*hidden (non-gated) or Llama's rounded 8*hidden/3
+    (gated), `max_positions` to `seq_len`. These derived fields are filled in place:
+    `dataclasses.replace` copies them, so pass `None` for any you want re-derived.
+
+    `ModelSpec(num_params=N)` answers model-state questions only (params / grads / optimizer
+    memory, DP traffic); activations, FLOPs and time are then `None`. With dimensions,
+    `num_params` is the count derived from them (`count_params`); giving both is an error
+    unless they agree.
+
+    `dropout=True` (the default) counts dropout masks in the activations, which is Korthikanti
+    et al.'s accounting; the Llama presets set it False (they train without dropout).
+    """
+
+    layers: int | None = None
+    hidden: int | None = None
+    heads: int | None = None
+    kv_heads: int | None = None
+    ffn_hidden: int | None = None
+    vocab: int | None = None
+    seq_len: int | None = None
+    gated_mlp: bool = True
+    tied_embeddings: bool = False
+    head_dim: int | None = None
+    norm: str = "rmsnorm"
+    linear_bias: bool = False
+    position_embedding: str = "rope"
+    max_positions: int | None = None
+    dropout: bool = True
+    num_params: float | None = None
+    name: str | None = None
+
+    def __post_init__(self):
+        given = [f for f in _DIM_FIELDS if getattr(self, f) is not None]
+        if not given:
+            if self.num_params is None:
+                raise ValueError("ModelSpec needs either num_params or the dimensions " + ", ".join(_DIM_FIELDS))
+            _positive_number("ModelSpec", "num_params", self.num_params)
+            return
+        missing = [f for f in _DIM_FIELDS if getattr(self, f) is None]
+        if missing:
+            raise ValueError(f"ModelSpec dimensions incomplete: missing {', '.join(missing)}")
+        self._resolve_dimensions()
+        counted = count_params(self).total
+        if self.num_params is not None and abs(self.num_params - counted) > 0.5:
+            raise ValueError(
+                f"ModelSpec got num_params={self.num_params:.6g} and dimensions whose parameter count is "
+                f"{counted:.6g}; give one or the other (dataclasses.replace copies num_params: pass "
+                "num_params=None when changing dimensions)"
+            )
+        object.__setattr__(self, "num_params", counted)
+
+    def _resolve_dimensions(self) -> None:
+        for name in (*_DIM_FIELDS, "kv_heads", "ffn_hidden", "head_dim", "max_positions"):
+            if getattr(self, name) is not None:
+                _positive_int("ModelSpec", name, getattr(self, name))
+        _choice(self.norm, NORM_CHOICES, "norm")
+        _choice(self.position_embedding, POSITION_CHOICES, "position_embedding")
+        kv_heads = self.heads if self.kv_heads is None else self.kv_heads
+        if self.heads % kv_heads:
+            raise ValueError(f"ModelSpec.heads ({self.heads}) must be divisible by kv_heads ({kv_heads})")
+        if self.head_dim is None and self.hidden % self.heads:
+            raise ValueError(
+                f"ModelSpec.hidden ({self.hidden}) is not divisible by heads ({self.heads}); give head_dim"
+            )
+        head_dim = self.hidden // self.heads if self.head_dim is None else self.head_dim
+        ffn = self.ffn_hidden
+        if ffn is None:
+            ffn = _llama_ffn(self.hidden) if self.gated_mlp else 4 * self.hidden
+        max_positions = self.seq_len if self.max_positions is None else self.max_positions
+        if self.position_embedding == "learned" and self.seq_len > max_positions:
+            raise ValueError(
+                f"ModelSpec.seq_len ({self.seq_len}) exceeds max_positions ({max_positions}) of the learned "
+                "position embedding"
+            )
+        for name, value in (("kv_heads", kv_heads), ("head_dim", head_dim), ("ffn_hidden", ffn)):
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "max_positions", max_positions)
+
+    @property
+    def has_dims(self) -> bool:
+        """True when the dimensions are known (False for a `ModelSpec(num_params=...)`)."""
+        return self.layers is not None
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the query / attention output: heads * head_dim."""
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of each of the key and value projections: kv_heads * head_dim."""
+        return self.kv_heads * self.head_dim
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> ModelSpec:
+        """A published model; `overrides` replace fields (e.g. `seq_len=4096`)."""
+        from tplayers.plan.presets import MODEL_PRESETS
+
+        return _with_overrides(_preset(MODEL_PRESETS, name, "model"), overrides)
+
+    @classmethod
+    def from_hf_config(cls, config: str | os.PathLike | dict, **overrides) -> ModelSpec:
+        """Read a HuggingFace `config.json` (a path to it, its folder, or the parsed dict).
+
+        Llama-style keys (num_hidden_layers, hidden_size, num_attention_heads,
+        num_key_value_heads, intermediate_size, head_dim) and GPT-2 style keys (n_layer,
+        n_embd, n_head, n_inner, n_positions). `seq_len` is `max_positions`
+        (max_position_embeddings / n_positions): pass `seq_len=` to train shorter.
+        When `tie_word_embeddings` is absent it defaults as in HF's classes: True for GPT-2
+        style configs, False otherwise. GPT-2 style configs and model_type gpt2 / gpt_neox /
+        gptj / opt / bloom / falcon / phi / starcoder2 / gpt_bigcode are non-gated; others gated.
+        """
+        return _with_overrides(_spec_from_hf(_load_hf_config(config)), overrides)
+
+
+def _with_overrides(spec: ModelSpec, overrides: dict) -> ModelSpec:
+    """`spec` with fields replaced; the parameter count is re-derived from the dimensions."""
+    if not overrides:
+        return spec
+    return replace(spec, **{"num_params": None, **overrides})
+
+
+_NON_GATED_TYPES = {"gpt2", "gpt_neox", "gptj", "opt", "bloom", "falcon", "phi", "starcoder2", "gpt_bigcode"}
+
+
+def _load_hf_config(config) -> dict:
+    if isinstance(config, dict):
+        return config
+    path = Path(config)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(f"no HuggingFace config at {str(path)!r}")
+    return json.loads(path.read_text())
+
+
+def _hf_get(cfg: dict, *keys, default=None):
+    for key in keys:
+        if cfg.get(key) is not None:
+            return cfg[key]
+    return default
+
+
+def _spec_from_hf(cfg: dict) -> ModelSpec:
+    gpt2_style = "n_embd" in cfg or "n_layer" in cfg
+    layers = _hf_get(cfg, "num_hidden_layers", "n_layer")
+    hidden = _hf_get(cfg, "hidden_size", "n_embd")
+    heads = _hf_get(cfg, "num_attention_heads", "n_head")
+    vocab = _hf_get(cfg, "vocab_size")
+    positions = _hf_get(cfg, "max_position_embeddings", "n_positions")
+    needed = {"layers": layers, "hidden": hidden, "heads": heads, "vocab_size": vocab, "max positions": positions}
+    missing = [k for k, v in needed.items() if v is None]
+    if missing:
+        raise ValueError(f"HuggingFace config lacks {', '.join(missing)}")
+    model_type = str(cfg.get("model_type", "gpt2" if gpt2_style else "")).lower()
+    gated = not gpt2_style and model_type not in _NON_GATED_TYPES
+    layernorm = gpt2_style or "layer_norm_epsilon" in cfg or "layer_norm_eps" in cfg
+    dropout_keys = ("attention_dropout", "hidden_dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop", "dropout")
+    dropout = any(float(cfg.get(k) or 0) > 0 for k in dropout_keys)
+    bias = gpt2_style or bool(cfg.get("attention_bias") or cfg.get("mlp_bias") or cfg.get("use_bias"))
+    learned = gpt2_style or model_type in {"opt", "gpt_bigcode"}
+    return ModelSpec(
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=_hf_get(cfg, "num_key_value_heads", default=heads),
+        ffn_hidden=_hf_get(cfg, "intermediate_size", "n_inner", "ffn_dim", default=None if gated else 4 * hidden),
+        vocab=vocab,
+        seq_len=positions,
+        gated_mlp=gated,
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", gpt2_style)),
+        head_dim=_hf_get(cfg, "head_dim"),
+        norm="layernorm" if layernorm else "rmsnorm",
+        linear_bias=bias,
+        position_embedding="learned" if learned else "rope",
+        max_positions=positions,
+        dropout=dropout,
+        name=cfg.get("_name_or_path") or model_type or None,
+    )
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters of a model by block (unsharded, unpadded vocabulary)."""
+
+    embedding: int  # word embedding (+ learned position table), on the first stage
+    per_layer: int  # one transformer layer
+    layers: int  # number of layers
+    final_norm: int  # on the last stage
+    lm_head: int  # output projection; 0 when tied to the embedding
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.per_layer * self.layers + self.final_norm + self.lm_head
+
+
+def _norm_params(model: ModelSpec) -> int:
+    """RMSNorm has a weight; LayerNorm a weight and a bias."""
+    return model.hidden * (2 if model.norm == "layernorm" else 1)
+
+
+def _kv_sharded(model: ModelSpec, tp: int) -> bool:
+    """kv heads split over TP (kv_heads % tp == 0), else replicated (tp % kv_heads == 0)."""
+    return model.kv_heads % tp == 0
+
+
+def _layer_params(model: ModelSpec, tp: int = 1) -> float:
+    """Parameters of one transformer layer held by one TP rank (tp=1: the whole layer).
+
+    Attention: q and o are h x (heads*head_dim) each, k and v h x (kv_heads*head_dim) each,
+    column-parallel (q, k, v) / row-parallel (o), k / v whole when kv heads are replicated.
+    MLP: 3 h x ffn matrices gated (gate, up, down), 2 non-gated. Biases: the column-parallel
+    ones are sharded, the row-parallel ones (o, down) replicated. Two norms, replicated.
+    """
+    h, f = model.hidden, model.ffn_hidden
+    kv_div = tp if _kv_sharded(model, tp) else 1
+    attention = 2 * h * model.q_dim / tp + 2 * h * model.kv_dim / kv_div
+    mlp_mats = 3 if model.gated_mlp else 2
+    mlp = mlp_mats * h * f / tp
+    bias = 0.0
+    if model.linear_bias:
+        column_mats = 2 if model.gated_mlp else 1  # gate and up, or fc1
+        bias = model.q_dim / tp + 2 * model.kv_dim / kv_div + h + column_mats * f / tp + h
+    return attention + mlp + bias + 2 * _norm_params(model)
+
+
+def count_params(model: ModelSpec) -> ParamCounts:
+    """Parameter count of a decoder-only LLM from its dimensions.
+
+    Embedding V*h (+ max_positions*h for learned positions); per layer
+    2*h*(heads*head_dim) + 2*h*(kv_heads*head_dim) + (3 gated | 2) * h * ffn + biases + norms;
+    final norm; LM head V*h unless tied. For GPT-3 this is the 12*l*h^2 + 13*l*h + (V + s)*h
+    of Narayanan et al. 2021 Sec. 5.1 (footnote) plus the final LayerNorm.
+    """
+    if not model.has_dims:
+        raise ValueError("count_params needs the model's dimensions (this ModelSpec has num_params only)")
+    h = model.hidden
+    embedding = model.vocab * h + (model.max_positions * h if model.position_embedding == "learned" else 0)
+    return ParamCounts(
+        embedding=embedding,
+        per_layer=int(_layer_params(model, 1)),
+        layers=model.layers,
+        final_norm=_norm_params(model),
+        lm_head=0 if model.tied_embeddings else model.vocab * h,
+    )
+
+
+def padded_vocab(vocab: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron's padding: the vocabulary rounded up to a multiple of divisible_by * tp."""
+    multiple = divisible_by * tp
+    return multiple * math.ceil(vocab / multiple)
+
+
+# --------------------------------------------------------------------------------------------
+# Cluster
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """GPUs and links. Bandwidths are unidirectional bytes/s per GPU."""
+
+    num_gpus: int
+    peak_flops: float  # dense bf16 tensor-core FLOP/s per GPU
+    hbm_bytes: float  # memory capacity per GPU
+    hbm_bandwidth: float  # bytes/s
+    intra_node_bandwidth: float  # NVLink, per GPU, one direction
+    inter_node_bandwidth: float  # network, per GPU, one direction
+    gpus_per_node: int = 8
+    name: str = "custom"
+
+    def __post_init__(self):
+        _positive_int("ClusterSpec", "num_gpus", self.num_gpus)
+        _positive_int("ClusterSpec", "gpus_per_node", self.gpus_per_node)
+        for name in ("peak_flops", "hbm_bytes", "hbm_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth"):
+            _positive_number("ClusterSpec", name, getattr(self, name))
+        if self.num_gpus > self.gpus_per_node and self.num_gpus % self.gpus_per_node:
+            raise ValueError(
+                f"ClusterSpec.num_gpus ({self.num_gpus}) must be at most gpus_per_node ({self.gpus_per_node}) "
+                "or a multiple of it"
+            )
+
+    @property
+    def num_nodes(self) -> int:
+        return math.ceil(self.num_gpus / self.gpus_per_node)
+
+    @classmethod
+    def preset(cls, name: str, num_gpus: int = 8, **overrides) -> ClusterSpec:
+        """A GPU type in DGX-style nodes of 8; `overrides` replace fields."""
+        from tplayers.plan.presets import _GPU_ALIASES, _GPU_PRESETS
+
+        key = name.lower() if isinstance(name, str) else name
+        key = _GPU_ALIASES.get(key, key)
+        gpu = _preset(_GPU_PRESETS, key, "cluster")
+        return cls(num_gpus=num_gpus, **{"name": key, **gpu, **overrides})
