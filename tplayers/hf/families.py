@@ -1,18 +1,31 @@
 """What tplayers knows about each HuggingFace model family: one adapter per module pattern,
 recognised by the module's children, next to each other in `ADAPTERS`.
 
-    attention with q/k/v/o_proj (Llama, Mistral, Qwen2, ...): q, k, v column-parallel split by
-        heads, o row-parallel; HF attention reshapes with -1 heads, so local heads just work
+    attention with q/k/v_proj and o_proj / out_proj / dense (Llama, Mistral, Qwen2/3, Gemma 1-3,
+        OLMo, Cohere, Granite, StableLM, OPT, GPT-J, Phi, ...): q, k, v column-parallel split by
+        heads, the output projection row-parallel; head counts and widths the forward reads are
+        set to their local values
     GPT-2 attention (Conv1D c_attn holding [q; k; v], c_proj): c_attn column-parallel with rank
         r holding [q_r; k_r; v_r], c_proj row-parallel, `split_size` set to the local width
     gated MLP (gate/up/down_proj): SiLU -> ParallelMLP (one fused gate|up GEMM + SwiGLU kernel);
         any other activation -> gate, up column-parallel, down row-parallel
     GPT-2 MLP (Conv1D c_fc, c_proj): c_fc column-parallel, c_proj row-parallel
+    two-layer MLPs with an elementwise activation (fc1/fc2: OPT, Phi; fc_in/fc_out: GPT-J;
+        c_fc/c_proj: Starcoder2; up_proj/down_proj: MPT; dense_h_to_4h/dense_4h_to_h): the first
+        column-parallel, the second row-parallel
+    Qwen2-MoE's shared-expert gate (H -> 1, then a sigmoid): kept whole on every rank
+
+    input embeddings: nn.Embedding -> VocabParallelEmbedding; Gemma's scaled embedding (times
+        sqrt(hidden)) -> the same with its scale kept; any other nn.Embedding subclass is refused
 
 An adapter shards a module through the `ShardingPass` it is given (`tplayers.hf.shard`) and
-records how to export / load anything it lays out in its own way.
+records how to export / load anything it lays out in its own way. Attributes a module's own
+forward reads (head counts) are set to their local values; a forward that reads a size tplayers
+does not localise is refused, naming it.
 """
 
+import inspect
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,6 +37,7 @@ from tplayers.functional.collectives import copy_to_tp_region, own_slice
 from tplayers.functional.linear import column_parallel_linear
 from tplayers.hf.shard import ShardingPass, as_linear, copy_in, gather, is_conv1d
 from tplayers.nn.attention import ReplicatedLinear
+from tplayers.nn.embedding import VocabParallelEmbedding
 from tplayers.nn.linear import ColumnParallelLinear, _divide
 from tplayers.nn.mlp import ParallelMLP, fuse_gate_up, unfuse_gate_up
 
@@ -36,6 +50,16 @@ class Adapter:
     name: str
     matches: Callable[[nn.Module], bool]
     apply: Callable[[ShardingPass, str, nn.Module], None]
+
+
+@dataclass(frozen=True)
+class EmbeddingAdapter:
+    """An input embedding whose forward tplayers knows exactly: `build(embedding, group)` gives
+    its vocabulary-parallel form."""
+
+    name: str
+    matches: Callable[[nn.Embedding], bool]
+    build: Callable[[nn.Embedding, dist.ProcessGroup], VocabParallelEmbedding]
 
 
 def _has_linears(module, names) -> bool:
@@ -84,9 +108,55 @@ class ReplicatedKVProjection(ReplicatedLinear):
         return column_parallel_linear(x, weight, bias, self.group, reduce_input_grad=False)
 
 
+# -- attributes the model's own forward reads --------------------------------------------------
+HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
+KV_HEAD_COUNTS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
+# Sizes that sharding changes: a forward reading one that is not set locally reshapes wrongly.
+SIZE_NAMES = {*HEAD_COUNTS, *KV_HEAD_COUNTS, "hidden_size", "embed_dim", "all_head_size", "inner_dim", "split_size"}
+_SELF_READS = re.compile(r"self\.((?:config\.)?[A-Za-z_]\w*)")
+
+
+def _forward_reads(module) -> set[str]:
+    """`self.x` / `self.config.x` names read in the module's forward (none where it has no source)."""
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return set()
+    return set(_SELF_READS.findall(source))
+
+
+def localize_attributes(name, module, local: dict[str, int]):
+    """Set the module's size attributes to their local values (`local`: attribute -> value), then
+    refuse the module if its forward still reads a size sharding changes: one of its own not set
+    here, or any from the config (shared by every module, so never localised)."""
+    for attr, value in local.items():
+        if isinstance(getattr(module, attr, None), int):
+            setattr(module, attr, value)
+    stale = []
+    for attr in sorted(_forward_reads(module)):
+        owner, _, key = attr.rpartition(".")
+        if key in SIZE_NAMES and (owner or key not in local):
+            stale.append(f"self.{attr}")
+    if stale:
+        raise ValueError(
+            f"parallelize: {name} ({type(module).__name__}) reads {', '.join(stale)} in its forward, a global "
+            "size that sharding changes and tplayers does not set locally; pass a plan for this model"
+        )
+
+
 # -- attention ------------------------------------------------------------------------------
+OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense")
+HIDDEN_WIDTHS = ("hidden_size", "embed_dim", "all_head_size")
+
+
+def _output_projection(attn) -> str | None:
+    return next((p for p in OUTPUT_PROJECTIONS if isinstance(getattr(attn, p, None), nn.Linear)), None)
+
+
 def qkvo_attention(sp: ShardingPass, name, attn):
-    head_dim = getattr(attn, "head_dim", None) or attn.o_proj.in_features // sp.config("num_attention_heads")
+    out = _output_projection(attn)
+    o_proj = getattr(attn, out)
+    head_dim = getattr(attn, "head_dim", None) or o_proj.in_features // sp.config("num_attention_heads")
     heads, kv_heads = attn.q_proj.out_features // head_dim, attn.k_proj.out_features // head_dim
     _divide(heads, sp.n, f"{name}: attention heads")
     if kv_heads % sp.n and sp.n % kv_heads:
@@ -107,20 +177,34 @@ def qkvo_attention(sp: ShardingPass, name, attn):
             sp.swap(f"{name}.{proj}", layer)
             sp.record(f"{name}.{proj}", layer, None, False)
         attn.num_key_value_groups = heads // sp.n  # local query heads per (one) local kv head
-    sp.row(f"{name}.o_proj", attn.o_proj)
-    _per_head_weights(sp, name, attn, head_dim)
+    sp.row(f"{name}.{out}", o_proj)
+    local_kv = max(kv_heads // sp.n, 1)
+    # widths equal to all heads' (GPT-J's embed_dim, used to merge heads) become the local heads' width
+    widths = {w: heads // sp.n * head_dim for w in HIDDEN_WIDTHS if getattr(attn, w, None) == heads * head_dim}
+    localize_attributes(
+        name,
+        attn,
+        {**dict.fromkeys(HEAD_COUNTS, heads // sp.n), **dict.fromkeys(KV_HEAD_COUNTS, local_kv), **widths},
+    )
+    _per_head_weights(sp, name, attn, head_dim, {"q_proj", "k_proj", "v_proj", out})
     sp.shared_input.append(attn)
     sp.done.add(name)
 
 
-def _per_head_weights(sp: ShardingPass, name, attn, head_dim):
+def _per_head_weights(sp: ShardingPass, name, attn, head_dim, projections):
     """Other weights inside the attention (Qwen3's q_norm / k_norm) act on each head alike:
     replicated, but each rank's heads give only part of their gradient, so it is summed.
-    A weight spanning all heads cannot be split by this pass: an error naming it."""
-    projections = {"q_proj", "k_proj", "v_proj", "o_proj"}
+    A weight spanning all heads, or one module per head (StableLM's per-head norms: each rank
+    would apply the first heads' norms to its own heads), cannot be split by this pass: an error
+    naming it."""
     for child_name, child in attn.named_children():
         if child_name in projections:
             continue
+        if any(True for _ in child.children()) and any(True for _ in child.parameters()):
+            raise ValueError(
+                f"parallelize: {name}.{child_name} ({type(child).__name__}) holds weights per head in "
+                "submodules; tplayers does not shard it: pass a plan for this model"
+            )
         for param_name, p in child.named_parameters():
             if p.shape[-1] != head_dim:
                 raise ValueError(
@@ -159,7 +243,8 @@ def gpt2_attention(sp: ShardingPass, name, attn):
             copy_in(getattr(layer, key), own_slice(interleave_shards(t.split(width, 0), sp.n), 0, sp.group))
 
     sp.exports.append((f"{name}.c_attn", export, load))
-    attn.split_size = width // sp.n  # HF splits c_attn's output into q, k, v of this width
+    # HF splits c_attn's output into q, k, v of split_size
+    localize_attributes(name, attn, {"split_size": width // sp.n, **dict.fromkeys(HEAD_COUNTS, attn.num_heads // sp.n)})
     sp.row(f"{name}.c_proj", attn.c_proj)
     sp.shared_input.append(attn)
     sp.done.add(name)
@@ -202,15 +287,108 @@ def gated_mlp(sp: ShardingPass, name, mlp):
     sp.exports.append((name, export, load))
 
 
+MLP_PAIRS = (("fc1", "fc2"), ("fc_in", "fc_out"), ("c_fc", "c_proj"), ("up_proj", "down_proj"),
+             ("dense_h_to_4h", "dense_4h_to_h"))  # fmt: skip
+
+
+def _two_layer_pair(module):
+    """The (in, out) names of a two-layer MLP's linears in `module` (no gate: that is gated_mlp)."""
+    if isinstance(getattr(module, "gate_proj", None), nn.Linear):
+        return None
+    return next((pair for pair in MLP_PAIRS if _has_linears(module, pair)), None)
+
+
+def two_layer_mlp(sp: ShardingPass, name, module):
+    """fc_out(act(fc_in(x))) with an elementwise act: fc_in column-, fc_out row-parallel. The two
+    may sit in the MLP module or in the decoder layer itself (OPT), so only they are marked done."""
+    first, second = _two_layer_pair(module)
+    if sp.sp and any(isinstance(c, nn.Module) and _output_projection(c) for c in module.children()):
+        raise ValueError(
+            f"parallelize(sequence_parallel=True): {name}.{first} / {second} sit in the decoder layer itself "
+            f"({type(module).__name__}), which may flatten the tokens before them; sequence parallelism is not "
+            "supported for this model yet (use it without)"
+        )
+    sp.column(f"{name}.{first}", getattr(module, first))
+    sp.row(f"{name}.{second}", getattr(module, second))
+
+
+def shared_expert_gate(sp: ShardingPass, name, module):
+    """Qwen2-MoE: sigmoid(shared_expert_gate(x)) scales the shared expert: one output, kept whole.
+    The block feeds its experts flattened (tokens, hidden) inputs, which the sequence-parallel
+    shared expert cannot split by sequence: refused under SP."""
+    if sp.sp:
+        raise ValueError(
+            f"parallelize(sequence_parallel=True): {name} ({type(module).__name__}) feeds its shared expert "
+            "flattened tokens; sequence parallelism is not supported for this model yet (use it without)"
+        )
+    sp.done.add(f"{name}.shared_expert_gate")
+
+
 def gpt2_mlp(sp: ShardingPass, name, mlp):
     sp.column(f"{name}.c_fc", mlp.c_fc)
     sp.row(f"{name}.c_proj", mlp.c_proj)
     sp.done.add(name)
 
 
+# -- input embeddings -----------------------------------------------------------------------
+def _plain_embedding(m) -> bool:
+    return type(m).forward is nn.Embedding.forward
+
+
+def _as_plain_embedding(m) -> nn.Embedding:
+    """An nn.Embedding (on the meta device, then given the weight) with `m`'s weight and options."""
+    plain = nn.Embedding(m.num_embeddings, m.embedding_dim, m.padding_idx, device="meta")
+    plain.weight = nn.Parameter(m.weight.detach(), requires_grad=False)
+    plain.max_norm, plain.scale_grad_by_freq, plain.sparse = m.max_norm, m.scale_grad_by_freq, m.sparse
+    return plain
+
+
+class ScaledVocabParallelEmbedding(VocabParallelEmbedding):
+    """VocabParallelEmbedding times a constant `embed_scale` cast to the weight's dtype (Gemma's
+    sqrt(hidden), applied as HF applies it: after the lookup, in the weight's dtype)."""
+
+    def forward(self, ids):
+        return super().forward(ids) * self.embed_scale.to(self.weight.dtype)
+
+
+def _scaled_embedding(m) -> bool:
+    """Gemma's *ScaledWordEmbedding: embedding(ids) * embed_scale; checked on a probe where the
+    weights are materialised, so a look-alike with other math is refused."""
+    scale = getattr(m, "embed_scale", None)
+    named = type(m).__name__.endswith("ScaledWordEmbedding")
+    if not (named and isinstance(scale, torch.Tensor) and scale.numel() == 1):
+        return False
+    if m.weight.is_meta:
+        return True
+    ids = torch.arange(min(8, m.num_embeddings), device=m.weight.device)
+    with torch.no_grad():
+        return torch.equal(m(ids), nn.functional.embedding(ids, m.weight) * scale.to(m.weight.dtype))
+
+
+def _build_scaled_embedding(m, group):
+    layer = ScaledVocabParallelEmbedding.from_embedding(_as_plain_embedding(m), group=group)
+    layer.register_buffer("embed_scale", m.embed_scale.detach().clone(), persistent=False)
+    return layer
+
+
+EMBEDDINGS = (
+    EmbeddingAdapter("nn.Embedding", _plain_embedding, lambda m, g: VocabParallelEmbedding.from_embedding(m, group=g)),
+    EmbeddingAdapter("scaled embedding (Gemma)", _scaled_embedding, _build_scaled_embedding),
+)
+
 ADAPTERS = (
-    Adapter("q/k/v/o attention", lambda m: _has_linears(m, ("q_proj", "k_proj", "v_proj", "o_proj")), qkvo_attention),
+    Adapter(
+        "q/k/v/o attention",
+        lambda m: _has_linears(m, ("q_proj", "k_proj", "v_proj")) and _output_projection(m) is not None,
+        qkvo_attention,
+    ),
     Adapter("GPT-2 attention", lambda m: _has_conv1ds(m, ("c_attn", "c_proj")), gpt2_attention),
     Adapter("gated MLP", lambda m: _has_linears(m, ("gate_proj", "up_proj", "down_proj")), gated_mlp),
     Adapter("GPT-2 MLP", lambda m: _has_conv1ds(m, ("c_fc", "c_proj")), gpt2_mlp),
+    Adapter("two-layer MLP", lambda m: _two_layer_pair(m) is not None, two_layer_mlp),
+    Adapter(
+        "shared-expert gate (Qwen2-MoE)",
+        lambda m: _has_linears(m, ("shared_expert_gate",)) and m.shared_expert_gate.out_features == 1,
+        shared_expert_gate,
+    ),
 )

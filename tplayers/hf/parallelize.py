@@ -31,7 +31,8 @@ from tplayers.functional.collectives import (
     gather_from_tp_region,
     scatter_to_tp_region,
 )
-from tplayers.hf.families import ADAPTERS
+from tplayers.hf import families
+from tplayers.hf import verify as verification
 from tplayers.hf.shard import ShardingPass
 from tplayers.hf.state_dict import EXPORTS, ORIGINAL_KEYS, TIED
 from tplayers.placement import get_placement, set_placement
@@ -143,17 +144,25 @@ def _decoder_blocks(model, placed):
     return None
 
 
-def parallelize(model, *, group=None, sequence_parallel=False, plan=None, vocab_parallel_logits=False):
+def parallelize(model, *, group=None, sequence_parallel=False, plan=None, vocab_parallel_logits=False, verify=None):
     """Shard `model` in place over `group` (see the module docstring); returns it.
 
     After it, `model(ids).logits` are the full-vocabulary logits of the unsharded model
     (`vocab_parallel_logits=True` leaves them split along the vocabulary) and `backward()`
     leaves on each rank its slice of the unsharded gradients.
+
+    verify: the self-check (`tplayers.hf.verify`): the full model's logits on a small fixed
+    batch before sharding against the sharded model's after, raising VerifyError on every rank
+    if they differ beyond the tolerance table. None (default): on whenever the weights are
+    materialised and the model takes token ids; False: off; True: required; a tensor: the input
+    to check with. It costs one forward of a (2, 4 * TP size) batch each way.
     """
     group = resolve_group(group)
+    probe = verification.probe_input(model, verify, dist.get_world_size(group))
+    reference = verification.logits(model, probe) if probe is not None else None
     keys = list(model.state_dict().keys())
     parallelizer = ShardingPass(model, group, sequence_parallel, plan, vocab_parallel_logits)
-    parallelizer.run(ADAPTERS)
+    parallelizer.run(families.ADAPTERS, families.EMBEDDINGS)  # read per call: patchable
     if sequence_parallel:
         blocks = _decoder_blocks(model, parallelizer.shared_input)
         if not blocks:
@@ -174,4 +183,7 @@ def parallelize(model, *, group=None, sequence_parallel=False, plan=None, vocab_
     setattr(model, EXPORTS, parallelizer.exports)
     setattr(model, ORIGINAL_KEYS, keys)
     setattr(model, TIED, parallelizer.tied)
+    if probe is not None:
+        sharded = verification.logits(model, probe)
+        verification.check(reference, sharded, group=group, vocab_parallel=vocab_parallel_logits)
     return model

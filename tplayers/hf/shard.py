@@ -14,8 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tplayers.functional.collectives import all_gather_dim, own_slice
-from tplayers.nn.embedding import VocabParallelEmbedding
-from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear
+from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear, refuse_own_forward
 
 PLAN_KINDS = ("colwise", "rowwise", "vocab", "replicate")
 
@@ -30,9 +29,11 @@ def is_conv1d(module) -> bool:
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and module.weight.dim() == 2
 
 
-def as_linear(module) -> nn.Linear:
-    """An nn.Linear (on the meta device, then given the weights) equal to an nn.Linear or Conv1D."""
+def as_linear(module, name="") -> nn.Linear:
+    """An nn.Linear (on the meta device, then given the weights) equal to an nn.Linear or Conv1D.
+    A subclass of nn.Linear with its own forward is refused, naming the module."""
     if isinstance(module, nn.Linear):
+        refuse_own_forward(module, nn.Linear, f"parallelize: {name}")
         return module
     weight = module.weight.detach().t()
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=module.bias is not None, device="meta")
@@ -117,7 +118,7 @@ class ShardingPass:
     def column(self, name, module, sequence_parallel=None, **kwargs):
         sp = self.sp if sequence_parallel is None else sequence_parallel
         layer = ColumnParallelLinear.from_linear(
-            as_linear(module), group=self.group, sequence_parallel=sp, **kwargs
+            as_linear(module, name), group=self.group, sequence_parallel=sp, **kwargs
         ).to(module.weight.device)
         self.swap(name, layer)
         self.record(name, layer, 0, is_conv1d(module))
@@ -129,7 +130,7 @@ class ShardingPass:
         return self.column(name, module, sequence_parallel=False, reduce_input_grad=False)
 
     def row(self, name, module):
-        layer = RowParallelLinear.from_linear(as_linear(module), group=self.group, sequence_parallel=self.sp).to(
+        layer = RowParallelLinear.from_linear(as_linear(module, name), group=self.group, sequence_parallel=self.sp).to(
             module.weight.device
         )
         self.swap(name, layer)
@@ -145,15 +146,27 @@ class ShardingPass:
         return getattr(getattr(self.model, "config", None), key)
 
     # -- generic parts ----------------------------------------------------------------------
+    def vocab_parallel(self, name, embedding):
+        """The vocabulary-parallel form of an input embedding: from the first embedding adapter
+        that knows its forward exactly; anything else is refused, naming it."""
+        adapter = next((a for a in self.embedding_adapters if a.matches(embedding)), None)
+        if adapter is None:
+            raise ValueError(
+                f"parallelize: {name} is a {type(embedding).__name__} whose forward tplayers does not know; "
+                f"it is not replaced. Pass plan={{{name!r}: 'replicate'}} to keep it whole on every rank"
+            )
+        new = adapter.build(embedding, self.group).to(embedding.weight.device)
+        self.swap(name, new)
+        self.record(name, new, 0, False)
+        return new
+
     def embeddings(self):
         emb = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
         head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
         names = {id(m): n for n, m in self.model.named_modules()}
         if isinstance(emb, nn.Embedding) and names.get(id(emb)) not in self.plan:
             tied = head is not None and head.weight is emb.weight
-            new_emb = VocabParallelEmbedding.from_embedding(emb, group=self.group).to(emb.weight.device)
-            self.swap(names[id(emb)], new_emb)
-            self.record(names[id(emb)], new_emb, 0, False)
+            new_emb = self.vocab_parallel(names[id(emb)], emb)
             if isinstance(head, nn.Linear) and names.get(id(head)) not in self.plan:
                 # the LM head sees the whole sequence: sequence parallelism ends after the last block
                 new_head = self.column(
@@ -169,15 +182,14 @@ class ShardingPass:
         elif kind == "rowwise":
             self.row(name, module)
         elif kind == "vocab":
-            new = VocabParallelEmbedding.from_embedding(module, group=self.group).to(module.weight.device)
-            self.swap(name, new)
-            self.record(name, new, 0, False)
+            self.vocab_parallel(name, module)
         else:
             self.done.add(name)
 
-    def run(self, adapters):
+    def run(self, adapters, embedding_adapters):
         """Embeddings, then every module top-down: the plan first, else the first adapter that
         matches it; finally an error naming every linear layer left unplaced."""
+        self.embedding_adapters = embedding_adapters
         self.embeddings()
         for name, module in list(self.model.named_modules()):
             if not name or _under(name, self.done):

@@ -14,7 +14,7 @@ from torch.distributed.tensor import Shard
 
 from tplayers.distributed import resolve_group
 from tplayers.functional.collectives import own_slice, reduce_from_tp_region
-from tplayers.nn.linear import _divide
+from tplayers.nn.linear import _divide, refuse_own_forward
 from tplayers.placement import PlacedModule
 
 
@@ -61,6 +61,7 @@ class VocabParallelEmbedding(PlacedModule):
         """The layer holding this rank's rows of `embedding` (which is left unchanged)."""
         if not isinstance(embedding, nn.Embedding):
             raise TypeError(f"{cls.__name__}.from_embedding needs an nn.Embedding, got {type(embedding).__name__}")
+        refuse_own_forward(embedding, nn.Embedding, cls.__name__)
         # max_norm and scale_grad_by_freq would also act on row 0, where out-of-shard ids are sent;
         # sparse gradients are not reduced by anything in tplayers.
         options = {"max_norm": embedding.max_norm is not None, "scale_grad_by_freq": embedding.scale_grad_by_freq,

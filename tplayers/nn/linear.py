@@ -25,6 +25,16 @@ def _divide(total: int, n: int, what: str) -> int:
     return total // n
 
 
+def refuse_own_forward(module, base, what):
+    """A subclass of `base` with its own forward computes something tplayers does not know
+    (a scale, a quantisation, LoRA): sharding it as a plain `base` would be silently wrong."""
+    if type(module).forward is not base.forward:
+        raise TypeError(
+            f"{what}: {type(module).__name__} overrides {base.__name__}.forward; its math is not known to "
+            f"tplayers, so it is not replaced (pass a plain {base.__name__}, or keep the module replicated)"
+        )
+
+
 def _full_linear_init(in_features, out_features, bias, device, dtype):
     """Weights exactly as nn.Linear(in, out) would draw them on the CPU, so a TP layer built under
     a seed holds the shards of the CPU nn.Linear built under the same seed. The full weight
@@ -75,6 +85,7 @@ class _ParallelLinear(PlacedModule):
         moved to `device` / cast to `dtype`."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"{cls.__name__}.from_linear needs an nn.Linear, got {type(linear).__name__}")
+        refuse_own_forward(linear, nn.Linear, cls.__name__)
         dtype = dtype or linear.weight.dtype
         layer = cls(
             linear.in_features, linear.out_features, linear.bias is not None, group=group,

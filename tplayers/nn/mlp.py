@@ -23,7 +23,14 @@ from torch.distributed.tensor import Replicate, Shard
 
 from tplayers.distributed import resolve_group
 from tplayers.functional.swiglu import column_parallel_swiglu
-from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear, _divide, _full_linear_init, check_input
+from tplayers.nn.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    _divide,
+    _full_linear_init,
+    check_input,
+    refuse_own_forward,
+)
 
 ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh")
 
@@ -101,6 +108,7 @@ class ParallelMLP(nn.Module):
         for lin in (*in_linears, down):
             if not isinstance(lin, nn.Linear):
                 raise TypeError(f"ParallelMLP: expected nn.Linear modules, got {type(lin).__name__}")
+            refuse_own_forward(lin, nn.Linear, "ParallelMLP")
             if (lin.bias is None) != (ref.bias is None):
                 raise ValueError("ParallelMLP: either every projection has a bias or none has")
         F, H = ref.weight.shape

@@ -15,18 +15,7 @@ import os
 
 import torch
 
-TOLERANCES = {
-    torch.float64: dict(rtol=1e-7, atol=1e-7),
-    torch.float32: dict(rtol=1e-5, atol=1e-5),
-    torch.float16: dict(rtol=2e-3, atol=6e-3),
-    torch.bfloat16: dict(rtol=2e-2, atol=5e-2),
-}
-
-
-def tolerance(dtype: torch.dtype, *, exact: bool = False) -> dict:
-    if exact:
-        return dict(rtol=0.0, atol=0.0)
-    return TOLERANCES[dtype]
+from tplayers.tolerances import TOLERANCES, tolerance  # noqa: F401  (the one table, re-exported)
 
 
 def assert_close(actual, expected, *, exact=False, msg=None):

@@ -1,0 +1,20 @@
+"""The one per-dtype tolerance table (see `tplayers.testing.numerics` for why these values).
+
+A foundation, so that `parallelize(verify=...)` and the test helpers compare with the same table.
+"""
+
+import torch
+
+TOLERANCES = {
+    torch.float64: dict(rtol=1e-7, atol=1e-7),
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.float16: dict(rtol=2e-3, atol=6e-3),
+    torch.bfloat16: dict(rtol=2e-2, atol=5e-2),
+}
+
+
+def tolerance(dtype: torch.dtype, *, exact: bool = False) -> dict:
+    """rtol / atol for a reference of `dtype` (zero for exact comparisons)."""
+    if exact:
+        return dict(rtol=0.0, atol=0.0)
+    return TOLERANCES[dtype]
