@@ -10,6 +10,9 @@ recognised by the module's children, next to each other in `ADAPTERS`.
     gated MLP (gate/up/down_proj): SiLU -> ParallelMLP (one fused gate|up GEMM + SwiGLU kernel);
         any other activation -> gate, up column-parallel, down row-parallel
     GPT-2 MLP (Conv1D c_fc, c_proj): c_fc column-parallel, c_proj row-parallel
+    fused qkv_proj [q; k; v] (Phi-3): column-parallel with rank r holding [q_r; k_r; v_r], the
+        attention given its own config copy with the local head counts its forward reads
+    fused gate_up_proj [gate; up] with SiLU (Phi-3, GLM-4): ParallelMLP's fused SwiGLU layout
     two-layer MLPs with an elementwise activation (fc1/fc2: OPT, Phi; fc_in/fc_out: GPT-J;
         c_fc/c_proj: Starcoder2; up_proj/down_proj: MPT; dense_h_to_4h/dense_4h_to_h): the first
         column-parallel, the second row-parallel
@@ -24,6 +27,7 @@ forward reads (head counts) are set to their local values; a forward that reads 
 does not localise is refused, naming it.
 """
 
+import copy
 import inspect
 import re
 from collections.abc import Callable
@@ -125,17 +129,18 @@ def _forward_reads(module) -> set[str]:
     return set(_SELF_READS.findall(source))
 
 
-def localize_attributes(name, module, local: dict[str, int]):
+def localize_attributes(name, module, local: dict[str, int], *, config_keys=()):
     """Set the module's size attributes to their local values (`local`: attribute -> value), then
     refuse the module if its forward still reads a size sharding changes: one of its own not set
-    here, or any from the config (shared by every module, so never localised)."""
+    here, or one from the config (shared by every module) unless the module holds its own copy
+    with those keys (`config_keys`) set locally."""
     for attr, value in local.items():
         if isinstance(getattr(module, attr, None), int):
             setattr(module, attr, value)
     stale = []
     for attr in sorted(_forward_reads(module)):
         owner, _, key = attr.rpartition(".")
-        if key in SIZE_NAMES and (owner or key not in local):
+        if key in SIZE_NAMES and ((owner and key not in config_keys) or (not owner and key not in local)):
             stale.append(f"self.{attr}")
     if stale:
         raise ValueError(
@@ -250,7 +255,99 @@ def gpt2_attention(sp: ShardingPass, name, attn):
     sp.done.add(name)
 
 
+def fused_qkv_attention(sp: ShardingPass, name, attn):
+    """Phi-3: one qkv_proj holding [q; k; v] row blocks, sliced by the forward at
+    config.num_attention_heads * head_dim. Rank r holds [q_r; k_r; v_r] (no gathered output); the
+    attention gets its own copy of the config with the local head counts, which its forward reads."""
+    head_dim, config = attn.head_dim, attn.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    _divide(heads, sp.n, f"{name}: attention heads")
+    _divide(kv_heads, sp.n, f"{name}: key/value heads (fused qkv_proj)")
+    sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    if attn.qkv_proj.out_features != sum(sizes):
+        raise ValueError(f"parallelize: {name}.qkv_proj has {attn.qkv_proj.out_features} rows, not q+k+v {sizes}")
+    _fused_column(sp, f"{name}.qkv_proj", attn.qkv_proj, sizes)
+    sp.row(f"{name}.o_proj", attn.o_proj)
+    attn.config = copy.copy(config)  # this module's own: the model's config stays global
+    attn.config.num_attention_heads, attn.config.num_key_value_heads = heads // sp.n, kv_heads // sp.n
+    localize_attributes(
+        name,
+        attn,
+        dict.fromkeys(KV_HEAD_COUNTS, kv_heads // sp.n),
+        config_keys=("num_attention_heads", "num_key_value_heads"),
+    )
+    sp.shared_input.append(attn)
+    sp.done.add(name)
+
+
+def _fused_column(sp: ShardingPass, name, linear, sizes, *, shared_input=True):
+    """A column layer over a fused projection of parts with `sizes` rows: rank r holds the r-th
+    slice of every part, side by side; exported back to the fused HF layout exactly."""
+    full = as_linear(linear, name)
+    fused = nn.Linear(full.in_features, full.out_features, bias=full.bias is not None, device="meta")
+    fused.weight = nn.Parameter(interleave_shards(full.weight.split(sizes, 0), sp.n), requires_grad=False)
+    if full.bias is not None:
+        fused.bias = nn.Parameter(interleave_shards(full.bias.split(sizes, 0), sp.n), requires_grad=False)
+    kwargs = dict(reduce_input_grad=False) if shared_input else dict(sequence_parallel=sp.sp)
+    layer = ColumnParallelLinear.from_linear(fused, group=sp.group, **kwargs).to(linear.weight.device)
+    sp.swap(name, layer)
+    keys = ("weight", "bias") if layer.bias is not None else ("weight",)
+
+    def export(pick, group):
+        out = {}
+        for key in keys:
+            t = gather(pick(getattr(layer, key)), 0, group)
+            if t is not None:
+                out[key] = torch.cat(deinterleave_shards(t, sp.n, sizes), 0)
+        return out
+
+    def load(full_tensors):
+        for key in keys:
+            parts = full_tensors[key].split(sizes, 0)
+            copy_in(getattr(layer, key), own_slice(interleave_shards(parts, sp.n), 0, sp.group))
+
+    sp.exports.append((name, export, load))
+    return layer
+
+
 # -- MLP ------------------------------------------------------------------------------------
+def fused_gate_up_mlp(sp: ShardingPass, name, mlp):
+    """Phi-3: gate_up_proj holding [gate; up] halves, up * act(gate). SiLU: ParallelMLP (one fused
+    gate|up GEMM with the SwiGLU epilogue), exported back to [gate; up]; other activations refused."""
+    act = getattr(mlp, "activation_fn", None)
+    if not is_silu(act):
+        raise ValueError(f"parallelize: {name} gates with {type(act).__name__}, not SiLU; pass a plan for this model")
+    fused = as_linear(mlp.gate_up_proj, f"{name}.gate_up_proj")
+    halves = []
+    for part in fused.weight.detach().chunk(2, 0):
+        half = nn.Linear(part.shape[1], part.shape[0], bias=False, device="meta")
+        half.weight = nn.Parameter(part, requires_grad=False)
+        halves.append(half)
+    if fused.bias is not None:
+        raise ValueError(f"parallelize: {name}.gate_up_proj has a bias; pass a plan for this model")
+    layer = ParallelMLP.from_modules(
+        *halves, as_linear(mlp.down_proj, f"{name}.down_proj"), group=sp.group, sequence_parallel=sp.sp
+    ).to(mlp.down_proj.weight.device)
+    sp.swap(name, layer)
+
+    def export(pick, group):
+        w = pick(layer.in_proj.weight)
+        out = {}
+        if w is not None:
+            out["gate_up_proj.weight"] = torch.cat(unfuse_gate_up(gather(w, 0, group), sp.n), 0)
+        down = pick(layer.out_proj.weight)
+        if down is not None:
+            out["down_proj.weight"] = gather(down, 1, group)
+        return out
+
+    def load(full):
+        gate, up = full["gate_up_proj.weight"].chunk(2, 0)
+        copy_in(layer.in_proj.weight, own_slice(fuse_gate_up(gate, up, sp.n), 0, sp.group))
+        copy_in(layer.out_proj.weight, own_slice(full["down_proj.weight"], 1, sp.group))
+
+    sp.exports.append((name, export, load))
+
+
 def gated_mlp(sp: ShardingPass, name, mlp):
     if not is_silu(getattr(mlp, "act_fn", None)):
         sp.shared_input_column(f"{name}.gate_proj", mlp.gate_proj)
@@ -382,6 +479,8 @@ ADAPTERS = (
         lambda m: _has_linears(m, ("q_proj", "k_proj", "v_proj")) and _output_projection(m) is not None,
         qkvo_attention,
     ),
+    Adapter("fused qkv attention (Phi-3)", lambda m: _has_linears(m, ("qkv_proj", "o_proj")), fused_qkv_attention),
+    Adapter("fused gate|up MLP (Phi-3)", lambda m: _has_linears(m, ("gate_up_proj", "down_proj")), fused_gate_up_mlp),
     Adapter("GPT-2 attention", lambda m: _has_conv1ds(m, ("c_attn", "c_proj")), gpt2_attention),
     Adapter("gated MLP", lambda m: _has_linears(m, ("gate_proj", "up_proj", "down_proj")), gated_mlp),
     Adapter("GPT-2 MLP", lambda m: _has_conv1ds(m, ("c_fc", "c_proj")), gpt2_mlp),
