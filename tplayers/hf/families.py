@@ -222,32 +222,7 @@ def _per_head_weights(sp: ShardingPass, name, attn, head_dim, projections):
 def gpt2_attention(sp: ShardingPass, name, attn):
     width = attn.c_attn.nf // 3
     _divide(attn.num_heads, sp.n, f"{name}: attention heads")
-    full = as_linear(attn.c_attn)
-    fused = nn.Linear(full.in_features, full.out_features, bias=full.bias is not None, device="meta")
-    fused.weight = nn.Parameter(interleave_shards(full.weight.split(width, 0), sp.n), requires_grad=False)
-    if full.bias is not None:
-        fused.bias = nn.Parameter(interleave_shards(full.bias.split(width, 0), sp.n), requires_grad=False)
-    layer = ColumnParallelLinear.from_linear(fused, group=sp.group, reduce_input_grad=False).to(
-        attn.c_attn.weight.device
-    )
-    sp.swap(f"{name}.c_attn", layer)
-    keys = ("weight", "bias") if layer.bias is not None else ("weight",)
-
-    def export(pick, group):
-        out = {}
-        for key in keys:
-            t = gather(pick(getattr(layer, key)), 0, group)
-            if t is not None:
-                t = torch.cat(deinterleave_shards(t, sp.n, [width] * 3), 0)
-                out[key] = t.t() if key == "weight" else t
-        return out
-
-    def load(full):
-        for key in keys:
-            t = full[key].t() if key == "weight" else full[key]
-            copy_in(getattr(layer, key), own_slice(interleave_shards(t.split(width, 0), sp.n), 0, sp.group))
-
-    sp.exports.append((f"{name}.c_attn", export, load))
+    _fused_column(sp, f"{name}.c_attn", attn.c_attn, [width] * 3)
     # HF splits c_attn's output into q, k, v of split_size
     localize_attributes(name, attn, {"split_size": width // sp.n, **dict.fromkeys(HEAD_COUNTS, attn.num_heads // sp.n)})
     sp.row(f"{name}.c_proj", attn.c_proj)
@@ -281,8 +256,10 @@ def fused_qkv_attention(sp: ShardingPass, name, attn):
 
 
 def _fused_column(sp: ShardingPass, name, linear, sizes, *, shared_input=True):
-    """A column layer over a fused projection of parts with `sizes` rows: rank r holds the r-th
-    slice of every part, side by side; exported back to the fused HF layout exactly."""
+    """A column layer over a fused projection (nn.Linear, or Conv1D with its weight stored (in, out))
+    of parts with `sizes` rows: rank r holds the r-th slice of every part, side by side; exported
+    back to the fused HF layout exactly."""
+    transpose = is_conv1d(linear)
     full = as_linear(linear, name)
     fused = nn.Linear(full.in_features, full.out_features, bias=full.bias is not None, device="meta")
     fused.weight = nn.Parameter(interleave_shards(full.weight.split(sizes, 0), sp.n), requires_grad=False)
@@ -298,12 +275,14 @@ def _fused_column(sp: ShardingPass, name, linear, sizes, *, shared_input=True):
         for key in keys:
             t = gather(pick(getattr(layer, key)), 0, group)
             if t is not None:
-                out[key] = torch.cat(deinterleave_shards(t, sp.n, sizes), 0)
+                t = torch.cat(deinterleave_shards(t, sp.n, sizes), 0)
+                out[key] = t.t() if transpose and key == "weight" else t
         return out
 
     def load(full_tensors):
         for key in keys:
-            parts = full_tensors[key].split(sizes, 0)
+            t = full_tensors[key]
+            parts = (t.t() if transpose and key == "weight" else t).split(sizes, 0)
             copy_in(getattr(layer, key), own_slice(interleave_shards(parts, sp.n), 0, sp.group))
 
     sp.exports.append((name, export, load))
