@@ -25,7 +25,7 @@ def build_and_call(rank, tp, group, case):
         "last_dim": torch.randn(2, 3, 7),
         "dtype": torch.randn(2, 3, 8, dtype=torch.float16),
         "device": torch.randn(2, 3, 8, device="meta"),
-        "sp_not_3d": torch.randn(6, 8),
+        "sp_not_3d": torch.randn(2, 3, 1, 8),
     }
     if case == "sp_row_seq":
         return row(torch.randn(2, 3 * tp + 1, 6))
@@ -38,7 +38,7 @@ CASES = {
     "last_dim": (ValueError, r"input last dim \(7,\) does not match the layer's 8"),
     "dtype": (TypeError, "input dtype torch.float16 does not match the weight dtype torch.float32"),
     "device": (ValueError, "input is on meta but the weight is on cpu"),
-    "sp_not_3d": (ValueError, r"sequence_parallel needs a \(batch, seq, hidden\) input"),
+    "sp_not_3d": (ValueError, r"sequence_parallel needs a \(batch, seq, hidden\) or \(tokens, hidden\) input"),
     "sp_row_seq": (ValueError, r"sequence length 10 is not divisible by the tensor-parallel size \(3\)"),
 }
 

@@ -31,7 +31,9 @@ class BlockCase:
     backend: str = "torch"
     exact: bool = False  # integer-valued data, compared bit for bit
     wrong_shard: bool = False  # negative control: the column layer gets its neighbour's slice
-    leading_dims: int = 2  # without SP any leading dims work: (B*S, H), (B, S, H), (B, 1, S, H)
+    # without SP any leading dims work: (B*S, H), (B, S, H), (B, 1, S, H); with SP (B, S/n, H) or
+    # this rank's (tokens, H), split along the tokens (OPT's flattened MLP, MoE blocks)
+    leading_dims: int = 2
     seed: int = 0
 
 
@@ -117,7 +119,7 @@ def block_cases(draw, dtypes, max_hidden, max_ffn_per_rank, backend):
         gather=False if sp else draw(st.booleans()),
         bias=draw(st.booleans()),
         overlap=draw(st.booleans()),
-        leading_dims=2 if sp else draw(st.sampled_from([1, 2, 3])),
+        leading_dims=draw(st.sampled_from([1, 2] if sp else [1, 2, 3])),
         backend=backend,
         seed=draw(st.integers(0, 2**16)),
     )
@@ -140,12 +142,14 @@ def test_block_matches_unsharded_triton_backend(pool, data):
 
 
 @pytest.mark.parametrize("tp", [1, 2, 3, 4])
-@pytest.mark.parametrize("mode", ["plain", "sequence_parallel", "gather"], ids=["plain", "sp", "gather_output"])
+@pytest.mark.parametrize(
+    "mode", ["plain", "sequence_parallel", "sp_tokens", "gather"], ids=["plain", "sp", "sp_tokens", "gather_output"]
+)
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no_overlap"])
 def test_block_exact_with_integer_values(pool, tp, mode, overlap):
     case = BlockCase(
         batch=2, seq_per_rank=3, hidden=13, ffn_per_rank=5, exact=True, overlap=overlap,
-        sequence_parallel=mode == "sequence_parallel", gather=mode == "gather",
+        sequence_parallel=mode.startswith("s"), gather=mode == "gather", leading_dims=1 if mode == "sp_tokens" else 2,
     )  # fmt: skip
     check_block(pool, tp, case)
 

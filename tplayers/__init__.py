@@ -21,7 +21,14 @@ from tplayers.distributed import RankError, init_mesh, launch
 from tplayers.functional.comm import count_bytes
 from tplayers.functional.cross_entropy import vocab_parallel_cross_entropy
 from tplayers.hf import gather_state_dict, load_full_state_dict, parallelize
-from tplayers.nn import ColumnParallelLinear, ParallelAttention, ParallelMLP, RowParallelLinear, VocabParallelEmbedding
+from tplayers.nn import (
+    ColumnParallelLinear,
+    ParallelAttention,
+    ParallelMLP,
+    ParallelRMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from tplayers.placement import ParamPlacement, get_placement
 from tplayers.train import DynamicLossScaler, MixedPrecisionOptimizer, StepResult, clip_grad_norm_, train_step
 
@@ -31,6 +38,7 @@ __all__ = [
     "MixedPrecisionOptimizer",
     "ParallelAttention",
     "ParallelMLP",
+    "ParallelRMSNorm",
     "ParamPlacement",
     "RankError",
     "RowParallelLinear",

@@ -18,6 +18,7 @@ from tplayers.functional.collectives import (
     reduce_from_tp_region,
     reduce_scatter_sequence,
     scatter_to_tp_region,
+    sum_over_tp_region,
 )
 from tplayers.functional.comm import count_bytes
 from tplayers.functional.cross_entropy import vocab_parallel_cross_entropy
@@ -37,5 +38,6 @@ __all__ = [
     "reduce_scatter_sequence",
     "row_parallel_linear",
     "scatter_to_tp_region",
+    "sum_over_tp_region",
     "vocab_parallel_cross_entropy",
 ]

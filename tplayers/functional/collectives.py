@@ -3,10 +3,11 @@
 Each Function is the adjoint pair of one collective:
     copy_to_tp_region        fwd identity            bwd all-reduce
     reduce_from_tp_region    fwd all-reduce          bwd identity
+    sum_over_tp_region       fwd all-reduce          bwd all-reduce       (a sum each rank uses for its own part)
     scatter_to_tp_region     fwd keep own slice      bwd all-gather       (along `dim`)
     gather_from_tp_region    fwd all-gather          bwd keep own slice   (along `dim`)
-    all_gather_sequence      fwd all-gather dim 1    bwd reduce-scatter dim 1
-    reduce_scatter_sequence  fwd reduce-scatter dim 1 bwd all-gather dim 1
+    all_gather_sequence      fwd all-gather `dim`     bwd reduce-scatter `dim` (dim 1: the sequence)
+    reduce_scatter_sequence  fwd reduce-scatter `dim` bwd all-gather `dim`
 """
 
 import torch
@@ -72,6 +73,24 @@ class _ReduceFromTPRegion(torch.autograd.Function):
         return dy, None
 
 
+class _SumOverTPRegion(torch.autograd.Function):
+    """A sum over the group that every rank then uses for its own part (the sum of squares of a
+    norm over a split dim): each rank's gradient of it is a partial, so backward sums them too."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        y = x.contiguous().clone()
+        comm.all_reduce(y, group)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        dy = dy.contiguous().clone()
+        comm.all_reduce(dy, ctx.group)
+        return dy, None
+
+
 class _ScatterToTPRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group):
@@ -96,24 +115,24 @@ class _GatherFromTPRegion(torch.autograd.Function):
 
 class _AllGatherSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather_dim(x, 1, group)
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return all_gather_dim(x, dim, group)
 
     @staticmethod
     def backward(ctx, dy):
-        return reduce_scatter_dim(dy, 1, ctx.group), None
+        return reduce_scatter_dim(dy, ctx.dim, ctx.group), None, None
 
 
 class _ReduceScatterSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return reduce_scatter_dim(x, 1, group)
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return reduce_scatter_dim(x, dim, group)
 
     @staticmethod
     def backward(ctx, dy):
-        return all_gather_dim(dy, 1, ctx.group), None
+        return all_gather_dim(dy, ctx.dim, ctx.group), None, None
 
 
 def copy_to_tp_region(x, group):
@@ -124,6 +143,10 @@ def reduce_from_tp_region(x, group):
     return _ReduceFromTPRegion.apply(x, group)
 
 
+def sum_over_tp_region(x, group):
+    return _SumOverTPRegion.apply(x, group)
+
+
 def scatter_to_tp_region(x, group, dim=-1):
     return _ScatterToTPRegion.apply(x, dim, group)
 
@@ -132,9 +155,9 @@ def gather_from_tp_region(x, group, dim=-1):
     return _GatherFromTPRegion.apply(x, dim, group)
 
 
-def all_gather_sequence(x, group):
-    return _AllGatherSequence.apply(x, group)
+def all_gather_sequence(x, group, dim=1):
+    return _AllGatherSequence.apply(x, group, dim)
 
 
-def reduce_scatter_sequence(x, group):
-    return _ReduceScatterSequence.apply(x, group)
+def reduce_scatter_sequence(x, group, dim=1):
+    return _ReduceScatterSequence.apply(x, group, dim)

@@ -146,13 +146,16 @@ def matmul_all_reduce(x, weight, group, *, bias=None, overlap=True, side_work=()
     n, r = dist.get_world_size(group), dist.get_rank(group)
     x2 = x.reshape(-1, x.shape[-1])
     M, N = x2.shape[0], weight.shape[0]
-    y = x.new_empty((M, N))
+    # The result is returned as allocated, not as a view: callers may modify it in place (Falcon's
+    # residual +=), which autograd forbids on a view made inside a Function.
+    result = x.new_empty((*x.shape[:-1], N))
+    y = result.view(M, N)
     if overlap and n > 1 and dist.get_backend(group) == "gloo":
         bounds = [M * j // n for j in range(n + 1)]
         own = y[bounds[r] : bounds[r + 1]]
         _ring_reduce_scatter(lambda j: x2[bounds[j] : bounds[j + 1]], weight, group, bias=bias, out=own)
         _ring_all_gather_rows(y, bounds, group, side_work)
-        return y.view(*x.shape[:-1], N)
+        return result
     # Rank 0 alone adds the bias inside its GEMM: the sum then holds it once, at no extra pass.
     own_bias = bias if r == 0 else None
     chunks = max(1, min(ALL_REDUCE_CHUNKS, M * N * x.element_size() // MIN_ALL_REDUCE_CHUNK_BYTES)) if overlap else 1
@@ -166,4 +169,4 @@ def matmul_all_reduce(x, weight, group, *, bias=None, overlap=True, side_work=()
     for work in works:
         if work is not None:
             work.wait()
-    return y.view(*x.shape[:-1], N)
+    return result

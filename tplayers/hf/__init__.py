@@ -3,6 +3,11 @@
 
     shard.py        the generic pass: walk the modules, apply a plan, swap linears, record exports
     families.py     what tplayers knows about each model family: one adapter per module pattern
+    attention.py    the attention adapters (layouts split by heads, ALiBi, norms over a projection)
+    mlp.py          the MLP adapters (gated -> ParallelMLP, fused gate|up, two-layer)
+    moe.py          experts in transformers 5's fused 3-D layout, sharded like MLPs
+    fused.py        fused projections: row maps, multi-query [q; k; v]
+    verify.py       the self-check: full logits before sharding against the sharded ones after
     parallelize.py  the entry point: runs the pass, wires SP / shared-input hooks into the forward
     state_dict.py   full state dict / gradients under the original names, and loading them back
 

@@ -162,7 +162,7 @@ def parallelize(model, *, group=None, sequence_parallel=False, plan=None, vocab_
     reference = verification.logits(model, probe) if probe is not None else None
     keys = list(model.state_dict().keys())
     parallelizer = ShardingPass(model, group, sequence_parallel, plan, vocab_parallel_logits)
-    parallelizer.run(families.ADAPTERS, families.EMBEDDINGS)  # read per call: patchable
+    parallelizer.run(families.ADAPTERS, families.EMBEDDINGS, families.LINEAR_EQUIVALENTS)  # read per call: patchable
     if sequence_parallel:
         blocks = _decoder_blocks(model, parallelizer.shared_input)
         if not blocks:

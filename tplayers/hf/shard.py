@@ -7,6 +7,7 @@ HF models hold linear layers as `nn.Linear` or, in GPT-2 and its relatives, as `
 same map with its weight stored (in, out)); both are handled here.
 """
 
+import fnmatch
 from collections.abc import Callable
 
 import torch
@@ -27,6 +28,14 @@ Load = Callable[[dict], None]
 def is_conv1d(module) -> bool:
     """HF's Conv1D (GPT-2): a linear layer with its weight stored (in, out)."""
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and module.weight.dim() == 2
+
+
+def has_linears(module, names) -> bool:
+    return all(isinstance(getattr(module, p, None), nn.Linear) for p in names)
+
+
+def has_conv1ds(module, names) -> bool:
+    return all(is_conv1d(getattr(module, p, None)) for p in names)
 
 
 def as_linear(module, name="") -> nn.Linear:
@@ -82,6 +91,17 @@ def linear_load(layer, dim, transpose, group) -> Load:
             copy_in(layer.bias, own_slice(full["bias"], 0, group) if dim == 0 else full["bias"])
 
     return load
+
+
+def hf_plan_hint(model, names) -> str:
+    """What the model's own `config.base_model_tp_plan` says about `names`, if anything: a hint
+    for the user writing a plan, not a placement tplayers takes unchecked (HF's plan gathers the
+    outputs of fused projections, and its kinds are not all exact layouts)."""
+    plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
+    said = {n: kind for n in names for pattern, kind in plan.items() if fnmatch.fnmatchcase(n, "*" + pattern)}
+    if not said:
+        return ""
+    return f" (HF's base_model_tp_plan, a hint tplayers has not checked, says {said})"
 
 
 def _under(name, done) -> bool:
@@ -186,10 +206,22 @@ class ShardingPass:
         else:
             self.done.add(name)
 
-    def run(self, adapters, embedding_adapters):
+    def plain_linears(self, equivalents):
+        """nn.Linear subclasses named in `equivalents` (qualified class names whose forward is
+        nn.Linear's math) become plain nn.Linear holding the same Parameters."""
+        for name, module in list(self.model.named_modules()):
+            cls = type(module)
+            if isinstance(module, nn.Linear) and f"{cls.__module__}.{cls.__qualname__}" in equivalents:
+                plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+                plain.weight, plain.bias = module.weight, module.bias
+                parent, _, child = name.rpartition(".")
+                setattr(self.model.get_submodule(parent) if parent else self.model, child, plain)
+
+    def run(self, adapters, embedding_adapters, linear_equivalents=()):
         """Embeddings, then every module top-down: the plan first, else the first adapter that
         matches it; finally an error naming every linear layer left unplaced."""
         self.embedding_adapters = embedding_adapters
+        self.plain_linears(linear_equivalents)
         self.embeddings()
         for name, module in list(self.model.named_modules()):
             if not name or _under(name, self.done):
@@ -210,4 +242,5 @@ class ShardingPass:
         if unplaced:
             raise ValueError(
                 f"parallelize: could not place {unplaced}; pass plan={{name: one of {PLAN_KINDS}}} for them"
+                + hf_plan_hint(self.model, unplaced)
             )

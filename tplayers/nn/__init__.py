@@ -5,6 +5,7 @@ MQA), the gated MLP with its fused SwiGLU epilogue, and the vocabulary-parallel 
     attention.py  ParallelAttention, RoPE, ReplicatedLinear
     mlp.py        ParallelMLP (one gate|up GEMM + SwiGLU), fuse / unfuse the gate|up layout
     embedding.py  VocabParallelEmbedding
+    norm.py       ParallelRMSNorm (over a dimension split across the group)
 
 May import: tplayers.functional and the foundations (backend, distributed, placement); never
 anything that composes modules (train, data_parallel, pipeline, hf, checkpoint, plan, tools).
@@ -14,5 +15,13 @@ from tplayers.nn.attention import ParallelAttention
 from tplayers.nn.embedding import VocabParallelEmbedding
 from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear
 from tplayers.nn.mlp import ParallelMLP
+from tplayers.nn.norm import ParallelRMSNorm
 
-__all__ = ["ColumnParallelLinear", "ParallelAttention", "ParallelMLP", "RowParallelLinear", "VocabParallelEmbedding"]
+__all__ = [
+    "ColumnParallelLinear",
+    "ParallelAttention",
+    "ParallelMLP",
+    "ParallelRMSNorm",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+]

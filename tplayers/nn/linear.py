@@ -4,7 +4,10 @@ Weights follow nn.Linear's (out, in) layout; rank r of the TP group holds the r-
 slice: ColumnParallelLinear splits `out` (weight (out/n, in), bias (out/n,)), RowParallelLinear
 splits `in` (weight (out, in/n), bias (out,) replicated). Each parameter carries its placement
 (tplayers.placement). Inputs are batch-first (B, S, H); with sequence_parallel=True the
-activations outside the TP region are sharded along dim 1. The math and the communication
+activations outside the TP region are sharded along dim 1, or, for a flattened (tokens, H) input
+(OPT's MLP, MoE blocks), along the tokens: each rank's tokens are treated as a (1, T/n, H)
+sequence, so the gathered tokens are every rank's in rank order and the output returns to
+this rank's own. The math and the communication
 per mode are in tplayers/functional/linear.py.
 """
 
@@ -56,8 +59,22 @@ def check_input(layer, x, expected_last_dim, sequence_parallel):
         raise ValueError(f"{name}: input is on {x.device} but the weight is on {layer.weight.device}")
     if x.dim() == 0 or x.shape[-1] != expected_last_dim:
         raise ValueError(f"{name}: input last dim {tuple(x.shape)[-1:]} does not match the layer's {expected_last_dim}")
-    if sequence_parallel and x.dim() != 3:
-        raise ValueError(f"{name}: sequence_parallel needs a (batch, seq, hidden) input, got {tuple(x.shape)}")
+    if sequence_parallel and x.dim() not in (2, 3):
+        raise ValueError(
+            f"{name}: sequence_parallel needs a (batch, seq, hidden) or (tokens, hidden) input, got {tuple(x.shape)}"
+        )
+
+
+def tokens_as_sequence(forward):
+    """Under sequence parallelism, run a (tokens, H) input as the (1, tokens, H) sequence."""
+
+    def wrapped(self, x):
+        if self.sequence_parallel and isinstance(x, torch.Tensor) and x.dim() == 2:
+            return forward(self, x.unsqueeze(0)).squeeze(0)
+        return forward(self, x)
+
+    wrapped.__doc__, wrapped.__name__ = forward.__doc__, forward.__name__
+    return wrapped
 
 
 class _ParallelLinear(PlacedModule):
@@ -128,6 +145,7 @@ class ColumnParallelLinear(_ParallelLinear):
         self.register_parameter("bias", bias)
         self._tag_parameters()
 
+    @tokens_as_sequence
     def forward(self, x):
         check_input(self, x, self.in_features, self.sequence_parallel)
         y = column_parallel_linear(
@@ -172,6 +190,7 @@ class RowParallelLinear(_ParallelLinear):
         self.register_parameter("bias", None if bias is None else nn.Parameter(bias.to(device=device, copy=True)))
         self._tag_parameters()
 
+    @tokens_as_sequence
     def forward(self, x):
         expected = self.in_features_per_rank if self.input_is_parallel else self.in_features
         check_input(self, x, expected, self.sequence_parallel)

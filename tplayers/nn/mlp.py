@@ -14,7 +14,8 @@ gate and up columns and the shard is local and contiguous. Its placement is Shar
 (2F, H) weight whose rows alternate gate, up (what concatenating the shards along dim 0 gives):
 `fuse_gate_up` builds it from the unsharded pair, `unfuse_gate_up` maps it back, and
 `ParallelMLP.unfused_shards()` gives each rank's slices in the unsharded gate / up / down layout.
-With sequence_parallel=True, x and the output are (B, S/n, H), sharded along the sequence.
+With sequence_parallel=True, x and the output are (B, S/n, H), sharded along the sequence (or
+(T/n, H), sharded along the tokens).
 """
 
 import torch
@@ -30,6 +31,7 @@ from tplayers.nn.linear import (
     _full_linear_init,
     check_input,
     refuse_own_forward,
+    tokens_as_sequence,
 )
 
 ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh")
@@ -164,6 +166,7 @@ class ParallelMLP(nn.Module):
             out[f"{down}.bias"] = (self.out_proj.bias.detach(), Replicate())
         return out
 
+    @tokens_as_sequence
     def forward(self, x):
         if self.activation == "swiglu":  # the SwiGLU runs in the gate|up GEMM's epilogue
             layer = self.in_proj

@@ -1,0 +1,355 @@
+"""Attention adapters: how each HF attention layout is split by heads over the group.
+
+    q/k/v_proj and o_proj / out_proj / dense (Llama, Mistral, Qwen2/3, Gemma 1-3, OLMo/OLMo2,
+        Cohere, Granite, StableLM, OPT, GPT-J, Phi, ...): q, k, v column-parallel split by heads
+        (key/value heads fewer than ranks: each rank computes the one its queries use), the
+        output projection row-parallel; OLMo2's q_norm / k_norm over the whole projection ->
+        ParallelRMSNorm; per-head norms (Qwen3) replicated with their gradients summed
+    GPT-2's Conv1D c_attn [q; k; v], Phi-3's qkv_proj [q; k; v], MPT's Wqkv: rank r holds
+        [q_r; k_r; v_r] (tplayers.hf.fused)
+    per-head query_key_value (GPT-NeoX, Bloom), Falcon's three layouts, GPTBigCode's multi-query
+        c_attn, CodeGen's 4-block qkv_proj: see each adapter
+    ALiBi (Bloom, MPT, Falcon): the bias the model builds for all heads, sliced to each rank's heads
+
+Attributes a module's own forward reads (head counts, widths) are set to their local values; a
+forward that reads a size tplayers does not localise is refused, naming it.
+"""
+
+import copy
+import inspect
+import re
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tplayers.hf.fused import ReplicatedKVProjection, codegen_rows, fused_column, multi_query_column, part_rows
+from tplayers.hf.shard import ShardingPass
+from tplayers.nn.linear import _divide
+from tplayers.nn.norm import ParallelRMSNorm
+from tplayers.tolerances import TOLERANCES
+
+HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
+KV_HEAD_COUNTS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
+# Sizes that sharding changes: a forward reading one that is not set locally reshapes wrongly.
+SIZE_NAMES = {*HEAD_COUNTS, *KV_HEAD_COUNTS, "hidden_size", "embed_dim", "all_head_size", "inner_dim", "split_size"}
+_SELF_READS = re.compile(r"self\.((?:config\.)?[A-Za-z_]\w*)")
+
+
+def _forward_reads(module) -> set[str]:
+    """`self.x` / `self.config.x` names read in the module's forward (none where it has no source)."""
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return set()
+    return set(_SELF_READS.findall(source))
+
+
+def localize_attributes(name, module, local: dict[str, int], *, config_keys=()):
+    """Set the module's size attributes to their local values (`local`: attribute -> value), then
+    refuse the module if its forward still reads a size sharding changes: one of its own not set
+    here, or one from the config (shared by every module) unless the module holds its own copy
+    with those keys (`config_keys`) set locally."""
+    for attr, value in local.items():
+        if isinstance(getattr(module, attr, None), int):
+            setattr(module, attr, value)
+    stale = []
+    for attr in sorted(_forward_reads(module)):
+        owner, _, key = attr.rpartition(".")
+        if key in SIZE_NAMES and ((owner and key not in config_keys) or (not owner and key not in local)):
+            stale.append(f"self.{attr}")
+    if stale:
+        raise ValueError(
+            f"parallelize: {name} ({type(module).__name__}) reads {', '.join(stale)} in its forward, a global "
+            "size that sharding changes and tplayers does not set locally; pass a plan for this model"
+        )
+
+
+OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense")
+HIDDEN_WIDTHS = ("hidden_size", "embed_dim", "all_head_size")
+
+
+def output_projection(attn) -> str | None:
+    return next((p for p in OUTPUT_PROJECTIONS if isinstance(getattr(attn, p, None), nn.Linear)), None)
+
+
+def qkvo_attention(sp: ShardingPass, name, attn):
+    out = output_projection(attn)
+    o_proj = getattr(attn, out)
+    head_dim = getattr(attn, "head_dim", None) or o_proj.in_features // sp.config("num_attention_heads")
+    heads, kv_heads = attn.q_proj.out_features // head_dim, attn.k_proj.out_features // head_dim
+    _divide(heads, sp.n, f"{name}: attention heads")
+    if kv_heads % sp.n and sp.n % kv_heads:
+        raise ValueError(
+            f"{name}: key/value heads ({kv_heads}) and the tensor-parallel size ({sp.n}): one must divide "
+            "the other (key/value heads split over the ranks, or each replicated on n / heads ranks)"
+        )
+    sp.shared_input_column(f"{name}.q_proj", attn.q_proj)
+    if kv_heads % sp.n == 0:
+        sp.shared_input_column(f"{name}.k_proj", attn.k_proj)
+        sp.shared_input_column(f"{name}.v_proj", attn.v_proj)
+    else:  # fewer key/value heads than ranks: each rank computes the one its query heads use
+        kv_index = dist.get_rank(sp.group) // (sp.n // kv_heads)
+        for proj in ("k_proj", "v_proj"):
+            module = getattr(attn, proj)
+            layer = ReplicatedKVProjection.from_linear(module, group=sp.group).to(module.weight.device)
+            layer.rows = slice(kv_index * head_dim, (kv_index + 1) * head_dim)
+            sp.swap(f"{name}.{proj}", layer)
+            sp.record(f"{name}.{proj}", layer, None, False)
+        attn.num_key_value_groups = heads // sp.n  # local query heads per (one) local kv head
+    sp.row(f"{name}.{out}", o_proj)
+    local_kv = max(kv_heads // sp.n, 1)
+    # widths equal to all heads' (GPT-J's embed_dim, used to merge heads) become the local heads' width
+    widths = {w: heads // sp.n * head_dim for w in HIDDEN_WIDTHS if getattr(attn, w, None) == heads * head_dim}
+    localize_attributes(
+        name,
+        attn,
+        {**dict.fromkeys(HEAD_COUNTS, heads // sp.n), **dict.fromkeys(KV_HEAD_COUNTS, local_kv), **widths},
+    )
+    split = {"q_proj", "k_proj", "v_proj"} if kv_heads % sp.n == 0 else {"q_proj"}
+    _per_head_weights(sp, name, attn, head_dim, {"q_proj", "k_proj", "v_proj", out}, split)
+    sp.shared_input.append(attn)
+    sp.done.add(name)
+
+
+NORMS_OVER_PROJECTION = {"q_norm": "q_proj", "k_norm": "k_proj"}
+KNOWN_RMS_NORMS = ("Olmo2RMSNorm",)  # accepted unprobed on the meta device, where no probe can run
+EPS_NAMES = ("variance_epsilon", "eps")
+
+
+def rms_norm_eps(norm) -> float | None:
+    """The epsilon of a norm computing weight * (x * rsqrt(mean(x^2) + eps)) in fp32, checked on
+    a probe with the module's own weights (so a look-alike with other math, Gemma's (1 + weight),
+    is not taken for it); None for anything else."""
+    eps = next((getattr(norm, k) for k in EPS_NAMES if isinstance(getattr(norm, k, None), float)), None)
+    weight = getattr(norm, "weight", None)
+    if eps is None or not isinstance(weight, nn.Parameter) or weight.dim() != 1 or len(list(norm.parameters())) != 1:
+        return None
+    if weight.is_meta:
+        return eps if type(norm).__name__ in KNOWN_RMS_NORMS else None
+    x = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight.device, weight.dtype)
+    with torch.no_grad():
+        h = x.float()
+        expected = (weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+        return eps if torch.allclose(norm(x), expected, **TOLERANCES[weight.dtype]) else None
+
+
+def _norm_over_projection(sp: ShardingPass, name, norm, projection, split):
+    """OLMo2's q_norm / k_norm: an RMSNorm over a whole column-split projection's output ->
+    ParallelRMSNorm (its sum of squares summed over the group)."""
+    eps = rms_norm_eps(norm)
+    if eps is None:
+        raise ValueError(
+            f"parallelize: {name} ({type(norm).__name__}) spans all heads and is not an RMSNorm tplayers knows"
+        )
+    if projection not in split:
+        raise ValueError(
+            f"parallelize: {name} normalises all of {projection}, which is whole on every rank here (more ranks "
+            "than key/value heads); use a tensor-parallel size that divides the key/value heads"
+        )
+    layer = ParallelRMSNorm.from_weight(norm.weight, eps, group=sp.group)
+    sp.swap(name, layer)
+    sp.record(name, layer, 0, False)
+
+
+def _per_head_weights(sp: ShardingPass, name, attn, head_dim, projections, split=()):
+    """Other weights inside the attention. Acting on each head alike (Qwen3's q_norm / k_norm):
+    replicated, but each rank's heads give only part of their gradient, so it is summed. An
+    RMSNorm over a whole projection (OLMo2): split with it (`split`: the projections split by
+    columns). Any other weight spanning all heads, or one module per head (StableLM's per-head
+    norms: each rank would apply the first heads' norms to its own heads), cannot be split by
+    this pass: an error naming it."""
+    for child_name, child in attn.named_children():
+        if child_name in projections:
+            continue
+        projection = NORMS_OVER_PROJECTION.get(child_name)
+        width = getattr(getattr(attn, projection, None), "out_features", None) if projection else None
+        weight = getattr(child, "weight", None)
+        if width and isinstance(weight, torch.Tensor) and tuple(weight.shape) == (width,) and width != head_dim:
+            _norm_over_projection(sp, f"{name}.{child_name}", child, projection, split)
+            continue
+        if any(True for _ in child.children()) and any(True for _ in child.parameters()):
+            raise ValueError(
+                f"parallelize: {name}.{child_name} ({type(child).__name__}) holds weights per head in "
+                "submodules; tplayers does not shard it: pass a plan for this model"
+            )
+        for param_name, p in child.named_parameters():
+            if p.shape[-1] != head_dim:
+                raise ValueError(
+                    f"parallelize: {name}.{child_name}.{param_name} {tuple(p.shape)} spans all heads; "
+                    "pass a plan for this model"
+                )
+            sp.partial_grads.append(p)
+
+
+def gpt2_attention(sp: ShardingPass, name, attn):
+    width = attn.c_attn.nf // 3
+    _divide(attn.num_heads, sp.n, f"{name}: attention heads")
+    fused_column(sp, f"{name}.c_attn", attn.c_attn, part_rows([width] * 3, sp.n))
+    # HF splits c_attn's output into q, k, v of split_size
+    localize_attributes(name, attn, {"split_size": width // sp.n, **dict.fromkeys(HEAD_COUNTS, attn.num_heads // sp.n)})
+    sp.row(f"{name}.c_proj", attn.c_proj)
+    sp.shared_input.append(attn)
+    sp.done.add(name)
+
+
+def fused_qkv_attention(sp: ShardingPass, name, attn):
+    """Phi-3: one qkv_proj holding [q; k; v] row blocks, sliced by the forward at
+    config.num_attention_heads * head_dim. Rank r holds [q_r; k_r; v_r] (no gathered output); the
+    attention gets its own copy of the config with the local head counts, which its forward reads."""
+    head_dim, config = attn.head_dim, attn.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    _divide(heads, sp.n, f"{name}: attention heads")
+    _divide(kv_heads, sp.n, f"{name}: key/value heads (fused qkv_proj)")
+    sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    if attn.qkv_proj.out_features != sum(sizes):
+        raise ValueError(f"parallelize: {name}.qkv_proj has {attn.qkv_proj.out_features} rows, not q+k+v {sizes}")
+    fused_column(sp, f"{name}.qkv_proj", attn.qkv_proj, part_rows(sizes, sp.n))
+    sp.row(f"{name}.o_proj", attn.o_proj)
+    attn.config = copy.copy(config)  # this module's own: the model's config stays global
+    attn.config.num_attention_heads, attn.config.num_key_value_heads = heads // sp.n, kv_heads // sp.n
+    localize_attributes(
+        name,
+        attn,
+        dict.fromkeys(KV_HEAD_COUNTS, kv_heads // sp.n),
+        config_keys=("num_attention_heads", "num_key_value_heads"),
+    )
+    sp.shared_input.append(attn)
+    sp.done.add(name)
+
+
+def named(*names):
+    """Matches a module whose class (or a base class) has one of `names`: a fused layout is in the
+    model's forward code, not in its children, so it is recognised by the class that reads it."""
+    return lambda m: any(c.__name__ in names for c in type(m).__mro__)
+
+
+def _local_head_bias(sp: ShardingPass, attn, arg, heads):
+    """ALiBi (Bloom, MPT, Falcon with alibi): the model builds one bias for all heads and passes it
+    to every attention as `arg`, as (batch * heads, 1, keys), (heads, 1, keys) or (batch, heads,
+    1, keys); Falcon also folds it into a (batch, heads, queries, keys) attention mask. Each rank's
+    attention gets the rows of its own heads, so each rank applies its own heads' slopes."""
+    params = list(inspect.signature(type(attn).forward).parameters)[1:]
+    rank = dist.get_rank(sp.group)
+
+    def per_head(t):
+        return t.dim() == 4 and t.shape[1] == heads
+
+    def local(name, t):
+        if not isinstance(t, torch.Tensor) or heads == 1:
+            return t
+        if per_head(t):
+            return t.chunk(sp.n, 1)[rank]
+        if name == arg and t.dim() == 3 and t.shape[0] % heads == 0:
+            return t.unflatten(0, (-1, heads)).chunk(sp.n, 1)[rank].flatten(0, 1)
+        if name == arg:
+            raise ValueError(f"parallelize: {arg} of shape {tuple(t.shape)} does not hold the {heads} heads")
+        return t  # a mask shared by all heads
+
+    sliced = (arg, "attention_mask")
+    names = [p if p in sliced else None for p in params]
+
+    def hook(module, args, kwargs):
+        args = tuple(local(names[i], a) if i < len(names) and names[i] else a for i, a in enumerate(args))
+        return args, {k: local(k, v) if k in sliced else v for k, v in kwargs.items()}
+
+    attn.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _finish_attention(sp: ShardingPass, name, attn, local: dict, **kwargs):
+    localize_attributes(name, attn, local, **kwargs)
+    sp.shared_input.append(attn)
+    sp.done.add(name)
+
+
+def _heads_and_widths(attn, heads, head_dim, n, kv_heads=None):
+    """Local values of the head counts and of widths equal to all heads' (hidden_size, embed_dim)."""
+    local = dict.fromkeys(HEAD_COUNTS, heads // n)
+    if kv_heads is not None:
+        local.update(dict.fromkeys(KV_HEAD_COUNTS, max(kv_heads // n, 1)))
+    widths = (*HIDDEN_WIDTHS, "split_size")
+    local.update({w: heads // n * head_dim for w in widths if getattr(attn, w, None) == heads * head_dim})
+    return local
+
+
+def interleaved_qkv_attention(sp: ShardingPass, name, attn):
+    """GPT-NeoX, Bloom: query_key_value's rows run head by head ([q, k, v] of head 0, then head 1,
+    ...), so a contiguous column split gives each rank its own heads whole; dense row-parallel.
+    Bloom's ALiBi bias is sliced to each rank's heads."""
+    head_dim = getattr(attn, "head_dim", None) or attn.head_size
+    heads = attn.query_key_value.out_features // (3 * head_dim)
+    _divide(heads, sp.n, f"{name}: attention heads")
+    if getattr(attn, "pretraining_tp", 1) > 1 and getattr(attn, "slow_but_exact", False):
+        raise ValueError(f"parallelize: {name} slices dense by pretraining_tp (slow_but_exact); set it to False")
+    sp.shared_input_column(f"{name}.query_key_value", attn.query_key_value)
+    sp.row(f"{name}.dense", attn.dense)
+    if "alibi" in inspect.signature(type(attn).forward).parameters:
+        _local_head_bias(sp, attn, "alibi", heads)
+    _finish_attention(sp, name, attn, _heads_and_widths(attn, heads, head_dim, sp.n))
+
+
+def falcon_attention(sp: ShardingPass, name, attn):
+    """Falcon's query_key_value in its three layouts: the new decoder architecture's key/value
+    groups ([q x heads/groups, k, v] group by group: split by groups), multi-query ([q; k; v] with
+    one key/value head: the queries split, k and v whole on every rank), and per-head [q, k, v]
+    (split by heads). dense row-parallel; ALiBi sliced to each rank's heads."""
+    heads, head_dim = attn.num_heads, attn.head_dim
+    _divide(heads, sp.n, f"{name}: attention heads")
+    if attn.new_decoder_architecture:
+        _divide(attn.num_kv_heads, sp.n, f"{name}: key/value groups (Falcon's fused query_key_value)")
+        sp.shared_input_column(f"{name}.query_key_value", attn.query_key_value)
+        kv_heads = attn.num_kv_heads
+    elif attn.multi_query:
+        multi_query_column(sp, f"{name}.query_key_value", attn.query_key_value, heads * head_dim)
+        kv_heads = 1  # the one key/value head, on every rank
+    else:
+        sp.shared_input_column(f"{name}.query_key_value", attn.query_key_value)
+        kv_heads = attn.num_kv_heads
+    sp.row(f"{name}.dense", attn.dense)
+    _local_head_bias(sp, attn, "alibi", heads)
+    _finish_attention(sp, name, attn, _heads_and_widths(attn, heads, head_dim, sp.n, kv_heads))
+
+
+def bigcode_attention(sp: ShardingPass, name, attn):
+    """GPTBigCode: c_attn is [q; k; v] with one key/value head (multi_query) or per-head
+    [q, k, v] interleaved; c_proj row-parallel."""
+    heads, head_dim = attn.num_heads, attn.head_dim
+    _divide(heads, sp.n, f"{name}: attention heads")
+    if getattr(attn, "is_cross_attention", False):
+        raise ValueError(f"parallelize: {name} is a cross-attention; tplayers does not shard it")
+    if attn.multi_query:
+        multi_query_column(sp, f"{name}.c_attn", attn.c_attn, heads * head_dim)
+        attn.num_key_value_groups = heads // sp.n
+    else:
+        sp.shared_input_column(f"{name}.c_attn", attn.c_attn)
+    sp.row(f"{name}.c_proj", attn.c_proj)
+    local = _heads_and_widths(attn, heads, head_dim, sp.n)
+    if not attn.multi_query:
+        local.update(kv_heads=heads // sp.n, kv_dim=heads // sp.n * head_dim, num_key_value_groups=1)
+    _finish_attention(sp, name, attn, local)
+
+
+def codegen_attention(sp: ShardingPass, name, attn):
+    """CodeGen: qkv_proj in the 4 blocks of [q; v; k] its forward hard-codes; each rank holds its
+    heads in 4 local blocks of the same layout (`codegen_rows`); out_proj row-parallel."""
+    heads, head_dim, blocks = attn.num_attention_heads, attn.head_dim, 4
+    if heads % (blocks * sp.n):
+        raise ValueError(
+            f"parallelize: {name}: CodeGen's qkv_proj holds {blocks} blocks of heads, so its attention heads "
+            f"({heads}) must be divisible by {blocks} x the tensor-parallel size ({sp.n})"
+        )
+    fused_column(sp, f"{name}.qkv_proj", attn.qkv_proj, codegen_rows(heads, head_dim, sp.n, blocks))
+    sp.row(f"{name}.out_proj", attn.out_proj)
+    _finish_attention(sp, name, attn, _heads_and_widths(attn, heads, head_dim, sp.n))
+
+
+def mpt_attention(sp: ShardingPass, name, attn):
+    """MPT: Wqkv holding [q; k; v] (rank r holds [q_r; k_r; v_r]), out_proj row-parallel, the
+    ALiBi position bias sliced to each rank's heads."""
+    heads, head_dim = attn.n_heads, attn.head_dim
+    _divide(heads, sp.n, f"{name}: attention heads")
+    width = heads * head_dim
+    fused_column(sp, f"{name}.Wqkv", attn.Wqkv, part_rows([width] * 3, sp.n))
+    sp.row(f"{name}.out_proj", attn.out_proj)
+    _local_head_bias(sp, attn, "position_bias", heads)
+    _finish_attention(sp, name, attn, _heads_and_widths(attn, heads, head_dim, sp.n))

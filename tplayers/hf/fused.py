@@ -1,0 +1,167 @@
+"""Fused projections: one HF linear layer holding the rows of several parts, sharded so that
+each rank holds exactly the rows its own heads use, with no gathered output, and exported back
+to HF's layout exactly.
+
+A layout is a row map: `rows[r]` lists the rows of the unsharded weight that rank r holds, in
+the order its local forward reads them.
+
+    [q; k; v] blocks (GPT-2's c_attn, Phi-3's qkv_proj, MPT's Wqkv)   `part_rows`: rank r holds
+        [q_r; k_r; v_r], the r-th slice of each part
+    CodeGen's qkv_proj: 4 blocks of [q; v; k], each holding a quarter of the heads (the model's
+        forward hard-codes the 4)   `codegen_rows`: rank r's heads laid out as 4 local blocks
+    per-head [q, k, v] interleaves (GPT-NeoX, Bloom, Falcon) are contiguous per head (or per
+        key/value group): a plain column split, no map needed
+    multi-query [q; k; v] with one key/value head (GPTBigCode, Falcon-7B): `MultiQueryProjection`,
+        the query rows split, the key/value rows whole on every rank
+"""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tplayers.functional.collectives import copy_to_tp_region
+from tplayers.functional.linear import column_parallel_linear
+from tplayers.hf.shard import ShardingPass, as_linear, copy_in, gather, is_conv1d
+from tplayers.nn.attention import ReplicatedLinear
+from tplayers.nn.linear import ColumnParallelLinear
+
+
+def part_rows(sizes, n) -> list[torch.Tensor]:
+    """Parts of `sizes` rows stacked [a; b; ...]: rank r holds the r-th slice of each part."""
+    offsets = torch.tensor([0, *sizes[:-1]]).cumsum(0).tolist()
+    return [
+        torch.cat([torch.arange(o + r * (s // n), o + (r + 1) * (s // n)) for o, s in zip(offsets, sizes, strict=True)])
+        for r in range(n)
+    ]
+
+
+def codegen_rows(heads, head_dim, n, blocks=4) -> list[torch.Tensor]:
+    """CodeGen's qkv_proj: `blocks` blocks of [q; v; k], block b holding heads b*H/blocks onwards.
+    Rank r (heads r*H/n onwards) holds them in the same layout over its own heads: `blocks` local
+    blocks of [q; v; k], each of H/(n*blocks) heads."""
+    per_block, local_per_block = heads // blocks, heads // (n * blocks)
+    rows = []
+    for r in range(n):
+        index = []
+        for b in range(blocks):
+            for part in range(3):  # q, v, k
+                for j in range(local_per_block):
+                    global_block, within = divmod(r * heads // n + b * local_per_block + j, per_block)
+                    start = ((global_block * 3 + part) * per_block + within) * head_dim
+                    index.append(torch.arange(start, start + head_dim))
+        rows.append(torch.cat(index))
+    return rows
+
+
+def _stored(t, key, transpose):
+    """A weight between nn.Linear's (out, in) and Conv1D's stored (in, out) layout (either way)."""
+    return t.t() if transpose and key == "weight" else t
+
+
+def fused_column(sp: ShardingPass, name, linear, rows, *, shared_input=True):
+    """A column layer over a fused projection (nn.Linear, or Conv1D with its weight stored
+    (in, out)) whose rank r holds the rows `rows[r]` of the unsharded weight; exported back to the
+    fused HF layout exactly."""
+    transpose = is_conv1d(linear)
+    full = as_linear(linear, name)
+    order = torch.cat(rows)  # the unsharded rows in the order the ranks' shards concatenate
+    if sorted(order.tolist()) != list(range(full.out_features)):
+        raise ValueError(f"parallelize: {name}: the row map does not cover its {full.out_features} rows once")
+    fused = nn.Linear(full.in_features, full.out_features, bias=full.bias is not None, device="meta")
+    fused.weight = nn.Parameter(full.weight.detach()[order], requires_grad=False)
+    if full.bias is not None:
+        fused.bias = nn.Parameter(full.bias.detach()[order], requires_grad=False)
+    kwargs = dict(reduce_input_grad=False) if shared_input else dict(sequence_parallel=sp.sp)
+    layer = ColumnParallelLinear.from_linear(fused, group=sp.group, **kwargs).to(linear.weight.device)
+    sp.swap(name, layer)
+    keys = ("weight", "bias") if layer.bias is not None else ("weight",)
+    own = rows[dist.get_rank(sp.group)]
+
+    def export(pick, group):
+        out = {}
+        for key in keys:
+            t = gather(pick(getattr(layer, key)), 0, group)
+            if t is not None:
+                unfused = torch.empty_like(t)
+                unfused[order.to(t.device)] = t
+                out[key] = _stored(unfused, key, transpose)
+        return out
+
+    def load(full_tensors):
+        for key in keys:
+            t = _stored(full_tensors[key], key, transpose)
+            copy_in(getattr(layer, key), t[own.to(t.device)])
+
+    sp.exports.append((name, export, load))
+    return layer
+
+
+class ReplicatedKVProjection(ReplicatedLinear):
+    """Key / value rows whole on every rank (placement Replicate), when the TP size exceeds the
+    key/value heads; each rank multiplies only the rows its query heads use (`rows`). The weight
+    enters through copy_to_tp_region, whose backward sums the gradient over the group: each rank
+    contributed its heads' part, so every rank ends with the whole gradient. dx, as for any
+    column layer, is summed over the group by the caller."""
+
+    rows: slice = slice(None)
+
+    def forward(self, x):
+        weight = copy_to_tp_region(self.weight, self.group)[self.rows]
+        bias = copy_to_tp_region(self.bias, self.group)[self.rows] if self.bias is not None else None
+        return column_parallel_linear(x, weight, bias, self.group, reduce_input_grad=False)
+
+
+class MultiQueryProjection(nn.Module):
+    """[q; k; v] with one key/value head: `query` (column-parallel: this rank's heads) and
+    `key_value` (the one key/value head, whole on every rank), concatenated as the model's
+    forward expects: [q_r; k; v]. The input is prepared once for the attention (its gradient
+    summed, or the sequence gathered) by the hook parallelize puts before it."""
+
+    def __init__(self, query: ColumnParallelLinear, key_value: ReplicatedKVProjection):
+        super().__init__()
+        self.query, self.key_value = query, key_value
+
+    def forward(self, x):
+        return torch.cat([self.query(x), self.key_value(x)], -1)
+
+
+def _linear_of(weight, bias) -> nn.Linear:
+    """An nn.Linear (built on the meta device) holding `weight` / `bias`."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias.detach(), requires_grad=False)
+    return linear
+
+
+def multi_query_column(sp: ShardingPass, name, linear, query_rows: int):
+    """Shard a multi-query [q; k; v] projection whose first `query_rows` rows are the queries."""
+    full = as_linear(linear, name)
+    device = linear.weight.device
+    w, b = full.weight.detach(), (full.bias.detach() if full.bias is not None else None)
+    query = ColumnParallelLinear.from_linear(
+        _linear_of(w[:query_rows], None if b is None else b[:query_rows]), group=sp.group, reduce_input_grad=False
+    ).to(device)
+    key_value = ReplicatedKVProjection.from_linear(
+        _linear_of(w[query_rows:], None if b is None else b[query_rows:]), group=sp.group
+    ).to(device)
+    sp.swap(name, MultiQueryProjection(query, key_value))
+    transpose = is_conv1d(linear)
+    keys = ("weight", "bias") if b is not None else ("weight",)
+
+    def export(pick, group):
+        out = {}
+        for key in keys:
+            q = gather(pick(getattr(query, key)), 0, group)
+            kv = pick(getattr(key_value, key))
+            if q is not None and kv is not None:
+                out[key] = _stored(torch.cat([q, kv], 0), key, transpose)
+        return out
+
+    def load(full_tensors):
+        for key in keys:
+            t = _stored(full_tensors[key], key, transpose)
+            copy_in(getattr(query, key), t[:query_rows].chunk(sp.n, 0)[dist.get_rank(sp.group)])
+            copy_in(getattr(key_value, key), t[query_rows:])
+
+    sp.exports.append((name, export, load))

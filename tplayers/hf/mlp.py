@@ -1,0 +1,134 @@
+"""MLP adapters: the first projection(s) column-parallel, the last row-parallel.
+
+gated MLP (gate/up/down_proj): SiLU -> ParallelMLP (one fused gate|up GEMM + SwiGLU kernel);
+    any other activation -> gate, up column-parallel, down row-parallel
+fused gate_up_proj [gate; up] with SiLU (Phi-3, GLM-4): ParallelMLP's fused SwiGLU layout
+two-layer MLPs with an elementwise activation (fc1/fc2: OPT, Phi; fc_in/fc_out: GPT-J, CodeGen;
+    c_fc/c_proj: Starcoder2, GPTBigCode; up_proj/down_proj: MPT; dense_h_to_4h/dense_4h_to_h:
+    GPT-NeoX, Bloom, Falcon)
+GPT-2's Conv1D c_fc / c_proj
+Qwen2-MoE's shared-expert gate (H -> 1, then a sigmoid): kept whole on every rank
+"""
+
+import torch
+from torch import nn
+
+from tplayers.functional.collectives import own_slice
+from tplayers.hf.shard import ShardingPass, as_linear, copy_in, gather, has_linears
+from tplayers.nn.mlp import ParallelMLP, fuse_gate_up, unfuse_gate_up
+
+
+def is_silu(act) -> bool:
+    """Whether an activation module computes SiLU (HF has its own classes for it)."""
+    if not isinstance(act, nn.Module):
+        return False
+    probe = torch.linspace(-4, 4, 17)
+    try:
+        return torch.equal(act(probe), nn.functional.silu(probe))
+    except Exception:  # an activation that does not take a plain tensor is not SiLU
+        return False
+
+
+def fused_gate_up(sp: ShardingPass, name, mlp):
+    """Phi-3: gate_up_proj holding [gate; up] halves, up * act(gate). SiLU: ParallelMLP (one fused
+    gate|up GEMM with the SwiGLU epilogue), exported back to [gate; up]; other activations refused."""
+    act = getattr(mlp, "activation_fn", None)
+    if not is_silu(act):
+        raise ValueError(f"parallelize: {name} gates with {type(act).__name__}, not SiLU; pass a plan for this model")
+    fused = as_linear(mlp.gate_up_proj, f"{name}.gate_up_proj")
+    halves = []
+    for part in fused.weight.detach().chunk(2, 0):
+        half = nn.Linear(part.shape[1], part.shape[0], bias=False, device="meta")
+        half.weight = nn.Parameter(part, requires_grad=False)
+        halves.append(half)
+    if fused.bias is not None:
+        raise ValueError(f"parallelize: {name}.gate_up_proj has a bias; pass a plan for this model")
+    layer = ParallelMLP.from_modules(
+        *halves, as_linear(mlp.down_proj, f"{name}.down_proj"), group=sp.group, sequence_parallel=sp.sp
+    ).to(mlp.down_proj.weight.device)
+    sp.swap(name, layer)
+
+    def export(pick, group):
+        w = pick(layer.in_proj.weight)
+        out = {}
+        if w is not None:
+            out["gate_up_proj.weight"] = torch.cat(unfuse_gate_up(gather(w, 0, group), sp.n), 0)
+        down = pick(layer.out_proj.weight)
+        if down is not None:
+            out["down_proj.weight"] = gather(down, 1, group)
+        return out
+
+    def load(full):
+        gate, up = full["gate_up_proj.weight"].chunk(2, 0)
+        copy_in(layer.in_proj.weight, own_slice(fuse_gate_up(gate, up, sp.n), 0, sp.group))
+        copy_in(layer.out_proj.weight, own_slice(full["down_proj.weight"], 1, sp.group))
+
+    sp.exports.append((name, export, load))
+
+
+def gated_mlp(sp: ShardingPass, name, mlp):
+    if not is_silu(getattr(mlp, "act_fn", None)):
+        sp.shared_input_column(f"{name}.gate_proj", mlp.gate_proj)
+        sp.shared_input_column(f"{name}.up_proj", mlp.up_proj)
+        sp.row(f"{name}.down_proj", mlp.down_proj)
+        sp.shared_input.append(mlp)
+        sp.done.add(name)
+        return
+    layer = ParallelMLP.from_modules(
+        mlp.gate_proj, mlp.up_proj, mlp.down_proj, group=sp.group, sequence_parallel=sp.sp
+    ).to(mlp.down_proj.weight.device)
+    sp.swap(name, layer)
+
+    def export(pick, group):
+        out = {}
+        for key in ("weight", "bias"):
+            if getattr(layer.in_proj, key) is None:
+                continue
+            gate, up = unfuse_gate_up(gather(pick(getattr(layer.in_proj, key)), 0, group), sp.n)
+            out[f"gate_proj.{key}"], out[f"up_proj.{key}"] = gate, up
+            down = pick(getattr(layer.out_proj, key))
+            out[f"down_proj.{key}"] = gather(down, 1, group) if key == "weight" else down
+        return out
+
+    def load(full):
+        for key in ("weight", "bias"):
+            if getattr(layer.in_proj, key) is None:
+                continue
+            fused = fuse_gate_up(full[f"gate_proj.{key}"], full[f"up_proj.{key}"], sp.n)
+            copy_in(getattr(layer.in_proj, key), own_slice(fused, 0, sp.group))
+            down = full[f"down_proj.{key}"]
+            copy_in(getattr(layer.out_proj, key), own_slice(down, 1, sp.group) if key == "weight" else down)
+
+    sp.exports.append((name, export, load))
+
+
+MLP_PAIRS = (("fc1", "fc2"), ("fc_in", "fc_out"), ("c_fc", "c_proj"), ("up_proj", "down_proj"),
+             ("dense_h_to_4h", "dense_4h_to_h"))  # fmt: skip
+
+
+def two_layer_pair(module):
+    """The (in, out) names of a two-layer MLP's linears in `module` (no gate: that is gated_mlp)."""
+    if isinstance(getattr(module, "gate_proj", None), nn.Linear):
+        return None
+    return next((pair for pair in MLP_PAIRS if has_linears(module, pair)), None)
+
+
+def two_layer_mlp(sp: ShardingPass, name, module):
+    """fc_out(act(fc_in(x))) with an elementwise act: fc_in column-, fc_out row-parallel. The two
+    may sit in the MLP module or in the decoder layer itself (OPT, which flattens the tokens first:
+    under sequence parallelism the layers then split the tokens), so only they are marked done."""
+    first, second = two_layer_pair(module)
+    sp.column(f"{name}.{first}", getattr(module, first))
+    sp.row(f"{name}.{second}", getattr(module, second))
+
+
+def shared_expert_gate(sp: ShardingPass, name, module):
+    """Qwen2-MoE: sigmoid(shared_expert_gate(x)) scales the shared expert: one output, kept whole
+    (under sequence parallelism it sees this rank's tokens, and its gradient is summed)."""
+    sp.done.add(f"{name}.shared_expert_gate")
+
+
+def gpt2_mlp(sp: ShardingPass, name, mlp):
+    sp.column(f"{name}.c_fc", mlp.c_fc)
+    sp.row(f"{name}.c_proj", mlp.c_proj)
+    sp.done.add(name)
