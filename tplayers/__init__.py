@@ -17,6 +17,7 @@ This module holds the public names of DESIGN.md's contract and nothing else.
 """
 
 from tplayers.backend import get_backend, set_backend
+from tplayers.data_parallel import ZeRO3, data_parallel, data_parallel_optimizer
 from tplayers.distributed import RankError, init_mesh, launch
 from tplayers.functional.comm import count_bytes
 from tplayers.functional.cross_entropy import vocab_parallel_cross_entropy
@@ -44,8 +45,11 @@ __all__ = [
     "RowParallelLinear",
     "StepResult",
     "VocabParallelEmbedding",
+    "ZeRO3",
     "clip_grad_norm_",
     "count_bytes",
+    "data_parallel",
+    "data_parallel_optimizer",
     "gather_state_dict",
     "get_backend",
     "get_placement",

@@ -6,11 +6,12 @@ group over which the parameter is sharded or replicated.
 """
 
 from copy import deepcopy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 _ATTR = "_tplayers_placement"
 
@@ -20,19 +21,60 @@ class ParamPlacement:
     """`placement` of a parameter over `group`: Shard(dim) (rank r holds the r-th contiguous
     slice along dim) or Replicate() (every rank holds the whole tensor, with the whole grad)."""
 
-    group: dist.ProcessGroup
+    group: dist.ProcessGroup | None
     placement: Shard | Replicate
+    # Data parallelism (tplayers.data_parallel): the group of replicas, and whether the tensor the
+    # module holds is this replica's shard of the TP-local parameter (ZeRO 2-3: a DTensor over it).
+    dp_group: dist.ProcessGroup | None = None
+    dp_sharded: bool = False
+    # Replicated, but each TP rank computes only part of its gradient (weights that see part of
+    # the sequence under SP, per-head norms): a hook sums it over `group` as it is computed.
+    grad_summed: bool = False
 
     @property
     def is_sharded(self) -> bool:
-        return isinstance(self.placement, Shard)
+        return self.group is not None and isinstance(self.placement, Shard)
+
+    def reduce_groups(self) -> tuple:
+        """The groups a per-rank partial norm of this parameter's gradient is summed over."""
+        return tuple(g for g, on in ((self.group, self.is_sharded), (self.dp_group, self.dp_sharded)) if on)
 
     def __deepcopy__(self, memo):
         return self  # immutable, and a process group is shared, never copied
 
 
-def set_placement(param, group, placement) -> None:
-    setattr(param, _ATTR, ParamPlacement(group, placement))
+def set_placement(param, group, placement, **data_parallel) -> None:
+    setattr(param, _ATTR, ParamPlacement(group, placement, **data_parallel))
+
+
+def update_placement(param, **changes) -> None:
+    """Add to a parameter's record (its data-parallel group, a summed gradient)."""
+    setattr(param, _ATTR, replace(get_placement(param) or ParamPlacement(None, Replicate()), **changes))
+
+
+def full_tensor(t):
+    """The TP-local tensor whole on every data-parallel replica: a ZeRO 2-3 DTensor all-gathered
+    over the replicas (a collective), anything else as is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def copy_into(param, value) -> None:
+    """Copy `value` (the TP-local tensor, whole) into `param`, or into this replica's shard of it
+    (a ZeRO 2-3 DTensor sharded along dim 0 as torch.chunk splits it)."""
+    if isinstance(param, DTensor):
+        n, r = param.device_mesh.size(), param.device_mesh.get_local_rank()
+        chunks = value.chunk(n, 0)
+        value = chunks[r] if r < len(chunks) else value[:0]
+        param = param.to_local()
+    if tuple(param.shape) != tuple(value.shape):
+        raise ValueError(f"shape {tuple(value.shape)} does not give this rank's shard {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(value)
+
+
+def local_tensor(t):
+    """The tensor this rank holds: a DTensor's local shard (ZeRO 2-3), anything else as is."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def get_placement(param) -> ParamPlacement | None:
@@ -51,8 +93,8 @@ class PlacedModule(nn.Module):
     def _tag_parameters(self, *_):
         for name, placement in self._placements.items():
             param = getattr(self, name, None)
-            if param is not None:
-                set_placement(param, self.group, placement)
+            if param is not None:  # a data-parallel record already there is kept
+                update_placement(param, group=self.group, placement=placement)
 
     def _keep_placements(self):
         """Tag the parameters now and after every load_state_dict."""

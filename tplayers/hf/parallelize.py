@@ -95,7 +95,7 @@ def _summed_grads(params, group):
     summed over the group as the gradient is computed, so every rank holds the whole of it."""
     for p in params:
         if get_placement(p) is None and p.requires_grad:
-            set_placement(p, group, Replicate())
+            set_placement(p, group, Replicate(), grad_summed=True)
             p.register_hook(lambda g: _summed(g, group))
 
 

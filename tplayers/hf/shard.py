@@ -10,12 +10,12 @@ same map with its weight stored (in, out)); both are handled here.
 import fnmatch
 from collections.abc import Callable
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
 from tplayers.functional.collectives import all_gather_dim, own_slice
 from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear, refuse_own_forward
+from tplayers.placement import copy_into
 
 PLAN_KINDS = ("colwise", "rowwise", "vocab", "replicate")
 
@@ -58,11 +58,9 @@ def gather(t, dim, group):
 
 
 def copy_in(param, value):
-    """Copy a full-shard value into a parameter, refusing a shape that is not this rank's shard."""
-    if tuple(param.shape) != tuple(value.shape):
-        raise ValueError(f"shape {tuple(value.shape)} does not give this rank's shard {tuple(param.shape)}")
-    with torch.no_grad():
-        param.copy_(value)
+    """Copy this rank's TP shard into a parameter (or its data-parallel shard of it, under ZeRO
+    2-3), refusing a shape that is not this rank's shard."""
+    copy_into(param, value)
 
 
 def linear_export(layer, dim, transpose) -> Export:

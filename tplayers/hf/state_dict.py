@@ -3,6 +3,7 @@ names, and loading one back into the shards. `parallelize` leaves on the model, 
 swapped module, how to export and load it (`EXPORTS`); nothing else is needed."""
 
 from tplayers.distributed import resolve_group
+from tplayers.placement import copy_into, full_tensor
 
 EXPORTS = "_tplayers_exports"  # [(prefix, export, load)] on the model
 ORIGINAL_KEYS = "_tplayers_original_keys"  # model.state_dict() keys before parallelize
@@ -25,11 +26,11 @@ def _sharded_prefixes(model) -> tuple[str, ...]:
 def gather_state_dict(model, *, group=None) -> dict:
     """The full, unsharded state dict under the original module names, on every rank."""
     group = resolve_group(group)
-    full = _gathered(model, group, lambda p: p.detach())
+    full = _gathered(model, group, lambda p: full_tensor(p.detach()))  # whole over data parallelism too
     sharded = _sharded_prefixes(model)
     for key, value in model.state_dict().items():
         if not key.startswith(sharded):
-            full[key] = value
+            full[key] = full_tensor(value)
     order = getattr(model, ORIGINAL_KEYS, list(full))
     return {key: full[key] for key in order if key in full}
 
@@ -37,11 +38,11 @@ def gather_state_dict(model, *, group=None) -> dict:
 def gather_grads(model, *, group=None) -> dict:
     """The full, unsharded gradient of every parameter under its original name, on every rank."""
     group = resolve_group(group)
-    full = _gathered(model, group, lambda p: p.grad)
+    full = _gathered(model, group, lambda p: None if p.grad is None else full_tensor(p.grad))
     sharded = _sharded_prefixes(model)
     for key, p in model.named_parameters():
         if not key.startswith(sharded):
-            full[key] = p.grad
+            full[key] = None if p.grad is None else full_tensor(p.grad)
     return {k: v for k, v in full.items() if v is not None}
 
 
@@ -68,4 +69,6 @@ def load_full_state_dict(model, state_dict, *, group=None) -> None:
             f"load_full_state_dict: unexpected keys {sorted(set(state_dict) - own)}, "
             f"missing keys {sorted(own - set(state_dict))}"
         )
-    model.load_state_dict(state_dict, strict=False)
+    current = model.state_dict(keep_vars=True)
+    for key, value in state_dict.items():  # in place: shards of data parallelism included
+        copy_into(current[key], value)

@@ -9,7 +9,11 @@ by the same factor on every rank. Each parameter is counted once by construction
 - a replicated gradient (placement `Replicate()`, or a parameter tplayers does not manage) is
   whole and identical on every rank of its group, so it is counted locally, once, and never
   reduced (reducing it is the classic bug that inflates the norm by up to the TP size);
-- a parameter passed twice (tied / shared weights: the same Parameter object) counts once.
+- a parameter passed twice (tied / shared weights: the same Parameter object) counts once;
+- under ZeRO 2-3 (`tplayers.data_parallel`) each replica holds a disjoint shard of every
+  gradient (a DTensor over the data-parallel group): its local part is summed over the
+  data-parallel group too, after the TP sum. Under stages 0-1 the replicas hold the same
+  gradients, which are counted once.
 """
 
 import functools
@@ -21,7 +25,7 @@ import torch.distributed as dist
 
 from tplayers.distributed import resolve_group
 from tplayers.functional import comm
-from tplayers.placement import get_placement
+from tplayers.placement import get_placement, local_tensor
 
 _EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
 
@@ -128,7 +132,7 @@ def clip_grad_norm_(
     extra = resolve_group(group) if group is not None else None
     is_max = math.isinf(norm_type)
 
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [local_tensor(p.grad) for p in params if p.grad is not None]
     norms = _local_norms(grads, norm_type, foreach, _known_norms)
     if grads:
         device = grads[0].device
@@ -143,21 +147,23 @@ def clip_grad_norm_(
     # it, grads or not, so collectives match); sharded norms go to their group, the rest stay local.
     sharded: dict = {}
     local = []
-    norm_of = dict(zip((id(g) for g in grads), norms, strict=True))
+    norms_in_order = iter(norms)
     for p in params:
         placement = get_placement(p)
-        is_sharded = placement is not None and placement.is_sharded
-        if is_sharded:
-            sharded.setdefault(placement.group, [])
+        groups = placement.reduce_groups() if placement is not None else ()
+        if groups:
+            sharded.setdefault(groups, [])
         if p.grad is None:
             continue
-        (sharded[placement.group] if is_sharded else local).append(norm_of[id(p.grad)])
+        (sharded[groups] if groups else local).append(next(norms_in_order))
 
     all_norms = torch.stack(norms) if norms else torch.zeros(0, device=device)
     flags = torch.stack([all_norms.isnan().any(), all_norms.isinf().any()]).to(torch.float32).to(device)
     total = _combine(local, norm_type, device)
-    for pg, values in sharded.items():
-        reduced = _reduce(torch.cat([_combine(values, norm_type, device).reshape(1), flags]), pg, is_max)
+    for groups, values in sharded.items():  # over TP, then over DP (ZeRO 2-3 shards)
+        reduced = torch.cat([_combine(values, norm_type, device).reshape(1), flags])
+        for pg in groups:
+            reduced = _reduce(reduced, pg, is_max)
         part, flags = reduced[0], torch.maximum(flags, reduced[1:].clamp(max=1))
         total = torch.maximum(total, part) if is_max else total + part
     if extra is not None:

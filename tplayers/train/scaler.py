@@ -35,7 +35,7 @@ import torch.distributed as dist
 from tplayers.backend import unscale_and_stats_, uses_triton
 from tplayers.distributed import resolve_group
 from tplayers.functional import comm
-from tplayers.placement import get_placement
+from tplayers.placement import get_placement, local_tensor
 from tplayers.train.clip import clip_grad_norm_
 
 FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the fused Triton pass takes
@@ -191,8 +191,9 @@ class DynamicLossScaler:
         for param_group in optimizer.param_groups:
             for p in param_group["params"]:
                 placement = get_placement(p)
-                if placement is not None:
-                    by_id.setdefault(id(placement.group), placement.group)
+                for pg in (placement.group, placement.dp_group) if placement is not None else ():
+                    if pg is not None:  # TP groups, and data-parallel replicas
+                        by_id.setdefault(id(pg), pg)
         placed = list(by_id.values())
         if len(placed) > 1:
             placed.sort(key=_group_key)
@@ -222,7 +223,7 @@ class DynamicLossScaler:
                 for p in param_group["params"]:
                     if p.grad is None:
                         continue
-                    g = p.grad
+                    g = local_tensor(p.grad)  # ZeRO 2-3: this replica's shard
                     if g.is_sparse:
                         if g.dtype is torch.float16:  # coalesce so duplicate indices cannot overflow
                             p.grad = g = g.coalesce()

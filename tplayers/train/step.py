@@ -28,6 +28,7 @@ import torch
 
 from tplayers.distributed import resolve_group
 from tplayers.functional import comm
+from tplayers.placement import get_placement
 from tplayers.train.clip import clip_grad_norm_
 
 
@@ -68,6 +69,12 @@ def train_step(
     batches = list(micro_batches)
     if not batches:
         raise ValueError("train_step needs at least one micro-batch")
+    wrapped = any(getattr(get_placement(p), "dp_group", None) for p in _optimizer_parameters(optimizer))
+    if dp_group is not None and wrapped:
+        raise ValueError(
+            "train_step: the model is already data-parallel (tplayers.data_parallel averages its gradients); "
+            "passing dp_group would average them twice"
+        )
     scale = scaler.get_scale() if scaler is not None else 1.0
     total = None
     for batch in batches:

@@ -1,0 +1,13 @@
+"""Data parallelism and ZeRO stages 0-3 over the data-parallel group, composed with the
+tensor-parallel layers, on torch.distributed's own engines (composable DDP, ZeroRedundancyOptimizer,
+FSDP2).
+
+    wrap.py   data_parallel, ZeRO3, data_parallel_optimizer
+
+May import: tplayers.nn, tplayers.functional and the foundations (backend, distributed,
+placement); never tplayers.hf or anything above it.
+"""
+
+from tplayers.data_parallel.wrap import ZeRO3, data_parallel, data_parallel_optimizer
+
+__all__ = ["ZeRO3", "data_parallel", "data_parallel_optimizer"]

@@ -1,0 +1,160 @@
+"""`data_parallel(module, group=..., zero_stage=...)`: data parallelism over the replicas in
+`group`, composed with the tensor-parallel layers inside `module`, on torch.distributed's own
+engines:
+
+    stage 0  composable DDP (`replicate`): every replica holds everything; gradients averaged in
+             buckets, each bucket's all-reduce overlapped with the rest of backward
+    stage 1  stage 0 + the optimizer state sharded over the replicas (torch's
+             ZeroRedundancyOptimizer, built by `data_parallel_optimizer`)
+    stage 2  FSDP2 `fully_shard(reshard_after_forward=False)`: gradients reduce-scattered and the
+             optimizer state sharded; parameters whole from forward until after backward
+    stage 3  FSDP2 `fully_shard`: parameters sharded too, all-gathered block by block for forward
+             and for backward, the next block's gather prefetched while the current one computes
+
+Each decoder block (the items of the model's largest nn.ModuleList) is one FSDP unit, the rest of
+the model (embeddings, final norm, LM head; tied weights stay tied) the root's.
+
+What tplayers adds is the composition, through each parameter's placement record:
+
+- the record survives FSDP2 turning parameters into DTensors over the replicas, and says which
+  replicas a parameter is sharded over, so `clip_grad_norm_` sums the shards' norms over them
+  and the loss scaler agrees on an overflow over them;
+- replicated weights that see part of the sequence under sequence parallelism (norms) get their
+  gradient summed over the TP group by a hook on the parameter as it is computed; FSDP2 computes
+  on its own unsharded copies, where that hook would never fire, so these weights (a few vectors
+  per block) stay out of FSDP2 (`ignored_params`), whole on every rank, and the same hook then
+  averages them over the replicas;
+- `train_step(dp_group=...)` on a wrapped model, a module wrapped twice, a data-parallel group
+  that overlaps a tensor-parallel one, and an optimizer built before a ZeRO 2-3 wrap (it would
+  step tensors the model no longer uses) are errors.
+"""
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from tplayers.distributed import resolve_group
+from tplayers.functional import comm
+from tplayers.placement import get_placement, update_placement
+
+STAGES = (0, 1, 2, 3)
+_WRAPPED = "_tplayers_data_parallel"  # (group, stage) on a wrapped module
+_REPLACED = "_tplayers_replaced_by"  # on a Parameter that a ZeRO 2-3 wrap took off the module
+
+
+def _mesh_and_group(group) -> tuple[DeviceMesh, dist.ProcessGroup]:
+    if isinstance(group, DeviceMesh):
+        return group, resolve_group(group)
+    pg = resolve_group(group)
+    device_type = "cuda" if dist.get_backend(pg) == "nccl" else "cpu"
+    return DeviceMesh.from_group(pg, device_type), pg
+
+
+def _check(module, pg, stage):
+    """Every rank checks the same things before any collective, so all raise together."""
+    if stage not in STAGES:
+        raise ValueError(f"data_parallel: zero_stage must be one of {STAGES}, got {stage!r}")
+    if hasattr(module, _WRAPPED):
+        stage_before = getattr(module, _WRAPPED)[1]
+        raise ValueError(f"data_parallel: {type(module).__name__} is already data-parallel (zero_stage {stage_before})")
+    replicas = set(dist.get_process_group_ranks(pg))
+    for name, p in module.named_parameters():
+        placement = get_placement(p)
+        if placement is not None and placement.group is not None:
+            tp = set(dist.get_process_group_ranks(placement.group))
+            if len(tp & replicas) > 1:
+                raise ValueError(
+                    f"data_parallel: the data-parallel group {sorted(replicas)} overlaps the tensor-parallel group "
+                    f"{sorted(tp)} of {name}: replicas must hold the same shard (use init_mesh(dp=..., tp=...))"
+                )
+
+
+def sharding_units(module) -> list[nn.Module]:
+    """The blocks of the model's largest nn.ModuleList (its decoder layers), or none."""
+    lists = [m for m in module.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    return list(max(lists, key=len)) if lists else []
+
+
+def _average_over(group):
+    n = dist.get_world_size(group)
+
+    def hook(grad):
+        grad = grad.contiguous().clone()
+        comm.all_reduce(grad, group)
+        return grad.div_(n)
+
+    return hook
+
+
+def _refuse_stale_optimizer(optimizer, args, kwargs):
+    """A global optimizer step pre-hook: an optimizer holding a parameter that a ZeRO 2-3 wrap
+    took off its module would step a tensor nothing uses, silently."""
+    for param_group in optimizer.param_groups:
+        for p in param_group["params"]:
+            name = getattr(p, _REPLACED, None)
+            if name is not None:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} holds {name}, which data_parallel replaced with its sharded form: "
+                    "build the optimizer after wrapping (tplayers.data_parallel_optimizer)"
+                )
+
+
+_stale_hook = None
+
+
+def data_parallel(module: nn.Module, *, group=None, zero_stage: int = 0, bucket_cap_mb: float = 25.0) -> nn.Module:
+    """Make `module` data-parallel over `group` (ProcessGroup or 1-D DeviceMesh, e.g.
+    `init_mesh(dp=2, tp=2)["dp"]`; None: every rank) at `zero_stage` 0-3 (module docstring), in
+    place; returns it. Build the optimizer afterwards, with `data_parallel_optimizer`."""
+    global _stale_hook
+    mesh, pg = _mesh_and_group(group)
+    _check(module, pg, zero_stage)
+    records = {name: get_placement(p) for name, p in module.named_parameters()}
+    if zero_stage <= 1:
+        from torch.distributed._composable import replicate  # torch's composable DDP, in place
+
+        replicate(module, process_group=pg, bucket_cap_mb=bucket_cap_mb)
+        for p in module.parameters():
+            update_placement(p, dp_group=pg)
+    else:
+        summed = [p for p in module.parameters() if getattr(get_placement(p), "grad_summed", False)]
+        old = dict(module.named_parameters())
+        kwargs = dict(mesh=mesh, reshard_after_forward=zero_stage == 3, ignored_params=set(summed))
+        for unit in sharding_units(module):
+            fully_shard(unit, **kwargs)
+        fully_shard(module, **kwargs)
+        for name, p in module.named_parameters():
+            if p is not old[name]:  # FSDP2's DTensor over the replicas: the record goes with it
+                setattr(old[name], _REPLACED, name)
+                if records[name] is not None:
+                    update_placement(p, group=records[name].group, placement=records[name].placement)
+                update_placement(p, dp_group=pg, dp_sharded=True)
+        for p in summed:  # after the hook that sums them over TP: the mean over the replicas
+            update_placement(p, dp_group=pg)
+            p.register_hook(_average_over(pg))
+        if _stale_hook is None:
+            _stale_hook = register_optimizer_step_pre_hook(_refuse_stale_optimizer)
+    setattr(module, _WRAPPED, (pg, zero_stage))
+    return module
+
+
+def ZeRO3(module: nn.Module, *, group=None, **kwargs) -> nn.Module:  # noqa: N802 (the public name)
+    """`data_parallel(module, group=group, zero_stage=3)`."""
+    return data_parallel(module, group=group, zero_stage=3, **kwargs)
+
+
+def data_parallel_optimizer(module: nn.Module, optimizer_class, **kwargs):
+    """The optimizer for a (data-parallel) module, the same call at every stage: stage 1 shards
+    its state over the replicas (ZeroRedundancyOptimizer around `optimizer_class`); the other
+    stages build `optimizer_class(module.parameters(), **kwargs)` (ZeRO 2-3 parameters are
+    already shards, so their state is too)."""
+    wrapped = getattr(module, _WRAPPED, None)
+    if wrapped is not None and wrapped[1] == 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(
+            list(module.parameters()), optimizer_class=optimizer_class, process_group=wrapped[0], **kwargs
+        )
+    return optimizer_class(module.parameters(), **kwargs)
