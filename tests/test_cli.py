@@ -14,7 +14,11 @@ def run_cli(*args, cwd):
     )
 
 
-@pytest.mark.parametrize("flags", [[], ["--sequence-parallel", "--tp", "4", "--seq", "32"]], ids=["tp2", "tp4_sp"])
+@pytest.mark.parametrize(
+    "flags",
+    [[], ["--sequence-parallel", "--tp", "4", "--seq", "32"], ["--dp", "2", "--tp", "2", "--zero", "3"]],
+    ids=["tp2", "tp4_sp", "dp2_tp2_zero3"],
+)
 def test_demo_trains_and_matches_unsharded(tmp_path, flags):
     result = run_cli("demo", "--steps", "25", "--out", str(tmp_path), *flags, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -26,6 +30,7 @@ def test_demo_trains_and_matches_unsharded(tmp_path, flags):
     assert losses[-1] < 0.7 * losses[0]  # it learns
     assert max(abs(a - b) for a, b in zip(losses, unsharded, strict=True)) < 1e-4  # like the unsharded twin
     assert (tmp_path / "loss.png").stat().st_size > 0
+    assert "model state per rank (rank 0): params" in result.stdout
 
 
 @pytest.mark.interpreter
@@ -46,14 +51,20 @@ def test_demo_bad_input_exit_code_2(tmp_path):
 
 @pytest.mark.parametrize(
     "launcher, extra",
-    [("torchrun", []), ("local", []), ("torchrun", ["--dtype", "fp16", "--micro-batches", "2"])],
-    ids=["torchrun", "local", "torchrun-fp16"],
+    [
+        ("torchrun", []),
+        ("local", []),
+        ("torchrun", ["--dtype", "fp16", "--micro-batches", "2"]),
+        ("torchrun4", ["--dp", "2", "--zero", "3"]),
+    ],
+    ids=["torchrun", "local", "torchrun-fp16", "torchrun-dp2-zero3"],
 )
 def test_example_runs_under_torchrun_and_local_launcher(tmp_path, launcher, extra):
     script = str(Path(__file__).parents[1] / "examples" / "train_llama.py")
     args = ["--steps", "5", "--sequence-parallel", *extra]
-    if launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script, *args]
+    if launcher.startswith("torchrun"):
+        ranks = "4" if launcher == "torchrun4" else "2"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", ranks, script, *args]
     else:
         cmd = [sys.executable, script, "--tp", "2", *args]
     result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)

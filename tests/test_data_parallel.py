@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import tplayers
+from tplayers.placement import update_placement
 from tplayers.testing import RemoteError, assert_close
 
 pytestmark = pytest.mark.multirank
@@ -44,8 +45,11 @@ def batch(step, dp):
     return torch.randint(3, VOCAB, (2 * dp, 8), generator=torch.Generator().manual_seed(10 + step))
 
 
-def trains_like_unsharded(rank, world, group, dp, tp, stage, sequence_parallel, steps=3):
+def trains_like_unsharded(rank, world, group, dp, tp, stage, sequence_parallel, steps=3, miscount=False):
     mesh, model, reference = build(dp, tp, stage, sequence_parallel)
+    if miscount:  # negative control: the ZeRO shards' norms not summed over the replicas
+        for p in model.parameters():
+            update_placement(p, dp_sharded=False)
     # eps 1e-4: Adam's division must not turn the reduction-order noise of a near-zero gradient
     # (1e-9) into a whole step (lr); with eps 1e-8 one weight in thousands differs by 2e-5
     opt = tplayers.data_parallel_optimizer(model, torch.optim.AdamW, lr=1e-2, eps=1e-4)
@@ -90,3 +94,109 @@ def test_zero_stage_matches_unsharded(pool, dp, tp, stage):
 @pytest.mark.parametrize("stage", [0, 3])
 def test_zero_stage_with_sequence_parallelism(pool, stage):
     pool.run(trains_like_unsharded, 4, 2, 2, stage, True)
+
+
+def test_negative_control_shards_counted_once_too_few_fail_the_norm(pool):
+    with pytest.raises(tplayers.RankError, match="clipped norm at step 0"):
+        pool.run(trains_like_unsharded, 4, 2, 2, 3, False, 1, True)
+
+
+def bf16_like_mixed_precision(rank, world, group, stage):
+    """ZeRO with FSDP2's bf16 compute and fp32 sharded masters against the unsharded model in bf16
+    with fp32 master weights (MixedPrecisionOptimizer): within the bf16 tolerance."""
+    mesh = tplayers.init_mesh(dp=2, tp=2)
+    model = tiny_llama()
+    reference = copy.deepcopy(model).to(torch.bfloat16)
+    tplayers.parallelize(model, group=mesh["tp"], verify=False)
+    tplayers.data_parallel(model, group=mesh["dp"], zero_stage=stage, param_dtype=torch.bfloat16)
+    opt = tplayers.data_parallel_optimizer(model, torch.optim.AdamW, lr=1e-2, eps=1e-4)
+    ref_opt = tplayers.MixedPrecisionOptimizer(torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-4))
+    dp_rank = mesh["dp"].get_local_rank()
+    for step in range(2):
+        ids = batch(step, 2)
+        mine = ids.chunk(2)[dp_rank]
+        result = tplayers.train_step(model, opt, [mine], lambda m, b: m(b, labels=b).loss, max_grad_norm=0.5)
+        ref = tplayers.train_step(reference, ref_opt, [ids], lambda m, b: m(b, labels=b).loss, max_grad_norm=0.5)
+        assert_close(torch.tensor(result.grad_norm).bfloat16(), torch.tensor(ref.grad_norm).bfloat16())
+    full = tplayers.gather_state_dict(model, group=mesh["tp"])
+    assert all(v.dtype == torch.float32 for v in full.values())  # the masters
+    for key, value in reference.state_dict().items():
+        assert_close(full[key].to(value.dtype), value, msg=lambda m, k=key: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bf16_under_zero_matches_mixed_precision(pool, stage):
+    pool.run(bf16_like_mixed_precision, 4, stage)
+
+
+def overflow_on_one_rank_skips_everywhere(rank, world, group, stage):
+    mesh, model, _ = build(2, 2, stage, False)
+    opt = tplayers.data_parallel_optimizer(model, torch.optim.AdamW, lr=1e-2)
+    scaler = tplayers.DynamicLossScaler(init_scale=2.0**4)
+    dp_rank = mesh["dp"].get_local_rank()
+
+    def loss_fn(m, b):
+        loss = m(b, labels=b).loss
+        return loss * float("inf") if rank == 3 and step == 1 else loss  # one rank of one replica
+
+    for step in range(2):
+        before = tplayers.gather_state_dict(model, group=mesh["tp"])
+        mine = batch(step, 2).chunk(2)[dp_rank]
+        result = tplayers.train_step(model, opt, [mine], loss_fn, scaler=scaler, max_grad_norm=0.5)
+        after = tplayers.gather_state_dict(model, group=mesh["tp"])
+        assert result.skipped == (step == 1), (rank, step)
+        if step == 1:
+            assert all(torch.equal(after[k], v) for k, v in before.items())
+    assert scaler.get_scale() == 2.0**3
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_overflow_on_one_rank_skips_on_every_rank(pool, stage):
+    pool.run(overflow_on_one_rank_skips_everywhere, 4, stage)
+
+
+def misuse(rank, world, group, case):
+    mesh = tplayers.init_mesh(dp=2, tp=2)
+    model = tiny_llama()
+    if case == "overlap":  # TP over all four ranks, then DP over them too
+        tplayers.parallelize(model, group=group, verify=False)
+        tplayers.data_parallel(model, group=group)
+    tplayers.parallelize(model, group=mesh["tp"], verify=False)
+    if case == "stage":
+        tplayers.data_parallel(model, group=mesh["dp"], zero_stage=4)
+    if case == "twice":
+        tplayers.data_parallel(model, group=mesh["dp"])
+        tplayers.data_parallel(model, group=mesh["dp"], zero_stage=3)
+    if case == "optimizer_first":
+        opt = torch.optim.AdamW(model.parameters())
+        tplayers.ZeRO3(model, group=mesh["dp"])
+        model(batch(0, 1)[:1], labels=batch(0, 1)[:1]).loss.backward()
+        opt.step()
+    if case == "average_twice":
+        tplayers.data_parallel(model, group=mesh["dp"])
+        opt = tplayers.data_parallel_optimizer(model, torch.optim.SGD, lr=0.1)
+        ids = batch(0, 1)
+        tplayers.train_step(model, opt, [ids], lambda m, b: m(b, labels=b).loss, dp_group=mesh["dp"])
+    if case == "param_dtype_stage0":
+        tplayers.data_parallel(model, group=mesh["dp"], param_dtype=torch.bfloat16)
+    if case == "master_weights":
+        tplayers.data_parallel(model.to(torch.bfloat16), group=mesh["dp"])
+        tplayers.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()))
+
+
+MISUSE = {
+    "overlap": r"data-parallel group \[0, 1, 2, 3\] overlaps the tensor-parallel group \[0, 1, 2, 3\]",
+    "stage": r"zero_stage must be one of \(0, 1, 2, 3\), got 4",
+    "twice": r"LlamaForCausalLM is already data-parallel \(zero_stage 0\)",
+    "optimizer_first": r"AdamW holds model.embed_tokens.weight, which data_parallel replaced with its sharded form",
+    "average_twice": r"passing dp_group would average them twice",
+    "param_dtype_stage0": r"param_dtype needs ZeRO stage 2 or 3",
+    "master_weights": r"MixedPrecisionOptimizer: the model is data-parallel",
+}
+
+
+@pytest.mark.parametrize("case", list(MISUSE))
+def test_misuse_is_refused_on_every_rank(pool, case):
+    replies = pool.run(misuse, 4, case, return_exceptions=True)
+    for reply in replies:
+        assert isinstance(reply, RemoteError) and re.search(MISUSE[case], reply.message), reply

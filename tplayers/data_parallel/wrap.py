@@ -29,10 +29,11 @@ What tplayers adds is the composition, through each parameter's placement record
   step tensors the model no longer uses) are errors.
 """
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tplayers.distributed import resolve_group
@@ -71,6 +72,27 @@ def _check(module, pg, stage):
                 )
 
 
+def _check_mixed_precision(module, stage, param_dtype):
+    if stage < 2:
+        raise ValueError(
+            f"data_parallel: param_dtype needs ZeRO stage 2 or 3 (FSDP2's mixed precision), got stage {stage}; "
+            "train in fp32 at stages 0-1"
+        )
+    if param_dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"data_parallel: param_dtype must be torch.bfloat16 or torch.float16, got {param_dtype}")
+    low = [n for n, p in module.named_parameters() if p.dtype != torch.float32]
+    if low:
+        raise ValueError(
+            f"data_parallel(param_dtype=...): keep the model in fp32 (its shards are the masters); {low[0]} is not"
+        )
+    summed = [n for n, p in module.named_parameters() if getattr(get_placement(p), "grad_summed", False)]
+    if summed:
+        raise ValueError(
+            f"data_parallel(param_dtype=...): {summed[0]} is summed over the TP group by its own hook (sequence "
+            "parallelism), which FSDP2's 16-bit copies bypass; use param_dtype without sequence_parallel"
+        )
+
+
 def sharding_units(module) -> list[nn.Module]:
     """The blocks of the model's largest nn.ModuleList (its decoder layers), or none."""
     lists = [m for m in module.modules() if isinstance(m, nn.ModuleList) and len(m)]
@@ -104,13 +126,22 @@ def _refuse_stale_optimizer(optimizer, args, kwargs):
 _stale_hook = None
 
 
-def data_parallel(module: nn.Module, *, group=None, zero_stage: int = 0, bucket_cap_mb: float = 25.0) -> nn.Module:
+def data_parallel(
+    module: nn.Module, *, group=None, zero_stage: int = 0, param_dtype=None, bucket_cap_mb: float = 25.0
+) -> nn.Module:
     """Make `module` data-parallel over `group` (ProcessGroup or 1-D DeviceMesh, e.g.
     `init_mesh(dp=2, tp=2)["dp"]`; None: every rank) at `zero_stage` 0-3 (module docstring), in
-    place; returns it. Build the optimizer afterwards, with `data_parallel_optimizer`."""
+    place; returns it. Build the optimizer afterwards, with `data_parallel_optimizer`.
+
+    16-bit training (ZeRO 2-3): keep the model in fp32 and pass `param_dtype=torch.bfloat16` (or
+    fp16): FSDP2 computes forward and backward with 16-bit copies of the parameters it gathers,
+    reduces gradients in fp32, and the fp32 shards it keeps are the master weights (each replica
+    holds 1/dp of them). `MixedPrecisionOptimizer` on a data-parallel model is refused."""
     global _stale_hook
     mesh, pg = _mesh_and_group(group)
     _check(module, pg, zero_stage)
+    if param_dtype is not None:
+        _check_mixed_precision(module, zero_stage, param_dtype)
     records = {name: get_placement(p) for name, p in module.named_parameters()}
     if zero_stage <= 1:
         from torch.distributed._composable import replicate  # torch's composable DDP, in place
@@ -122,6 +153,8 @@ def data_parallel(module: nn.Module, *, group=None, zero_stage: int = 0, bucket_
         summed = [p for p in module.parameters() if getattr(get_placement(p), "grad_summed", False)]
         old = dict(module.named_parameters())
         kwargs = dict(mesh=mesh, reshard_after_forward=zero_stage == 3, ignored_params=set(summed))
+        if param_dtype is not None:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         for unit in sharding_units(module):
             fully_shard(unit, **kwargs)
         fully_shard(module, **kwargs)

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import tplayers
+from tplayers.placement import local_tensor
 
 BYTES = 256
 
@@ -21,6 +22,8 @@ BYTES = 256
 @dataclass
 class DemoConfig:
     tp: int = 2
+    dp: int = 1  # data-parallel replicas (each trains on its share of every batch)
+    zero: int = 0  # ZeRO stage over the replicas (tplayers.data_parallel)
     steps: int = 300
     layers: int = 2
     hidden: int = 64
@@ -81,9 +84,27 @@ def _loss(model, ids, group):
     return tplayers.vocab_parallel_cross_entropy(local_logits[:, :-1], ids[:, 1:], group=group)
 
 
+def model_state_bytes(model, optimizer) -> dict:
+    """Bytes this rank holds of parameters, gradients (one per trainable parameter, as backward
+    leaves them) and optimizer state, measured on the tensors themselves."""
+    params = {id(p): p for p in model.parameters()}.values()
+    inner = getattr(optimizer, "optimizer", optimizer)  # MixedPrecisionOptimizer's own
+    inner = getattr(inner, "optim", inner)  # ZeroRedundancyOptimizer's local one
+    size = lambda t: local_tensor(t).numel() * t.element_size()  # noqa: E731
+    state = sum(size(v) for s in inner.state.values() for v in s.values() if torch.is_tensor(v) and v.dim())
+    masters = sum(size(m) for m in getattr(optimizer, "masters", lambda: [])())
+    return dict(
+        params=sum(size(p) for p in params),
+        grads=sum(size(p) for p in params if p.requires_grad),
+        optimizer=state + masters,
+    )
+
+
 def train_on_rank(rank, world_size, cfg: DemoConfig):
     tplayers.set_backend(cfg.backend)
-    group = dist.group.WORLD
+    mesh = tplayers.init_mesh(dp=cfg.dp, tp=cfg.tp)
+    group, dp_group = mesh["tp"].get_group(), mesh["dp"].get_group()
+    dp_rank = mesh["dp"].get_local_rank()
     # CPU ranks on gloo (launch, or torchrun without GPUs); one GPU per rank on NCCL (torchrun).
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     torch.manual_seed(cfg.seed)
@@ -92,12 +113,17 @@ def train_on_rank(rank, world_size, cfg: DemoConfig):
     if rank == 0:
         reference = build_model(cfg).to(device)
         reference.load_state_dict(model.state_dict())
-    with torch.no_grad():  # parameters only: buffers (RoPE frequencies) stay fp32
-        for p in model.parameters():
-            p.data = p.data.to(DTYPES[cfg.dtype])
+    data_parallel = cfg.dp > 1 or cfg.zero > 0
+    if not data_parallel:  # 16-bit parameters with fp32 masters in the optimizer
+        with torch.no_grad():  # parameters only: buffers (RoPE frequencies) stay fp32
+            for p in model.parameters():
+                p.data = p.data.to(DTYPES[cfg.dtype])
     tplayers.parallelize(model, group=group, sequence_parallel=cfg.sequence_parallel, vocab_parallel_logits=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    if cfg.dtype != "fp32":
+    if data_parallel:  # 16-bit: FSDP2 computes in it, its fp32 shards are the masters
+        param_dtype = DTYPES[cfg.dtype] if cfg.dtype != "fp32" else None
+        tplayers.data_parallel(model, group=mesh["dp"], zero_stage=cfg.zero, param_dtype=param_dtype)
+    opt = tplayers.data_parallel_optimizer(model, torch.optim.AdamW, lr=cfg.lr)
+    if cfg.dtype != "fp32" and not data_parallel:
         opt = tplayers.MixedPrecisionOptimizer(opt)
     # fp16's 5 exponent bits need loss scaling; bf16 has fp32's range and does not.
     scaler = tplayers.DynamicLossScaler(init_scale=2.0**12, group=group, enabled=cfg.dtype == "fp16")
@@ -107,19 +133,23 @@ def train_on_rank(rank, world_size, cfg: DemoConfig):
     if rank == 0:
         from tqdm import tqdm
 
-        progress = tqdm(total=cfg.steps, desc=f"TP={world_size} Llama {cfg.dtype}", unit="step")
+        layout = f"TP={cfg.tp}" + (f" DP={cfg.dp} ZeRO-{cfg.zero}" if cfg.dp > 1 or cfg.zero else "")
+        progress = tqdm(total=cfg.steps, desc=f"{layout} Llama {cfg.dtype}", unit="step")
     losses, ref_losses, train_time, bytes_per_step, skipped = [], [], 0.0, 0, 0
     for step in range(cfg.steps):
         ids = text_batch(step, cfg, device)
+        mine = ids.chunk(cfg.dp)[dp_rank]  # this replica's share of the batch
         start = time.perf_counter()
         with tplayers.count_bytes() as sent:
             result = tplayers.train_step(
-                model, opt, ids.chunk(cfg.micro_batches), lambda m, b: _loss(m, b, group),
+                model, opt, mine.chunk(cfg.micro_batches), lambda m, b: _loss(m, b, group),
                 scaler=scaler, max_grad_norm=cfg.max_grad_norm,
             )  # fmt: skip
         train_time += time.perf_counter() - start
         bytes_per_step = sent.total()
-        losses.append(result.loss)
+        loss = torch.tensor([result.loss], dtype=torch.float64)
+        dist.all_reduce(loss, group=dp_group)  # the mean over the replicas: the whole batch's
+        losses.append(loss.item() / cfg.dp)
         skipped += result.skipped
         if reference is not None:  # the unsharded fp32 twin, with torch's own clipping
             ref_loss = reference(ids, labels=ids).loss
@@ -133,6 +163,7 @@ def train_on_rank(rank, world_size, cfg: DemoConfig):
     if progress is not None:
         progress.close()
     full = tplayers.gather_state_dict(model, group=group)  # a collective: every rank
+    state_bytes = model_state_bytes(model, opt)
     if rank != 0:
         return None
     diff = max((full[k].float() - v).abs().max().item() for k, v in reference.state_dict().items())
@@ -156,18 +187,30 @@ def train_on_rank(rank, world_size, cfg: DemoConfig):
         agree_tol=tol,
         skipped_steps=skipped,
         final_scale=scaler.get_scale(),
+        model_state_bytes=state_bytes,
     )
 
 
 def run_demo(cfg: DemoConfig) -> dict:
-    """Train on `cfg.tp` local ranks; rank 0's report (losses, throughput, bytes, differences)."""
+    """Train on `cfg.dp * cfg.tp` local ranks; rank 0's report (losses, throughput, bytes, differences)."""
     if cfg.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)}, got {cfg.dtype!r}")
     if cfg.micro_batches <= 0 or cfg.batch % cfg.micro_batches:
         raise ValueError(f"batch ({cfg.batch}) is not divisible into {cfg.micro_batches} micro-batches")
     if not cfg.max_grad_norm > 0:
         raise ValueError(f"max_grad_norm must be > 0, got {cfg.max_grad_norm}")
-    for name in ("tp", "steps", "layers", "hidden", "heads", "kv_heads", "ffn", "batch", "seq"):
+    if cfg.zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero must be a ZeRO stage 0-3, got {cfg.zero}")
+    if cfg.dtype != "fp32" and (cfg.dp > 1 or cfg.zero) and (cfg.zero < 2 or cfg.sequence_parallel):
+        raise ValueError(
+            f"--dtype {cfg.dtype} with data parallelism needs --zero 2 or 3 and no --sequence-parallel "
+            "(FSDP2's mixed precision; see tplayers.data_parallel)"
+        )
+    if cfg.batch % (cfg.dp * cfg.micro_batches):
+        raise ValueError(
+            f"batch ({cfg.batch}) is not divisible into {cfg.dp} replicas x {cfg.micro_batches} micro-batches"
+        )
+    for name in ("tp", "dp", "steps", "layers", "hidden", "heads", "kv_heads", "ffn", "batch", "seq"):
         if getattr(cfg, name) <= 0:
             raise ValueError(f"{name} must be positive, got {getattr(cfg, name)}")
     for name in ("ffn", "heads"):
@@ -183,7 +226,7 @@ def run_demo(cfg: DemoConfig) -> dict:
         )
     if cfg.sequence_parallel and cfg.seq % cfg.tp:
         raise ValueError(f"seq ({cfg.seq}) is not divisible by the tensor-parallel size ({cfg.tp})")
-    return tplayers.launch(train_on_rank, cfg.tp, cfg)[0]
+    return tplayers.launch(train_on_rank, cfg.dp * cfg.tp, cfg)[0]
 
 
 def write_report(report: dict, out_dir) -> list:
@@ -221,12 +264,15 @@ def summary(report: dict) -> str:
         [
             f"loss: {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps",
             f"tokens/s (TP ranks, fwd+bwd+step): {report['tokens_per_s']:,.0f}",
-            f"bytes sent per rank per step: {report['bytes_per_step']:,}",
+            f"bytes sent per rank per step by the TP layers: {report['bytes_per_step']:,}",
             f"parameters {report['config']['dtype']}; steps skipped on overflow: {report['skipped_steps']}, "
             f"final loss scale {report['final_scale']:g}",
             f"agrees with the unsharded fp32 run to {report['agree_tol']:g} for {report['agree_steps']} steps "
             f"(largest |loss difference| there: {report['max_loss_diff_while_agreeing']:.3g})",
             f"largest |loss difference| vs unsharded over all steps: {report['max_loss_diff']:.3g}",
             f"largest |parameter difference| vs unsharded at the end: {report['max_param_diff']:.3g}",
+            "model state per rank (rank 0): "
+            + ", ".join(f"{k} {v:,} B" for k, v in report["model_state_bytes"].items())
+            + f" (ZeRO stage {report['config']['zero']} over {report['config']['dp']} replicas)",
         ]
     )

@@ -60,6 +60,15 @@ class MixedPrecisionOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"MixedPrecisionOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        replicated = [
+            p for g in optimizer.param_groups for p in g["params"] if getattr(get_placement(p), "dp_group", None)
+        ]
+        if any(p.dtype in LOW_PRECISION for p in replicated):
+            raise ValueError(
+                "MixedPrecisionOptimizer: the model is data-parallel (tplayers.data_parallel), whose engines read the "
+                "16-bit gradients this would move; keep the model in fp32 and pass "
+                "data_parallel(..., param_dtype=torch.bfloat16) at ZeRO stage 2 or 3: its fp32 shards are the masters"
+            )
         self.optimizer = optimizer
         self._stepped = False  # a step was taken or skipped since the last zero_grad
         self._model_params: list[torch.nn.Parameter] = []  # 16-bit parameters, in order of first listing
