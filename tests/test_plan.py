@@ -680,3 +680,16 @@ def test_comm_bytes_never_negative_and_finite(llama70b_search):
     for _, est in ranked:
         assert all(v >= 0 and math.isfinite(v) for v in est.comm_bytes.values())
         assert all(v >= 0 for v in est.time_breakdown.values())
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_optimizer_step_time_is_divided_over_the_replicas_under_zero(stage):
+    """ZeRO >= 1: each replica steps only its 1/dp of the parameters; stage 0 steps them all. A
+    planner that drops the division (or divides at stage 0) fails here."""
+    model, cluster = ModelSpec.preset("llama3-8b"), ClusterSpec.preset("h100", num_gpus=64)
+    precision = Precision.preset("mixed-adam-fp32-grads")
+    plain = estimate(model, cluster, Layout(tp=8, dp=8, zero_stage=0), precision).stages[0]
+    zero = estimate(model, cluster, Layout(tp=8, dp=8, zero_stage=stage), precision).stages[0]
+    touched = plain.num_params * (2 * precision.optimizer_bytes + precision.grad_bytes + precision.param_bytes)
+    assert plain.time_breakdown["optimizer"] == pytest.approx(touched / cluster.hbm_bandwidth, rel=1e-12)
+    assert zero.time_breakdown["optimizer"] == pytest.approx(plain.time_breakdown["optimizer"] / 8, rel=1e-12)
