@@ -693,3 +693,29 @@ def test_optimizer_step_time_is_divided_over_the_replicas_under_zero(stage):
     touched = plain.num_params * (2 * precision.optimizer_bytes + precision.grad_bytes + precision.param_bytes)
     assert plain.time_breakdown["optimizer"] == pytest.approx(touched / cluster.hbm_bandwidth, rel=1e-12)
     assert zero.time_breakdown["optimizer"] == pytest.approx(plain.time_breakdown["optimizer"] / 8, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "gpt3-175b"])
+@pytest.mark.parametrize("tp, pp, dp, zero_stage, sp", [(1, 1, 8, 3, False), (8, 4, 2, 1, True), (4, 2, 8, 2, True)])
+def test_tensor_by_tensor_model_states_cover_every_parameter(name, tp, pp, dp, zero_stage, sp):
+    """The per-tensor ZeRO accounting holds exactly the stage's parameters (padding aside): summed
+    over the replicas, ZeRO's shards are the whole (the blocks' norms, kept whole under SP at
+    stages 2-3, once per replica); the busiest replica holds at least the even share."""
+    from tplayers.plan.estimate import model_state_bytes_per_rank
+
+    model = ModelSpec.preset(name)
+    layout = Layout(tp=tp, pp=pp, dp=dp, zero_stage=zero_stage, sequence_parallel=sp, num_microbatches=pp)
+    precision = Precision.preset("fp32-adam")
+    cluster = ClusterSpec.preset("h100", num_gpus=tp * pp * dp)
+    for stage in range(pp):
+        params = estimate(model, cluster, layout, precision).stages[stage].num_params
+        per_rank = model_state_bytes_per_rank(model, layout, precision, stage=stage)
+        assert len(per_rank) == dp
+        norms = 2 * model.layers // pp * model.hidden * (2 if model.norm == "layernorm" else 1)
+        whole = norms if sp and zero_stage >= 2 else 0
+        expected = (params + (dp - 1) * whole) * precision.optimizer_bytes
+        assert sum(o for _, _, o in per_rank) == pytest.approx(expected, rel=1e-12)
+        # FSDP2's stage 2 keeps the params sharded at rest too (gathered once a step: `buffers`)
+        even = model_state_bytes(params, precision, zero_stage=3 if zero_stage == 2 else zero_stage, dp=dp)
+        for i in range(3):
+            assert max(rank[i] for rank in per_rank) >= even[i] - 1e-6

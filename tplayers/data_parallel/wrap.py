@@ -37,7 +37,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tplayers.distributed import resolve_group
-from tplayers.functional import comm
 from tplayers.placement import get_placement, update_placement
 
 STAGES = (0, 1, 2, 3)
@@ -100,11 +99,13 @@ def sharding_units(module) -> list[nn.Module]:
 
 
 def _average_over(group):
+    """The mean over the replicas, as the engines take it for every other gradient (and, like
+    theirs, outside `tplayers.count_bytes`, which counts the tensor-parallel layers' traffic)."""
     n = dist.get_world_size(group)
 
     def hook(grad):
         grad = grad.contiguous().clone()
-        comm.all_reduce(grad, group)
+        dist.all_reduce(grad, group=group)
         return grad.div_(n)
 
     return hook

@@ -19,8 +19,11 @@ from tplayers.plan.memory import (
     LOGITS_BYTES,
     _embedding_activation_bytes,
     _output_activation_bytes,
+    gathered_param_bytes,
     layer_activation_bytes,
     model_state_bytes,
+    stage_tensors,
+    zero_state_bytes_per_rank,
 )
 from tplayers.plan.rules import validate_layout
 from tplayers.plan.schedule import bubble_fraction, microbatches_in_flight
@@ -50,7 +53,11 @@ class MemoryBreakdown:
 
     `activations` is None when the model is given by its parameter count only; `total` then
     counts the model states alone. `buffers`: ZeRO-3's gathered copy of the largest unit
-    (a layer, or the embedding / LM head) during its forward / backward.
+    (a layer, or the embedding / LM head) during its forward / backward; ZeRO-2's (FSDP2's)
+    gathered copy of every parameter, held from forward through backward (its `params` are the
+    shards kept between steps). With the model's dimensions the model states are counted tensor
+    by tensor as tplayers' engines hold them (`zero_state_bytes_per_rank`: padding, ZeRO-1's
+    whole-tensor partition), for the most loaded replica.
     """
 
     params: float
@@ -158,10 +165,13 @@ def _stage_params(ctx: _Context, stage: int) -> float:
 
 
 def _zero3_buffer(ctx: _Context, stage: int) -> float:
-    """ZeRO-3 gathers one unit at a time: the largest of a layer, the embedding, the LM head."""
+    """ZeRO-3 gathers one unit at a time: the largest of a layer, the embedding, the LM head.
+    ZeRO-2 (FSDP2) gathers every parameter once per step and holds them through backward."""
     model, layout = ctx.model, ctx.layout
-    if layout.zero_stage < 3 or layout.dp == 1 or not model.has_dims:
+    if layout.zero_stage < 2 or layout.dp == 1 or not model.has_dims:
         return 0.0
+    if layout.zero_stage == 2:
+        return gathered_param_bytes(_stage_tensors(ctx, stage), ctx.precision, dp=layout.dp)
     units = [_layer_params(model, layout.tp)]
     if stage in (0, layout.pp - 1):
         units.append(ctx.vocab * model.hidden / layout.tp)
@@ -201,10 +211,39 @@ def _stage_activations(ctx: _Context, stage: int) -> float | None:
     return total
 
 
+def _stage_tensors(ctx: _Context, stage: int) -> list:
+    model, layout = ctx.model, ctx.layout
+    return stage_tensors(
+        model, tp=layout.tp, vocab=ctx.vocab, layers=model.layers // layout.pp, first=stage == 0,
+        last=stage == layout.pp - 1, lm_head=not model.tied_embeddings or layout.pp > 1,
+        sequence_parallel=layout.sequence_parallel,
+    )  # fmt: skip
+
+
 def _stage_memory(ctx: _Context, stage: int, params: float) -> MemoryBreakdown:
+    """Model states of the most loaded data-parallel replica: with the model's dimensions, tensor by
+    tensor as tplayers' ZeRO engines hold them (padding, whole-tensor optimizer partitions; see
+    `zero_state_bytes_per_rank`), else the ZeRO paper's even split of `params`."""
     layout = ctx.layout
-    p, g, o = model_state_bytes(params, ctx.precision, zero_stage=layout.zero_stage, dp=layout.dp)
+    if ctx.model.has_dims:
+        per_rank = zero_state_bytes_per_rank(
+            _stage_tensors(ctx, stage), ctx.precision, zero_stage=layout.zero_stage, dp=layout.dp
+        )
+        p, g, o = max(per_rank, key=sum)
+    else:
+        p, g, o = model_state_bytes(params, ctx.precision, zero_stage=layout.zero_stage, dp=layout.dp)
     return MemoryBreakdown(p, g, o, _stage_activations(ctx, stage), _zero3_buffer(ctx, stage), stage)
+
+
+def model_state_bytes_per_rank(
+    model: ModelSpec, layout: Layout, precision: Precision | None = None, *, assumptions=None, stage: int = 0
+) -> list[tuple]:
+    """(params, grads, optimizer) bytes of each data-parallel replica of pipeline `stage` (per TP
+    rank), tensor by tensor (`zero_state_bytes_per_rank`); needs the model's dimensions."""
+    ctx = _Context(model, None, layout, _resolve_precision(precision), assumptions or Assumptions())
+    return zero_state_bytes_per_rank(
+        _stage_tensors(ctx, stage), ctx.precision, zero_stage=layout.zero_stage, dp=layout.dp
+    )
 
 
 def _stage_flops_per_microbatch(ctx: _Context, stage: int) -> float:

@@ -41,6 +41,83 @@ def model_state_bytes(num_params: float, precision: Precision | None = None, *, 
     return params, grads, optimizer
 
 
+def stage_tensors(
+    model: ModelSpec, *, tp: int, vocab: int, layers: int, first: bool, last: bool, lm_head: bool,
+    sequence_parallel: bool = False,
+) -> list[tuple[int, int, bool]]:  # fmt: skip
+    """(rows, columns, summed) of every parameter tensor one TP rank of a stage holds, as tplayers
+    lays out a Llama-style model: q, k, v, o; the MLP's gate|up fused into one (2f/t, h) tensor;
+    norms (h, 1); biases (n, 1). `summed`: a replicated weight in the blocks that sees part of the
+    sequence (a norm under sequence parallelism), which tplayers keeps whole under ZeRO 2-3.
+    ZeRO's engines shard along the rows."""
+    h, f = model.hidden, model.ffn_hidden
+    q, kv = model.q_dim // tp, (model.kv_dim // tp if _kv_sharded(model, tp) else model.kv_dim)
+    norm = [(h, 1, sequence_parallel)] * (2 if model.norm == "layernorm" else 1)
+    block = [(q, h, False), (kv, h, False), (kv, h, False), (h, q, False)]
+    if model.linear_bias:
+        block += [(q, 1, False), (kv, 1, False), (kv, 1, False), (h, 1, False)]
+    block += [((2 if model.gated_mlp else 1) * f // tp, h, False), (h, f // tp, False)]
+    if model.linear_bias:
+        block += [((2 if model.gated_mlp else 1) * f // tp, 1, False), (h, 1, False)]
+    block += 2 * norm
+    tensors = []
+    if first:
+        tensors.append((vocab // tp, h, False))
+        if model.position_embedding == "learned":
+            tensors.append((model.max_positions, h, False))
+    tensors += layers * block
+    if last:
+        tensors += [(r, c, False) for r, c, _ in norm]  # the final norm sees the whole sequence
+        if lm_head:
+            tensors.append((vocab // tp, h, False))
+    return tensors
+
+
+def zero_state_bytes_per_rank(tensors, precision: Precision, *, zero_stage: int, dp: int) -> list[tuple]:
+    """(params, grads, optimizer) bytes on each of the dp replicas, from `stage_tensors`, as
+    tplayers' engines hold them (`tplayers.data_parallel`), padding included:
+
+        stage 0  everything on every replica
+        stage 1  the optimizer state of whole tensors, assigned largest first to the replica
+                 holding the least so far (torch's ZeroRedundancyOptimizer)
+        stage 2  FSDP2: params at rest the padded shard (each tensor's rows padded to a multiple
+                 of dp: ceil(r/dp)*c; gathered once per step and held from forward through
+                 backward, see `gathered_param_bytes`); grads the padded shard; the optimizer
+                 state the unpadded shard of this replica (torch.chunk's rows)
+        stage 3  as stage 2, the params gathered block by block (forward and again backward)
+    `summed` tensors (kept out of FSDP2) are whole under stages 2-3."""
+    if zero_stage not in ZERO_STAGES:
+        raise ValueError(f"unknown zero_stage {zero_stage!r}; valid: 0, 1, 2, 3")
+    pb, gb, ob = precision.param_bytes, precision.grad_bytes, precision.optimizer_bytes
+    total = sum(r * c for r, c, _ in tensors)
+    if zero_stage == 0 or dp == 1:
+        return [(total * pb, total * gb, total * ob)] * dp
+    if zero_stage == 1:
+        loads = [0] * dp
+        for numel in sorted((r * c for r, c, _ in tensors), reverse=True):
+            loads[loads.index(min(loads))] += numel
+        return [(total * pb, total * gb, load * ob) for load in loads]
+    out = []
+    for rank in range(dp):
+        params = grads = optimizer = 0
+        for rows, cols, summed in tensors:
+            if summed:
+                params, grads, optimizer = params + rows * cols, grads + rows * cols, optimizer + rows * cols
+                continue
+            chunk = -(-rows // dp)
+            params += chunk * cols
+            grads += chunk * cols
+            optimizer += min(chunk, max(0, rows - rank * chunk)) * cols
+        out.append((params * pb, grads * gb, optimizer * ob))
+    return out
+
+
+def gathered_param_bytes(tensors, precision: Precision, *, dp: int) -> float:
+    """ZeRO 2 on FSDP2: the unsharded copies of every sharded tensor (rows padded to a multiple of
+    dp), held from forward through backward."""
+    return sum(-(-r // dp) * dp * c for r, c, summed in tensors if not summed) * precision.param_bytes
+
+
 def _local_kv_heads(model: ModelSpec, tp: int) -> float:
     return model.kv_heads / tp if _kv_sharded(model, tp) else 1
 

@@ -1,18 +1,21 @@
 """`tplayers plan --validate`: the planner's per-GPU numbers checked against a real training step.
 
 For a few small layouts on local CPU ranks (gloo), `validate` builds a Llama-style HuggingFace
-model, shards it with `tplayers.parallelize`, runs one training step (forward, vocab-parallel
-cross-entropy, backward, the data-parallel gradient all-reduce when dp > 1, Adam step) and
-compares what every rank measured with `tplayers.plan.estimate` for the same `ModelSpec`,
-`Layout` and `Precision`:
+model, shards it with `tplayers.parallelize` (and, for ZeRO 1-3, `tplayers.data_parallel`),
+runs one training step (forward, vocab-parallel cross-entropy, backward, the data-parallel
+gradient reduction when dp > 1, Adam step) and compares what every rank measured with
+`tplayers.plan.estimate` for the same `ModelSpec`, `Layout` and `Precision` (model states per
+replica: `model_state_bytes_per_rank`, padding and ZeRO-1's whole-tensor partition included):
 
     quantity     measured on each rank                                          check
     comm tp, dp  bytes this rank sends in the step (`tplayers.count_bytes`,      exact
                  ring formulas); dp: the gradient all-reduce over the dp group
                  (plain DDP, ZeRO stage 0), tp: everything else
-    params       sum of numel * element_size over the model's parameters         exact
+    params       sum of numel * element_size over the model's parameters at the  exact
+                 step (ZeRO 2-3: the storages of the local shards, padded)
     grads        the gradients held at `optimizer.step()`, where they live: fp32  exact
                  on the masters with MixedPrecisionOptimizer, else on the params
+                 (ZeRO 2-3: the reduce-scatter buffers the shards live in)
     optimizer    what the optimizer owns: the fp32 master copies and every        exact
                  per-element state tensor (Adam's exp_avg, exp_avg_sq); Adam's
                  scalar `step` counters (4 bytes per tensor) are left out
@@ -52,7 +55,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from tplayers.plan.estimate import estimate
+from tplayers.plan.estimate import estimate, model_state_bytes_per_rank
 from tplayers.plan.layout import Assumptions, Layout
 from tplayers.plan.memory import layer_activation_bytes
 from tplayers.plan.specs import ClusterSpec, ModelSpec, Precision, padded_vocab
@@ -107,8 +110,8 @@ DEFAULT_ACTIVATION_RTOL = 0.75
 @dataclass(frozen=True)
 class ValidationCase:
     """One layout to train and check: `dtype` "bf16" (bf16 model, MixedPrecisionOptimizer over
-    Adam) or "fp32" (fp32 model, Adam). pp must be 1, zero_stage 0 and recompute "none": tplayers
-    has no pipeline stages, ZeRO or recomputation yet."""
+    Adam) or "fp32" (fp32 model, Adam). pp must be 1 and recompute "none" (tplayers has no
+    pipeline stages or recomputation yet); ZeRO 1-3 (`tplayers.data_parallel`) trains in fp32."""
 
     layout: Layout
     dtype: str = "bf16"
@@ -117,11 +120,13 @@ class ValidationCase:
         if self.dtype not in TPLAYERS_PRECISIONS:
             raise ValueError(f"ValidationCase.dtype must be one of {list(TPLAYERS_PRECISIONS)}, got {self.dtype!r}")
         lay = self.layout
-        if lay.pp != 1 or lay.zero_stage != 0 or lay.recompute != "none":
+        if lay.pp != 1 or lay.recompute != "none":
             raise ValueError(
-                f"tplayers has no pipeline stages, ZeRO or recomputation yet: validation needs pp=1, zero_stage=0, "
-                f"recompute='none', got {lay.describe()}"
+                f"tplayers has no pipeline stages or recomputation yet: validation needs pp=1, recompute='none', "
+                f"got {lay.describe()}"
             )
+        if lay.zero_stage and self.dtype != "fp32":
+            raise ValueError(f"ZeRO cases train in fp32 (FSDP2's bf16 copies are not itemised), got {self.dtype}")
 
     @property
     def precision(self) -> Precision:
@@ -131,6 +136,7 @@ class ValidationCase:
     def name(self) -> str:
         lay = self.layout
         parts = [f"tp{lay.tp}"] + ([f"dp{lay.dp}"] if lay.dp > 1 else []) + (["sp"] if lay.sequence_parallel else [])
+        parts += [f"zero{lay.zero_stage}"] if lay.zero_stage else []
         if lay.num_microbatches > 1:
             parts.append(f"m{lay.num_microbatches}")
         return " ".join(parts + [self.dtype])
@@ -149,6 +155,10 @@ DEFAULT_CASES = (
     _case(tp=4),  # 4 ranks > 2 kv heads: k / v replicated, their gradients all-reduced
     _case(tp=4, sequence_parallel=True),
     _case(tp=2, dp=2, sequence_parallel=True),
+    # ZeRO on tplayers.data_parallel: optimizer state partitioned (1), gradients (2), parameters (3)
+    _case("fp32", tp=2, dp=2, zero_stage=1),
+    _case("fp32", tp=2, dp=2, zero_stage=2),
+    _case("fp32", tp=2, dp=2, zero_stage=3, sequence_parallel=True),  # norms whole, outside FSDP2
 )
 
 
@@ -223,17 +233,19 @@ def _nbytes(t) -> int:
 
 
 class _SavedStorages:
-    """saved_tensors_hooks that add up the distinct storages saved for backward, skipping
-    `excluded` ones (the parameters): the activation memory held between forward and backward."""
+    """saved_tensors_hooks that add up the distinct storages saved for backward, skipping the
+    parameters' (the model's `parameters()` as they are when a tensor is saved: under ZeRO 2-3,
+    FSDP2's gathered copies during forward): the activation memory held between forward and
+    backward."""
 
-    def __init__(self, excluded):
-        self.excluded = {p.untyped_storage().data_ptr() for p in excluded}
+    def __init__(self, model):
+        self.model = model
         self.sizes: dict[int, int] = {}
 
     def pack(self, t):
         storage = t.untyped_storage()
         key = storage.data_ptr()
-        if key not in self.excluded:
+        if key not in {local_tensor(p).untyped_storage().data_ptr() for p in self.model.parameters()}:
             self.sizes[key] = storage.nbytes()
         return t
 
@@ -270,8 +282,11 @@ def _measure_step(case: ValidationCase, spec: ModelSpec, assumptions: Assumption
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[case.dtype]
     model = _hf_llama(spec, vocab).to(dtype)
     tplayers.parallelize(model, group=tp_group, sequence_parallel=layout.sequence_parallel, vocab_parallel_logits=True)
+    zero = layout.zero_stage
+    if zero:  # the engines reduce the gradients themselves, outside tplayers.count_bytes
+        tplayers.data_parallel(model, group=dp_group, zero_stage=zero)
     params = list(model.parameters())
-    opt = torch.optim.Adam(params, lr=1e-3)
+    opt = tplayers.data_parallel_optimizer(model, torch.optim.Adam, lr=1e-3)
     if case.dtype != "fp32":
         opt = tplayers.MixedPrecisionOptimizer(opt)
     # Each DP replica its own batch, the same on the ranks of a TP group; tokens of the true
@@ -282,7 +297,7 @@ def _measure_step(case: ValidationCase, spec: ModelSpec, assumptions: Assumption
     activations = 0
     with tplayers.count_bytes() as sent:
         for batch in tokens:
-            saved = _SavedStorages(params)
+            saved = _SavedStorages(model)
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                 logits = model(batch[:, :-1]).logits  # (b, s, V/tp)
                 loss = tplayers.vocab_parallel_cross_entropy(logits, batch[:, 1:], group=tp_group)
@@ -290,26 +305,48 @@ def _measure_step(case: ValidationCase, spec: ModelSpec, assumptions: Assumption
             (loss / layout.num_microbatches).backward()
         stepped = [p for group in opt.param_groups for p in group["params"]]  # the masters, if any
         with tplayers.count_bytes() as sent_dp:  # plain DDP: one all-reduce of every gradient
-            for p in stepped if layout.dp > 1 else ():
+            for p in stepped if layout.dp > 1 and not zero else ():
                 if p.grad is not None:
                     comm.all_reduce(p.grad, dp_group)
                     p.grad.div_(layout.dp)
         held = {id(p): p for p in [*params, *stepped]}.values()
-        grads = sum(_nbytes(p.grad) for p in held if p.grad is not None)
+        grads = _held_bytes([p.grad for p in held if p.grad is not None], padded=zero >= 2)
+        params_bytes = _held_bytes(params, padded=zero >= 2)
         opt.step()
     model_ids = {id(p) for p in params}
     owned = sum(_nbytes(p) for p in stepped if id(p) not in model_ids)  # fp32 masters
-    owned += sum(_nbytes(v) for state in opt.state.values() for v in state.values() if _is_per_element(v))
+    inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer: this replica's own optimizer
+    states = [v for state in inner.state.values() for v in state.values() if _is_per_element(v)]
+    owned += sum(_nbytes(local_tensor(v)) for v in states)
     opt.zero_grad(set_to_none=True)
     return RankMeasurement(
         comm=sent.total(),
         comm_dp=sent_dp.total(),
         comm_by_kind=dict(sent),
-        params=sum(_nbytes(p) for p in params),
+        params=params_bytes,
         grads=grads,
         optimizer=owned,
         activations=activations,
     )
+
+
+def _held_bytes(tensors, *, padded: bool) -> int:
+    """Bytes of `tensors`; `padded` (ZeRO 2-3 on FSDP2): of the distinct storages their local
+    shards live in, which hold each shard padded to ceil(rows / dp) rows (the gradients of one
+    unit share one reduce-scatter buffer)."""
+    if not padded:
+        return sum(_nbytes(t) for t in tensors)
+    storages = {}
+    for t in tensors:
+        storage = local_tensor(t).untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def local_tensor(t):
+    from tplayers.placement import local_tensor as local
+
+    return local(t)
 
 
 def _is_per_element(value) -> bool:
@@ -399,6 +436,9 @@ class Check:
     per_rank: tuple[int, ...]
     predicted: float
     rtol: float | None = None
+    # exact checks only: each rank's own prediction (ZeRO: replicas hold different shares);
+    # `predicted` is then the most loaded rank's
+    predicted_per_rank: tuple[float, ...] | None = None
 
     @property
     def measured(self) -> int:
@@ -412,7 +452,10 @@ class Check:
     @property
     def ok(self) -> bool:
         if self.rtol is None:
-            return all(math.isclose(m, self.predicted, rel_tol=1e-12, abs_tol=1e-6) for m in self.per_rank)
+            expected = self.predicted_per_rank or (self.predicted,) * len(self.per_rank)
+            return len(expected) == len(self.per_rank) and all(
+                math.isclose(m, e, rel_tol=1e-12, abs_tol=1e-6) for m, e in zip(self.per_rank, expected, strict=True)
+            )
         return self.predicted <= self.measured <= self.predicted * (1 + self.rtol)
 
 
@@ -497,8 +540,9 @@ def compare(
     the case's (`TPLAYERS_PRECISIONS`), `model` / `assumptions` to the measurement's; passing
     others is how a wrong prediction is shown to fail (the negative control).
 
-    Checks: "comm tp", "comm dp", "comm total", "params", "grads", "optimizer" exact on every
-    rank; "activations" measured / plan in [1, 1 + activation_rtol]; "activations+hf" exact
+    Checks: "comm tp", "comm dp", "comm total" (the last two not for ZeRO 1-3, whose engines
+    send outside `tplayers.count_bytes`), "params", "grads", "optimizer" exact on every rank (each
+    replica its own prediction); "activations" measured / plan in [1, 1 + activation_rtol]; "activations+hf" exact
     against the plan plus `hf_llama_extra_activations` (every byte accounted for)."""
     case = measurement.case
     spec = measurement.model if model is None else model
@@ -508,13 +552,21 @@ def compare(
     by_group, mem, ranks = est.comm_bytes_by_group, est.memory, measurement.ranks
     activations = predicted_activations(spec, case.layout, precision, assumptions)
     measured = {name: tuple(getattr(r, name) for r in ranks) for name in RankMeasurement.QUANTITIES}
+    layout = case.layout
+    # Each rank's model states, its replica's (ranks: tp fastest, then dp)
+    per_dp = model_state_bytes_per_rank(spec, layout, precision, assumptions=assumptions)
+    states = [tuple(per_dp[r // layout.tp][i] for r in range(len(ranks))) for i in range(3)]
+    comm = [Check("comm tp", measured["comm_tp"], by_group["tp"])]
+    if not layout.zero_stage:  # ZeRO's engines send outside tplayers.count_bytes: not measured
+        comm += [
+            Check("comm dp", measured["comm_dp"], by_group["dp"]),
+            Check("comm total", measured["comm"], sum(by_group.values())),
+        ]
     checks = (
-        Check("comm tp", measured["comm_tp"], by_group["tp"]),
-        Check("comm dp", measured["comm_dp"], by_group["dp"]),
-        Check("comm total", measured["comm"], sum(by_group.values())),
-        Check("params", measured["params"], mem.params),
-        Check("grads", measured["grads"], mem.grads),
-        Check("optimizer", measured["optimizer"], mem.optimizer),
+        *comm,
+        Check("params", measured["params"], mem.params, predicted_per_rank=states[0]),
+        Check("grads", measured["grads"], mem.grads, predicted_per_rank=states[1]),
+        Check("optimizer", measured["optimizer"], mem.optimizer, predicted_per_rank=states[2]),
         Check("activations", measured["activations"], activations, activation_rtol),
         Check(
             "activations+hf",
@@ -554,17 +606,17 @@ def _fmt_tol(check: Check) -> str:
 
 def format_validation(rows) -> str:
     """A table: per case and quantity, measured (most loaded rank) vs predicted bytes per GPU."""
-    header = f"{'case':<17}{'quantity':<15}{'measured':>12}{'predicted':>14}{'ratio':>8}  {'allowed':<11}{'':>4}"
+    header = f"{'case':<23}{'quantity':<15}{'measured':>12}{'predicted':>14}{'ratio':>8}  {'allowed':<11}{'':>4}"
     lines = [header, "-" * len(header)]
     for row in rows:
         for i, c in enumerate(row.checks):
             name = row.case.name if i == 0 else ""
             lines.append(
-                f"{name:<17}{c.quantity:<15}{c.measured:>12,}{c.predicted:>14,.0f}{c.ratio:>8.3f}  "
+                f"{name:<23}{c.quantity:<15}{c.measured:>12,}{c.predicted:>14,.0f}{c.ratio:>8.3f}  "
                 f"{_fmt_tol(c):<11}{'ok' if c.ok else 'FAIL':>4}"
             )
         kinds = ", ".join(f"{k} {v:,}" for k, v in sorted(row.comm_by_kind.items())) or "none"
-        lines.append(f"{'':<17}sent by kind: {kinds}; {row.seconds:.1f} s")
+        lines.append(f"{'':<23}sent by kind: {kinds}; {row.seconds:.1f} s")
     passed = sum(row.ok for row in rows)
     lines.append(f"{passed}/{len(rows)} layouts agree with the plan" + ("" if passed == len(rows) else " -- FAILED"))
     return "\n".join(lines)
