@@ -91,7 +91,7 @@ def test_zero_stage_matches_unsharded(pool, dp, tp, stage):
     pool.run(trains_like_unsharded, 4, dp, tp, stage, False)
 
 
-@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_zero_stage_with_sequence_parallelism(pool, stage):
     pool.run(trains_like_unsharded, 4, 2, 2, stage, True)
 
@@ -101,32 +101,42 @@ def test_negative_control_shards_counted_once_too_few_fail_the_norm(pool):
         pool.run(trains_like_unsharded, 4, 2, 2, 3, False, 1, True)
 
 
-def bf16_like_mixed_precision(rank, world, group, stage):
-    """ZeRO with FSDP2's bf16 compute and fp32 sharded masters against the unsharded model in bf16
-    with fp32 master weights (MixedPrecisionOptimizer): within the bf16 tolerance."""
+def half_like_mixed_precision(rank, world, group, stage, dtype):
+    """ZeRO with FSDP2's 16-bit compute and fp32 sharded masters (fp16: with the loss scaler)
+    against the unsharded model in 16-bit with fp32 master weights (MixedPrecisionOptimizer):
+    every clipped norm, loss and weight within the 16-bit tolerance."""
     mesh = tplayers.init_mesh(dp=2, tp=2)
     model = tiny_llama()
-    reference = copy.deepcopy(model).to(torch.bfloat16)
+    reference = copy.deepcopy(model).to(dtype)
     tplayers.parallelize(model, group=mesh["tp"], verify=False)
-    tplayers.data_parallel(model, group=mesh["dp"], zero_stage=stage, param_dtype=torch.bfloat16)
+    tplayers.data_parallel(model, group=mesh["dp"], zero_stage=stage, param_dtype=dtype)
     opt = tplayers.data_parallel_optimizer(model, torch.optim.AdamW, lr=1e-2, eps=1e-4)
     ref_opt = tplayers.MixedPrecisionOptimizer(torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-4))
+    fp16 = dtype == torch.float16
+    scaler, ref_scaler = (tplayers.DynamicLossScaler(init_scale=2.0**8, enabled=fp16) for _ in range(2))
     dp_rank = mesh["dp"].get_local_rank()
     for step in range(2):
         ids = batch(step, 2)
         mine = ids.chunk(2)[dp_rank]
-        result = tplayers.train_step(model, opt, [mine], lambda m, b: m(b, labels=b).loss, max_grad_norm=0.5)
-        ref = tplayers.train_step(reference, ref_opt, [ids], lambda m, b: m(b, labels=b).loss, max_grad_norm=0.5)
-        assert_close(torch.tensor(result.grad_norm).bfloat16(), torch.tensor(ref.grad_norm).bfloat16())
+        step_kw = dict(max_grad_norm=0.5)
+        result = tplayers.train_step(model, opt, [mine], lambda m, b: m(b, labels=b).loss, scaler=scaler, **step_kw)
+        ref = tplayers.train_step(
+            reference, ref_opt, [ids], lambda m, b: m(b, labels=b).loss, scaler=ref_scaler, **step_kw
+        )
+        assert not result.skipped and not ref.skipped
+        assert_close(torch.tensor(result.grad_norm).to(dtype), torch.tensor(ref.grad_norm).to(dtype))
+        loss = torch.tensor([result.loss], dtype=torch.float64)
+        dist.all_reduce(loss, group=mesh["dp"].get_group())  # this replica's half -> the whole batch's
+        assert_close((loss[0] / 2).to(dtype), torch.tensor(ref.loss).to(dtype))
     full = tplayers.gather_state_dict(model, group=mesh["tp"])
     assert all(v.dtype == torch.float32 for v in full.values())  # the masters
     for key, value in reference.state_dict().items():
         assert_close(full[key].to(value.dtype), value, msg=lambda m, k=key: f"{k}: {m}")
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_bf16_under_zero_matches_mixed_precision(pool, stage):
-    pool.run(bf16_like_mixed_precision, 4, stage)
+@pytest.mark.parametrize("stage, dtype", [(2, torch.bfloat16), (3, torch.bfloat16), (3, torch.float16)])
+def test_16bit_under_zero_matches_mixed_precision(pool, stage, dtype):
+    pool.run(half_like_mixed_precision, 4, stage, dtype)
 
 
 def overflow_on_one_rank_skips_everywhere(rank, world, group, stage):
