@@ -20,10 +20,11 @@ Modules, each importing only those listed above it (`specs` imports `presets` on
     report     estimate_to_dict, format_estimate, format_ranking
     cli        `tplayers plan`
     validate   `tplayers plan --validate`: the estimates against one real training step
+    measure    its cases, and the step measured on local CPU ranks
 
-What may be imported here: the estimator modules (all but `cli` and `validate`) are pure Python,
+What may be imported here: the estimator modules (all but `cli`, `validate`, `measure`) are pure Python,
 the standard library and each other, never torch, so the planner runs on any machine.
-`validate` measures on local CPU ranks: it may import torch (and transformers) and any lower
+`validate` / `measure` measure on local CPU ranks: it may import torch (and transformers) and any lower
 tplayers layer (`tplayers.hf`, `tplayers.train`, `tplayers.nn`, `tplayers.functional`, the
 foundations such as `tplayers.distributed`), never `tplayers.tools`. This `__init__` imports
 neither `cli` nor `validate`; `cli` imports `validate` only for `--validate`.

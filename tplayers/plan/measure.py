@@ -1,0 +1,350 @@
+"""The measuring half of `tplayers plan --validate` (see `tplayers.plan.validate`): one training
+step of each case on local CPU ranks, and what each rank holds and sends in it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from tplayers.plan.layout import Assumptions, Layout
+from tplayers.plan.specs import ModelSpec, Precision, padded_vocab
+
+# The model every default case trains: Llama-style (RMSNorm, SwiGLU, RoPE, no biases, no
+# dropout), grouped-query attention with 2 kv heads, so tp = 4 replicates each kv head on two
+# ranks. A true vocabulary of 250 padded to 256 = a multiple of 64 * tp for tp in 1, 2, 4: the
+# HF model is built with the padded size, the targets stay in [0, 250).
+VALIDATION_MODEL = ModelSpec(
+    layers=2,
+    hidden=64,
+    heads=4,
+    kv_heads=2,
+    ffn_hidden=128,
+    vocab=250,
+    seq_len=32,
+    gated_mlp=True,
+    dropout=False,
+    name="tiny-llama",
+)
+VALIDATION_ASSUMPTIONS = Assumptions(vocab_divisible_by=64, implementation="tplayers")
+MICRO_BATCH = 2
+
+# Bytes per parameter of what tplayers keeps, per training dtype (see the module docstring).
+TPLAYERS_PRECISIONS = {
+    "bf16": Precision(param_bytes=2, grad_bytes=4, optimizer_bytes=12, activation_bytes=2),
+    "fp32": Precision.preset("fp32-adam"),
+}
+# Measured / plan activations of the default cases lie in [1.26, 1.67], the gap being HF's
+# RMSNorm storage (see the module docstring): the one-sided band allows up to 1.75.
+DEFAULT_ACTIVATION_RTOL = 0.75
+
+
+@dataclass(frozen=True)
+class ValidationCase:
+    """One layout to train and check: `dtype` "bf16" (bf16 model, MixedPrecisionOptimizer over
+    Adam) or "fp32" (fp32 model, Adam). pp must be 1 and recompute "none" (tplayers has no
+    pipeline stages or recomputation yet); ZeRO 1-3 (`tplayers.data_parallel`) trains in fp32."""
+
+    layout: Layout
+    dtype: str = "bf16"
+
+    def __post_init__(self):
+        if self.dtype not in TPLAYERS_PRECISIONS:
+            raise ValueError(f"ValidationCase.dtype must be one of {list(TPLAYERS_PRECISIONS)}, got {self.dtype!r}")
+        lay = self.layout
+        if lay.pp != 1 or lay.recompute != "none":
+            raise ValueError(
+                f"tplayers has no pipeline stages or recomputation yet: validation needs pp=1, recompute='none', "
+                f"got {lay.describe()}"
+            )
+        if lay.zero_stage and self.dtype != "fp32":
+            raise ValueError(f"ZeRO cases train in fp32 (FSDP2's bf16 copies are not itemised), got {self.dtype}")
+
+    @property
+    def precision(self) -> Precision:
+        return TPLAYERS_PRECISIONS[self.dtype]
+
+    @property
+    def name(self) -> str:
+        lay = self.layout
+        parts = [f"tp{lay.tp}"] + ([f"dp{lay.dp}"] if lay.dp > 1 else []) + (["sp"] if lay.sequence_parallel else [])
+        parts += [f"zero{lay.zero_stage}"] if lay.zero_stage else []
+        if lay.num_microbatches > 1:
+            parts.append(f"m{lay.num_microbatches}")
+        return " ".join(parts + [self.dtype])
+
+
+def _case(dtype="bf16", **layout) -> ValidationCase:
+    return ValidationCase(Layout(micro_batch=MICRO_BATCH, **layout), dtype)
+
+
+DEFAULT_CASES = (
+    _case(tp=1),
+    _case(tp=2),
+    _case(tp=2, sequence_parallel=True),
+    _case(tp=2, num_microbatches=2),  # gradient accumulation: TP traffic twice, one DP reduction
+    _case("fp32", tp=2),
+    _case(tp=4),  # 4 ranks > 2 kv heads: k / v replicated, their gradients all-reduced
+    _case(tp=4, sequence_parallel=True),
+    _case(tp=2, dp=2, sequence_parallel=True),
+    # ZeRO on tplayers.data_parallel: optimizer state partitioned (1), gradients (2), parameters (3)
+    _case("fp32", tp=2, dp=2, zero_stage=1),
+    _case("fp32", tp=2, dp=2, zero_stage=2),
+    _case("fp32", tp=2, dp=2, zero_stage=3, sequence_parallel=True),  # norms whole, outside FSDP2
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurement (on the ranks)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankMeasurement:
+    """What one rank measured in one training step, in bytes."""
+
+    comm: int  # sent in the whole step
+    comm_dp: int  # sent by the data-parallel gradient all-reduce
+    comm_by_kind: dict[str, int]  # all_reduce / all_gather / reduce_scatter / send
+    params: int
+    grads: int
+    optimizer: int
+    activations: int  # the largest of the micro-batches
+
+    QUANTITIES = ("comm", "comm_tp", "comm_dp", "params", "grads", "optimizer", "activations")
+
+    @property
+    def comm_tp(self) -> int:
+        return self.comm - self.comm_dp
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One case's measurements on each of its ranks (rank order: tp fastest, then dp)."""
+
+    case: ValidationCase
+    ranks: tuple[RankMeasurement, ...]
+    seconds: float  # wall time of the slowest rank: build, parallelize, one step
+    model: ModelSpec = VALIDATION_MODEL  # the model trained
+    assumptions: Assumptions = VALIDATION_ASSUMPTIONS  # its vocabulary padding
+
+
+def _hf_llama(spec: ModelSpec, vocab: int):
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as e:
+        raise ImportError("tplayers plan --validate trains a HuggingFace model: pip install 'tplayers[hf]'") from e
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=spec.hidden, intermediate_size=spec.ffn_hidden,
+        num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+        head_dim=spec.head_dim, max_position_embeddings=spec.seq_len, tie_word_embeddings=spec.tied_embeddings,
+        attention_bias=spec.linear_bias, mlp_bias=spec.linear_bias, attention_dropout=0.0,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def _check_model(spec: ModelSpec) -> None:
+    """The measured model is an HF Llama: the ModelSpec must describe one."""
+    llama = (
+        spec.has_dims
+        and spec.gated_mlp
+        and spec.norm == "rmsnorm"
+        and spec.position_embedding == "rope"
+        and not spec.dropout
+    )
+    if not llama:
+        raise ValueError(
+            "validation trains a HuggingFace Llama: the ModelSpec needs dimensions, gated_mlp=True, "
+            "norm='rmsnorm', position_embedding='rope' and dropout=False"
+        )
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+class _SavedStorages:
+    """saved_tensors_hooks that add up the distinct storages saved for backward, skipping the
+    parameters' (the model's `parameters()` as they are when a tensor is saved: under ZeRO 2-3,
+    FSDP2's gathered copies during forward): the activation memory held between forward and
+    backward."""
+
+    def __init__(self, model):
+        self.model = model
+        self.sizes: dict[int, int] = {}
+
+    def pack(self, t):
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in {local_tensor(p).untyped_storage().data_ptr() for p in self.model.parameters()}:
+            self.sizes[key] = storage.nbytes()
+        return t
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes.values())
+
+
+def _new_groups(rank: int, layout: Layout):
+    """Every rank of the world creates every TP and DP group of `layout` (ranks tp fastest, then
+    dp), in the same order; returns this rank's (tp_group, dp_group), or None if it is idle."""
+    import torch.distributed as dist
+
+    tp, dp = layout.tp, layout.dp
+    mine = None, None
+    tp_groups = [dist.new_group([d * tp + i for i in range(tp)]) for d in range(dp)]
+    dp_groups = [dist.new_group([d * tp + i for d in range(dp)]) for i in range(tp)]
+    if rank < tp * dp:
+        mine = tp_groups[rank // tp], dp_groups[rank % tp]
+    return mine
+
+
+def _measure_step(case: ValidationCase, spec: ModelSpec, assumptions: Assumptions, seed: int, tp_group, dp_group):
+    """Build, shard and train one step on this rank; returns its RankMeasurement."""
+    import torch
+    import torch.distributed as dist
+
+    import tplayers
+    from tplayers.functional import comm
+
+    layout = case.layout
+    vocab = padded_vocab(spec.vocab, layout.tp, assumptions.vocab_divisible_by)
+    torch.manual_seed(seed)  # the same weights on every rank
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[case.dtype]
+    model = _hf_llama(spec, vocab).to(dtype)
+    tplayers.parallelize(model, group=tp_group, sequence_parallel=layout.sequence_parallel, vocab_parallel_logits=True)
+    zero = layout.zero_stage
+    if zero:  # the engines reduce the gradients themselves, outside tplayers.count_bytes
+        tplayers.data_parallel(model, group=dp_group, zero_stage=zero)
+    params = list(model.parameters())
+    opt = tplayers.data_parallel_optimizer(model, torch.optim.Adam, lr=1e-3)
+    if case.dtype != "fp32":
+        opt = tplayers.MixedPrecisionOptimizer(opt)
+    # Each DP replica its own batch, the same on the ranks of a TP group; tokens of the true
+    # vocabulary, inputs and targets shifted by one (s positions each, as Megatron's data loader).
+    gen = torch.Generator().manual_seed(seed * 1000 + dist.get_rank(dp_group))
+    shape = (layout.num_microbatches, layout.micro_batch, spec.seq_len + 1)
+    tokens = torch.randint(0, spec.vocab, shape, generator=gen)
+    activations = 0
+    with tplayers.count_bytes() as sent:
+        for batch in tokens:
+            saved = _SavedStorages(model)
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+                logits = model(batch[:, :-1]).logits  # (b, s, V/tp)
+                loss = tplayers.vocab_parallel_cross_entropy(logits, batch[:, 1:], group=tp_group)
+            activations = max(activations, saved.total)
+            (loss / layout.num_microbatches).backward()
+        stepped = [p for group in opt.param_groups for p in group["params"]]  # the masters, if any
+        with tplayers.count_bytes() as sent_dp:  # plain DDP: one all-reduce of every gradient
+            for p in stepped if layout.dp > 1 and not zero else ():
+                if p.grad is not None:
+                    comm.all_reduce(p.grad, dp_group)
+                    p.grad.div_(layout.dp)
+        held = {id(p): p for p in [*params, *stepped]}.values()
+        grads = _held_bytes([p.grad for p in held if p.grad is not None], padded=zero >= 2)
+        params_bytes = _held_bytes(params, padded=zero >= 2)
+        opt.step()
+    model_ids = {id(p) for p in params}
+    owned = sum(_nbytes(p) for p in stepped if id(p) not in model_ids)  # fp32 masters
+    inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer: this replica's own optimizer
+    states = [v for state in inner.state.values() for v in state.values() if _is_per_element(v)]
+    owned += sum(_nbytes(local_tensor(v)) for v in states)
+    opt.zero_grad(set_to_none=True)
+    return RankMeasurement(
+        comm=sent.total(),
+        comm_dp=sent_dp.total(),
+        comm_by_kind=dict(sent),
+        params=params_bytes,
+        grads=grads,
+        optimizer=owned,
+        activations=activations,
+    )
+
+
+def _held_bytes(tensors, *, padded: bool) -> int:
+    """Bytes of `tensors`; `padded` (ZeRO 2-3 on FSDP2): of the distinct storages their local
+    shards live in, which hold each shard padded to ceil(rows / dp) rows (the gradients of one
+    unit share one reduce-scatter buffer)."""
+    if not padded:
+        return sum(_nbytes(t) for t in tensors)
+    storages = {}
+    for t in tensors:
+        storage = local_tensor(t).untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def local_tensor(t):
+    from tplayers.placement import local_tensor as local
+
+    return local(t)
+
+
+def _is_per_element(value) -> bool:
+    import torch
+
+    return torch.is_tensor(value) and value.dim() > 0
+
+
+def _measure_cases(rank, world_size, cases, spec, assumptions, seed):
+    """On every rank of the world: each case on its first tp*dp ranks; None where idle."""
+    import torch.distributed as dist
+
+    out = []
+    for case in cases:
+        start = time.perf_counter()
+        groups = _new_groups(rank, case.layout)
+        result = None
+        if groups[0] is not None:
+            result = (_measure_step(case, spec, assumptions, seed, *groups), time.perf_counter() - start)
+        dist.barrier()  # every rank is done with this case's groups before any is destroyed
+        if result is not None:
+            for g in {id(g): g for g in groups}.values():
+                dist.destroy_process_group(g)
+        out.append(result)
+    return out
+
+
+def _pool_entry(rank, world_size, group, cases, spec, assumptions, seed):
+    """`WorkerPool.run` calls fn(rank, n, group, *args)."""
+    return _measure_cases(rank, world_size, cases, spec, assumptions, seed)
+
+
+def _resolve_cases(layouts, nprocs_max):
+    if layouts is None:
+        return [c for c in DEFAULT_CASES if c.layout.num_gpus <= nprocs_max]
+    cases = [c if isinstance(c, ValidationCase) else ValidationCase(c) for c in layouts]
+    too_big = [c.name for c in cases if c.layout.num_gpus > nprocs_max]
+    if too_big:
+        raise ValueError(f"layouts {too_big} need more than nprocs_max={nprocs_max} ranks")
+    return cases
+
+
+def measure(layouts=None, *, model=None, assumptions=None, nprocs_max=4, seed=0, pool=None) -> list[Measurement]:
+    """Train one step of each case on local CPU ranks and return what each rank measured.
+
+    `layouts`: ValidationCase or Layout (bf16) items, default `DEFAULT_CASES` up to `nprocs_max`
+    ranks. One launch runs every case (case by case, each on the first tp*dp ranks); `pool`, a
+    `tplayers.testing.WorkerPool`, runs them on its ranks instead of starting new ones.
+    """
+    import tplayers
+
+    spec = VALIDATION_MODEL if model is None else model
+    _check_model(spec)
+    assumptions = VALIDATION_ASSUMPTIONS if assumptions is None else assumptions
+    cases = _resolve_cases(layouts, nprocs_max)
+    if not cases:
+        return []
+    nprocs = max(c.layout.num_gpus for c in cases)
+    if pool is not None:
+        if pool.world_size < nprocs:
+            raise ValueError(f"the pool has {pool.world_size} ranks; the cases need {nprocs}")
+        per_rank = pool.run(_pool_entry, pool.world_size, cases, spec, assumptions, seed)
+    else:
+        per_rank = tplayers.launch(_measure_cases, nprocs, cases, spec, assumptions, seed)
+    out = []
+    for i, case in enumerate(cases):
+        results = [per_rank[r][i] for r in range(case.layout.num_gpus)]
+        ranks, seconds = tuple(m for m, _ in results), max(s for _, s in results)
+        out.append(Measurement(case, ranks, seconds, spec, assumptions))
+    return out
