@@ -96,8 +96,13 @@ def test_megatron_edges_fail_the_tp_bytes(measured):
 def test_zero_states_per_replica_are_exact_and_a_wrong_stage_fails(measured):
     """ZeRO-1 partitions whole tensors (the replicas hold different optimizer bytes, each
     predicted); a prediction at another stage fails the model-state checks."""
-    zero = {m.case.layout.zero_stage: m for m in measured if m.case.layout.zero_stage}
+    zero = {m.case.layout.zero_stage: m for m in measured if m.case.layout.zero_stage and m.case.layout.dp == 2}
     assert set(zero) == {1, 2, 3}
+    # 3 replicas: FSDP2's shards are padded (64 rows -> 3 x 22), and the prediction holds it exactly
+    three = next(m for m in measured if m.case.layout.dp == 3 and m.case.layout.zero_stage == 3)
+    params = compare(three).check("params")
+    unpadded = sum(compare(three).check("optimizer").per_rank) / 2  # Adam: 8 bytes per fp32 param's 4
+    assert params.ok and 3 * params.measured > unpadded
     optimizer = compare(zero[1]).check("optimizer")
     assert optimizer.ok and len(set(optimizer.per_rank)) == 2  # uneven, and exactly so
     for stage, m in zero.items():
