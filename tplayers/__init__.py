@@ -21,7 +21,7 @@ from tplayers.data_parallel import ZeRO3, data_parallel, data_parallel_optimizer
 from tplayers.distributed import RankError, init_mesh, launch
 from tplayers.functional.comm import count_bytes
 from tplayers.functional.cross_entropy import vocab_parallel_cross_entropy
-from tplayers.hf import gather_state_dict, load_full_state_dict, parallelize
+from tplayers.hf import gather_state_dict, load_full_state_dict, parallelize, pipeline_split
 from tplayers.nn import (
     ColumnParallelLinear,
     ParallelAttention,
@@ -29,6 +29,13 @@ from tplayers.nn import (
     ParallelRMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
+)
+from tplayers.pipeline import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
 )
 from tplayers.placement import ParamPlacement, get_placement
 from tplayers.train import DynamicLossScaler, MixedPrecisionOptimizer, StepResult, clip_grad_norm_, train_step
@@ -41,8 +48,13 @@ __all__ = [
     "ParallelMLP",
     "ParallelRMSNorm",
     "ParamPlacement",
+    "PipelineStage",
     "RankError",
     "RowParallelLinear",
+    "Schedule1F1B",
+    "ScheduleGPipe",
+    "ScheduleInterleaved1F1B",
+    "ScheduleInterleavedZeroBubble",
     "StepResult",
     "VocabParallelEmbedding",
     "ZeRO3",
@@ -57,6 +69,7 @@ __all__ = [
     "launch",
     "load_full_state_dict",
     "parallelize",
+    "pipeline_split",
     "set_backend",
     "train_step",
     "vocab_parallel_cross_entropy",

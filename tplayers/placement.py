@@ -30,6 +30,10 @@ class ParamPlacement:
     # Replicated, but each TP rank computes only part of its gradient (weights that see part of
     # the sequence under SP, per-head norms): a hook sums it over `group` as it is computed.
     grad_summed: bool = False
+    # Pipeline parallelism (tplayers.pipeline): the group of stages, each holding disjoint parameters
+    pp_group: dist.ProcessGroup | None = None
+    # a weight shared by two stages (tied embeddings) is counted by the first stage's norm only
+    counted_by_another_stage: bool = False
 
     @property
     def is_sharded(self) -> bool:

@@ -8,6 +8,7 @@
     moe.py          experts in transformers 5's fused 3-D layout, sharded like MLPs
     fused.py        fused projections: row maps, multi-query [q; k; v]
     verify.py       the self-check: full logits before sharding against the sharded ones after
+    pipeline_split.py  a decoder as pipeline stages (tplayers.pipeline)
     parallelize.py  the entry point: runs the pass, wires SP / shared-input hooks into the forward
     state_dict.py   full state dict / gradients under the original names, and loading them back
 
@@ -16,6 +17,7 @@ and transformers; never tplayers.checkpoint, tplayers.plan or tplayers.tools.
 """
 
 from tplayers.hf.parallelize import parallelize
+from tplayers.hf.pipeline_split import pipeline_split
 from tplayers.hf.state_dict import gather_grads, gather_state_dict, load_full_state_dict
 
-__all__ = ["gather_grads", "gather_state_dict", "load_full_state_dict", "parallelize"]
+__all__ = ["gather_grads", "gather_state_dict", "load_full_state_dict", "parallelize", "pipeline_split"]

@@ -33,6 +33,7 @@ from tplayers.functional.collectives import (
 )
 from tplayers.hf import families
 from tplayers.hf import verify as verification
+from tplayers.hf.pipeline_split import SEQUENCE_PARALLEL
 from tplayers.hf.shard import ShardingPass
 from tplayers.hf.state_dict import EXPORTS, ORIGINAL_KEYS, TIED
 from tplayers.placement import get_placement, set_placement
@@ -180,6 +181,7 @@ def parallelize(model, *, group=None, sequence_parallel=False, plan=None, vocab_
     for p in model.parameters():  # everything else is whole on every rank, with its whole gradient
         if get_placement(p) is None:
             set_placement(p, group, Replicate())
+    setattr(model, SEQUENCE_PARALLEL, group if sequence_parallel else None)  # for pipeline_split
     setattr(model, EXPORTS, parallelizer.exports)
     setattr(model, ORIGINAL_KEYS, keys)
     setattr(model, TIED, parallelizer.tied)

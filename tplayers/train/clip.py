@@ -128,7 +128,9 @@ def clip_grad_norm_(
     if math.isnan(norm_type) or norm_type <= 0:
         raise ValueError(f"clip_grad_norm_: norm_type must be > 0 (or inf), got {norm_type}")
     max_norm = float(max_norm)
-    params = _unique_params(parameters)
+    every = _unique_params(parameters)  # all of them are clipped
+    # a weight two pipeline stages share (tied embeddings) enters the norm on one stage only
+    params = [p for p in every if not getattr(get_placement(p), "counted_by_another_stage", False)]
     extra = resolve_group(group) if group is not None else None
     is_max = math.isinf(norm_type)
 
@@ -166,8 +168,13 @@ def clip_grad_norm_(
             reduced = _reduce(reduced, pg, is_max)
         part, flags = reduced[0], torch.maximum(flags, reduced[1:].clamp(max=1))
         total = torch.maximum(total, part) if is_max else total + part
+    # Pipeline stages hold disjoint parameters: their totals are combined over the stage group
+    # their placements name (then over `group`, unless it is that group).
+    stage_groups = {id(g): g for p in params for g in [getattr(get_placement(p), "pp_group", None)] if g is not None}
     if extra is not None:
-        reduced = _reduce(torch.cat([total.reshape(1), flags]), extra, is_max)
+        stage_groups.setdefault(id(extra), extra)
+    for pg in stage_groups.values():
+        reduced = _reduce(torch.cat([total.reshape(1), flags]), pg, is_max)
         total, flags = reduced[0], reduced[1:].clamp(max=1)
 
     if not is_max:
@@ -185,7 +192,7 @@ def clip_grad_norm_(
         )
     clip_coef = (max_norm / (total.to(torch.float32) + _EPS)).clamp(max=1.0)
     by_device: dict = {}
-    for g in grads:
+    for g in (local_tensor(p.grad) for p in every if p.grad is not None):
         by_device.setdefault((g.device, g.dtype), []).append(g)
     for (dev, _), group_grads in by_device.items():
         coef = clip_coef.to(dev)

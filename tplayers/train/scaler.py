@@ -191,7 +191,7 @@ class DynamicLossScaler:
         for param_group in optimizer.param_groups:
             for p in param_group["params"]:
                 placement = get_placement(p)
-                for pg in (placement.group, placement.dp_group) if placement is not None else ():
+                for pg in (placement.group, placement.dp_group, placement.pp_group) if placement is not None else ():
                     if pg is not None:  # TP groups, and data-parallel replicas
                         by_id.setdefault(id(pg), pg)
         placed = list(by_id.values())

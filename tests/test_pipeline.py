@@ -1,0 +1,184 @@
+"""Pipeline stages and schedules (`tplayers.PipelineStage`, the schedules, `pipeline_split`) on
+local ranks against the unsharded model: the mean loss and every gradient, and weights after
+several clipped optimizer steps; tied embeddings across the first and last stage; bad input."""
+
+import copy
+import re
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import tplayers
+from tplayers.testing import RemoteError, assert_close
+
+pytestmark = pytest.mark.multirank
+
+SCHEDULES = {
+    "gpipe": (tplayers.ScheduleGPipe, 1),
+    "1f1b": (tplayers.Schedule1F1B, 1),
+    "interleaved-1f1b": (tplayers.ScheduleInterleaved1F1B, 2),
+    "interleaved-zero-bubble": (tplayers.ScheduleInterleavedZeroBubble, 2),
+}
+
+
+def mlp_stack(layers=8, width=6):
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers)])
+
+
+def mse(out, target):
+    return (out - target).square().mean()
+
+
+def sequential_matches(rank, pp, group, schedule_name, n_microbatches):
+    schedule_class, virtual = SCHEDULES[schedule_name]
+    reference = mlp_stack()
+    model = copy.deepcopy(reference)
+    num_stages = pp * virtual
+    per_stage = len(model) // num_stages
+    stages = [
+        tplayers.PipelineStage(model[i * per_stage : (i + 1) * per_stage], i, num_stages, group=group)
+        for i in range(rank, num_stages, pp)
+    ]
+    schedule = schedule_class(stages if virtual > 1 else stages[0], n_microbatches, mse)
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(2 * n_microbatches, 6, generator=gen), torch.randn(2 * n_microbatches, 6, generator=gen)
+    loss = schedule.step(x, target=y)
+    ref_loss = mse(reference(x), y)
+    ref_loss.backward()
+    last = any(s.is_last for s in stages)
+    assert (loss is not None) == last
+    if last:
+        assert_close(loss, ref_loss.detach())
+    mine = {id(p) for s in stages for p in s.parameters()}
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        if id(p) in mine:
+            assert_close(p.grad, q.grad, msg=lambda m, n=name: f"{n}: {m}")
+        else:
+            assert p.grad is None, name
+
+
+@pytest.mark.parametrize("schedule_name", list(SCHEDULES))
+@pytest.mark.parametrize("pp, n_microbatches", [(2, 2), (2, 4), (2, 3), (4, 4), (4, 8)])
+def test_schedules_give_the_unsharded_gradients(pool, schedule_name, pp, n_microbatches):
+    if SCHEDULES[schedule_name][1] > 1 and n_microbatches % pp:
+        pytest.skip("the interleaved schedules need micro-batches in multiples of the pipeline ranks")
+    pool.run(sequential_matches, pp, schedule_name, n_microbatches)
+
+
+def tiny_llama(tied=False, layers=4):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = tf.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                             tie_word_embeddings=tied)  # fmt: skip
+    return tf.LlamaForCausalLM(cfg).eval()
+
+
+def next_token_loss(logits, ids):
+    return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+
+
+def hf_split_trains_like_unsharded(rank, world, group, pp, tp, schedule_name, sequence_parallel, tied):
+    """pipeline_split of a (parallelized) tiny Llama: 3 AdamW steps with clipping over all stages
+    equal the unsharded model's: every loss, every clipped norm, every weight."""
+    schedule_class, virtual = SCHEDULES[schedule_name]
+    model = tiny_llama(tied)
+    reference = copy.deepcopy(model)
+    pp_group = group
+    if tp > 1:
+        mesh = tplayers.init_mesh(pp=pp, tp=tp)
+        pp_group = mesh["pp"]
+        tplayers.parallelize(model, group=mesh["tp"], sequence_parallel=sequence_parallel, verify=False)
+    stages = tplayers.pipeline_split(model, group=pp_group, virtual_stages=virtual)
+    schedule = schedule_class(stages if virtual > 1 else stages[0], 2 * pp, next_token_loss)
+    params = list({id(p): p for s in stages for p in s.parameters()}.values())
+    opt = torch.optim.AdamW(params, lr=1e-2, eps=1e-4)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-4)
+    last = any(s.is_last for s in stages)
+    for step in range(3):
+        ids = torch.randint(0, 96, (4 * pp, 8), generator=torch.Generator().manual_seed(step))
+        loss = schedule.step(ids, target=ids)
+        norm = tplayers.clip_grad_norm_(params, 0.5)
+        opt.step()
+        opt.zero_grad()
+        ref_loss = next_token_loss(reference(ids).logits, ids)
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        if last:
+            assert_close(loss, ref_loss.detach(), msg=lambda m, s=step: f"loss at step {s}: {m}")
+        assert_close(norm, ref_norm, msg=lambda m, s=step: f"clipped norm at step {s}: {m}")
+    full = tplayers.gather_state_dict(model, group=mesh["tp"]) if tp > 1 else model.state_dict()
+    layers = {i for s in stages for i in s.module.layer_indices}
+    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+    for key, value in reference.state_dict().items():
+        index = re.match(r"model\.layers\.(\d+)\.", key)
+        held = int(index[1]) in layers if index else (first if "embed_tokens" in key else last)
+        if held or (tied and "embed_tokens" in key and last):
+            assert_close(full[key], value, msg=lambda m, k=key: f"{k} after 3 steps: {m}")
+
+
+@pytest.mark.parametrize("schedule_name", ["gpipe", "1f1b", "interleaved-1f1b"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_hf_split_pp2_matches_unsharded(pool, schedule_name, tied):
+    pool.run(hf_split_trains_like_unsharded, 2, 2, 1, schedule_name, False, tied)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_hf_split_pp2_tp2_matches_unsharded(pool, sequence_parallel):
+    pool.run(hf_split_trains_like_unsharded, 4, 2, 2, "1f1b", sequence_parallel, True)
+
+
+def misuse(rank, pp, group, case):
+    model = mlp_stack(layers=4)
+    if case == "stage_index":
+        tplayers.PipelineStage(model[:2], 5, 2, group=group)
+    if case == "fewer_layers":
+        tplayers.pipeline_split(tiny_llama(layers=1), group=group)
+    stage = tplayers.PipelineStage(model[2 * rank : 2 * rank + 2], rank, 2, group=group)
+    if case == "microbatches":
+        tplayers.Schedule1F1B(stage, 1, mse)
+    if case == "batch":
+        tplayers.ScheduleGPipe(stage, 4, mse).step(torch.randn(6, 6), target=torch.randn(6, 6))
+
+
+MISUSE = {
+    "stage_index": r"stage_index 5 is outside 0..1",
+    "fewer_layers": r"fewer decoder layers \(1\) than pipeline stages \(2\)",
+    "microbatches": r"n_microbatches \(1\) must be at least 2 for 2 pipeline ranks",
+    "batch": r"x of shape \(6, 6\) does not split into 4 micro-batches",
+}
+
+
+@pytest.mark.parametrize("case", list(MISUSE))
+def test_misuse_is_refused_on_every_rank_before_any_send(pool, case):
+    for reply in pool.run(misuse, 2, case, return_exceptions=True):
+        assert isinstance(reply, RemoteError) and re.search(MISUSE[case], reply.message), reply
+
+
+def per_stage_norm(rank, pp, group):
+    """Negative control: a norm over this stage's gradients only is not the model's."""
+    from tplayers.placement import update_placement
+
+    reference = mlp_stack()
+    model = copy.deepcopy(reference)
+    stage = tplayers.PipelineStage(model[4 * rank : 4 * rank + 4], rank, 2, group=group)
+    for p in stage.parameters():
+        update_placement(p, pp_group=None)  # the pipeline group dropped from the record
+    x, y = torch.randn(4, 6), torch.randn(4, 6)
+    tplayers.ScheduleGPipe(stage, 2, mse).step(x, target=y)
+    mse(reference(x), y).backward()
+    norm = tplayers.clip_grad_norm_(stage.parameters(), 1e9)
+    assert_close(norm, torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9))
+
+
+def test_negative_control_a_per_stage_norm_fails(pool):
+    with pytest.raises(tplayers.RankError, match="Scalars are not close"):
+        pool.run(per_stage_norm, 2)

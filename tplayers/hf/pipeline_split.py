@@ -1,0 +1,114 @@
+"""`pipeline_split(model, group=...)`: a HuggingFace causal LM (parallelized or not) as pipeline
+stages, the decoder layers divided over them, the embeddings on the first, the final norm and
+the LM head on the last.
+
+Each stage computes what the model's own forward computes for its layers: positions, rotary
+embeddings and the causal mask are built on every stage from the sequence length (under
+sequence parallelism the hidden states travel between stages as each rank's sequence shard, so
+a stage past the first multiplies the length it receives by the TP size). Tied input / output
+embeddings stay tied: the first and last stages hold the one Parameter, their gradients are
+summed after each step (as Megatron does) and the norm counts it once.
+
+Known layout: models whose decoder (`model.model`) holds `embed_tokens`, `layers`, `norm` and
+`rotary_emb`, and whose layers take (hidden, attention_mask=, position_ids=,
+position_embeddings=) (Llama, Mistral, Qwen2/3, Granite, SmolLM3, OLMo/OLMo2, ...); any other
+is refused, naming what is missing.
+"""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tplayers.distributed import resolve_group
+from tplayers.pipeline import PipelineStage
+
+DECODER_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
+SEQUENCE_PARALLEL = "_tplayers_sequence_parallel"  # the TP group, set by parallelize(sequence_parallel=True)
+
+
+class DecoderStage(nn.Module):
+    """Layers `layers` of a HF decoder, with the embedding (first stage) or the final norm and LM
+    head (last stage). Input: token ids (first) or hidden states; output: hidden states or logits."""
+
+    def __init__(self, model, layers, *, first: bool, last: bool, layer_indices=()):
+        super().__init__()
+        self.layer_indices = tuple(layer_indices)  # the decoder layers' indices in the model
+        decoder = model.model
+        self.config = decoder.config
+        self.first, self.last = first, last
+        self.embed_tokens = decoder.embed_tokens if first else None
+        self.layers = nn.ModuleList(layers)
+        self.norm = decoder.norm if last else None
+        self.lm_head = model.get_output_embeddings() if last else None
+        self.rotary_emb = decoder.rotary_emb
+        self.sequence_group = getattr(model, SEQUENCE_PARALLEL, None)
+
+    def forward(self, x):
+        from transformers.masking_utils import create_causal_mask
+
+        hidden = self.embed_tokens(x) if self.first else x
+        length = hidden.shape[1]
+        if self.sequence_group is not None and not self.first:  # this rank's sequence shard arrived
+            length *= dist.get_world_size(self.sequence_group)
+        shape_of = hidden[:, :1].expand(hidden.shape[0], length, hidden.shape[-1])  # no copy
+        position_ids = torch.arange(length, device=hidden.device).unsqueeze(0)
+        mask = create_causal_mask(
+            config=self.config, inputs_embeds=shape_of, attention_mask=None, past_key_values=None,
+            position_ids=position_ids,
+        )  # fmt: skip
+        position_embeddings = self.rotary_emb(shape_of, position_ids=position_ids)
+        for layer in self.layers:
+            hidden = layer(
+                hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings
+            )
+            hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+        if self.last:
+            hidden = self.lm_head(self.norm(hidden))
+        return hidden
+
+
+def _layer_counts(total, stages, given):
+    if given is not None:
+        given = list(given)
+        if len(given) != stages or sum(given) != total or min(given) < 1:
+            raise ValueError(
+                f"pipeline_split: layers_per_stage {given} must be {stages} positive counts adding to {total}"
+            )
+        return given
+    if total < stages:
+        raise ValueError(f"pipeline_split: fewer decoder layers ({total}) than pipeline stages ({stages})")
+    return [total // stages + (1 if i < total % stages else 0) for i in range(stages)]
+
+
+def pipeline_split(model, *, group=None, virtual_stages: int = 1, layers_per_stage=None) -> list[PipelineStage]:
+    """This rank's stages of `model` (the same model on every rank) over the pipeline `group`
+    (ProcessGroup or 1-D DeviceMesh; None: every rank): `virtual_stages` per rank, looped (stage
+    i on rank i % n), for the interleaved schedules. `layers_per_stage`: the decoder layers of
+    each stage (default: as even as possible)."""
+    pg = resolve_group(group)
+    n, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    decoder = getattr(model, "model", None)
+    missing = [p for p in DECODER_PARTS if not hasattr(decoder, p)]
+    if missing or model.get_output_embeddings() is None:
+        raise ValueError(
+            f"pipeline_split: {type(model).__name__} is not a decoder layout tplayers knows (missing "
+            f"{missing or ['an output embedding']}); split it with tplayers.PipelineStage directly"
+        )
+    if not isinstance(virtual_stages, int) or virtual_stages < 1:
+        raise ValueError(f"pipeline_split: virtual_stages must be a positive int, got {virtual_stages!r}")
+    num_stages = n * virtual_stages
+    counts = _layer_counts(len(decoder.layers), num_stages, layers_per_stage)
+    starts = [sum(counts[:i]) for i in range(num_stages)]
+    head, embedding = model.get_output_embeddings(), decoder.embed_tokens
+    tied = [head.weight] if head.weight is embedding.weight else []
+    stages = []
+    for index in range(rank, num_stages, n):
+        layers = list(decoder.layers[starts[index] : starts[index] + counts[index]])
+        module = DecoderStage(
+            model, layers, first=index == 0, last=index == num_stages - 1,
+            layer_indices=range(starts[index], starts[index] + counts[index]),
+        )  # fmt: skip
+        # every stage names the tied weight, so every rank joins the sum of its gradients
+        # the norm counts it on the rank of the first stage (rank 0: the stages are looped)
+        stages.append(PipelineStage(module, index, num_stages, group=pg, tied=tied, counted_here=rank == 0))
+    return stages

@@ -1,0 +1,26 @@
+"""Pipeline parallelism on torch.distributed.pipelining: stages and schedules, composed with the
+tensor-parallel layers and the placement record.
+
+    stage.py      PipelineStage: a module as one stage of `num_stages` over the pipeline group
+    schedules.py  ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble
+
+May import: tplayers.nn, tplayers.functional and the foundations (backend, distributed,
+placement); never tplayers.hf or anything above it (`tplayers.pipeline_split`, which splits
+HuggingFace models, lives in tplayers.hf).
+"""
+
+from tplayers.pipeline.schedules import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
+from tplayers.pipeline.stage import PipelineStage
+
+__all__ = [
+    "PipelineStage",
+    "Schedule1F1B",
+    "ScheduleGPipe",
+    "ScheduleInterleaved1F1B",
+    "ScheduleInterleavedZeroBubble",
+]

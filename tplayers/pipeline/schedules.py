@@ -1,0 +1,112 @@
+"""The published pipeline schedules, on torch.distributed.pipelining's own:
+
+    ScheduleGPipe(stage, n_microbatches, loss_fn)                   all forwards, then all backwards
+    Schedule1F1B(stage, n_microbatches, loss_fn)                    one forward, one backward
+    ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn)        several stages per rank
+    ScheduleInterleavedZeroBubble(stages, n_microbatches, loss_fn)  backward split into input and
+                                                                    weight gradients, filling bubbles
+
+`schedule.step(x, target=y)` on every rank: the batch is split into `n_microbatches` along dim
+0; it returns the mean of `loss_fn(output, target)` over the micro-batches on the rank holding
+the last stage, None elsewhere; every parameter's `.grad` then holds the gradient of that mean,
+as the unsharded model's backward of the mean loss would give (for equal micro-batches).
+
+What tplayers adds to torch's schedules:
+- the gradient is that of the mean by construction: each micro-batch's loss is divided by the
+  number of micro-batches before its backward, and torch's own rescaling after the step
+  (`scale_grads`, which divides whatever `.grad` holds, so also gradients accumulated over
+  several steps) is off;
+- tied parameters shared by two stages (`PipelineStage(tied=...)`) have their gradients summed
+  over the pipeline group after the step;
+- bad input (a batch that does not split into the micro-batches, too few micro-batches for the
+  schedule) is refused before anything is sent.
+"""
+
+import torch
+import torch.distributed as dist
+
+from tplayers.pipeline.stage import PipelineStage
+
+
+class _Schedule:
+    # torch's schedule of that name (torch.distributed.pipelining imports triton: imported when a
+    # schedule is built, so that `import tplayers` does not)
+    torch_class: str
+    min_microbatches_per_stage = 1  # n_microbatches >= this x the pipeline ranks
+
+    def __init__(self, stages, n_microbatches: int, loss_fn):
+        stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
+        if not stages or not all(isinstance(s, PipelineStage) for s in stages):
+            raise TypeError(f"{type(self).__name__}: needs tplayers.PipelineStage objects, got {stages!r}")
+        ranks = dist.get_world_size(stages[0].group)
+        if not isinstance(n_microbatches, int) or n_microbatches < max(1, self.min_microbatches_per_stage * ranks):
+            raise ValueError(
+                f"{type(self).__name__}: n_microbatches ({n_microbatches}) must be at least "
+                f"{self.min_microbatches_per_stage * ranks} for {ranks} pipeline ranks"
+            )
+        self.stages, self.n_microbatches, self.loss_fn = stages, n_microbatches, loss_fn
+        from torch.distributed.pipelining import schedules as torch_schedules
+
+        torch_stages = [s.torch_stage for s in stages]
+        self._schedule = getattr(torch_schedules, self.torch_class)(
+            torch_stages if self._multi_stage else torch_stages[0],
+            n_microbatches,
+            loss_fn=self._loss,
+            scale_grads=False,
+        )
+
+    _multi_stage = False
+
+    def _loss(self, output, target):
+        return self.loss_fn(output, target) / self.n_microbatches  # the backward of the mean over the micro-batches
+
+    def _check_batch(self, name, t):
+        if t is not None and (t.dim() == 0 or t.shape[0] % self.n_microbatches):
+            raise ValueError(
+                f"{type(self).__name__}.step: {name} of shape {tuple(t.shape)} does not split into "
+                f"{self.n_microbatches} micro-batches along dim 0"
+            )
+
+    def step(self, x=None, *, target=None):
+        """One step over the batch `x` (used on the rank of the first stage) and `target` (on the
+        rank of the last); see the module docstring."""
+        first = any(s.is_first for s in self.stages)
+        last = any(s.is_last for s in self.stages)
+        if first and x is None:
+            raise ValueError(f"{type(self).__name__}.step: the first stage needs the batch x")
+        if last and target is None:
+            raise ValueError(f"{type(self).__name__}.step: the last stage needs the target")
+        self._check_batch("x", x)
+        self._check_batch("target", target)
+        losses = []  # the micro-batches' losses / n, as torch's schedule computed them for backward
+        self._schedule.step(*((x,) if first else ()), **({"target": target, "losses": losses} if last else {}))
+        self._sum_tied_grads()
+        return torch.stack([loss.detach() for loss in losses]).sum() if last else None
+
+    def _sum_tied_grads(self):
+        tied = {id(p): p for s in self.stages for p in s.tied}
+        group = self.stages[0].group
+        for p in tied.values():  # every rank of the group holds a copy of each tied parameter
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            grad = grad.contiguous()
+            dist.all_reduce(grad, group=group)
+            p.grad = grad
+
+
+class ScheduleGPipe(_Schedule):
+    torch_class = "ScheduleGPipe"
+    min_microbatches_per_stage = 0  # any number: all forwards, then all backwards
+
+
+class Schedule1F1B(_Schedule):
+    torch_class = "Schedule1F1B"
+
+
+class ScheduleInterleaved1F1B(_Schedule):
+    torch_class = "ScheduleInterleaved1F1B"
+    _multi_stage = True
+
+
+class ScheduleInterleavedZeroBubble(_Schedule):
+    torch_class = "ScheduleInterleavedZeroBubble"
+    _multi_stage = True

@@ -1,0 +1,67 @@
+"""`PipelineStage(module, stage_index, num_stages, group=...)`: torch.distributed.pipelining's
+stage, with its parameters entered in the placement record (the pipeline group), so that
+`clip_grad_norm_` and `DynamicLossScaler` combine every stage without being told.
+
+Stages are looped over the ranks of the pipeline group: stage i lives on rank i % n (one stage
+per rank, or `num_stages / n` of them for the interleaved schedules).
+"""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tplayers.distributed import resolve_group
+from tplayers.placement import update_placement
+
+
+class PipelineStage:
+    """Stage `stage_index` of `num_stages`, computed by `module` on this rank of `group`
+    (ProcessGroup or 1-D DeviceMesh such as `init_mesh(pp=2, tp=2)["pp"]`; None: every rank).
+
+    `tied`: parameters this stage shares with another stage on another rank (tied input /
+    output embeddings): after each schedule step their gradients are summed over the pipeline
+    group, as Megatron does, so both copies take the same step; `counted_here=False` on all but
+    one copy keeps the global norm from counting them twice (`tplayers.pipeline_split` sets both)."""
+
+    def __init__(self, module: nn.Module, stage_index: int, num_stages: int, *, group=None, tied=(), counted_here=True):
+        pg = resolve_group(group)
+        n, rank = dist.get_world_size(pg), dist.get_rank(pg)
+        if not isinstance(num_stages, int) or num_stages < 1 or num_stages % n:
+            raise ValueError(
+                f"PipelineStage: num_stages ({num_stages}) must be a positive multiple of the pipeline ranks ({n})"
+            )
+        if not isinstance(stage_index, int) or not 0 <= stage_index < num_stages:
+            raise ValueError(f"PipelineStage: stage_index {stage_index} is outside 0..{num_stages - 1}")
+        if stage_index % n != rank:
+            raise ValueError(
+                f"PipelineStage: stage {stage_index} of {num_stages} belongs on pipeline rank {stage_index % n}, "
+                f"not {rank} (stages are looped over the ranks)"
+            )
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pg) == "nccl" else torch.device("cpu")
+        )
+        self.module, self.stage_index, self.num_stages, self.group = module, stage_index, num_stages, pg
+        self.tied = list(tied)
+        # torch.distributed.pipelining imports triton: imported here, so that `import tplayers` does not
+        from torch.distributed.pipelining import PipelineStage as TorchPipelineStage
+
+        self.torch_stage = TorchPipelineStage(module, stage_index, num_stages, device, group=pg)
+        for p in module.parameters():
+            update_placement(p, pp_group=pg)
+        for p in self.tied:
+            if not counted_here:
+                update_placement(p, counted_by_another_stage=True)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+    def parameters(self):
+        return self.module.parameters()
+
+    def __repr__(self):
+        return f"PipelineStage({self.stage_index} of {self.num_stages}, {type(self.module).__name__})"
