@@ -60,11 +60,13 @@ def sequential_matches(rank, pp, group, schedule_name, n_microbatches):
             assert p.grad is None, name
 
 
-@pytest.mark.parametrize("schedule_name", list(SCHEDULES))
-@pytest.mark.parametrize("pp, n_microbatches", [(2, 2), (2, 4), (2, 3), (4, 4), (4, 8)])
+# micro-batches in {p, 2p, an odd count where the schedule allows it (not the interleaved ones)}
+CASES = [(name, pp, m) for name, (_, virtual) in SCHEDULES.items()
+         for pp, m in [(2, 2), (2, 4), (2, 3), (4, 4), (4, 8)] if virtual == 1 or m % pp == 0]  # fmt: skip
+
+
+@pytest.mark.parametrize("schedule_name, pp, n_microbatches", CASES)
 def test_schedules_give_the_unsharded_gradients(pool, schedule_name, pp, n_microbatches):
-    if SCHEDULES[schedule_name][1] > 1 and n_microbatches % pp:
-        pytest.skip("the interleaved schedules need micro-batches in multiples of the pipeline ranks")
     pool.run(sequential_matches, pp, schedule_name, n_microbatches)
 
 
@@ -182,3 +184,95 @@ def per_stage_norm(rank, pp, group):
 def test_negative_control_a_per_stage_norm_fails(pool):
     with pytest.raises(tplayers.RankError, match="Scalars are not close"):
         pool.run(per_stage_norm, 2)
+
+
+def train_step_drives_a_schedule(rank, pp, group, overflow):
+    """train_step with a schedule, the loss scaler and clipping over both stages equals the
+    unsharded model's train_step; with an inf on one rank of one stage every rank skips."""
+    reference = mlp_stack()
+    model = copy.deepcopy(reference)
+    stage = tplayers.PipelineStage(model[4 * rank : 4 * rank + 4], rank, 2, group=group)
+
+    def loss_fn(out, y):
+        loss = mse(out, y)
+        return loss * float("inf") if overflow and step == 1 else loss  # the last stage's rank only
+
+    schedule = tplayers.Schedule1F1B(stage, 4, loss_fn)
+    opt = torch.optim.AdamW(stage.parameters(), lr=1e-2, eps=1e-4)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-4)
+    scaler, ref_scaler = (tplayers.DynamicLossScaler(init_scale=2.0**8, group=group) for _ in range(2))
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 6, generator=gen)
+        before = [p.detach().clone() for p in stage.parameters()]
+        result = tplayers.train_step(schedule, opt, [(x, y)], None, scaler=scaler, max_grad_norm=0.05)
+        if overflow and step == 1:
+            assert result.skipped and all(torch.equal(a, b) for a, b in zip(before, stage.parameters(), strict=True))
+            continue
+        ref = tplayers.train_step(
+            reference, ref_opt, [(x, y)], lambda m, b: mse(m(b[0]), b[1]), scaler=ref_scaler, max_grad_norm=0.05
+        )
+        assert not result.skipped
+        assert_close(torch.tensor(result.loss), torch.tensor(ref.loss))  # on every rank
+        assert_close(torch.tensor(result.grad_norm), torch.tensor(ref.grad_norm))
+    if not overflow:
+        mine = {id(p) for p in stage.parameters()}
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            if id(p) in mine:
+                assert_close(p.detach(), q.detach())
+    else:
+        assert scaler.get_scale() == 2.0**7
+
+
+@pytest.mark.parametrize("overflow", [False, True], ids=["steps", "overflow-skips-everywhere"])
+def test_train_step_drives_a_schedule(pool, overflow):
+    pool.run(train_step_drives_a_schedule, 2, overflow)
+
+
+def pipeline_with_data_parallel(rank, world, group, stage_zero, stage_first=False):
+    """PP 2 x DP 2 (4 ranks): each replica's pipeline trains on its half of the batch, the stage
+    modules data-parallel over the replicas (ZeRO `stage_zero`); equal to the unsharded model."""
+    mesh = tplayers.init_mesh(dp=2, pp=2)
+    reference = mlp_stack()
+    model = copy.deepcopy(reference)
+    pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    module = model[4 * pp_rank : 4 * pp_rank + 4]
+    if stage_first:  # either order: the placement record keeps the pipeline group through FSDP2's DTensors
+        stage = tplayers.PipelineStage(module, pp_rank, 2, group=mesh["pp"])
+        tplayers.data_parallel(module, group=mesh["dp"], zero_stage=stage_zero)
+    else:
+        tplayers.data_parallel(module, group=mesh["dp"], zero_stage=stage_zero)
+        stage = tplayers.PipelineStage(module, pp_rank, 2, group=mesh["pp"])
+    schedule = tplayers.Schedule1F1B(stage, 2, mse)
+    opt = tplayers.data_parallel_optimizer(module, torch.optim.AdamW, lr=1e-2, eps=1e-4)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-4)
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 6, generator=gen)
+        mine = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
+        result = tplayers.train_step(schedule, opt, [mine], None, max_grad_norm=0.05)
+        ref = tplayers.train_step(reference, ref_opt, [(x, y)], lambda m, b: mse(m(b[0]), b[1]), max_grad_norm=0.05)
+        assert_close(
+            torch.tensor(result.grad_norm), torch.tensor(ref.grad_norm), msg=lambda m, s=step: f"norm {s}: {m}"
+        )
+    for (name, p), q in zip(
+        module.named_parameters(), reference[4 * pp_rank : 4 * pp_rank + 4].parameters(), strict=True
+    ):
+        assert_close(
+            (p.full_tensor() if hasattr(p, "full_tensor") else p).detach(),
+            q.detach(),
+            msg=lambda m, n=name: f"{n}: {m}",
+        )
+
+
+@pytest.mark.parametrize("stage_zero", [2, 3])
+@pytest.mark.parametrize("stage_first", [False, True], ids=["dp-then-stage", "stage-then-dp"])
+def test_pipeline_with_data_parallel_replicas(pool, stage_zero, stage_first):
+    pool.run(pipeline_with_data_parallel, 4, stage_zero, stage_first)
+
+
+def test_pipeline_refuses_ddp_replicas(pool):
+    """ZeRO 0-1 (DDP) cannot follow 1F1B's interleaved forwards (its gradients came out 0.1 % off):
+    refused on every rank, naming what works."""
+    for reply in pool.run(pipeline_with_data_parallel, 4, 0, return_exceptions=True):
+        assert isinstance(reply, RemoteError) and "use tplayers.data_parallel(..., zero_stage=2" in reply.message

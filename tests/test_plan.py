@@ -719,3 +719,21 @@ def test_tensor_by_tensor_model_states_cover_every_parameter(name, tp, pp, dp, z
         even = model_state_bytes(params, precision, zero_stage=3 if zero_stage == 2 else zero_stage, dp=dp)
         for i in range(3):
             assert max(rank[i] for rank in per_rank) >= even[i] - 1e-6
+
+
+@pytest.mark.parametrize("m, held", [(2, 2), (8, 4)])
+def test_first_stage_keeps_embedding_masks_of_the_micro_batches_in_flight(m, held):
+    """1F1B at pp 4: the first stage keeps the embedding's dropout mask of min(pp, m) micro-batches
+    (all m when there are fewer than stages). A planner that drops the min, or holds pp or m
+    regardless, fails here."""
+    from tplayers.plan.memory import _embedding_activation_bytes
+
+    model = ModelSpec(layers=8, hidden=256, heads=8, ffn_hidden=1024, vocab=1024, seq_len=128, dropout=True)
+    layout = Layout(tp=2, pp=4, num_microbatches=m, micro_batch=1, schedule="1f1b")
+    precision = Precision.preset("mixed-adam")
+    est = estimate(model, ClusterSpec.preset("h100", num_gpus=8), layout, precision)
+    per_layer = layer_activation_bytes(model, 1, tp=2, activation_bytes=precision.activation_bytes)
+    layers = model.layers // 4 * microbatches_in_flight("1f1b", 0, 4, m) * per_layer
+    embedding = _embedding_activation_bytes(model, 1, 2, False)
+    assert embedding > 0
+    assert est.stages[0].memory.activations == pytest.approx(layers + held * embedding, rel=1e-12)

@@ -29,6 +29,8 @@ What tplayers adds is the composition, through each parameter's placement record
   step tensors the model no longer uses) are errors.
 """
 
+from dataclasses import fields
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -162,8 +164,8 @@ def data_parallel(
         for name, p in module.named_parameters():
             if p is not old[name]:  # FSDP2's DTensor over the replicas: the record goes with it
                 setattr(old[name], _REPLACED, name)
-                if records[name] is not None:
-                    update_placement(p, group=records[name].group, placement=records[name].placement)
+                if records[name] is not None:  # the whole record: TP placement, pipeline group, ...
+                    update_placement(p, **{f.name: getattr(records[name], f.name) for f in fields(records[name])})
                 update_placement(p, dp_group=pg, dp_sharded=True)
         for p in summed:  # after the hook that sums them over TP: the mean over the replicas
             update_placement(p, dp_group=pg)

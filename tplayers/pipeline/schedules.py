@@ -57,8 +57,11 @@ class _Schedule:
 
     _multi_stage = False
 
+    loss_scale = 1.0  # set by train_step from the loss scaler for one step
+
     def _loss(self, output, target):
-        return self.loss_fn(output, target) / self.n_microbatches  # the backward of the mean over the micro-batches
+        # the backward of the mean over the micro-batches (times the loss scale, if any)
+        return self.loss_fn(output, target) * (self.loss_scale / self.n_microbatches)
 
     def _check_batch(self, name, t):
         if t is not None and (t.dim() == 0 or t.shape[0] % self.n_microbatches):
@@ -81,7 +84,21 @@ class _Schedule:
         losses = []  # the micro-batches' losses / n, as torch's schedule computed them for backward
         self._schedule.step(*((x,) if first else ()), **({"target": target, "losses": losses} if last else {}))
         self._sum_tied_grads()
-        return torch.stack([loss.detach() for loss in losses]).sum() if last else None
+        return torch.stack([loss.detach() for loss in losses]).sum() / self.loss_scale if last else None
+
+    def forward_backward(self, x, target, *, loss_scale: float = 1.0) -> torch.Tensor:
+        """`step` with the loss scaled by `loss_scale` for backward (what `tplayers.train_step`
+        calls); returns the unscaled mean loss on every rank (sent from the last stage's)."""
+        self.loss_scale = loss_scale
+        try:
+            loss = self.step(x, target=target)
+        finally:
+            self.loss_scale = 1.0
+        group = self.stages[0].group
+        last_rank = (self.stages[0].num_stages - 1) % dist.get_world_size(group)
+        value = (loss if loss is not None else torch.zeros(())).detach().float().reshape(1).clone()
+        dist.broadcast(value, group=group, group_src=last_rank)
+        return value[0]
 
     def _sum_tied_grads(self):
         tied = {id(p): p for s in self.stages for p in s.tied}

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tplayers.distributed import resolve_group
-from tplayers.placement import update_placement
+from tplayers.placement import get_placement, update_placement
 
 
 class PipelineStage:
@@ -36,6 +36,13 @@ class PipelineStage:
             raise ValueError(
                 f"PipelineStage: stage {stage_index} of {num_stages} belongs on pipeline rank {stage_index % n}, "
                 f"not {rank} (stages are looped over the ranks)"
+            )
+        replicas = [get_placement(p) for p in module.parameters()]
+        if any(r is not None and r.dp_group is not None and not r.dp_sharded and not r.grad_summed for r in replicas):
+            raise ValueError(
+                "PipelineStage: the module is data-parallel at ZeRO stage 0 or 1 (DDP), whose gradient sync cannot "
+                "follow a schedule's interleaved forwards and backwards; use tplayers.data_parallel(..., zero_stage=2 "
+                "or 3) on pipeline stages (FSDP2, which torch's schedules drive)"
             )
         device = (
             torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pg) == "nccl" else torch.device("cpu")

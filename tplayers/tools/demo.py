@@ -23,6 +23,7 @@ BYTES = 256
 class DemoConfig:
     tp: int = 2
     dp: int = 1  # data-parallel replicas (each trains on its share of every batch)
+    pp: int = 1  # pipeline stages (tplayers.pipeline_split, 1F1B over max(pp, micro_batches) micro-batches)
     zero: int = 0  # ZeRO stage over the replicas (tplayers.data_parallel)
     steps: int = 300
     layers: int = 2
@@ -100,9 +101,25 @@ def model_state_bytes(model, optimizer) -> dict:
     )
 
 
+def _loss_of(local_logits, ids, group):
+    """The pipeline's last stage: next-byte cross-entropy from this rank's vocabulary slice."""
+    return tplayers.vocab_parallel_cross_entropy(local_logits[:, :-1], ids[:, 1:], group=group)
+
+
+def _own_keys(full, trained, pp):
+    """The state-dict keys of the weights this rank trains (all of them without pipelining)."""
+    if pp == 1:
+        return list(full)
+    layers = {f"model.layers.{i}." for i in trained.layer_indices}
+    keys = [k for k in full if any(k.startswith(prefix) for prefix in layers)]
+    keys += [k for k in full if k.startswith("model.embed_tokens")] if trained.first else []
+    keys += [k for k in full if k.startswith(("model.norm", "lm_head"))] if trained.last else []
+    return keys
+
+
 def train_on_rank(rank, world_size, cfg: DemoConfig):
     tplayers.set_backend(cfg.backend)
-    mesh = tplayers.init_mesh(dp=cfg.dp, tp=cfg.tp)
+    mesh = tplayers.init_mesh(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp)
     group, dp_group = mesh["tp"].get_group(), mesh["dp"].get_group()
     dp_rank = mesh["dp"].get_local_rank()
     # CPU ranks on gloo (launch, or torchrun without GPUs); one GPU per rank on NCCL (torchrun).
@@ -119,10 +136,16 @@ def train_on_rank(rank, world_size, cfg: DemoConfig):
             for p in model.parameters():
                 p.data = p.data.to(DTYPES[cfg.dtype])
     tplayers.parallelize(model, group=group, sequence_parallel=cfg.sequence_parallel, vocab_parallel_logits=True)
+    trained, schedule = model, None  # what this rank trains: the model, or its pipeline stage
+    if cfg.pp > 1:
+        stage = tplayers.pipeline_split(model, group=mesh["pp"])[0]
+        trained = stage.module
+        n_microbatches = max(cfg.pp, cfg.micro_batches)
+        schedule = tplayers.Schedule1F1B(stage, n_microbatches, lambda logits, ids: _loss_of(logits, ids, group))
     if data_parallel:  # 16-bit: FSDP2 computes in it, its fp32 shards are the masters
         param_dtype = DTYPES[cfg.dtype] if cfg.dtype != "fp32" else None
-        tplayers.data_parallel(model, group=mesh["dp"], zero_stage=cfg.zero, param_dtype=param_dtype)
-    opt = tplayers.data_parallel_optimizer(model, torch.optim.AdamW, lr=cfg.lr)
+        tplayers.data_parallel(trained, group=mesh["dp"], zero_stage=cfg.zero, param_dtype=param_dtype)
+    opt = tplayers.data_parallel_optimizer(trained, torch.optim.AdamW, lr=cfg.lr)
     if cfg.dtype != "fp32" and not data_parallel:
         opt = tplayers.MixedPrecisionOptimizer(opt)
     # fp16's 5 exponent bits need loss scaling; bf16 has fp32's range and does not.
@@ -133,7 +156,8 @@ def train_on_rank(rank, world_size, cfg: DemoConfig):
     if rank == 0:
         from tqdm import tqdm
 
-        layout = f"TP={cfg.tp}" + (f" DP={cfg.dp} ZeRO-{cfg.zero}" if cfg.dp > 1 or cfg.zero else "")
+        layout = f"TP={cfg.tp}" + (f" PP={cfg.pp}" if cfg.pp > 1 else "")
+        layout += f" DP={cfg.dp} ZeRO-{cfg.zero}" if cfg.dp > 1 or cfg.zero else ""
         progress = tqdm(total=cfg.steps, desc=f"{layout} Llama {cfg.dtype}", unit="step")
     losses, ref_losses, train_time, bytes_per_step, skipped = [], [], 0.0, 0, 0
     for step in range(cfg.steps):
@@ -141,10 +165,15 @@ def train_on_rank(rank, world_size, cfg: DemoConfig):
         mine = ids.chunk(cfg.dp)[dp_rank]  # this replica's share of the batch
         start = time.perf_counter()
         with tplayers.count_bytes() as sent:
-            result = tplayers.train_step(
-                model, opt, mine.chunk(cfg.micro_batches), lambda m, b: _loss(m, b, group),
-                scaler=scaler, max_grad_norm=cfg.max_grad_norm,
-            )  # fmt: skip
+            if schedule is not None:  # the schedule's micro-batches are the accumulation
+                result = tplayers.train_step(
+                    schedule, opt, [(mine, mine)], None, scaler=scaler, max_grad_norm=cfg.max_grad_norm
+                )
+            else:
+                result = tplayers.train_step(
+                    model, opt, mine.chunk(cfg.micro_batches), lambda m, b: _loss(m, b, group),
+                    scaler=scaler, max_grad_norm=cfg.max_grad_norm,
+                )  # fmt: skip
         train_time += time.perf_counter() - start
         bytes_per_step = sent.total()
         loss = torch.tensor([result.loss], dtype=torch.float64)
@@ -163,10 +192,16 @@ def train_on_rank(rank, world_size, cfg: DemoConfig):
     if progress is not None:
         progress.close()
     full = tplayers.gather_state_dict(model, group=group)  # a collective: every rank
-    state_bytes = model_state_bytes(model, opt)
+    state_bytes = model_state_bytes(trained, opt)
+    # each stage's own weights against the unsharded twin's (rank 0 sends its twin's to all)
+    twin = [reference.state_dict() if reference is not None else None]
+    dist.broadcast_object_list(twin, src=0)
+    mine = _own_keys(full, trained, cfg.pp)
+    diff = torch.tensor([max((full[k].float() - twin[0][k]).abs().max().item() for k in mine)])
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    diff = diff.item()
     if rank != 0:
         return None
-    diff = max((full[k].float() - v).abs().max().item() for k, v in reference.state_dict().items())
     tokens = cfg.steps * cfg.batch * cfg.seq
     loss_diffs = [abs(a - b) for a, b in zip(losses, ref_losses, strict=True)]
     # Summation order differs between the sharded and the unsharded GEMMs, so the two runs differ
@@ -192,7 +227,7 @@ def train_on_rank(rank, world_size, cfg: DemoConfig):
 
 
 def run_demo(cfg: DemoConfig) -> dict:
-    """Train on `cfg.dp * cfg.tp` local ranks; rank 0's report (losses, throughput, bytes, differences)."""
+    """Train on `cfg.dp * cfg.pp * cfg.tp` local ranks; rank 0's report (losses, throughput, bytes, differences)."""
     if cfg.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)}, got {cfg.dtype!r}")
     if cfg.micro_batches <= 0 or cfg.batch % cfg.micro_batches:
@@ -210,7 +245,16 @@ def run_demo(cfg: DemoConfig) -> dict:
         raise ValueError(
             f"batch ({cfg.batch}) is not divisible into {cfg.dp} replicas x {cfg.micro_batches} micro-batches"
         )
-    for name in ("tp", "dp", "steps", "layers", "hidden", "heads", "kv_heads", "ffn", "batch", "seq"):
+    if cfg.pp > 1 and (cfg.dp > 1 or cfg.zero) and cfg.zero < 2:
+        raise ValueError("--pp with data parallelism needs --zero 2 or 3 (FSDP2, which the schedules drive)")
+    if cfg.pp > 1 and cfg.layers < cfg.pp:
+        raise ValueError(f"layers ({cfg.layers}) must be at least pp ({cfg.pp})")
+    pipeline_microbatches = max(cfg.pp, cfg.micro_batches)
+    if cfg.pp > 1 and cfg.batch % (cfg.dp * pipeline_microbatches):
+        raise ValueError(
+            f"batch ({cfg.batch}) is not divisible into {cfg.dp} replicas x {pipeline_microbatches} micro-batches"
+        )
+    for name in ("tp", "dp", "pp", "steps", "layers", "hidden", "heads", "kv_heads", "ffn", "batch", "seq"):
         if getattr(cfg, name) <= 0:
             raise ValueError(f"{name} must be positive, got {getattr(cfg, name)}")
     for name in ("ffn", "heads"):
@@ -226,7 +270,7 @@ def run_demo(cfg: DemoConfig) -> dict:
         )
     if cfg.sequence_parallel and cfg.seq % cfg.tp:
         raise ValueError(f"seq ({cfg.seq}) is not divisible by the tensor-parallel size ({cfg.tp})")
-    return tplayers.launch(train_on_rank, cfg.dp * cfg.tp, cfg)[0]
+    return tplayers.launch(train_on_rank, cfg.dp * cfg.pp * cfg.tp, cfg)[0]
 
 
 def write_report(report: dict, out_dir) -> list:
@@ -273,6 +317,7 @@ def summary(report: dict) -> str:
             f"largest |parameter difference| vs unsharded at the end: {report['max_param_diff']:.3g}",
             "model state per rank (rank 0): "
             + ", ".join(f"{k} {v:,} B" for k, v in report["model_state_bytes"].items())
-            + f" (ZeRO stage {report['config']['zero']} over {report['config']['dp']} replicas)",
+            + f" (ZeRO stage {report['config']['zero']} over {report['config']['dp']} replicas"
+            + (f", one of {report['config']['pp']} pipeline stages)" if report["config"]["pp"] > 1 else ")"),
         ]
     )

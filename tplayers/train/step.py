@@ -58,6 +58,9 @@ def train_step(
 ) -> StepResult:
     """One optimizer step over `micro_batches`; `loss_fn(model, micro_batch)` returns a scalar loss.
 
+    `model` may be a pipeline schedule (`tplayers.Schedule1F1B(...)` and the others): then pass
+    `micro_batches=[(x, target)]` and `loss_fn=None`; the schedule's micro-batches are the
+    accumulation and its loss function the loss (scaled by the scaler's scale for backward).
     `optimizer`: a torch optimizer or a `MixedPrecisionOptimizer`; `scaler`: a
     `DynamicLossScaler` (None: no loss scaling); `max_grad_norm`: clip to this global norm
     (None: no clipping); `clip_group`: passed to `clip_grad_norm_` as `group` (ranks holding
@@ -77,7 +80,15 @@ def train_step(
         )
     scale = scaler.get_scale() if scaler is not None else 1.0
     total = None
-    for batch in batches:
+    if hasattr(model, "forward_backward"):  # a pipeline schedule: its micro-batches are the accumulation
+        if len(batches) != 1 or not isinstance(batches[0], tuple | list) or len(batches[0]) != 2 or loss_fn is not None:
+            raise ValueError(
+                "train_step with a pipeline schedule: pass micro_batches=[(x, target)] (the schedule splits it "
+                "into its micro-batches) and loss_fn=None (the schedule's own)"
+            )
+        total = model.forward_backward(*batches[0], loss_scale=scale)  # scale: 1.0 unless a scaler is on
+        batches = [None]  # one mean loss, already over the micro-batches
+    for batch in batches if total is None else ():
         loss = loss_fn(model, batch)
         if not (torch.is_tensor(loss) and loss.numel() == 1):
             raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
