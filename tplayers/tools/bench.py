@@ -7,7 +7,8 @@ Each script runs in its own process, as it would by hand (linear.py under torchr
 per GPU when two or more GPUs are visible, else on local CPU ranks), and writes its own CSV and
 PNG into `<out>/<script>/`; this command then writes `<out>/bench.csv` and `<out>/bench.png`.
 Every row carries its ratio to the script's baseline (DTensor for the layers, torch's ops for
-the AMP pass, PyTorch's DTensor TP + fully_shard recipe for ZeRO): ratios, not absolute times,
+the AMP pass, PyTorch's DTensor TP + fully_shard recipe for ZeRO, torch's own schedules for
+the pipeline): ratios, not absolute times,
 compare across noisy machines; TFLOP/s (the layers, and on GPUs the fused GEMM + collective ops
 against torch.matmul and torch's symm_mem ops) and GB/s (the AMP pass) where the script
 measures them. For the overlapped layers it also says, per shape and mode, whether overlap paid
@@ -21,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPTS = ("linear", "transformer", "amp", "zero")
+SCRIPTS = ("linear", "transformer", "amp", "zero", "pipeline")
 FIELDS = (
     "op", "provider", "mode", "shape", "device", "version", "time_ms", "baseline", "ratio_to_baseline",
     "tflops_per_rank", "gbps", "overlap_pays_off", "script",
@@ -35,6 +36,7 @@ RATIO_OF = {
     "transformer": ("ratio_to_dtensor", "dtensor"),
     "amp": ("ratio_vs_torch", "torch"),
     "zero": ("ratio_to_torch", "torch recipe (DTensor TP + fully_shard)"),
+    "pipeline": ("ratio_to_torch", "torch"),
 }
 
 
