@@ -345,6 +345,17 @@ def add_ratios(rows):
     return rows
 
 
+def write_outputs(rows, out, name, fields, plot, print_table):
+    """<out>/<name>.csv and <out>/<name>.png of `rows`, and the printed table (bench/zero.py,
+    bench/pipeline.py)."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(rows, out / f"{name}.csv", fields)
+    plot(rows, out / f"{name}.png")
+    print_table(rows)
+    print(f"\nwrote {out / f'{name}.csv'} and {out / f'{name}.png'}")
+    return rows
+
+
 def write_csv(rows, path, fields=FIELDS):
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, restval="")

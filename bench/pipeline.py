@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from linear import time_round_robin, write_csv  # bench/linear.py: the shared timing and CSV
+from linear import time_round_robin, write_outputs  # bench/linear.py: the shared timing and CSV
 from torch import nn
 
 import tplayers
@@ -163,12 +163,7 @@ def plot(rows, path):
 def main(argv=None):
     args = parse_args(argv)
     rows = add_ratios(tplayers.launch(worker, args.pp, args)[0])
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_csv(rows, args.out / "pipeline.csv", FIELDS)
-    plot(rows, args.out / "pipeline.png")
-    print_table(rows)
-    print(f"\nwrote {args.out / 'pipeline.csv'} and {args.out / 'pipeline.png'}")
-    return rows
+    return write_outputs(rows, args.out, "pipeline", FIELDS, plot, print_table)
 
 
 if __name__ == "__main__":

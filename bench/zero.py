@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from linear import time_round_robin, write_csv  # bench/linear.py: the shared timing and CSV
+from linear import time_round_robin, write_outputs  # bench/linear.py: the shared timing and CSV
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -189,12 +189,7 @@ def plot(rows, path):
 def main(argv=None):
     args = parse_args(argv)
     rows = add_ratios(tplayers.launch(worker, args.dp * args.tp, args)[0])
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_csv(rows, args.out / "zero.csv", FIELDS)
-    plot(rows, args.out / "zero.png")
-    print_table(rows)
-    print(f"\nwrote {args.out / 'zero.csv'} and {args.out / 'zero.png'}")
-    return rows
+    return write_outputs(rows, args.out, "zero", FIELDS, plot, print_table)
 
 
 if __name__ == "__main__":
