@@ -2,14 +2,17 @@
 kind of stages, and the measured bubble against the formula.
 
 Per schedule (GPipe, 1F1B) and micro-batch count m, on p local ranks (p = 2 by default, one
-thread each), an MLP stack split into p stages:
+thread each), an MLP stack split into p stages, each micro-batch `rows` rows (the batch grows with m, as a
+pipeline's global batch does):
     tplayers   `tplayers.PipelineStage` + `tplayers.ScheduleGPipe` / `Schedule1F1B`
     torch      torch.distributed.pipelining's PipelineStage + schedule, the loss divided by m and
                scale_grads=False, so both compute the same gradients
 Measured: the step time (median over rounds of the slowest rank), and the bubble as the idle
-fraction of the step, 1 - m * (forward + backward of one micro-batch on this rank's stage, timed
-alone) / step time, on the most idle rank; against `tplayers.plan.bubble_fraction` as a share of
-the step, (p - 1) / (m + p - 1).
+share of tplayers' step, 1 - compute / step time, compute being the time inside the stage's own
+forward and backward calls during the step (`tplayers.pipeline.trace`), averaged over the ranks;
+against `tplayers.plan.bubble_fraction` as a share of the step, (p - 1) / (m + p - 1). The
+formula prices the sends at zero: the model is wide enough that they are small beside a
+micro-batch's compute.
 
 CPU: `python bench/pipeline.py [--quick] [--pp 2] [--out bench/out]`. Writes
 <out>/pipeline.csv and <out>/pipeline.png (bubble vs micro-batches, one line per schedule) and
@@ -17,8 +20,6 @@ prints a table with the ratios.
 """
 
 import argparse
-import copy
-import time
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ from linear import time_round_robin, write_outputs  # bench/linear.py: the share
 from torch import nn
 
 import tplayers
+from tplayers.pipeline import trace
 from tplayers.plan import bubble_fraction
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
@@ -43,7 +45,7 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=None, help="timed rounds (default 6, quick 2)")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
     args = p.parse_args(argv)
-    args.width, args.layers, args.rows = (64, 4, 32) if args.quick else (512, 8, 512)
+    args.width, args.layers, args.rows = (64, 4, 8) if args.quick else (512, 8, 512)  # rows per micro-batch
     args.microbatches = (2, 4) if args.quick else (2, 4, 8, 16)
     args.reps = args.reps if args.reps is not None else (2 if args.quick else 6)
     return args
@@ -63,15 +65,14 @@ def stage_module(args, rank, pp):
     return stack(args)[rank * per : (rank + 1) * per]
 
 
-def compute_time(module, args, m, reps):
-    """Forward + backward of one micro-batch on this stage, alone (no communication)."""
-    x = torch.randn(args.rows // m, args.width, requires_grad=True)
-    times = []
-    for _ in range(reps + 1):
-        start = time.perf_counter()
-        module(x).square().mean().backward()
-        times.append(time.perf_counter() - start)
-    return sorted(times[1:])[len(times[1:]) // 2]
+def measured_bubble(schedule, args_, kwargs, reps):
+    """Idle share of `reps` traced steps, averaged over the ranks."""
+    with trace(schedule) as t:
+        for _ in range(reps):
+            schedule.step(*args_, **kwargs)
+    idle = torch.tensor([t.bubble], dtype=torch.float64)
+    dist.all_reduce(idle)
+    return idle.item() / dist.get_world_size()
 
 
 def worker(rank, pp, args):
@@ -81,10 +82,10 @@ def worker(rank, pp, args):
     torch.set_num_threads(1)
     tplayers.set_backend("torch")
     group = dist.group.WORLD
-    rows, shape = [], f"mlp:w{args.width}L{args.layers}r{args.rows}"
+    rows, shape = [], f"mlp:w{args.width}L{args.layers}mb{args.rows}"
     for m in args.microbatches:
         gen = torch.Generator().manual_seed(m)
-        x, y = torch.randn(args.rows, args.width, generator=gen), torch.randn(args.rows, args.width, generator=gen)
+        x, y = (torch.randn(m * args.rows, args.width, generator=gen) for _ in range(2))
         fns, schedules = {}, {}
         for name, cls in SCHEDULES.items():
             ours = tplayers.PipelineStage(stage_module(args, rank, pp), rank, pp, group=group)
@@ -93,15 +94,13 @@ def worker(rank, pp, args):
             schedules["torch", name] = getattr(torch_schedules, cls)(
                 theirs, m, loss_fn=lambda o, t, m=m: mse(o, t) / m, scale_grads=False
             )
+        args_ = (x,) if rank == 0 else ()
+        kwargs = {"target": y} if rank == pp - 1 else {}
         for key, schedule in schedules.items():
-            args_ = (x,) if rank == 0 else ()
-            kwargs = {"target": y} if rank == pp - 1 else {}
             fns[key] = lambda s=schedule, a=args_, k=kwargs: s.step(*a, **k)
         times = time_round_robin(fns, torch.device("cpu"), 1, args.reps)
-        busy = compute_time(copy.deepcopy(stage_module(args, rank, pp)), args, m, args.reps)
+        bubbles = {name: measured_bubble(schedules["tplayers", name], args_, kwargs, args.reps) for name in SCHEDULES}
         for (provider, name), t in times.items():
-            idle = torch.tensor([1 - m * busy / t], dtype=torch.float64)
-            dist.all_reduce(idle, op=dist.ReduceOp.MAX)  # the most idle rank
             formula = bubble_fraction(pp, m, name)
             rows.append(
                 dict(
@@ -113,7 +112,7 @@ def worker(rank, pp, args):
                     pp=pp,
                     microbatches=m,
                     time_ms=1e3 * t,
-                    bubble_measured=idle.item(),
+                    bubble_measured=bubbles[name] if provider == "tplayers" else float("nan"),
                     bubble_formula=formula / (1 + formula),
                 )  # fmt: skip
             )

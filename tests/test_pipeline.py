@@ -276,3 +276,113 @@ def test_pipeline_refuses_ddp_replicas(pool):
     refused on every rank, naming what works."""
     for reply in pool.run(pipeline_with_data_parallel, 4, 0, return_exceptions=True):
         assert isinstance(reply, RemoteError) and "use tplayers.data_parallel(..., zero_stage=2" in reply.message
+
+
+def disagreeing_stages(rank, pp, group, case):
+    model = mlp_stack(layers=4)
+    if case == "shape":
+        model[2][0] = nn.Linear(5, 6)
+    if case == "dtype":
+        model[2:].to(torch.float64)
+    stage = tplayers.PipelineStage(model[2 * rank : 2 * rank + 2], rank, 2, group=group)
+    target = torch.randn(4, 3 if case == "target" else 6)
+    tplayers.Schedule1F1B(stage, 2, mse).step(torch.randn(4, 6), target=target)
+
+
+DISAGREEMENTS = {
+    "shape": r"stage 1 \(pipeline rank 1\) cannot take what stage 0 gives it, \(2, 6\) torch.float32: .*5",
+    "dtype": r"stage 1 \(pipeline rank 1\) cannot take what stage 0 gives it, \(2, 6\) torch.float32: .*Double",
+    "target": r"stage 1 \(pipeline rank 1\) .*size of tensor a \(6\) must match the size of tensor b \(3\)",
+}
+
+
+@pytest.mark.parametrize("case", list(DISAGREEMENTS))
+def test_stages_that_disagree_fail_on_every_rank_before_any_send(pool, case):
+    for reply in pool.run(disagreeing_stages, 2, case, return_exceptions=True):
+        assert isinstance(reply, RemoteError) and re.search(DISAGREEMENTS[case], reply.message), reply
+
+
+def new_shapes_each_step(rank, pp, group):
+    """The micro-batch shape changes between steps (a last, smaller batch): the stages are
+    rebuilt and every step's gradients are still the unsharded model's."""
+    reference = mlp_stack(layers=4)
+    model = copy.deepcopy(reference)
+    stage = tplayers.PipelineStage(model[2 * rank : 2 * rank + 2], rank, 2, group=group)
+    schedule = tplayers.Schedule1F1B(stage, 2, mse)
+    for rows in (4, 6, 4):
+        x, y = torch.randn(rows, 6), torch.randn(rows, 6)  # the same on every rank (the pool seeds them)
+        loss = schedule.step(x, target=y)
+        ref_loss = mse(reference(x), y)
+        ref_loss.backward()
+        if rank == 1:
+            assert_close(loss, ref_loss.detach())
+        for p, q in zip(stage.parameters(), list(reference.parameters())[4 * rank : 4 * rank + 4], strict=True):
+            assert_close(p.grad, q.grad)
+            p.grad, q.grad = None, None
+
+
+def test_a_new_micro_batch_shape_rebuilds_the_stages(pool):
+    pool.run(new_shapes_each_step, 2)
+
+
+class DiesOnSecondForward(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.linear, self.how, self.calls = nn.Linear(6, 6), how, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 3:  # the zero-run check, then the first micro-batch, then this one
+            if self.how == "exits":
+                import os
+
+                os._exit(3)
+            raise RuntimeError("planted failure in stage 1's second micro-batch")
+        return self.linear(x)
+
+
+def dies_mid_schedule(rank, pp, group, how):
+    module = nn.Linear(6, 6) if rank == 0 else DiesOnSecondForward(how)
+    schedule = tplayers.ScheduleGPipe(tplayers.PipelineStage(module, rank, 2, group=group), 4, mse)
+    schedule.step(torch.randn(8, 6), target=torch.randn(8, 6))
+
+
+@pytest.mark.parametrize("how", ["raises", "exits"])
+def test_a_rank_that_dies_mid_schedule_fails_the_others_fast(pool, how):
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(tplayers.RankError) as err:
+        pool.run(dies_mid_schedule, 2, how)
+    assert time.monotonic() - start < 20
+    expected = "planted failure in stage 1's second micro-batch" if how == "raises" else r"rank 1 died \(exit code 3\)"
+    assert re.search(expected, str(err.value)), err.value
+
+
+def in_flight_as_planned(rank, pp, group, schedule_name, n_microbatches):
+    from tplayers.plan import microbatches_in_flight
+
+    schedule_class, virtual = SCHEDULES[schedule_name]
+    model = mlp_stack()
+    num_stages = pp * virtual
+    per = len(model) // num_stages
+    stages = [
+        tplayers.PipelineStage(model[i * per : (i + 1) * per], i, num_stages, group=group)
+        for i in range(rank, num_stages, pp)
+    ]
+    schedule = schedule_class(stages if virtual > 1 else stages[0], n_microbatches, mse)
+    x, y = torch.randn(2 * n_microbatches, 6), torch.randn(2 * n_microbatches, 6)
+    with tplayers.pipeline.trace(schedule) as t:
+        schedule.step(x, target=y)
+    plan_name = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved-1f1b": "interleaved"}[schedule_name]
+    assert t.peak_in_flight == microbatches_in_flight(plan_name, rank, pp, n_microbatches, virtual)
+    assert t.calls["forward_one_chunk"] == n_microbatches * virtual
+    assert 0 < t.compute_seconds < t.step_seconds and 0 < t.bubble < 1
+
+
+@pytest.mark.parametrize(
+    "schedule_name, pp, n_microbatches",
+    [("gpipe", 2, 3), ("1f1b", 2, 4), ("1f1b", 4, 8), ("gpipe", 4, 2), ("interleaved-1f1b", 2, 4)],
+)
+def test_trace_counts_the_activations_in_flight_the_planner_predicts(pool, schedule_name, pp, n_microbatches):
+    pool.run(in_flight_as_planned, pp, schedule_name, n_microbatches)

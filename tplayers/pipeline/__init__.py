@@ -3,6 +3,7 @@ tensor-parallel layers and the placement record.
 
     stage.py      PipelineStage: a module as one stage of `num_stages` over the pipeline group
     schedules.py  ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble
+    trace.py      trace(schedule): per-rank compute time, bubble and activations in flight of real steps
 
 May import: tplayers.nn, tplayers.functional and the foundations (backend, distributed,
 placement); never tplayers.hf or anything above it (`tplayers.pipeline_split`, which splits
@@ -16,6 +17,7 @@ from tplayers.pipeline.schedules import (
     ScheduleInterleavedZeroBubble,
 )
 from tplayers.pipeline.stage import PipelineStage
+from tplayers.pipeline.trace import ScheduleTrace, trace
 
 __all__ = [
     "PipelineStage",
@@ -23,4 +25,6 @@ __all__ = [
     "ScheduleGPipe",
     "ScheduleInterleaved1F1B",
     "ScheduleInterleavedZeroBubble",
+    "ScheduleTrace",
+    "trace",
 ]

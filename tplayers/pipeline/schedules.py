@@ -45,12 +45,16 @@ class _Schedule:
                 f"{self.min_microbatches_per_stage * ranks} for {ranks} pipeline ranks"
             )
         self.stages, self.n_microbatches, self.loss_fn = stages, n_microbatches, loss_fn
+        self._agreed = None  # the micro-batch (shape, dtype) every stage was checked against
+        self._build()
+
+    def _build(self):
         from torch.distributed.pipelining import schedules as torch_schedules
 
-        torch_stages = [s.torch_stage for s in stages]
+        torch_stages = [s.torch_stage for s in self.stages]
         self._schedule = getattr(torch_schedules, self.torch_class)(
             torch_stages if self._multi_stage else torch_stages[0],
-            n_microbatches,
+            self.n_microbatches,
             loss_fn=self._loss,
             scale_grads=False,
         )
@@ -81,10 +85,48 @@ class _Schedule:
             raise ValueError(f"{type(self).__name__}.step: the last stage needs the target")
         self._check_batch("x", x)
         self._check_batch("target", target)
+        self._agree_shapes(x, target if last else None)
         losses = []  # the micro-batches' losses / n, as torch's schedule computed them for backward
         self._schedule.step(*((x,) if first else ()), **({"target": target, "losses": losses} if last else {}))
         self._sum_tied_grads()
         return torch.stack([loss.detach() for loss in losses]).sum() / self.loss_scale if last else None
+
+    def _agree_shapes(self, x, target):
+        """Every rank learns the micro-batch's shape and dtype from the first stage's rank (one
+        small broadcast per step). When they are new, each stage in turn runs its module on zeros
+        of what the stage before it produces (no grad, the RNG and train / eval flags left as they
+        were) and broadcasts the shapes and dtypes of its outputs, or its error, to the pipeline
+        group: a stage that cannot take what it is sent raises the same error on every rank
+        before anything is sent, instead of one rank failing mid-schedule and the others waiting.
+        A new shape after the first gets new torch stages, as torch infers the shapes travelling
+        between stages once, from a stage's first step."""
+        group = self.stages[0].group
+        n, name = dist.get_world_size(group), type(self).__name__
+        batch = [None if x is None else ((x.shape[0] // self.n_microbatches, *x.shape[1:]), x.dtype)]
+        dist.broadcast_object_list(batch, group=group, group_src=0)  # stage 0 lives on pipeline rank 0
+        if batch[0] == self._agreed:
+            return
+        here = {s.stage_index: s for s in self.stages}
+        signature, sender = [batch[0]], "the batch's micro-batches"
+        for index in range(self.stages[0].num_stages):
+            result = [None]
+            if index in here:
+                last = here[index].is_last and target is not None
+                target_mb = (target.shape[0] // self.n_microbatches, *target.shape[1:]) if last else None
+                result[0] = _run_on_zeros(here[index], signature, self.loss_fn if last else None, target, target_mb)
+            dist.broadcast_object_list(result, group=group, group_src=index % n)
+            if isinstance(result[0], str):
+                shapes = ", ".join(f"{tuple(shape)} {dtype}" for shape, dtype in signature)
+                raise ValueError(
+                    f"{name}: stage {index} (pipeline rank {index % n}) cannot take what {sender} gives it, "
+                    f"{shapes}: {result[0]}"
+                )
+            signature, sender = result[0], f"stage {index}"
+        if self._agreed is not None:  # a new shape: torch's stages inferred the old one
+            for stage in self.stages:
+                stage.reset()
+            self._build()
+        self._agreed = batch[0]
 
     def forward_backward(self, x, target, *, loss_scale: float = 1.0) -> torch.Tensor:
         """`step` with the loss scaled by `loss_scale` for backward (what `tplayers.train_step`
@@ -127,3 +169,25 @@ class ScheduleInterleaved1F1B(_Schedule):
 class ScheduleInterleavedZeroBubble(_Schedule):
     torch_class = "ScheduleInterleavedZeroBubble"
     _multi_stage = True
+
+
+def _run_on_zeros(stage, signature, loss_fn, target, target_shape):
+    """The shapes and dtypes of `stage.module`'s outputs on zeros of `signature` (and of the loss
+    against zeros like `target`, on the last stage), or the error it raised, as a string."""
+    modes = [(m, m.training) for m in stage.module.modules()]
+    devices = [stage.device] if stage.device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            stage.module.eval()  # no running statistics updated
+            out = stage.module(*(torch.zeros(shape, dtype=dtype, device=stage.device) for shape, dtype in signature))
+            outs = out if isinstance(out, tuple) else (out,)
+            if not all(torch.is_tensor(o) for o in outs):
+                return f"its module returns {type(out).__name__}, not a tensor or a tuple of tensors"
+            if loss_fn is not None:
+                loss_fn(out, torch.zeros(target_shape, dtype=target.dtype, device=target.device))
+            return [(tuple(o.shape), o.dtype) for o in outs]
+    except Exception as e:  # noqa: BLE001 -- reported on every rank, with the stage named
+        return f"{type(e).__name__}: {e}"
+    finally:
+        for m, training in modes:
+            m.training = training

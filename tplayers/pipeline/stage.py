@@ -48,16 +48,23 @@ class PipelineStage:
             torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pg) == "nccl" else torch.device("cpu")
         )
         self.module, self.stage_index, self.num_stages, self.group = module, stage_index, num_stages, pg
-        self.tied = list(tied)
-        # torch.distributed.pipelining imports triton: imported here, so that `import tplayers` does not
-        from torch.distributed.pipelining import PipelineStage as TorchPipelineStage
-
-        self.torch_stage = TorchPipelineStage(module, stage_index, num_stages, device, group=pg)
+        self.tied, self.device = list(tied), device
+        self.reset()
         for p in module.parameters():
             update_placement(p, pp_group=pg)
         for p in self.tied:
             if not counted_here:
                 update_placement(p, counted_by_another_stage=True)
+
+    def reset(self):
+        """A new torch stage: it infers the shapes it receives and sends from its first step, so
+        a schedule calls this on every stage when the micro-batch shape changes."""
+        # torch.distributed.pipelining imports triton: imported here, so that `import tplayers` does not
+        from torch.distributed.pipelining import PipelineStage as TorchPipelineStage
+
+        self.torch_stage = TorchPipelineStage(
+            self.module, self.stage_index, self.num_stages, self.device, group=self.group
+        )
 
     @property
     def is_first(self) -> bool:

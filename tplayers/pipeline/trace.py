@@ -1,0 +1,84 @@
+"""`trace(schedule)`: what a schedule's steps did on this rank, from the stages' real compute.
+
+    with tplayers.pipeline.trace(schedule) as t:
+        schedule.step(x, target=y)
+    t.bubble        # idle share of the step on this rank: 1 - compute / step time
+    t.peak_in_flight  # most micro-batches whose activations this rank held at once
+
+Compute is the time inside torch's per-micro-batch stage calls (`forward_one_chunk`,
+`backward_one_chunk`, `backward_weight_one_chunk`): the module's forward and backward with the
+loss, never the waits for a neighbour's send. The bubble is then everything else in the step:
+the pipeline's fill and drain, and what the sends cost. A micro-batch's activations are in
+flight from its forward until its backward releases them (the weight-gradient half, for the
+zero-bubble schedules); several stages on one rank (interleaved) each hold 1 / stages-per-rank
+of the rank's layers, so `peak_in_flight` counts in micro-batches of the whole rank's layers,
+as `tplayers.plan.microbatches_in_flight` predicts.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ScheduleTrace:
+    compute_seconds: float = 0.0  # inside the stages' forward / backward calls
+    step_seconds: float = 0.0  # inside schedule.step
+    peak_in_flight: float = 0.0  # in micro-batches of this rank's layers
+    calls: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def bubble(self) -> float:
+        """Idle share of the traced steps on this rank."""
+        return 1.0 - self.compute_seconds / self.step_seconds if self.step_seconds else 0.0
+
+
+@contextmanager
+def trace(schedule):
+    """Trace every `schedule.step` (or `forward_backward`) in the block; yields a ScheduleTrace."""
+    out = ScheduleTrace()
+    chunks = len(schedule.stages)  # per rank: each stage is 1 / chunks of the rank's layers
+    in_flight = [0]
+    patched = []
+
+    def timed(stage, name, delta):
+        inner = getattr(stage, name)
+
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                out.compute_seconds += time.perf_counter() - start
+                out.calls[name] = out.calls.get(name, 0) + 1
+                in_flight[0] += delta(kwargs)
+                out.peak_in_flight = max(out.peak_in_flight, in_flight[0] / chunks)
+
+        setattr(stage, name, call)
+        patched.append((stage, name))
+
+    def released_by_backward(kwargs):  # a split backward keeps them for the weight gradient
+        return -1 if kwargs.get("full_backward", True) else 0
+
+    for stage in (s.torch_stage for s in schedule.stages):
+        timed(stage, "forward_one_chunk", lambda kwargs: 1)
+        timed(stage, "backward_one_chunk", released_by_backward)
+        timed(stage, "backward_weight_one_chunk", lambda kwargs: -1)
+    step = schedule.step
+
+    def timed_step(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return step(*args, **kwargs)
+        finally:
+            out.step_seconds += time.perf_counter() - start
+
+    schedule.step = timed_step
+    try:
+        yield out
+    finally:
+        del schedule.step
+        for stage, name in patched:
+            delattr(stage, name)
