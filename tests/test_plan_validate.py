@@ -9,6 +9,8 @@ import pytest
 from tplayers.plan import Layout, ModelSpec, Precision
 from tplayers.plan.validate import (
     DEFAULT_CASES,
+    PIPELINE_CASES,
+    STEP_CASES,
     VALIDATION_MODEL,
     Check,
     ValidationCase,
@@ -22,8 +24,13 @@ from tplayers.plan.validate import (
 
 @pytest.fixture(scope="module")
 def measured(pool):
-    """Every default case (up to tp=4, and tp=2 x dp=2) measured once on the shared 4-rank pool."""
-    return measure(pool=pool)
+    """Every training-step case (up to tp=4, and tp=2 x dp=2) measured once on the shared 4-rank pool."""
+    return measure(STEP_CASES, pool=pool)
+
+
+@pytest.fixture(scope="module")
+def measured_pipelines(pool):
+    return measure(PIPELINE_CASES, pool=pool)
 
 
 def _rows(measured, **kw):
@@ -40,7 +47,7 @@ def test_validation_passes_on_4_ranks(measured):
     rows = _rows(measured)
     table = format_validation(rows)
     assert all_ok(rows), table
-    assert [row.case for row in rows] == list(DEFAULT_CASES)
+    assert [row.case for row in rows] == list(STEP_CASES)
     assert f"{len(rows)}/{len(rows)} layouts agree with the plan" in table
     by_name = {row.case.name: row for row in rows}
     # The cases exercise what they are there for: TP traffic, replicated kv heads, DP traffic.
@@ -63,6 +70,31 @@ def test_validation_passes_on_2_ranks_through_launch():
     assert all_ok(rows), format_validation(rows)
     assert {row.case.layout.num_gpus for row in rows} == {1, 2}
     assert len(rows) == sum(c.layout.num_gpus <= 2 for c in DEFAULT_CASES)
+
+
+@pytest.mark.multirank
+def test_pipeline_validation_passes_on_4_ranks(measured_pipelines):
+    """Every stage holds the micro-batches in flight the planner predicts (GPipe m, 1F1B
+    min(pp - i, m), interleaved Megatron's warm-up), and the measured bubble is the formula's."""
+    rows = _rows(measured_pipelines)
+    assert all_ok(rows), format_validation(rows)
+    by_name = {row.case.name: row for row in rows}
+    assert by_name["pp2 gpipe tp1 m4 fp32"].check("in flight").per_rank == (4, 4)
+    assert by_name["pp2 1f1b tp1 m4 fp32"].check("in flight").per_rank == (2, 1)
+    assert by_name["pp4 gpipe tp1 m2 fp32"].check("in flight").per_rank == (2, 2, 2, 2)
+    assert by_name["pp2 1f1b tp2 sp m2 fp32"].check("in flight").per_rank == (2, 2, 1, 1)  # tp fastest
+
+
+@pytest.mark.multirank
+def test_pipeline_negative_controls_fail(measured_pipelines):
+    """A prediction for another schedule fails the micro-batches in flight; a bubble the
+    schedule cannot have (no overlap, or none at all) fails the bubble."""
+    one_f_one_b = next(m for m in measured_pipelines if m.case.name == "pp2 1f1b tp1 m4 fp32")
+    as_gpipe = ValidationCase(replace(one_f_one_b.case.layout, schedule="gpipe"), "fp32", one_f_one_b.case.model)
+    assert "in flight" in compare(replace(one_f_one_b, case=as_gpipe)).failures
+    for bubble in (0.0, 0.5):  # none; stages one after the other
+        ranks = tuple(replace(r, bubble=bubble) for r in one_f_one_b.ranks)
+        assert compare(replace(one_f_one_b, ranks=ranks)).failures == ["bubble"]
 
 
 # ---------------------------------------------------------------------------- negative controls
@@ -152,7 +184,9 @@ def test_check_semantics():
 
 
 def test_cases_tplayers_cannot_run_are_rejected_before_launch():
-    with pytest.raises(ValueError, match="pp=1, recompute='none'"):
+    with pytest.raises(ValueError, match="recompute='none'"):
+        ValidationCase(Layout(tp=2, recompute="full"))
+    with pytest.raises(ValueError, match="pipeline cases run at dp=1 in fp32"):
         ValidationCase(Layout(tp=2, pp=2))
     with pytest.raises(ValueError, match="ZeRO cases train in fp32"):
         ValidationCase(Layout(tp=2, dp=2, zero_stage=1))

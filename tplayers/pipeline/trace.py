@@ -6,8 +6,8 @@
     t.peak_in_flight  # most micro-batches whose activations this rank held at once
 
 Compute is the time inside torch's per-micro-batch stage calls (`forward_one_chunk`,
-`backward_one_chunk`, `backward_weight_one_chunk`): the module's forward and backward with the
-loss, never the waits for a neighbour's send. The bubble is then everything else in the step:
+`backward_one_chunk`, `backward_weight_one_chunk`) and the last stage's loss: the module's
+forward and backward, never the waits for a neighbour's send. The bubble is then everything else in the step:
 the pipeline's fill and drain, and what the sends cost. A micro-batch's activations are in
 flight from its forward until its backward releases them (the weight-gradient half, for the
 zero-bubble schedules); several stages on one rank (interleaved) each hold 1 / stages-per-rank
@@ -66,6 +66,17 @@ def trace(schedule):
         timed(stage, "forward_one_chunk", lambda kwargs: 1)
         timed(stage, "backward_one_chunk", released_by_backward)
         timed(stage, "backward_weight_one_chunk", lambda kwargs: -1)
+    torch_schedule = schedule._schedule
+    loss_fn = torch_schedule._loss_fn
+
+    def timed_loss(*args, **kwargs):  # the last stage's loss is its compute too
+        start = time.perf_counter()
+        try:
+            return loss_fn(*args, **kwargs)
+        finally:
+            out.compute_seconds += time.perf_counter() - start
+
+    torch_schedule._loss_fn = timed_loss
     step = schedule.step
 
     def timed_step(*args, **kwargs):
@@ -80,5 +91,6 @@ def trace(schedule):
         yield out
     finally:
         del schedule.step
+        torch_schedule._loss_fn = loss_fn
         for stage, name in patched:
             delattr(stage, name)

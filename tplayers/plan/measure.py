@@ -36,28 +36,54 @@ TPLAYERS_PRECISIONS = {
 # Measured / plan activations of the default cases lie in [1.26, 1.67], the gap being HF's
 # RMSNorm storage (see the module docstring): the one-sided band allows up to 1.75.
 DEFAULT_ACTIVATION_RTOL = 0.75
+# Pipeline cases: the ranks' mean idle share in [0.75, 2] x the formula's. Measured 0.86-1.48
+# on 2 CPU cores (the default cases, four runs): the formula prices what stages send at zero and
+# takes every stage as heavy as the others, while here each send costs a core some milliseconds
+# (gloo's thread beside the compute) and the last stage adds the LM head and the loss; GPipe at
+# m = 2p and interleaved (twice the sends) sit highest, at about 1.4.
+DEFAULT_BUBBLE_RTOL = 1.0
+
+
+# The model of the pipeline cases: 4 layers (pp x virtual stages up to 4), and wide enough that
+# a micro-batch's compute dwarfs what a stage sends (the bubble formula prices sends at zero).
+PIPELINE_VALIDATION_MODEL = ModelSpec(
+    layers=4,
+    hidden=128,
+    heads=4,
+    kv_heads=2,
+    ffn_hidden=512,
+    vocab=250,
+    seq_len=256,
+    gated_mlp=True,
+    dropout=False,
+    name="tiny-llama-pipeline",
+)
+PIPELINE_MICRO_BATCH = 4
+PIPELINE_TRACED_STEPS = 3  # the quickest one's bubble is reported
 
 
 @dataclass(frozen=True)
 class ValidationCase:
     """One layout to train and check: `dtype` "bf16" (bf16 model, MixedPrecisionOptimizer over
-    Adam) or "fp32" (fp32 model, Adam). pp must be 1 and recompute "none" (tplayers has no
-    pipeline stages or recomputation yet); ZeRO 1-3 (`tplayers.data_parallel`) trains in fp32."""
+    Adam) or "fp32" (fp32 model, Adam). recompute must be "none" (tplayers has no recomputation
+    yet); ZeRO 1-3 (`tplayers.data_parallel`) trains in fp32. pp > 1: one schedule step of
+    `tplayers.pipeline_split` stages (fp32, dp = 1), checked for its bubble and activations in
+    flight; `model` then defaults to `PIPELINE_VALIDATION_MODEL`."""
 
     layout: Layout
     dtype: str = "bf16"
+    model: ModelSpec | None = None  # None: the one `measure` is given
 
     def __post_init__(self):
         if self.dtype not in TPLAYERS_PRECISIONS:
             raise ValueError(f"ValidationCase.dtype must be one of {list(TPLAYERS_PRECISIONS)}, got {self.dtype!r}")
         lay = self.layout
-        if lay.pp != 1 or lay.recompute != "none":
-            raise ValueError(
-                f"tplayers has no pipeline stages or recomputation yet: validation needs pp=1, recompute='none', "
-                f"got {lay.describe()}"
-            )
+        if lay.recompute != "none":
+            raise ValueError(f"tplayers has no recomputation yet: validation needs recompute='none', got {lay.describe()}")
         if lay.zero_stage and self.dtype != "fp32":
             raise ValueError(f"ZeRO cases train in fp32 (FSDP2's bf16 copies are not itemised), got {self.dtype}")
+        if lay.pp > 1 and (lay.dp != 1 or self.dtype != "fp32"):
+            raise ValueError(f"pipeline cases run at dp=1 in fp32, got {lay.describe()} {self.dtype}")
 
     @property
     def precision(self) -> Precision:
@@ -67,6 +93,9 @@ class ValidationCase:
     def name(self) -> str:
         lay = self.layout
         parts = [f"tp{lay.tp}"] + ([f"dp{lay.dp}"] if lay.dp > 1 else []) + (["sp"] if lay.sequence_parallel else [])
+        if lay.pp > 1:
+            v = f"v{lay.virtual_stages}" if lay.schedule == "interleaved" else ""
+            parts.insert(0, f"pp{lay.pp} {lay.schedule}{v}")
         parts += [f"zero{lay.zero_stage}"] if lay.zero_stage else []
         if lay.num_microbatches > 1:
             parts.append(f"m{lay.num_microbatches}")
@@ -77,7 +106,11 @@ def _case(dtype="bf16", **layout) -> ValidationCase:
     return ValidationCase(Layout(micro_batch=MICRO_BATCH, **layout), dtype)
 
 
-DEFAULT_CASES = (
+def _pipeline_case(**layout) -> ValidationCase:
+    return ValidationCase(Layout(micro_batch=PIPELINE_MICRO_BATCH, **layout), "fp32", PIPELINE_VALIDATION_MODEL)
+
+
+STEP_CASES = (
     _case(tp=1),
     _case(tp=2),
     _case(tp=2, sequence_parallel=True),
@@ -94,6 +127,16 @@ DEFAULT_CASES = (
     _case("fp32", tp=1, dp=3, zero_stage=1),
     _case("fp32", tp=1, dp=3, zero_stage=3),
 )
+# pipelines: the bubble and the micro-batches in flight per stage (GPipe m, 1F1B min(pp - i, m))
+PIPELINE_CASES = (
+    _pipeline_case(pp=2, num_microbatches=2, schedule="gpipe"),
+    _pipeline_case(pp=2, num_microbatches=4, schedule="gpipe"),
+    _pipeline_case(pp=2, num_microbatches=4, schedule="1f1b"),
+    _pipeline_case(pp=2, num_microbatches=4, schedule="interleaved", virtual_stages=2),
+    _pipeline_case(pp=2, tp=2, sequence_parallel=True, num_microbatches=2, schedule="1f1b"),
+    _pipeline_case(pp=4, num_microbatches=2, schedule="gpipe"),  # fewer micro-batches than stages
+)
+DEFAULT_CASES = STEP_CASES + PIPELINE_CASES
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,11 +164,21 @@ class RankMeasurement:
 
 
 @dataclass(frozen=True)
+class PipelineRankMeasurement:
+    """What one rank measured in one schedule step (`tplayers.pipeline.trace`)."""
+
+    bubble: float  # idle share of the step: 1 - compute / step time
+    in_flight: float  # most micro-batches (of this rank's layers) whose activations it held
+    compute_seconds: float
+    step_seconds: float
+
+
+@dataclass(frozen=True)
 class Measurement:
     """One case's measurements on each of its ranks (rank order: tp fastest, then dp)."""
 
     case: ValidationCase
-    ranks: tuple[RankMeasurement, ...]
+    ranks: tuple[RankMeasurement, ...] | tuple[PipelineRankMeasurement, ...]
     seconds: float  # wall time of the slowest rank: build, parallelize, one step
     model: ModelSpec = VALIDATION_MODEL  # the model trained
     assumptions: Assumptions = VALIDATION_ASSUMPTIONS  # its vocabulary padding
@@ -189,11 +242,12 @@ class _SavedStorages:
 
 
 def _new_groups(rank: int, layout: Layout):
-    """Every rank of the world creates every TP and DP group of `layout` (ranks tp fastest, then
-    dp), in the same order; returns this rank's (tp_group, dp_group), or None if it is idle."""
+    """Every rank of the world creates every TP and DP (or PP: pipeline cases have dp = 1) group
+    of `layout` (ranks tp fastest), in the same order; returns this rank's (tp_group, dp_group or
+    pp_group), or None if it is idle."""
     import torch.distributed as dist
 
-    tp, dp = layout.tp, layout.dp
+    tp, dp = layout.tp, layout.dp * layout.pp
     mine = None, None
     tp_groups = [dist.new_group([d * tp + i for i in range(tp)]) for d in range(dp)]
     dp_groups = [dist.new_group([d * tp + i for d in range(dp)]) for i in range(tp)]
@@ -264,6 +318,43 @@ def _measure_step(case: ValidationCase, spec: ModelSpec, assumptions: Assumption
     )
 
 
+def _measure_pipeline_step(case: ValidationCase, spec: ModelSpec, assumptions: Assumptions, seed: int, tp_group, pp_group):
+    """Build, shard, split into stages and run one schedule step (after one to warm up) under
+    `tplayers.pipeline.trace`; returns this rank's PipelineRankMeasurement."""
+    import torch
+    import torch.nn.functional as F
+
+    import tplayers
+
+    layout = case.layout
+    torch.manual_seed(seed)
+    model = _hf_llama(spec, padded_vocab(spec.vocab, layout.tp, assumptions.vocab_divisible_by))
+    if layout.tp > 1:
+        tplayers.parallelize(model, group=tp_group, sequence_parallel=layout.sequence_parallel, verify=False)
+    v = layout.virtual_stages if layout.schedule == "interleaved" else 1
+    stages = tplayers.pipeline_split(model, group=pp_group, virtual_stages=v)
+    schedule_class = {
+        "gpipe": tplayers.ScheduleGPipe,
+        "1f1b": tplayers.Schedule1F1B,
+        "interleaved": tplayers.ScheduleInterleaved1F1B,
+    }[layout.schedule]
+
+    def loss_fn(logits, tokens):
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+
+    schedule = schedule_class(stages if v > 1 else stages[0], layout.num_microbatches, loss_fn)
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, spec.vocab, (layout.num_microbatches * layout.micro_batch, spec.seq_len), generator=gen)
+    schedule.step(tokens, target=tokens)  # the first step also checks and infers the stages' shapes
+    traces = []
+    for _ in range(PIPELINE_TRACED_STEPS):
+        with tplayers.pipeline.trace(schedule) as t:
+            schedule.step(tokens, target=tokens)
+        traces.append(t)
+    t = min(traces, key=lambda t: t.step_seconds)  # the step the machine disturbed least
+    return PipelineRankMeasurement(t.bubble, t.peak_in_flight, t.compute_seconds, t.step_seconds)
+
+
 def _held_bytes(tensors, *, padded: bool) -> int:
     """Bytes of `tensors`; `padded` (ZeRO 2-3 on FSDP2): of the distinct storages their local
     shards live in, which hold each shard padded to ceil(rows / dp) rows (the gradients of one
@@ -299,7 +390,8 @@ def _measure_cases(rank, world_size, cases, spec, assumptions, seed):
         groups = _new_groups(rank, case.layout)
         result = None
         if groups[0] is not None:
-            result = (_measure_step(case, spec, assumptions, seed, *groups), time.perf_counter() - start)
+            step = _measure_pipeline_step if case.layout.pp > 1 else _measure_step
+            result = (step(case, case.model or spec, assumptions, seed, *groups), time.perf_counter() - start)
         dist.barrier()  # every rank is done with this case's groups before any is destroyed
         if result is not None:
             for g in {id(g): g for g in groups}.values():
@@ -326,7 +418,8 @@ def _resolve_cases(layouts, nprocs_max):
 def measure(layouts=None, *, model=None, assumptions=None, nprocs_max=4, seed=0, pool=None) -> list[Measurement]:
     """Train one step of each case on local CPU ranks and return what each rank measured.
 
-    `layouts`: ValidationCase or Layout (bf16) items, default `DEFAULT_CASES` up to `nprocs_max`
+    `layouts`: ValidationCase or Layout (bf16) items, default `DEFAULT_CASES` (`STEP_CASES`, then
+    `PIPELINE_CASES`) up to `nprocs_max`
     ranks. One launch runs every case (case by case, each on the first tp*dp ranks); `pool`, a
     `tplayers.testing.WorkerPool`, runs them on its ranks instead of starting new ones.
     """
@@ -349,5 +442,5 @@ def measure(layouts=None, *, model=None, assumptions=None, nprocs_max=4, seed=0,
     for i, case in enumerate(cases):
         results = [per_rank[r][i] for r in range(case.layout.num_gpus)]
         ranks, seconds = tuple(m for m, _ in results), max(s for _, s in results)
-        out.append(Measurement(case, ranks, seconds, spec, assumptions))
+        out.append(Measurement(case, ranks, seconds, case.model or spec, assumptions))
     return out

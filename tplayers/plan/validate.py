@@ -24,6 +24,16 @@ replica: `model_state_bytes_per_rank`, padding and ZeRO-1's whole-tensor partiti
                  tensors, parameters excluded): the activation memory between      itemised
                  forward and backward, independent of the allocator
 
+Pipeline cases (`PIPELINE_CASES`, pp > 1): `tplayers.pipeline_split` stages of a wider 4-layer
+Llama (inside each, tensor parallelism when tp > 1) run schedule steps under
+`tplayers.pipeline.trace`, which times the stages' own forward, backward and loss calls:
+
+    in flight    most micro-batches whose activations a rank held at once, in       exact
+                 units of its layers, against `microbatches_in_flight` of its stage
+    bubble       the ranks' mean idle share of the step (1 - compute / step time),  [0.75, 2] x
+                 against the formula's share b / (1 + b), b = `bubble_fraction`     (see
+                                                                                    DEFAULT_BUBBLE_RTOL)
+
 Precision mapping. tplayers' mixed precision is not Megatron's 2 + 2 + 12 bytes per parameter:
 `MixedPrecisionOptimizer` moves each bf16 gradient into its fp32 master's `.grad` as soon as it
 is produced and drops the bf16 one, so what lives at the step is bf16 params (2), fp32 grads (4)
@@ -58,7 +68,10 @@ from tplayers.plan.estimate import estimate, model_state_bytes_per_rank
 from tplayers.plan.layout import Assumptions, Layout
 from tplayers.plan.measure import (
     DEFAULT_ACTIVATION_RTOL,
+    DEFAULT_BUBBLE_RTOL,
     DEFAULT_CASES,
+    PIPELINE_CASES,
+    STEP_CASES,
     TPLAYERS_PRECISIONS,
     VALIDATION_ASSUMPTIONS,
     VALIDATION_MODEL,
@@ -68,10 +81,13 @@ from tplayers.plan.measure import (
     measure,
 )
 from tplayers.plan.memory import layer_activation_bytes
+from tplayers.plan.schedule import bubble_fraction, microbatches_in_flight
 from tplayers.plan.specs import ClusterSpec, ModelSpec, Precision
 
 __all__ = [
     "DEFAULT_CASES",
+    "PIPELINE_CASES",
+    "STEP_CASES",
     "TPLAYERS_PRECISIONS",
     "VALIDATION_ASSUMPTIONS",
     "VALIDATION_MODEL",
@@ -105,6 +121,8 @@ class Check:
     per_rank: tuple[int, ...]
     predicted: float
     rtol: float | None = None
+    # two-sided checks: predicted * (1 - below) <= measured as the lower bound
+    below: float = 0.0
     # exact checks only: each rank's own prediction (ZeRO: replicas hold different shares);
     # `predicted` is then the most loaded rank's
     predicted_per_rank: tuple[float, ...] | None = None
@@ -125,7 +143,7 @@ class Check:
             return len(expected) == len(self.per_rank) and all(
                 math.isclose(m, e, rel_tol=1e-12, abs_tol=1e-6) for m, e in zip(self.per_rank, expected, strict=True)
             )
-        return self.predicted <= self.measured <= self.predicted * (1 + self.rtol)
+        return self.predicted * (1 - self.below) <= self.measured <= self.predicted * (1 + self.rtol)
 
 
 @dataclass(frozen=True)
@@ -204,6 +222,7 @@ def compare(
     precision: Precision | None = None,
     assumptions: Assumptions | None = None,
     activation_rtol: float = DEFAULT_ACTIVATION_RTOL,
+    bubble_rtol: float = DEFAULT_BUBBLE_RTOL,
 ) -> ValidationRow:
     """Check `measurement` against the plan's estimate for its layout. `precision` defaults to
     the case's (`TPLAYERS_PRECISIONS`), `model` / `assumptions` to the measurement's; passing
@@ -214,6 +233,8 @@ def compare(
     replica its own prediction); "activations" measured / plan in [1, 1 + activation_rtol]; "activations+hf" exact
     against the plan plus `hf_llama_extra_activations` (every byte accounted for)."""
     case = measurement.case
+    if case.layout.pp > 1:
+        return _compare_pipeline(measurement, bubble_rtol)
     spec = measurement.model if model is None else model
     precision = case.precision if precision is None else precision
     assumptions = measurement.assumptions if assumptions is None else assumptions
@@ -247,12 +268,32 @@ def compare(
     return ValidationRow(case, checks, dict(busiest.comm_by_kind), measurement.seconds)
 
 
+def _compare_pipeline(measurement: Measurement, bubble_rtol: float) -> ValidationRow:
+    """A pipeline case: "in flight" exact on every rank (`microbatches_in_flight` of its stage),
+    "bubble" the ranks' mean idle share in [1 - min(bubble_rtol, 0.25), 1 + bubble_rtol] x the
+    formula's share of the step, b / (1 + b) with b = `bubble_fraction` (see DEFAULT_BUBBLE_RTOL)."""
+    lay = measurement.case.layout
+    v = lay.virtual_stages if lay.schedule == "interleaved" else 1
+    ranks = measurement.ranks
+    in_flight = tuple(
+        microbatches_in_flight(lay.schedule, r // lay.tp, lay.pp, lay.num_microbatches, v) for r in range(len(ranks))
+    )
+    b = bubble_fraction(lay.pp, lay.num_microbatches, lay.schedule, v)
+    bubble = sum(r.bubble for r in ranks) / len(ranks)
+    checks = (
+        Check("in flight", tuple(r.in_flight for r in ranks), max(in_flight), predicted_per_rank=in_flight),
+        Check("bubble", (bubble,), b / (1 + b), bubble_rtol, below=min(bubble_rtol, 0.25)),
+    )
+    return ValidationRow(measurement.case, checks, {}, measurement.seconds)
+
+
 def validate(
     layouts=None,
     *,
     model: ModelSpec | None = None,
     nprocs_max: int = 4,
     activation_rtol: float = DEFAULT_ACTIVATION_RTOL,
+    bubble_rtol: float = DEFAULT_BUBBLE_RTOL,
     seed: int = 0,
     pool=None,
 ) -> list[ValidationRow]:
@@ -260,7 +301,7 @@ def validate(
     `all_ok(rows)` (or `row.ok`) tells whether every check passed; `format_validation(rows)`
     prints them."""
     measurements = measure(layouts, model=model, nprocs_max=nprocs_max, seed=seed, pool=pool)
-    return [compare(m, activation_rtol=activation_rtol) for m in measurements]
+    return [compare(m, activation_rtol=activation_rtol, bubble_rtol=bubble_rtol) for m in measurements]
 
 
 def all_ok(rows) -> bool:
@@ -270,7 +311,7 @@ def all_ok(rows) -> bool:
 
 
 def _fmt_tol(check: Check) -> str:
-    return "exact" if check.rtol is None else f"[1, {1 + check.rtol:g}]"
+    return "exact" if check.rtol is None else f"[{1 - check.below:g}, {1 + check.rtol:g}]"
 
 
 def format_validation(rows) -> str:
@@ -280,8 +321,9 @@ def format_validation(rows) -> str:
     for row in rows:
         for i, c in enumerate(row.checks):
             name = row.case.name if i == 0 else ""
+            fmt = ",.0f" if isinstance(c.measured, int) else ".3f"
             lines.append(
-                f"{name:<23}{c.quantity:<15}{c.measured:>12,}{c.predicted:>14,.0f}{c.ratio:>8.3f}  "
+                f"{name:<23}{c.quantity:<15}{c.measured:>12{fmt}}{c.predicted:>14{fmt}}{c.ratio:>8.3f}  "
                 f"{_fmt_tol(c):<11}{'ok' if c.ok else 'FAIL':>4}"
             )
         kinds = ", ".join(f"{k} {v:,}" for k, v in sorted(row.comm_by_kind.items())) or "none"
