@@ -79,7 +79,9 @@ class ValidationCase:
             raise ValueError(f"ValidationCase.dtype must be one of {list(TPLAYERS_PRECISIONS)}, got {self.dtype!r}")
         lay = self.layout
         if lay.recompute != "none":
-            raise ValueError(f"tplayers has no recomputation yet: validation needs recompute='none', got {lay.describe()}")
+            raise ValueError(
+                f"tplayers has no recomputation yet: validation needs recompute='none', not {lay.recompute!r}"
+            )
         if lay.zero_stage and self.dtype != "fp32":
             raise ValueError(f"ZeRO cases train in fp32 (FSDP2's bf16 copies are not itemised), got {self.dtype}")
         if lay.pp > 1 and (lay.dp != 1 or self.dtype != "fp32"):
@@ -318,7 +320,7 @@ def _measure_step(case: ValidationCase, spec: ModelSpec, assumptions: Assumption
     )
 
 
-def _measure_pipeline_step(case: ValidationCase, spec: ModelSpec, assumptions: Assumptions, seed: int, tp_group, pp_group):
+def _measure_pipeline_step(case: ValidationCase, spec: ModelSpec, assumptions, seed: int, tp_group, pp_group):
     """Build, shard, split into stages and run one schedule step (after one to warm up) under
     `tplayers.pipeline.trace`; returns this rank's PipelineRankMeasurement."""
     import torch
