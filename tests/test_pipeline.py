@@ -386,3 +386,31 @@ def in_flight_as_planned(rank, pp, group, schedule_name, n_microbatches):
 )
 def test_trace_counts_the_activations_in_flight_the_planner_predicts(pool, schedule_name, pp, n_microbatches):
     pool.run(in_flight_as_planned, pp, schedule_name, n_microbatches)
+
+
+def split_or_refuse(rank, pp, group, family):
+    from test_families import tiny_model
+
+    try:
+        tplayers.pipeline_split(tiny_model(family), group=group)
+    except ValueError as e:
+        return str(e)
+    return "split"
+
+
+# Having the decoder's parts is not enough: the stages chained on a probe must give the logits.
+SPLIT_FAMILIES = {
+    "llama": "split", "qwen2": "split", "qwen3": "split", "olmo": "split", "olmo2": "split", "smollm3": "split",
+    "granite": "split",  # its multipliers default to 1 (the probe would catch any other)
+    "mixtral": "split", "glm4": "split",
+    "gemma": "split",  # its embedding module scales by sqrt(hidden) itself
+    "cohere": r"stages do not compute what its forward does \(largest difference",  # logits x logit_scale
+    "gemma2": r"uses sliding-window attention",
+    "gpt2": r"not a decoder layout tplayers knows \(missing \['embed_tokens'",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(SPLIT_FAMILIES))
+def test_pipeline_split_checks_it_computes_the_model(pool, family):
+    for reply in pool.run(split_or_refuse, 2, family):
+        assert re.search(SPLIT_FAMILIES[family], reply), reply

@@ -11,8 +11,12 @@ summed after each step (as Megatron does) and the norm counts it once.
 
 Known layout: models whose decoder (`model.model`) holds `embed_tokens`, `layers`, `norm` and
 `rotary_emb`, and whose layers take (hidden, attention_mask=, position_ids=,
-position_embeddings=) (Llama, Mistral, Qwen2/3, Granite, SmolLM3, OLMo/OLMo2, ...); any other
-is refused, naming what is missing.
+position_embeddings=) (Llama, Mistral, Qwen2/3, SmolLM3, OLMo/OLMo2, ...); any other is
+refused, naming what is missing. Having the parts is not proof of the same computation, so
+before splitting, every rank checks on a probe sequence that the stages chained on it give the
+model's own logits (a model that scales its embeddings or logits, as Gemma, Granite and Cohere
+do, is refused with the difference named), and sliding-window attention, which a short probe
+cannot see, is refused from the config.
 """
 
 import torch
@@ -96,19 +100,69 @@ def pipeline_split(model, *, group=None, virtual_stages: int = 1, layers_per_sta
         )
     if not isinstance(virtual_stages, int) or virtual_stages < 1:
         raise ValueError(f"pipeline_split: virtual_stages must be a positive int, got {virtual_stages!r}")
+    _refuse_sliding_windows(model)
     num_stages = n * virtual_stages
     counts = _layer_counts(len(decoder.layers), num_stages, layers_per_stage)
     starts = [sum(counts[:i]) for i in range(num_stages)]
     head, embedding = model.get_output_embeddings(), decoder.embed_tokens
     tied = [head.weight] if head.weight is embedding.weight else []
-    stages = []
-    for index in range(rank, num_stages, n):
-        layers = list(decoder.layers[starts[index] : starts[index] + counts[index]])
-        module = DecoderStage(
-            model, layers, first=index == 0, last=index == num_stages - 1,
+
+    def stage_module(index):
+        return DecoderStage(
+            model, list(decoder.layers[starts[index] : starts[index] + counts[index]]),
+            first=index == 0, last=index == num_stages - 1,
             layer_indices=range(starts[index], starts[index] + counts[index]),
         )  # fmt: skip
+
+    _check_the_stages_compute_the_model(model, [stage_module(i) for i in range(num_stages)])
+    stages = []
+    for index in range(rank, num_stages, n):
+        module = stage_module(index)
         # every stage names the tied weight, so every rank joins the sum of its gradients
         # the norm counts it on the rank of the first stage (rank 0: the stages are looped)
         stages.append(PipelineStage(module, index, num_stages, group=pg, tied=tied, counted_here=rank == 0))
     return stages
+
+
+def _refuse_sliding_windows(model):
+    config = model.config
+    kinds = set(getattr(config, "layer_types", None) or ())
+    window = getattr(config, "sliding_window", None)
+    used = getattr(config, "use_sliding_window", True)
+    if kinds - {"full_attention"} or (window is not None and used and "full_attention" not in kinds):
+        raise ValueError(
+            f"pipeline_split: {type(model).__name__} uses sliding-window attention (sliding_window={window}, "
+            f"layer_types {sorted(kinds) or None}); its stages would build only the causal mask, so it is refused"
+        )
+
+
+PROBE_LENGTH = 8  # tokens of the probe sequence (a multiple of any TP size up to 8, for SP)
+
+
+def _check_the_stages_compute_the_model(model, modules):
+    """The stages chained on a probe sequence give the model's own logits (eval mode, no grad,
+    the RNG left as it was), on every rank alike; otherwise refuse before anything is split."""
+    from tplayers.tolerances import tolerance
+
+    device = model.get_output_embeddings().weight.device
+    vocab = model.config.vocab_size
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+            model.eval()
+            ids = torch.randint(0, vocab, (1, PROBE_LENGTH), generator=torch.Generator().manual_seed(0)).to(device)
+            expected = model(ids).logits
+            got = ids
+            for module in modules:
+                got = module(got)
+    finally:
+        for m, training in modes:
+            m.training = training
+    tol = tolerance(expected.dtype)
+    if got.shape != expected.shape or not torch.allclose(got, expected, **tol):
+        error = (got - expected).abs().max().item() if got.shape == expected.shape else "shape"
+        raise ValueError(
+            f"pipeline_split: {type(model).__name__}'s stages do not compute what its forward does (largest "
+            f"difference in the logits of a probe sequence: {error}; it may scale its embeddings or logits, or "
+            "its layers take other inputs); split it with tplayers.PipelineStage directly"
+        )
