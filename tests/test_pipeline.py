@@ -414,3 +414,24 @@ SPLIT_FAMILIES = {
 def test_pipeline_split_checks_it_computes_the_model(pool, family):
     for reply in pool.run(split_or_refuse, 2, family):
         assert re.search(SPLIT_FAMILIES[family], reply), reply
+
+
+def others_layers_are_freed(rank, pp, group):
+    """Once the user drops the model, only this rank's stages keep weights alive: the layers of
+    the other stages are garbage (pipeline parallelism divides the weights' memory)."""
+    import gc
+    import weakref
+
+    model = tiny_llama()
+    refs = [weakref.ref(p) for layer in model.model.layers for p in layer.parameters()]
+    per_layer = len(refs) // len(model.model.layers)
+    stages = tplayers.pipeline_split(model, group=group)
+    del model
+    gc.collect()
+    alive = [i // per_layer for i, ref in enumerate(refs) if ref() is not None]
+    held = sorted({i for s in stages for i in s.module.layer_indices})
+    assert sorted(set(alive)) == held and len(alive) == per_layer * len(held), (alive, held)
+
+
+def test_the_layers_of_other_stages_are_freed_with_the_model(pool):
+    pool.run(others_layers_are_freed, 2)
