@@ -9,6 +9,7 @@ Layers, each importing only those below it (a test checks):
     tplayers.nn            tensor-parallel modules: linear, attention, MLP, embedding
     tplayers.train         loss scaler, clipping, master weights, train_step
     tplayers.hf            HuggingFace integration: parallelize, state-dict gather / load
+    tplayers.checkpoint    sharded checkpoints on torch.distributed.checkpoint, resharding between layouts
     tplayers.plan          the layout estimator, its validation and CLI
     tplayers.tools         the `tplayers` command: demo, bench, compile-report
     tplayers.testing       worker pool, tolerance table, shard-aware comparisons
@@ -17,6 +18,7 @@ This module holds the public names of DESIGN.md's contract and nothing else.
 """
 
 from tplayers.backend import get_backend, set_backend
+from tplayers.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from tplayers.data_parallel import ZeRO3, data_parallel, data_parallel_optimizer
 from tplayers.distributed import RankError, init_mesh, launch
 from tplayers.functional.comm import count_bytes
@@ -41,6 +43,7 @@ from tplayers.placement import ParamPlacement, get_placement
 from tplayers.train import DynamicLossScaler, MixedPrecisionOptimizer, StepResult, clip_grad_norm_, train_step
 
 __all__ = [
+    "CheckpointError",
     "ColumnParallelLinear",
     "DynamicLossScaler",
     "MixedPrecisionOptimizer",
@@ -67,9 +70,11 @@ __all__ = [
     "get_placement",
     "init_mesh",
     "launch",
+    "load_checkpoint",
     "load_full_state_dict",
     "parallelize",
     "pipeline_split",
+    "save_checkpoint",
     "set_backend",
     "train_step",
     "vocab_parallel_cross_entropy",

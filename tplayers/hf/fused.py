@@ -21,6 +21,7 @@ from torch import nn
 
 from tplayers.functional.collectives import copy_to_tp_region
 from tplayers.functional.linear import column_parallel_linear
+from tplayers.hf import pieces
 from tplayers.hf.shard import ShardingPass, as_linear, copy_in, gather, is_conv1d
 from tplayers.nn.attention import ReplicatedLinear
 from tplayers.nn.linear import ColumnParallelLinear
@@ -92,7 +93,11 @@ def fused_column(sp: ShardingPass, name, linear, rows, *, shared_input=True):
             t = _stored(full_tensors[key], key, transpose)
             copy_in(getattr(layer, key), t[own.to(t.device)])
 
-    sp.exports.append((name, export, load))
+    def layout():
+        total = full.out_features
+        return [pieces.rows(key, getattr(layer, key), own, total, transpose and key == "weight") for key in keys]
+
+    sp.exports.append((name, export, load, layout))
     return layer
 
 
@@ -164,4 +169,15 @@ def multi_query_column(sp: ShardingPass, name, linear, query_rows: int):
             copy_in(getattr(query, key), t[:query_rows].chunk(sp.n, 0)[dist.get_rank(sp.group)])
             copy_in(getattr(key_value, key), t[query_rows:])
 
-    sp.exports.append((name, export, load))
+    def layout():
+        out, total = [], w.shape[0]
+        for key in keys:
+            t = key == "weight" and transpose
+            q, kv = getattr(query, key), getattr(key_value, key)
+            own = pieces.own_range(query_rows, sp.group)
+            out.append(pieces.Piece(key, q, 0, torch.arange(own.numel()), own, total, t))
+            kv_rows = torch.arange(kv.shape[0])
+            out.append(pieces.Piece(key, kv, 0, kv_rows, query_rows + kv_rows, total, t))
+        return out
+
+    sp.exports.append((name, export, load, layout))

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from tplayers.functional.collectives import own_slice
+from tplayers.hf import pieces
 from tplayers.hf.shard import ShardingPass, as_linear, copy_in, gather, has_linears
 from tplayers.nn.mlp import ParallelMLP, fuse_gate_up, unfuse_gate_up
 
@@ -63,7 +64,13 @@ def fused_gate_up(sp: ShardingPass, name, mlp):
         copy_in(layer.in_proj.weight, own_slice(fuse_gate_up(gate, up, sp.n), 0, sp.group))
         copy_in(layer.out_proj.weight, own_slice(full["down_proj.weight"], 1, sp.group))
 
-    sp.exports.append((name, export, load))
+    def layout():  # in_proj's rows alternate gate, up over this rank's 1/n of each half of [gate; up]
+        gate, up = pieces.interleaved(("gate_up_proj.weight",) * 2, layer.in_proj.weight, sp.group)
+        up = pieces.Piece(up.key, up.param, 0, up.local, up.glob + up.global_size, 2 * up.global_size)
+        gate = pieces.Piece(gate.key, gate.param, 0, gate.local, gate.glob, 2 * gate.global_size)
+        return [gate, up, pieces.split("down_proj.weight", layer.out_proj.weight, 1, sp.group)]
+
+    sp.exports.append((name, export, load, layout))
 
 
 def gated_mlp(sp: ShardingPass, name, mlp):
@@ -99,7 +106,21 @@ def gated_mlp(sp: ShardingPass, name, mlp):
             down = full[f"down_proj.{key}"]
             copy_in(getattr(layer.out_proj, key), own_slice(down, 1, sp.group) if key == "weight" else down)
 
-    sp.exports.append((name, export, load))
+    def layout():
+        out = []
+        for key in ("weight", "bias"):
+            if getattr(layer.in_proj, key) is None:
+                continue
+            out += pieces.interleaved((f"gate_proj.{key}", f"up_proj.{key}"), getattr(layer.in_proj, key), sp.group)
+            down = getattr(layer.out_proj, key)
+            out.append(
+                pieces.split(f"down_proj.{key}", down, 1, sp.group)
+                if key == "weight"
+                else pieces.whole(f"down_proj.{key}", down)
+            )
+        return out
+
+    sp.exports.append((name, export, load, layout))
 
 
 MLP_PAIRS = (("fc1", "fc2"), ("fc_in", "fc_out"), ("c_fc", "c_proj"), ("up_proj", "down_proj"),

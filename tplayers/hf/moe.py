@@ -34,6 +34,7 @@ from tplayers.functional.collectives import (
     reduce_from_tp_region,
     reduce_scatter_sequence,
 )
+from tplayers.hf import pieces
 from tplayers.hf.shard import ShardingPass, copy_in, gather
 from tplayers.nn.linear import _divide
 from tplayers.placement import set_placement
@@ -118,5 +119,9 @@ def experts(sp: ShardingPass, name, module):
         copy_in(module.gate_up_proj, torch.cat([own_slice(gate, 1, sp.group), own_slice(up, 1, sp.group)], 1))
         copy_in(module.down_proj, own_slice(full["down_proj"], 2, sp.group))
 
-    sp.exports.append((name, export, load))
+    def layout():  # gate_up holds [gate_r | up_r] along dim 1: this rank's 1/n of each half
+        return [*pieces.halves("gate_up_proj", module.gate_up_proj, 1, sp.group),
+                pieces.split("down_proj", module.down_proj, 2, sp.group)]  # fmt: skip
+
+    sp.exports.append((name, export, load, layout))
     sp.done.add(name)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tplayers.functional.collectives import all_gather_dim, own_slice
+from tplayers.hf import pieces
 from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear, refuse_own_forward
 from tplayers.placement import copy_into
 
@@ -116,7 +117,8 @@ class ShardingPass:
         self.n = dist.get_world_size(group)
         self.plan = dict(plan or {})
         self.vocab_parallel_logits = vocab_parallel_logits
-        self.exports: list[tuple[str, Export, Load]] = []
+        # (prefix, export, load, pieces): see tplayers.hf.state_dict.EXPORTS
+        self.exports: list[tuple[str, Export, Load, Callable]] = []
         # Modules whose column projections share one input: it is prepared once for all of them (summed
         # gradient, or gathered along the sequence under SP) instead of once per projection.
         self.shared_input: list[nn.Module] = []
@@ -157,7 +159,12 @@ class ShardingPass:
 
     def record(self, name, layer, dim, transpose):
         self.exports.append(
-            (name, linear_export(layer, dim, transpose), linear_load(layer, dim, transpose, self.group))
+            (
+                name,
+                linear_export(layer, dim, transpose),
+                linear_load(layer, dim, transpose, self.group),
+                lambda: pieces.linear(layer, dim, transpose, self.group),
+            )
         )
 
     def config(self, key):

@@ -5,7 +5,7 @@ swapped module, how to export and load it (`EXPORTS`); nothing else is needed.""
 from tplayers.distributed import resolve_group
 from tplayers.placement import copy_into, full_tensor
 
-EXPORTS = "_tplayers_exports"  # [(prefix, export, load)] on the model
+EXPORTS = "_tplayers_exports"  # [(prefix, export, load, pieces)] on the model (pieces: tplayers.hf.pieces)
 ORIGINAL_KEYS = "_tplayers_original_keys"  # model.state_dict() keys before parallelize
 TIED = "_tplayers_tied"  # {LM head name: embedding name} where they share one Parameter
 
@@ -13,14 +13,14 @@ TIED = "_tplayers_tied"  # {LM head name: embedding name} where they share one P
 def _gathered(model, group, pick):
     """{original name: full tensor} for every sharded module; a collective on every rank."""
     full = {}
-    for prefix, export, _ in getattr(model, EXPORTS, []):
+    for prefix, export, *_ in getattr(model, EXPORTS, []):
         for key, tensor in export(pick, group).items():
             full[f"{prefix}.{key}"] = tensor
     return full
 
 
 def _sharded_prefixes(model) -> tuple[str, ...]:
-    return tuple(prefix + "." for prefix, _, _ in getattr(model, EXPORTS, []))
+    return tuple(record[0] + "." for record in getattr(model, EXPORTS, []))
 
 
 def gather_state_dict(model, *, group=None) -> dict:
@@ -53,7 +53,7 @@ def load_full_state_dict(model, state_dict, *, group=None) -> None:
     records = getattr(model, EXPORTS, [])
     state_dict = dict(state_dict)
     supplied = set(state_dict)
-    for prefix, _, load in records:
+    for prefix, _, load, _ in records:
         start = prefix + "."
         tied_to = getattr(model, TIED, {}).get(prefix)
         if tied_to and f"{start}weight" not in supplied and f"{tied_to}.weight" in supplied:

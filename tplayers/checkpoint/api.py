@@ -1,0 +1,236 @@
+"""`save_checkpoint` / `load_checkpoint`: sharded, resharding, atomic checkpoints on
+torch.distributed.checkpoint (DCP), called on every rank.
+
+Each rank writes only the chunks it holds (replicas write once) of each tensor under its
+unsharded HF name, and reads back only the chunks its layout needs, whatever layout saved them:
+the model's weights (`model.<name>`), fp32 master weights (`master.<name>`), every optimizer
+state tensor (`optim.<name>.<state>`), the optimizer's hyperparameters, the loss scaler's state,
+the caller's `extra` and each rank's RNG state (restored only into the same layout).
+
+A save writes into `<path>.partial` and becomes `<path>` by a rename once every rank has
+written, with a marker file last: a crash mid-save leaves the previous `<path>` whole and the
+partial one without its marker. A load checks every tensor's name, shape and dtype against the
+model on every rank before reading, reads into staging buffers, and only copies into the model
+once every rank has read everything: a mismatch or an unreadable file raises and changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from tplayers.checkpoint.chunks import Chunk, ChunkedTensor, chunked, model_pieces
+from tplayers.checkpoint.planners import CheckpointError, LoadPlannerForChunks, SavePlannerForChunks, is_tensor_md
+from tplayers.distributed import resolve_group
+from tplayers.placement import get_placement
+from tplayers.train.master import MixedPrecisionOptimizer
+
+MARKER = "tplayers-checkpoint.json"
+FORMAT = 1
+
+
+def _stepped(optimizer):
+    """(the optimizer holding the state, {id(model param): master})."""
+    masters = {}
+    if isinstance(optimizer, MixedPrecisionOptimizer):
+        masters = {id(p): m for p, m in zip(optimizer._model_params, optimizer._masters, strict=True)}
+        optimizer = optimizer.optimizer
+    holder = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: this replica's own optimizer
+    return holder, masters
+
+
+def _layout(model, world) -> list[int]:
+    """What the RNG states depend on: the world size and the TP / DP / PP group sizes."""
+    sizes = [world, 1, 1, 1]
+    for p in model.parameters():
+        placement = get_placement(p)
+        for i, g in enumerate((getattr(placement, "group", None), getattr(placement, "dp_group", None),
+                               getattr(placement, "pp_group", None)), 1):  # fmt: skip
+            if g is not None:
+                sizes[i] = max(sizes[i], dist.get_world_size(g))
+    return sizes
+
+
+def _scalar(value) -> ChunkedTensor:
+    return ChunkedTensor((), value.dtype, [Chunk((), (), value, None, None, False)])
+
+
+def _optimizer_tensors(pieces, optimizer, create=None):
+    """({name: ChunkedTensor or object} of the masters and optimizer states, [(state dict, key,
+    name)] to fill once loaded). With `create` (the checkpoint's metadata): fresh tensors for every
+    state the checkpoint holds, to load into, attached to the optimizer only after the load."""
+    holder, masters = _stepped(optimizer)
+    owned = {id(p) for g in holder.param_groups for p in g["params"]}
+    out, attach = {}, []
+    for name, ps in pieces.items():
+        ps = [p for p in ps if id(masters.get(id(p.param), p.param)) in owned]  # ZeRO-1: this replica's
+        if not ps:
+            continue
+        stepped = [masters.get(id(p.param), p.param) for p in ps]
+        if all(id(p.param) in masters for p in ps):
+            out[f"master.{name}"] = chunked(ps, stepped)
+        prefix = f"optim.{name}."
+        if create is None:
+            states = [holder.state.get(s, {}) for s in stepped]
+        else:
+            states = []
+            for s in stepped:
+                fresh = {}
+                for full in (k for k in create if k.startswith(prefix) and "." not in k[len(prefix) :]):
+                    md, key = create[full], full[len(prefix) :]
+                    if is_tensor_md(md):
+                        dtype = md.properties.dtype
+                        fresh[key] = torch.zeros((), dtype=dtype) if not md.size else torch.zeros_like(s, dtype=dtype)
+                    else:
+                        fresh[key] = None  # an object: read as one
+                    attach.append((holder.state[s], key, fresh, full))
+                states.append(fresh)
+        for key in sorted({k for st in states for k in st}):
+            held = [(p, st[key]) for p, st in zip(ps, states, strict=True) if key in st]
+            value = held[0][1]
+            if torch.is_tensor(value) and value.dim() > 0:
+                out[prefix + key] = chunked([p for p, _ in held], [v for _, v in held])
+            elif torch.is_tensor(value):
+                out[prefix + key] = _scalar(value)
+            else:
+                out[prefix + key] = value
+    return out, attach
+
+
+def _state(model, optimizer, scaler, extra, group):
+    rank, world = dist.get_rank(), dist.get_world_size(group)
+    pieces = model_pieces(model)
+    state = {f"model.{name}": chunked(ps) for name, ps in pieces.items()}
+    if optimizer is not None:
+        state.update(_optimizer_tensors(pieces, optimizer)[0])
+        state["optim.param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    if scaler is not None:
+        state["scaler"] = scaler.state_dict()
+    if extra is not None:
+        state["extra"] = extra
+    rng = {"cpu": torch.get_rng_state(), "layout": _layout(model, world)}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    state[f"rng.{rank}"] = rng
+    return state
+
+
+def save_checkpoint(path, *, model, optimizer=None, scaler=None, extra=None, group=None) -> None:
+    """Write `model` (and `optimizer`, `scaler`, `extra`: plain data and tensors) to the
+    directory `path`, each rank its own shards; on every rank of `group` (default: all)."""
+    pg = resolve_group(group)
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    state = _state(model, optimizer, scaler, extra, pg)
+    first = dist.get_rank(pg) == 0
+    if first:
+        shutil.rmtree(partial, ignore_errors=True)
+    dist.barrier(group=pg)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), planner=SavePlannerForChunks(), process_group=pg)
+    dist.barrier(group=pg)
+    if first:
+        info = {"format": FORMAT, "world_size": dist.get_world_size(pg), "tensors": sum(
+            isinstance(v, ChunkedTensor) for v in state.values())}  # fmt: skip
+        (partial / MARKER).write_text(json.dumps(info))
+        old = path.with_name(path.name + ".old")
+        if path.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            path.rename(old)
+        partial.rename(path)
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier(group=pg)
+
+
+def _read_metadata(path: Path):
+    if not (path / MARKER).is_file():
+        hint = " (a save was interrupted: the previous checkpoint is in .old)" if path.with_name(
+            path.name + ".old").exists() else ""  # fmt: skip
+        raise CheckpointError(f"checkpoint: {path} is not a complete tplayers checkpoint (no {MARKER}){hint}")
+    try:
+        return dcp.FileSystemReader(path).read_metadata()
+    except Exception as e:  # noqa: BLE001 -- any failure to parse is a damaged checkpoint
+        raise CheckpointError(f"checkpoint: {path}'s metadata cannot be read ({type(e).__name__}: {e})") from e
+
+
+def _check(wanted: dict, metadata, pg) -> None:
+    """Every tensor this rank will load exists with its shape and dtype; every model tensor of
+    the checkpoint is held by some rank. Raises the same error on every rank."""
+    md = metadata.state_dict_metadata
+    errors = []
+    for name, value in wanted.items():
+        if not isinstance(value, ChunkedTensor):
+            continue
+        saved = md.get(name)
+        if saved is None or not is_tensor_md(saved):
+            errors.append(f"{name} is not in the checkpoint")
+        elif tuple(saved.size) != tuple(value.shape) or saved.properties.dtype != value.dtype:
+            errors.append(
+                f"{name}: the checkpoint holds {tuple(saved.size)} {saved.properties.dtype}, "
+                f"the model {tuple(value.shape)} {value.dtype}"
+            )
+    names = [None] * dist.get_world_size(pg)
+    dist.all_gather_object(names, ([k for k in wanted if k.startswith("model.")], errors), group=pg)
+    held = {k for keys, _ in names for k in keys}
+    errors = sorted({e for _, errs in names for e in errs})
+    errors += [
+        f"{k} is in the checkpoint but not in the model" for k in sorted(md) if k.startswith("model.") and k not in held
+    ]
+    if errors:
+        more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+        raise CheckpointError("checkpoint does not fit the model, which is unchanged: " + "; ".join(errors[:5]) + more)
+
+
+def load_checkpoint(path, *, model, optimizer=None, scaler=None, group=None):
+    """Load what `save_checkpoint` wrote (at any layout) into `model` (and `optimizer`,
+    `scaler`) at this layout; returns the saved `extra`. On every rank of `group`."""
+    pg = resolve_group(group)
+    path = Path(path)
+    metadata = _read_metadata(path)
+    md = metadata.state_dict_metadata
+    rank, world = dist.get_rank(), dist.get_world_size(pg)
+    pieces = model_pieces(model)
+    wanted = {f"model.{name}": chunked(ps) for name, ps in pieces.items()}
+    attach = []
+    if optimizer is not None:
+        tensors, attach = _optimizer_tensors(pieces, optimizer, create=md)
+        wanted.update({k: v for k, v in tensors.items() if isinstance(v, ChunkedTensor)})
+        wanted.update({k: None for k, v in tensors.items() if not isinstance(v, ChunkedTensor)})
+        wanted["optim.param_groups"] = None
+    if scaler is not None:
+        wanted["scaler"] = None
+    for name in ("extra", f"rng.{rank}"):
+        if name in md:
+            wanted[name] = None
+    _check(wanted, metadata, pg)
+    planner = LoadPlannerForChunks()
+    try:
+        dcp.load(wanted, storage_reader=dcp.FileSystemReader(path), planner=planner, process_group=pg)
+    except Exception as e:  # noqa: BLE001 -- a truncated or damaged file on any rank
+        raise CheckpointError(f"checkpoint: {path} cannot be read, the model is unchanged: {e}") from e
+    planner.commit()
+    objects = planner.objects
+    for state, key, fresh, name in attach:  # the optimizer's state, now that everything is read
+        state[key] = fresh[key] if fresh[key] is not None else objects[name]
+    if optimizer is not None:
+        _load_param_groups(optimizer, objects["optim.param_groups"])
+    if scaler is not None:
+        scaler.load_state_dict(objects["scaler"])
+    rng = objects.get(f"rng.{rank}")
+    if rng is not None and list(rng["layout"]) == _layout(model, world):
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    return objects.get("extra")
+
+
+def _load_param_groups(optimizer, saved) -> None:
+    groups = optimizer.param_groups
+    if len(saved) != len(groups):
+        raise CheckpointError(f"checkpoint: {len(saved)} optimizer param groups saved, the optimizer has {len(groups)}")
+    for group, values in zip(groups, saved, strict=True):
+        group.update(values)

@@ -1,0 +1,165 @@
+"""What each rank holds of every tensor a checkpoint stores, as rectangular chunks of the
+unsharded tensor under its HF name: the form torch.distributed.checkpoint writes, merges and
+reshards.
+
+A model parallelized by `tplayers.parallelize` describes its swapped modules itself
+(`tplayers.hf.pieces`: row maps, fused halves, interleaves); any other parameter follows its
+placement record (Shard(dim) over the TP group: this rank's contiguous 1/n; Replicate or none:
+whole). On top, a ZeRO 2-3 DTensor holds rows [a, b) of that along dim 0 (torch.chunk's split),
+and under pipeline parallelism a rank holds only its stages' parameters. Replicas describe the
+same chunks, which the checkpoint writes once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+from tplayers.hf.pieces import Piece, split, whole
+from tplayers.hf.state_dict import EXPORTS
+from tplayers.placement import get_placement, local_tensor
+
+
+@dataclass
+class Chunk:
+    """offsets / sizes in the unsharded tensor; the data is `source` (what this rank holds)
+    selected at `index` along `dim` (None: all of it), transposed when HF stores it so."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    source: torch.Tensor
+    dim: int | None
+    index: torch.Tensor | None
+    transpose: bool
+
+    def read(self) -> torch.Tensor:
+        data = self.source if self.index is None else self.source.index_select(self.dim, self.index)
+        return (data.t() if self.transpose else data).detach().contiguous()
+
+    def write(self, value: torch.Tensor) -> None:
+        value = value.t() if self.transpose else value
+        with torch.no_grad():
+            if self.index is None:
+                self.source.copy_(value)
+            else:
+                self.source.index_copy_(self.dim, self.index, value.to(self.source.dtype))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+@dataclass
+class ChunkedTensor:
+    """This rank's chunks of one unsharded tensor (none: it holds nothing of it)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    chunks: list[Chunk]
+
+
+def _dp_rows(t) -> tuple[int, int]:
+    """The rows [a, b) along dim 0 that a ZeRO 2-3 DTensor's local shard holds (torch.chunk's
+    split: ceil(rows / n) each, the last ones short or empty); (0, rows) for anything else."""
+    if not isinstance(t, DTensor):
+        return 0, t.shape[0] if t.dim() else 0
+    if len(t.placements) != 1 or t.placements[0] != Shard(0):
+        raise ValueError(f"checkpoint: a DTensor placed {t.placements}, not ZeRO's Shard(0), is not supported")
+    rows, n, r = t.shape[0], t.device_mesh.size(), t.device_mesh.get_local_rank()
+    size = -(-rows // n)
+    return min(r * size, rows), min((r + 1) * size, rows)
+
+
+def _runs(glob: torch.Tensor):
+    """Positions of `glob` grouped into runs of consecutive values, in increasing order."""
+    order = torch.argsort(glob)
+    values = glob[order]
+    breaks = (torch.nonzero(values[1:] - values[:-1] != 1).flatten() + 1).tolist()
+    bounds = [0, *breaks, values.numel()]
+    return [order[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+
+
+def piece_chunks(piece: Piece, tensor) -> tuple[tuple[int, ...], list[Chunk]]:
+    """The unsharded shape and this rank's chunks of `piece`, for `tensor` (the piece's parameter,
+    or an optimizer state like it)."""
+    source = local_tensor(tensor)
+    full = list(tensor.shape)  # TP-local, whole over ZeRO's replicas
+    if piece.dim is not None:
+        full[piece.dim] = piece.global_size
+    a, b = _dp_rows(tensor)
+    chunks = []
+    if piece.dim is None:
+        offsets = [a] + [0] * (source.dim() - 1) if source.dim() else []
+        chunks.append(Chunk(tuple(offsets), tuple(source.shape), source, None, None, piece.transpose))
+    else:
+        local, glob = piece.local, piece.glob
+        if piece.dim == 0:  # the replica's rows of the local tensor
+            keep = (local >= a) & (local < b)
+            local, glob = local[keep] - a, glob[keep]
+        for run in _runs(glob):
+            offsets = [a if piece.dim != 0 else 0] + [0] * (source.dim() - 1)
+            offsets[piece.dim] = int(glob[run[0]])
+            sizes = list(source.shape)
+            sizes[piece.dim] = run.numel()
+            index = local[run]
+            chunks.append(Chunk(tuple(offsets), tuple(sizes), source, piece.dim, index, piece.transpose))
+    if piece.transpose:
+        full = full[::-1]
+        for c in chunks:
+            c.offsets, c.sizes = c.offsets[::-1], c.sizes[::-1]
+    return tuple(full), chunks
+
+
+def _held_here(model) -> set[int] | None:
+    """Under pipeline parallelism, the ids of this rank's stages' parameters; None otherwise."""
+    staged = {id(p) for p in model.parameters() if (get_placement(p) or _NONE).pp_group is not None}
+    return staged or None
+
+
+class _NoPlacement:
+    pp_group = None
+
+
+_NONE = _NoPlacement()
+
+
+def model_pieces(model) -> dict[str, list[Piece]]:
+    """{unsharded name: this rank's pieces} for every tensor of `model`'s state dict it holds."""
+    held = _held_here(model)
+    out: dict[str, list[Piece]] = {}
+    covered = set()
+    for prefix, _export, _load, pieces in getattr(model, EXPORTS, []):
+        covered.add(prefix + ".")
+        for piece in pieces():
+            if held is None or id(piece.param) in held:
+                out.setdefault(f"{prefix}.{piece.key}", []).append(piece)
+    params = {id(p) for p in model.parameters()}
+    owners = {name.rpartition(".")[0] for name, p in model.named_parameters() if held is None or id(p) in held}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if name.startswith(tuple(covered)):
+            continue
+        if held is not None and (id(t) not in held if id(t) in params else name.rpartition(".")[0] not in owners):
+            continue  # another stage's
+        placement = get_placement(t)
+        if placement is not None and placement.is_sharded:
+            out[name] = [split(name, t, placement.placement.dim, placement.group)]
+        else:
+            out[name] = [whole(name, t)]
+    return out
+
+
+def chunked(pieces: list[Piece], tensors=None) -> ChunkedTensor:
+    """The ChunkedTensor of `pieces` (of one unsharded tensor), each for its parameter or for
+    `tensors[i]` in its place."""
+    shape, chunks, dtype = None, [], None
+    for i, piece in enumerate(pieces):
+        t = piece.param if tensors is None else tensors[i]
+        piece_shape, piece_chunks_ = piece_chunks(piece, t)
+        if shape is not None and piece_shape != shape:
+            raise AssertionError(f"pieces of one tensor disagree on its shape: {shape} vs {piece_shape}")
+        shape, dtype = piece_shape, t.dtype
+        chunks += piece_chunks_
+    return ChunkedTensor(shape, dtype, chunks)

@@ -1,0 +1,81 @@
+"""Where each element a rank holds lives in the unsharded HF tensor: the layout sharded
+checkpoints are written and read in, whatever the TP size, the fused layout or the ZeRO stage.
+
+A `Piece` says: along `dim` of `param` (in the layer's own (out, in) order), local index
+`local[i]` holds global index `glob[i]` of the HF tensor under `key`, every other dim whole; or,
+with dim None, the whole tensor. `transpose`: HF stores the tensor transposed (Conv1D's (in, out)).
+A key may have several pieces (a fused [gate; up] held as two halves; a multi-query projection's
+split queries and whole keys / values). Each record `parallelize` leaves on the model
+(`tplayers.hf.state_dict.EXPORTS`) lists its pieces, from the same row maps its export uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Piece:
+    key: str  # under the record's prefix: "weight", "gate_up_proj.weight", ...
+    param: torch.Tensor  # the parameter as the module holds it now (a DTensor under ZeRO 2-3)
+    dim: int | None = None  # None: the whole tensor
+    local: torch.Tensor | None = None  # indices along dim in the TP-local tensor
+    glob: torch.Tensor | None = None  # the unsharded indices they hold, same length
+    global_size: int | None = None  # the unsharded size along dim
+    transpose: bool = False
+
+
+def own_range(size: int, group) -> torch.Tensor:
+    """The indices of this rank's contiguous 1/n of `size`."""
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    return torch.arange(r * size // n, (r + 1) * size // n)
+
+
+def whole(key, param, transpose=False) -> Piece:
+    return Piece(key, param, transpose=transpose)
+
+
+def split(key, param, dim, group, transpose=False) -> Piece:
+    """This rank's contiguous 1/n of the HF tensor along `dim` (`param.shape` is the TP-local
+    shape, also for a ZeRO 2-3 DTensor)."""
+    size = param.shape[dim]
+    n = dist.get_world_size(group)
+    return Piece(key, param, dim, torch.arange(size), own_range(size * n, group), size * n, transpose)
+
+
+def rows(key, param, own: torch.Tensor, total: int, transpose=False) -> Piece:
+    """A row map: local row i is row own[i] of the HF tensor's `total`."""
+    return Piece(key, param, 0, torch.arange(own.numel()), own, total, transpose)
+
+
+def halves(key, param, dim, group, transpose=False) -> list[Piece]:
+    """A tensor holding [first_r; second_r] along `dim`: this rank's 1/n of each half of the HF
+    tensor [first; second]."""
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    half = param.shape[dim] // 2
+    return [
+        Piece(key, param, dim, torch.arange(i * half, (i + 1) * half), r * half + i * half * n + torch.arange(half),
+              2 * half * n, transpose)
+        for i in range(2)
+    ]  # fmt: skip
+
+
+def interleaved(keys, param, group) -> list[Piece]:
+    """`ParallelMLP`'s in_proj: local rows alternate (keys[0] row i, keys[1] row i) over this
+    rank's 1/n of each of the two HF tensors."""
+    n = dist.get_world_size(group)
+    half = param.shape[0] // 2
+    own = own_range(half * n, group)
+    return [Piece(key, param, 0, torch.arange(i, 2 * half, 2), own, half * n) for i, key in enumerate(keys)]
+
+
+def linear(layer, dim, transpose, group) -> list[Piece]:
+    """A column (dim 0), row (dim 1) or replicated (None) linear layer, or an embedding (dim 0)."""
+    weight = layer.weight
+    pieces = [whole("weight", weight, transpose) if dim is None else split("weight", weight, dim, group, transpose)]
+    if getattr(layer, "bias", None) is not None:
+        pieces.append(split("bias", layer.bias, 0, group) if dim == 0 else whole("bias", layer.bias))
+    return pieces
