@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, raised on every rank
 
 from tplayers.checkpoint.chunks import Chunk, ChunkedTensor, chunked, model_pieces
 from tplayers.checkpoint.planners import CheckpointError, LoadPlannerForChunks, SavePlannerForChunks, is_tensor_md
@@ -61,12 +62,13 @@ def _scalar(value) -> ChunkedTensor:
 
 
 def _optimizer_tensors(pieces, optimizer, create=None):
-    """({name: ChunkedTensor or object} of the masters and optimizer states, [(state dict, key,
-    name)] to fill once loaded). With `create` (the checkpoint's metadata): fresh tensors for every
+    """({name: ChunkedTensor or object} of the masters and optimizer states, [(optimizer state,
+    parameter, key, fresh states, name)] to fill once loaded). With `create` (the checkpoint's metadata): fresh tensors for every
     state the checkpoint holds, to load into, attached to the optimizer only after the load."""
     holder, masters = _stepped(optimizer)
     owned = {id(p) for g in holder.param_groups for p in g["params"]}
     out, attach = {}, []
+    created = {}  # id(param) -> its fresh states, shared by the names it holds pieces of
     for name, ps in pieces.items():
         ps = [p for p in ps if id(masters.get(id(p.param), p.param)) in owned]  # ZeRO-1: this replica's
         if not ps:
@@ -80,15 +82,17 @@ def _optimizer_tensors(pieces, optimizer, create=None):
         else:
             states = []
             for s in stepped:
-                fresh = {}
+                fresh = created.setdefault(id(s), {})
                 for full in (k for k in create if k.startswith(prefix) and "." not in k[len(prefix) :]):
                     md, key = create[full], full[len(prefix) :]
+                    if key in fresh:
+                        continue
                     if is_tensor_md(md):
                         dtype = md.properties.dtype
                         fresh[key] = torch.zeros((), dtype=dtype) if not md.size else torch.zeros_like(s, dtype=dtype)
                     else:
                         fresh[key] = None  # an object: read as one
-                    attach.append((holder.state[s], key, fresh, full))
+                    attach.append((holder.state, s, key, fresh, full))
                 states.append(fresh)
         for key in sorted({k for st in states for k in st}):
             held = [(p, st[key]) for p, st in zip(ps, states, strict=True) if key in st]
@@ -210,12 +214,18 @@ def load_checkpoint(path, *, model, optimizer=None, scaler=None, group=None):
     planner = LoadPlannerForChunks()
     try:
         dcp.load(wanted, storage_reader=dcp.FileSystemReader(path), planner=planner, process_group=pg)
-    except Exception as e:  # noqa: BLE001 -- a truncated or damaged file on any rank
-        raise CheckpointError(f"checkpoint: {path} cannot be read, the model is unchanged: {e}") from e
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 -- a truncated or damaged file on any rank
+        failures = getattr(e, "failures", None) or {dist.get_rank(pg): e}
+        rank_, first = next(iter(failures.items()))
+        cause = f"{type(first).__name__}: {first}".strip(": ") or type(first).__name__
+        raise CheckpointError(
+            f"checkpoint: {path} cannot be read (a truncated or damaged file? rank {rank_}: {cause}); the model is "
+            "unchanged"
+        ) from e
     planner.commit()
     objects = planner.objects
-    for state, key, fresh, name in attach:  # the optimizer's state, now that everything is read
-        state[key] = fresh[key] if fresh[key] is not None else objects[name]
+    for state, param, key, fresh, name in attach:  # the optimizer's state, now that everything is read
+        state[param][key] = fresh[key] if fresh[key] is not None else objects[name]
     if optimizer is not None:
         _load_param_groups(optimizer, objects["optim.param_groups"])
     if scaler is not None:

@@ -1,0 +1,257 @@
+"""Sharded checkpoints (`tplayers.save_checkpoint` / `load_checkpoint`): saved at one layout and
+loaded at another, the state gathers to exactly the saved one and training goes on equal to the
+unsharded model; the same layout resumes bit for bit; damaged or mismatched checkpoints raise
+and leave the model as it was."""
+
+import os
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import tplayers
+from tplayers.testing import RemoteError, assert_close
+
+pytestmark = pytest.mark.multirank
+
+VOCAB = 96
+
+
+def tiny_llama(seed, layers=2, hidden=32, dropout=0.0):
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=64, num_hidden_layers=layers,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                             tie_word_embeddings=False, attention_dropout=dropout)  # fmt: skip
+    return tf.LlamaForCausalLM(cfg)
+
+
+def next_token_loss(logits, ids):
+    return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+
+
+def batch(step):
+    return torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(100 + step))
+
+
+class Run:
+    """The tiny Llama at a layout (tp, dp, zero, pp, sp) on this rank: model, optimizer, step()."""
+
+    def __init__(self, group, seed, tp=1, dp=1, pp=1, zero=0, sp=False, **model_kw):
+        self.model = tiny_llama(seed, **model_kw)
+        world = tp * dp * pp
+        mesh = tplayers.init_mesh(dp=dp, pp=pp, tp=tp) if world == dist.get_world_size() else None
+        groups = {name: (mesh[name] if mesh is not None else group) for name in ("tp", "dp", "pp")}
+        self.tp_group, self.dp_rank = groups["tp"], (mesh["dp"].get_local_rank() if mesh is not None else 0)
+        self.dp, self.group = dp, group
+        if tp > 1:
+            tplayers.parallelize(self.model, group=groups["tp"], sequence_parallel=sp, verify=False)
+        self.schedule = None
+        modules = [self.model]
+        if pp > 1:
+            stages = tplayers.pipeline_split(self.model, group=groups["pp"])
+            modules = [s.module for s in stages]
+            self.schedule = tplayers.Schedule1F1B(stages[0], 2, next_token_loss)
+        if dp > 1:
+            for m in modules:
+                tplayers.data_parallel(m, group=groups["dp"], zero_stage=zero)
+        params = [p for m in modules for p in m.parameters()]
+        self.opt = (
+            tplayers.data_parallel_optimizer(modules[0], torch.optim.AdamW, lr=1e-2, eps=1e-4)
+            if dp > 1
+            else torch.optim.AdamW(params, lr=1e-2, eps=1e-4)
+        )
+
+    def step(self, step):
+        ids = batch(step).chunk(self.dp)[self.dp_rank]
+        if self.schedule is not None:
+            self.schedule.step(ids, target=ids)
+        else:
+            next_token_loss(self.model(ids).logits, ids).backward()
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def gathered(self):
+        """{name: full tensor} of what this rank holds (its stages' under pipeline parallelism)."""
+        full = tplayers.gather_state_dict(self.model, group=self.tp_group)
+        return {k: full[k].detach().clone() for k in _held(self)}
+
+
+def reference_after(steps):
+    model = tiny_llama(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
+    for step in range(steps):
+        next_token_loss(model(batch(step)).logits, batch(step)).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
+def save_after_one_step(rank, world, group, path, layout):
+    run = Run(group, 0, **layout)
+    run.step(0)
+    tplayers.save_checkpoint(path, model=run.model, optimizer=run.opt, extra={"step": 1}, group=group)
+    return run.gathered()
+
+
+def load_and_step(rank, world, group, path, layout):
+    run = Run(group, 7, **layout)  # other weights: everything must come from the checkpoint
+    extra = tplayers.load_checkpoint(path, model=run.model, optimizer=run.opt, group=group)
+    loaded = run.gathered()
+    run.step(1)
+    return extra, loaded, run.gathered()
+
+
+def _held(run):
+    """The state-dict names this rank's layout holds (all, or its pipeline stages')."""
+    from tplayers.checkpoint.chunks import model_pieces
+
+    return sorted(model_pieces(run.model))
+
+
+SAVED_AT = {"tp2-dp2-zero3": dict(tp=2, dp=2, zero=3), "pp2": dict(pp=2)}
+LOADED_AT = {
+    "tp2-dp2-zero3": ["tp4", "tp1", "pp2-tp2-sp"],
+    "pp2": ["tp1", "tp2-dp2-zero2"],
+}
+LAYOUTS = {"tp4": dict(tp=4), "tp1": dict(), "pp2-tp2-sp": dict(pp=2, tp=2, sp=True),
+           "tp2-dp2-zero2": dict(tp=2, dp=2, zero=2)}  # fmt: skip
+
+
+def _world(layout):
+    return layout.get("tp", 1) * layout.get("dp", 1) * layout.get("pp", 1)
+
+
+@pytest.mark.parametrize("saved_at", list(SAVED_AT))
+def test_a_checkpoint_loads_at_another_layout_and_trains_on_like_unsharded(pool, tmp_path, saved_at):
+    path = str(tmp_path / "ckpt")
+    layout = SAVED_AT[saved_at]
+    saved = pool.run(save_after_one_step, _world(layout), path, layout)
+    saved = {k: v for rank in saved for k, v in rank.items()}  # under pp, each rank its own stages
+    reference = reference_after(2)
+    for name in LOADED_AT[saved_at]:
+        for extra, loaded, trained in pool.run(load_and_step, _world(LAYOUTS[name]), path, LAYOUTS[name]):
+            assert extra == {"step": 1}
+            for key in loaded:
+                assert torch.equal(loaded[key], saved[key]), f"{saved_at} -> {name}: {key} not loaded exactly"
+                assert_close(trained[key], reference[key], msg=lambda m, k=key: f"{saved_at} -> {name}: {k}: {m}")
+
+
+# ---------------------------------------------------------------------------- exact resume
+
+
+def resume(rank, world, group, path, split_at):
+    """4 steps of a bf16 model with fp32 masters, a dynamic loss scaler and dropout (the RNG in
+    play): straight through, or `split_at` steps, save, a fresh run loads and does the rest."""
+
+    def fresh(seed):
+        model = tiny_llama(seed, dropout=0.2).to(torch.bfloat16)
+        tplayers.parallelize(model, group=group, verify=False)
+        opt = tplayers.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4))
+        return model, opt, tplayers.DynamicLossScaler(init_scale=2.0**10, growth_interval=2, group=group)
+
+    def steps(model, opt, scaler, start, stop):
+        for step in range(start, stop):
+            ids = batch(step)
+            tplayers.train_step(model, opt, [ids], lambda m, b: next_token_loss(m(b).logits, b), scaler=scaler)
+
+    torch.manual_seed(1000 + rank)
+    model, opt, scaler = fresh(0)
+    steps(model, opt, scaler, 0, split_at)
+    if split_at < 4:
+        tplayers.save_checkpoint(path, model=model, optimizer=opt, scaler=scaler, extra={"step": split_at}, group=group)
+        torch.manual_seed(5)  # the RNG moves on: the checkpoint's must come back
+        model, opt, scaler = fresh(3)
+        extra = tplayers.load_checkpoint(path, model=model, optimizer=opt, scaler=scaler, group=group)
+        steps(model, opt, scaler, extra["step"], 4)
+    masters = [m.detach().clone() for m in opt._masters]
+    return {k: v.clone() for k, v in model.state_dict().items()}, masters, scaler.state_dict()
+
+
+def test_resume_at_the_same_layout_is_bit_identical(pool, tmp_path):
+    straight = pool.run(resume, 2, str(tmp_path / "unused"), 4)
+    resumed = pool.run(resume, 2, str(tmp_path / "ckpt"), 2)
+    for (weights, masters, scaler), (weights2, masters2, scaler2) in zip(straight, resumed, strict=True):
+        assert scaler == scaler2
+        for key in weights:
+            assert torch.equal(weights[key], weights2[key]), key
+        assert all(torch.equal(a, b) for a, b in zip(masters, masters2, strict=True))
+
+
+# ---------------------------------------------------------------------------- faults
+
+
+def _snapshot(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def save_tp2(rank, world, group, path, die_on_rank=None):
+    run = Run(group, 0, tp=2)
+    run.step(0)
+    if die_on_rank == rank:
+        from tplayers.checkpoint import planners
+
+        def die(self, item):
+            os._exit(3)
+
+        planners.SavePlannerForChunks.resolve_data = die
+    tplayers.save_checkpoint(path, model=run.model, optimizer=run.opt, group=group)
+    return run.gathered()
+
+
+def load_tp2(rank, world, group, path, model_kw=None):
+    run = Run(group, 7, tp=2, **(model_kw or {}))
+    before = _snapshot(run.model)
+    try:
+        tplayers.load_checkpoint(path, model=run.model, optimizer=run.opt, group=group)
+    except tplayers.CheckpointError as e:
+        after = _snapshot(run.model)
+        assert all(torch.equal(before[k], after[k]) for k in before), "a failed load changed the model"
+        assert not run.opt.state, "a failed load changed the optimizer"
+        return str(e)
+    return run.gathered()
+
+
+def test_a_rank_dying_mid_save_leaves_the_previous_checkpoint(pool, tmp_path):
+    path = str(tmp_path / "ckpt")
+    first = pool.run(save_tp2, 2, path)[0]
+    with pytest.raises(tplayers.RankError, match="rank 1 died"):
+        pool.run(save_tp2, 2, path, 1)
+    assert (tmp_path / "ckpt.partial").is_dir()
+    loaded = pool.run(load_tp2, 2, path)[0]
+    assert all(torch.equal(loaded[k], first[k]) for k in first)
+    message = pool.run(load_tp2, 2, path + ".partial")[0]
+    assert "is not a complete tplayers checkpoint" in message
+
+
+def test_damaged_or_mismatched_checkpoints_raise_and_change_nothing(pool, tmp_path):
+    path = tmp_path / "ckpt"
+    pool.run(save_tp2, 2, str(path))
+    cases = {
+        r"model.model.layers.2.* is not in the checkpoint": dict(layers=3),  # a tensor the checkpoint lacks
+        r"model.model.embed_tokens.weight: the checkpoint holds \(96, 32\) torch.float32, the model \(96, 48\)": dict(
+            hidden=48
+        ),
+    }
+    for pattern, kw in cases.items():
+        for message in pool.run(load_tp2, 2, str(path), kw):
+            assert isinstance(message, str) and re.search(pattern, message), message
+    shard = next(Path(path).glob("__1_*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # truncated
+    for message in pool.run(load_tp2, 2, str(path), return_exceptions=False):
+        assert isinstance(message, str) and re.search(r"cannot be read \(a truncated .*EOFError.*unchanged", message), message
+
+
+def test_unexpected_tensors_in_the_checkpoint_are_named(pool, tmp_path):
+    path = str(tmp_path / "ckpt")
+    pool.run(save_after_one_step, 2, path, dict(tp=2))
+    small = pool.run(load_tp2, 2, path, dict(layers=1), return_exceptions=True)
+    assert all(isinstance(m, str) and "model.model.layers.1" in m and "not in the model" in m for m in small), small
+    assert not any(isinstance(m, RemoteError) for m in small)
