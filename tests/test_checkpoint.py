@@ -141,7 +141,8 @@ def test_a_checkpoint_loads_at_another_layout_and_trains_on_like_unsharded(pool,
             assert extra == {"step": 1}
             for key in loaded:
                 assert torch.equal(loaded[key], saved[key]), f"{saved_at} -> {name}: {key} not loaded exactly"
-                assert_close(trained[key], reference[key], msg=lambda m, k=key: f"{saved_at} -> {name}: {k}: {m}")
+                where = f"{saved_at} -> {name}: {key}"
+                assert_close(trained[key], reference[key], msg=lambda m, w=where: f"{w}: {m}")
 
 
 # ---------------------------------------------------------------------------- exact resume
@@ -246,7 +247,8 @@ def test_damaged_or_mismatched_checkpoints_raise_and_change_nothing(pool, tmp_pa
     shard = next(Path(path).glob("__1_*.distcp"))
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # truncated
     for message in pool.run(load_tp2, 2, str(path), return_exceptions=False):
-        assert isinstance(message, str) and re.search(r"cannot be read \(a truncated .*EOFError.*unchanged", message), message
+        expected = r"cannot be read \(a truncated .*EOFError.*unchanged"
+        assert isinstance(message, str) and re.search(expected, message), message
 
 
 def test_unexpected_tensors_in_the_checkpoint_are_named(pool, tmp_path):

@@ -63,8 +63,9 @@ def _scalar(value) -> ChunkedTensor:
 
 def _optimizer_tensors(pieces, optimizer, create=None):
     """({name: ChunkedTensor or object} of the masters and optimizer states, [(optimizer state,
-    parameter, key, fresh states, name)] to fill once loaded). With `create` (the checkpoint's metadata): fresh tensors for every
-    state the checkpoint holds, to load into, attached to the optimizer only after the load."""
+    parameter, key, fresh states, name)] to fill once loaded). With `create` (the checkpoint's
+    metadata): fresh tensors for every state the checkpoint holds, to load into, attached to the
+    optimizer only after the load."""
     holder, masters = _stepped(optimizer)
     owned = {id(p) for g in holder.param_groups for p in g["params"]}
     out, attach = {}, []
