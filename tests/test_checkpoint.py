@@ -257,3 +257,78 @@ def test_unexpected_tensors_in_the_checkpoint_are_named(pool, tmp_path):
     small = pool.run(load_tp2, 2, path, dict(layers=1), return_exceptions=True)
     assert all(isinstance(m, str) and "model.model.layers.1" in m and "not in the model" in m for m in small), small
     assert not any(isinstance(m, RemoteError) for m in small)
+
+
+# ---------------------------------------------------------------------------- HuggingFace directories
+
+
+def from_hf_directory(rank, world, group, source, target, family):
+    """Build on meta, shard, read this rank's slices of the HF directory, train a step, export."""
+    import transformers as tf
+
+    from tplayers.checkpoint import hf
+
+    read = [0]
+    original = hf._Reader.read
+
+    def counted(self, *args):
+        out = original(self, *args)
+        read[0] += out.numel()
+        return out
+
+    hf._Reader.read = counted
+    try:
+        with tplayers.parameters_on_meta():
+            model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.from_pretrained(source))
+        tplayers.parallelize(model, group=group, verify=False)
+        assert all(p.device.type == "meta" for p in model.parameters())  # nothing allocated yet
+        tplayers.load_pretrained(model, source, group=group)
+    finally:
+        hf._Reader.read = original
+    held = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids = batch(0)
+    next_token_loss(model(ids).logits, ids).backward()
+    opt.step()
+    with torch.no_grad():
+        logits = model(batch(1)).logits
+    tplayers.save_pretrained(model, target, group=group)
+    return read[0], held, logits
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])  # gpt2: fused c_attn, Conv1D, tied head
+def test_hf_directory_loads_sliced_on_meta_and_exports_back(pool, tmp_path, family):
+    import transformers as tf
+    from test_families import tiny_model
+
+    reference = tiny_model(family)
+    reference.save_pretrained(tmp_path / "source")
+    full = sum(p.numel() for p in reference.parameters())
+    for read, held, logits in pool.run(from_hf_directory, 2, tmp_path / "source", tmp_path / "trained", family):
+        assert read == held < full  # each rank read exactly the slices it holds
+        back = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "trained")
+        with torch.no_grad():
+            assert_close(back(batch(1)).logits, logits)
+
+
+def load_bin(rank, world, group, source, allow):
+    import transformers as tf
+
+    with tplayers.parameters_on_meta():
+        model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.from_pretrained(source))
+    try:
+        tplayers.load_pretrained(model, source, group=group, allow_pickle=allow)
+    except tplayers.CheckpointError as e:
+        return str(e)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_pickled_hf_weights_are_refused_unless_trusted(pool, tmp_path):
+    from test_families import tiny_model
+
+    reference = tiny_model("llama")
+    reference.config.save_pretrained(tmp_path)  # transformers 5 writes safetensors only: the .bin by hand
+    torch.save(reference.state_dict(), tmp_path / "pytorch_model.bin")
+    refused, loaded = pool.run(load_bin, 1, tmp_path, False)[0], pool.run(load_bin, 1, tmp_path, True)[0]
+    assert "pickled .bin weights" in refused and "allow_pickle=True" in refused
+    assert all(torch.equal(loaded[k], v) for k, v in reference.state_dict().items())

@@ -18,7 +18,14 @@ This module holds the public names of DESIGN.md's contract and nothing else.
 """
 
 from tplayers.backend import get_backend, set_backend
-from tplayers.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from tplayers.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    load_pretrained,
+    parameters_on_meta,
+    save_checkpoint,
+    save_pretrained,
+)
 from tplayers.data_parallel import ZeRO3, data_parallel, data_parallel_optimizer
 from tplayers.distributed import RankError, init_mesh, launch
 from tplayers.functional.comm import count_bytes
@@ -70,11 +77,14 @@ __all__ = [
     "get_placement",
     "init_mesh",
     "launch",
+    "parameters_on_meta",
     "load_checkpoint",
     "load_full_state_dict",
+    "load_pretrained",
     "parallelize",
     "pipeline_split",
     "save_checkpoint",
+    "save_pretrained",
     "set_backend",
     "train_step",
     "vocab_parallel_cross_entropy",

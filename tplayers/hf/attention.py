@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tplayers.hf.fused import ReplicatedKVProjection, codegen_rows, fused_column, multi_query_column, part_rows
-from tplayers.hf.shard import ShardingPass
+from tplayers.hf.shard import ShardingPass, on_device
 from tplayers.nn.linear import _divide
 from tplayers.nn.norm import ParallelRMSNorm
 from tplayers.tolerances import TOLERANCES
@@ -92,7 +92,7 @@ def qkvo_attention(sp: ShardingPass, name, attn):
         kv_index = dist.get_rank(sp.group) // (sp.n // kv_heads)
         for proj in ("k_proj", "v_proj"):
             module = getattr(attn, proj)
-            layer = ReplicatedKVProjection.from_linear(module, group=sp.group).to(module.weight.device)
+            layer = on_device(ReplicatedKVProjection.from_linear(module, group=sp.group), module.weight.device)
             layer.rows = slice(kv_index * head_dim, (kv_index + 1) * head_dim)
             sp.swap(f"{name}.{proj}", layer)
             sp.record(f"{name}.{proj}", layer, None, False)

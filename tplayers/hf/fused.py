@@ -22,7 +22,7 @@ from torch import nn
 from tplayers.functional.collectives import copy_to_tp_region
 from tplayers.functional.linear import column_parallel_linear
 from tplayers.hf import pieces
-from tplayers.hf.shard import ShardingPass, as_linear, copy_in, gather, is_conv1d
+from tplayers.hf.shard import ShardingPass, as_linear, copy_in, gather, is_conv1d, on_device
 from tplayers.nn.attention import ReplicatedLinear
 from tplayers.nn.linear import ColumnParallelLinear
 
@@ -73,7 +73,7 @@ def fused_column(sp: ShardingPass, name, linear, rows, *, shared_input=True):
     if full.bias is not None:
         fused.bias = nn.Parameter(full.bias.detach()[order], requires_grad=False)
     kwargs = dict(reduce_input_grad=False) if shared_input else dict(sequence_parallel=sp.sp)
-    layer = ColumnParallelLinear.from_linear(fused, group=sp.group, **kwargs).to(linear.weight.device)
+    layer = on_device(ColumnParallelLinear.from_linear(fused, group=sp.group, **kwargs), linear.weight.device)
     sp.swap(name, layer)
     keys = ("weight", "bias") if layer.bias is not None else ("weight",)
     own = rows[dist.get_rank(sp.group)]
@@ -146,10 +146,12 @@ def multi_query_column(sp: ShardingPass, name, linear, query_rows: int):
     w, b = full.weight.detach(), (full.bias.detach() if full.bias is not None else None)
     query = ColumnParallelLinear.from_linear(
         _linear_of(w[:query_rows], None if b is None else b[:query_rows]), group=sp.group, reduce_input_grad=False
-    ).to(device)
+    )
+    query = on_device(query, device)
     key_value = ReplicatedKVProjection.from_linear(
         _linear_of(w[query_rows:], None if b is None else b[query_rows:]), group=sp.group
-    ).to(device)
+    )
+    key_value = on_device(key_value, device)
     sp.swap(name, MultiQueryProjection(query, key_value))
     transpose = is_conv1d(linear)
     keys = ("weight", "bias") if b is not None else ("weight",)

@@ -15,7 +15,7 @@ from torch import nn
 
 from tplayers.functional.collectives import own_slice
 from tplayers.hf import pieces
-from tplayers.hf.shard import ShardingPass, as_linear, copy_in, gather, has_linears
+from tplayers.hf.shard import ShardingPass, as_linear, copy_in, gather, has_linears, on_device
 from tplayers.nn.mlp import ParallelMLP, fuse_gate_up, unfuse_gate_up
 
 
@@ -46,7 +46,8 @@ def fused_gate_up(sp: ShardingPass, name, mlp):
         raise ValueError(f"parallelize: {name}.gate_up_proj has a bias; pass a plan for this model")
     layer = ParallelMLP.from_modules(
         *halves, as_linear(mlp.down_proj, f"{name}.down_proj"), group=sp.group, sequence_parallel=sp.sp
-    ).to(mlp.down_proj.weight.device)
+    )
+    layer = on_device(layer, mlp.down_proj.weight.device)
     sp.swap(name, layer)
 
     def export(pick, group):
@@ -81,9 +82,8 @@ def gated_mlp(sp: ShardingPass, name, mlp):
         sp.shared_input.append(mlp)
         sp.done.add(name)
         return
-    layer = ParallelMLP.from_modules(
-        mlp.gate_proj, mlp.up_proj, mlp.down_proj, group=sp.group, sequence_parallel=sp.sp
-    ).to(mlp.down_proj.weight.device)
+    layer = ParallelMLP.from_modules(mlp.gate_proj, mlp.up_proj, mlp.down_proj, group=sp.group, sequence_parallel=sp.sp)
+    layer = on_device(layer, mlp.down_proj.weight.device)
     sp.swap(name, layer)
 
     def export(pick, group):

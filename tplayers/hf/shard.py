@@ -58,6 +58,12 @@ def gather(t, dim, group):
     return all_gather_dim(t.contiguous(), dim, group) if t is not None else None
 
 
+def on_device(module, device):
+    """`module` moved to `device`, except to meta (a model built under tplayers.parameters_on_meta,
+    whose parameters already are): its buffers (rotary frequencies, scales) stay real."""
+    return module if device.type == "meta" else module.to(device)
+
+
 def copy_in(param, value):
     """Copy this rank's TP shard into a parameter (or its data-parallel shard of it, under ZeRO
     2-3), refusing a shape that is not this rank's shard."""
@@ -139,7 +145,8 @@ class ShardingPass:
         sp = self.sp if sequence_parallel is None else sequence_parallel
         layer = ColumnParallelLinear.from_linear(
             as_linear(module, name), group=self.group, sequence_parallel=sp, **kwargs
-        ).to(module.weight.device)
+        )
+        layer = on_device(layer, module.weight.device)
         self.swap(name, layer)
         self.record(name, layer, 0, is_conv1d(module))
         return layer
@@ -150,9 +157,8 @@ class ShardingPass:
         return self.column(name, module, sequence_parallel=False, reduce_input_grad=False)
 
     def row(self, name, module):
-        layer = RowParallelLinear.from_linear(as_linear(module, name), group=self.group, sequence_parallel=self.sp).to(
-            module.weight.device
-        )
+        layer = RowParallelLinear.from_linear(as_linear(module, name), group=self.group, sequence_parallel=self.sp)
+        layer = on_device(layer, module.weight.device)
         self.swap(name, layer)
         self.record(name, layer, 1, is_conv1d(module))
         return layer
@@ -180,7 +186,7 @@ class ShardingPass:
                 f"parallelize: {name} is a {type(embedding).__name__} whose forward tplayers does not know; "
                 f"it is not replaced. Pass plan={{{name!r}: 'replicate'}} to keep it whole on every rank"
             )
-        new = adapter.build(embedding, self.group).to(embedding.weight.device)
+        new = on_device(adapter.build(embedding, self.group), embedding.weight.device)
         self.swap(name, new)
         self.record(name, new, 0, False)
         return new
