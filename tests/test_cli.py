@@ -47,6 +47,23 @@ def test_demo_3d_dp2_pp2_tp2_zero3_on_8_ranks(tmp_path):
     assert "one of 2 pipeline stages" in result.stdout
 
 
+def test_demo_saves_and_resumes_at_another_layout(tmp_path):
+    """Sharded checkpoints through the main job: 3 steps at DP 2 x TP 2 (ZeRO-3) saved, 3 more at
+    PP 2 x TP 2 from the checkpoint, on track with the unsharded twin and with a straight run."""
+    saved = run_cli("demo", "--dp", "2", "--tp", "2", "--zero", "3", "--steps", "3", "--save", str(tmp_path / "ck"),
+                    "--out", str(tmp_path / "first"), cwd=tmp_path)  # fmt: skip
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    resumed = run_cli("demo", "--pp", "2", "--tp", "2", "--steps", "6", "--resume", str(tmp_path / "ck"),
+                      "--out", str(tmp_path / "second"), cwd=tmp_path)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "agrees with the unsharded fp32 run to 0.0001 for 6 steps" in resumed.stdout, resumed.stdout
+    first = [float(r["loss_tp"]) for r in csv.DictReader(open(tmp_path / "first" / "loss.csv"))]
+    second = [float(r["loss_tp"]) for r in csv.DictReader(open(tmp_path / "second" / "loss.csv"))]
+    assert second[:3] == first and len(second) == 6
+    bad = run_cli("demo", "--resume", str(tmp_path / "nothing"), cwd=tmp_path)
+    assert bad.returncode == 2 and "no checkpoint folder there" in bad.stderr
+
+
 @pytest.mark.interpreter
 def test_demo_on_triton_backend(tmp_path):
     result = run_cli(

@@ -16,6 +16,7 @@ def _demo(args) -> int:
         batch=args.batch, seq=args.seq, sequence_parallel=args.sequence_parallel,
         overlap=not args.no_overlap, backend=args.backend, seed=args.seed,
         dtype=args.dtype, micro_batches=args.micro_batches, max_grad_norm=args.max_grad_norm,
+        save=args.save, save_every=args.save_every, resume=args.resume,
     )  # fmt: skip
     report = run_demo(cfg)
     paths = write_report(report, args.out)
@@ -52,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps per batch")
     demo.add_argument("--max-grad-norm", type=float, default=1.0, help="global gradient clipping")
     demo.add_argument("--out", default="demo_out", help="folder for loss.csv / loss.png")
+    demo.add_argument("--save", help="folder for sharded checkpoints (tplayers.save_checkpoint)")
+    demo.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: at the end only)")
+    demo.add_argument("--resume", help="go on from the checkpoint --save wrote there, at this (any) layout")
     demo.set_defaults(run=_demo)
 
     from tplayers.plan import cli as plan_cli

@@ -8,6 +8,7 @@ nothing to download. Rank 0 trains the unsharded twin on the same batches.
 """
 
 import time
+from pathlib import Path
 from dataclasses import asdict, dataclass
 
 import torch
@@ -41,6 +42,9 @@ class DemoConfig:
     dtype: str = "fp32"  # the TP model's parameters: fp32, or bf16 / fp16 with fp32 master weights
     micro_batches: int = 1  # gradient accumulation: the batch is split into this many
     max_grad_norm: float = 1.0
+    save: str | None = None  # a folder: sharded checkpoints (tplayers.save_checkpoint) written there
+    save_every: int = 0  # steps between checkpoints (0: only at the end)
+    resume: str | None = None  # a folder `save` wrote: go on from its checkpoint, at any layout
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -117,6 +121,33 @@ def _own_keys(full, trained, pp):
     return keys
 
 
+CHECKPOINT, TWIN = "checkpoint", "unsharded_twin.pt"
+
+
+def _save(folder, step, model, opt, scaler, losses, reference, ref_opt, ref_losses):
+    """The sharded checkpoint (every rank), and rank 0's unsharded twin beside it."""
+    folder = Path(folder)
+    extra = {"step": step, "losses": list(losses)}
+    tplayers.save_checkpoint(folder / CHECKPOINT, model=model, optimizer=opt, scaler=scaler, extra=extra)
+    if reference is not None:
+        twin = {"model": reference.state_dict(), "optimizer": ref_opt.state_dict(), "losses": list(ref_losses)}
+        torch.save(twin, folder / (TWIN + ".partial"))
+        (folder / (TWIN + ".partial")).replace(folder / TWIN)
+
+
+def _resume(folder, model, opt, scaler, reference, ref_opt):
+    """(next step, losses so far, the twin's losses so far) from the checkpoint in `folder`."""
+    folder = Path(folder)
+    extra = tplayers.load_checkpoint(folder / CHECKPOINT, model=model, optimizer=opt, scaler=scaler)
+    ref_losses = []
+    if reference is not None:
+        twin = torch.load(folder / TWIN, weights_only=True)
+        reference.load_state_dict(twin["model"])
+        ref_opt.load_state_dict(twin["optimizer"])
+        ref_losses = twin["losses"]
+    return extra["step"], list(extra["losses"]), ref_losses
+
+
 def train_on_rank(rank, world_size, cfg: DemoConfig):
     tplayers.set_backend(cfg.backend)
     mesh = tplayers.init_mesh(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp)
@@ -160,7 +191,12 @@ def train_on_rank(rank, world_size, cfg: DemoConfig):
         layout += f" DP={cfg.dp} ZeRO-{cfg.zero}" if cfg.dp > 1 or cfg.zero else ""
         progress = tqdm(total=cfg.steps, desc=f"{layout} Llama {cfg.dtype}", unit="step")
     losses, ref_losses, train_time, bytes_per_step, skipped = [], [], 0.0, 0, 0
-    for step in range(cfg.steps):
+    start_step = 0
+    if cfg.resume:
+        start_step, losses, ref_losses = _resume(cfg.resume, model, opt, scaler, reference, ref_opt)
+        if progress is not None:
+            progress.update(start_step)
+    for step in range(start_step, cfg.steps):
         ids = text_batch(step, cfg, device)
         mine = ids.chunk(cfg.dp)[dp_rank]  # this replica's share of the batch
         start = time.perf_counter()
@@ -189,6 +225,9 @@ def train_on_rank(rank, world_size, cfg: DemoConfig):
             ref_losses.append(ref_loss.item())
             progress.update(1)
             progress.set_postfix(loss=f"{losses[-1]:.4f}", unsharded=f"{ref_losses[-1]:.4f}")
+        last = step + 1 == cfg.steps
+        if cfg.save and (last or (cfg.save_every and (step + 1) % cfg.save_every == 0)):
+            _save(cfg.save, step + 1, model, opt, scaler, losses, reference, ref_opt, ref_losses)
     if progress is not None:
         progress.close()
     full = tplayers.gather_state_dict(model, group=group)  # a collective: every rank
@@ -268,6 +307,10 @@ def run_demo(cfg: DemoConfig) -> dict:
         raise ValueError(
             f"kv_heads ({cfg.kv_heads}) and the tensor-parallel size ({cfg.tp}): one must divide the other"
         )
+    if cfg.save_every < 0 or (cfg.save_every and not cfg.save):
+        raise ValueError(f"--save-every {cfg.save_every} needs --save and a positive count")
+    if cfg.resume and not (Path(cfg.resume) / CHECKPOINT).is_dir():
+        raise ValueError(f"--resume {cfg.resume}: no {CHECKPOINT} folder there (written by --save)")
     if cfg.sequence_parallel and cfg.seq % cfg.tp:
         raise ValueError(f"seq ({cfg.seq}) is not divisible by the tensor-parallel size ({cfg.tp})")
     return tplayers.launch(train_on_rank, cfg.dp * cfg.pp * cfg.tp, cfg)[0]
