@@ -8,8 +8,8 @@ nothing to download. Rank 0 trains the unsharded twin on the same batches.
 """
 
 import time
-from pathlib import Path
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
