@@ -190,9 +190,13 @@ def _check(wanted: dict, metadata, pg) -> None:
         raise CheckpointError("checkpoint does not fit the model, which is unchanged: " + "; ".join(errors[:5]) + more)
 
 
-def load_checkpoint(path, *, model, optimizer=None, scaler=None, group=None):
+def load_checkpoint(path, *, model, optimizer=None, scaler=None, group=None, staged: bool = True):
     """Load what `save_checkpoint` wrote (at any layout) into `model` (and `optimizer`,
-    `scaler`) at this layout; returns the saved `extra`. On every rank of `group`."""
+    `scaler`) at this layout; returns the saved `extra`. On every rank of `group`.
+
+    `staged=False` writes each chunk into the model as soon as it is read: no second copy of
+    this rank's shards, but a file failing to read midway leaves the model partly loaded (the
+    names, shapes and dtypes are still checked first)."""
     pg = resolve_group(group)
     path = Path(path)
     metadata = _read_metadata(path)
@@ -212,7 +216,7 @@ def load_checkpoint(path, *, model, optimizer=None, scaler=None, group=None):
         if name in md:
             wanted[name] = None
     _check(wanted, metadata, pg)
-    planner = LoadPlannerForChunks()
+    planner = LoadPlannerForChunks(staged)
     try:
         dcp.load(wanted, storage_reader=dcp.FileSystemReader(path), planner=planner, process_group=pg)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 -- a truncated or damaged file on any rank
@@ -220,8 +224,8 @@ def load_checkpoint(path, *, model, optimizer=None, scaler=None, group=None):
         rank_, first = next(iter(failures.items()))
         cause = f"{type(first).__name__}: {first}".strip(": ") or type(first).__name__
         raise CheckpointError(
-            f"checkpoint: {path} cannot be read (a truncated or damaged file? rank {rank_}: {cause}); the model is "
-            "unchanged"
+            f"checkpoint: {path} cannot be read (a truncated or damaged file? rank {rank_}: {cause}); "
+            + ("the model is unchanged" if staged else "the model may be partly loaded (staged=False)")
         ) from e
     planner.commit()
     objects = planner.objects

@@ -94,12 +94,21 @@ class SavePlannerForChunks(SavePlanner):
 
 class LoadPlannerForChunks(LoadPlanner):
     """state: {name: ChunkedTensor (read into staging buffers) or None (an object, read into
-    `self.objects` with torch.load(weights_only=True): plain data and tensors only)}."""
+    `self.objects` with torch.load(weights_only=True): plain data and tensors only)}.
+
+    `staged` (default): every chunk is read into its own buffer and written into the model by
+    `commit()`, once everything is read (the peak: this rank's shards once more). Not staged:
+    a chunk's buffer is written and freed as soon as its last piece arrives (the peak: about one
+    chunk), but a read failing midway leaves the model partly loaded."""
+
+    def __init__(self, staged: bool = True):
+        self.staged_load = staged
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
         self.state, self.metadata = state_dict, metadata
         self.staged: dict[tuple, torch.Tensor] = {}  # (name, offsets) -> buffer of the chunk
         self.targets: dict[tuple, object] = {}
+        self.missing: dict[tuple, int] = {}  # elements of each chunk still to arrive
         self.objects: dict[str, object] = {}
 
     def create_local_plan(self) -> LoadPlan:
@@ -128,8 +137,10 @@ class LoadPlannerForChunks(LoadPlanner):
                         f"at {chunk.offsets} (size {chunk.sizes}) this rank needs: the checkpoint is incomplete"
                     )
                 key = (name, tuple(chunk.offsets))
-                self.targets[key] = chunk
-                self.staged[key] = torch.empty(chunk.sizes, dtype=value.dtype, device=chunk.source.device)
+                self.targets[key], self.missing[key] = chunk, chunk.numel
+                self.dtypes = getattr(self, "dtypes", {}) | {key: value.dtype}
+                if self.staged_load:
+                    self.staged[key] = self._buffer(key)
                 requests += items
         return LoadPlan(requests)
 
@@ -145,18 +156,31 @@ class LoadPlannerForChunks(LoadPlanner):
         except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
             raise CheckpointError(f"checkpoint: {read_item.dest_index.fqn} cannot be read safely: {e}") from e
 
+    def _buffer(self, key):
+        chunk = self.targets[key]
+        return torch.empty(chunk.sizes, dtype=self.dtypes[key], device=chunk.source.device)
+
     def resolve_tensor(self, read_item: ReadItem):
-        buffer = self.staged[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
+        key = (read_item.dest_index.fqn, tuple(read_item.dest_index.offset))
+        if key not in self.staged:
+            self.staged[key] = self._buffer(key)
+        buffer = self.staged[key]
         for dim, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths, strict=True)):
             buffer = buffer.narrow(dim, offset, length)
         return buffer
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        pass  # staged; `commit` writes the chunks into the model once everything is read
+        if self.staged_load:
+            return  # `commit` writes the chunks into the model once everything is read
+        key = (read_item.dest_index.fqn, tuple(read_item.dest_index.offset))
+        self.missing[key] -= math.prod(read_item.lengths)
+        if self.missing[key] == 0:
+            self.targets[key].write(self.staged.pop(key))
 
     def commit(self) -> None:
-        for key, chunk in self.targets.items():
-            chunk.write(self.staged[key])
+        if self.staged_load:
+            for key, chunk in self.targets.items():
+                chunk.write(self.staged[key])
 
 
 def is_tensor_md(md) -> bool:

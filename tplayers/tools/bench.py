@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPTS = ("linear", "transformer", "amp", "zero", "pipeline")
+SCRIPTS = ("linear", "transformer", "amp", "zero", "pipeline", "checkpoint")
 FIELDS = (
     "op", "provider", "mode", "shape", "device", "version", "time_ms", "baseline", "ratio_to_baseline",
     "tflops_per_rank", "gbps", "overlap_pays_off", "script",
@@ -37,6 +37,7 @@ RATIO_OF = {
     "amp": ("ratio_vs_torch", "torch"),
     "zero": ("ratio_to_torch", "torch recipe (DTensor TP + fully_shard)"),
     "pipeline": ("ratio_to_torch", "torch"),
+    "checkpoint": ("ratio_to_single_writer", "single-writer"),
 }
 
 
