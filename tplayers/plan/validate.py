@@ -30,9 +30,9 @@ Llama (inside each, tensor parallelism when tp > 1) run schedule steps under
 
     in flight    most micro-batches whose activations a rank held at once, in       exact
                  units of its layers, against `microbatches_in_flight` of its stage
-    bubble       the ranks' mean idle share of the step (1 - compute / step time),  [0.75, 2] x
-                 against the formula's share b / (1 + b), b = `bubble_fraction`     (see
-                                                                                    DEFAULT_BUBBLE_RTOL)
+    bubble       (tp = 1) the ranks' mean idle share of the step (1 - compute /     [0.75, 2] x
+                 step time) against the formula's share b / (1 + b), b =           (see
+                 `bubble_fraction`                                                   DEFAULT_BUBBLE_RTOL)
 
 Precision mapping. tplayers' mixed precision is not Megatron's 2 + 2 + 12 bytes per parameter:
 `MixedPrecisionOptimizer` moves each bf16 gradient into its fp32 master's `.grad` as soon as it
@@ -269,9 +269,11 @@ def compare(
 
 
 def _compare_pipeline(measurement: Measurement, bubble_rtol: float) -> ValidationRow:
-    """A pipeline case: "in flight" exact on every rank (`microbatches_in_flight` of its stage),
-    "bubble" the ranks' mean idle share in [1 - min(bubble_rtol, 0.25), 1 + bubble_rtol] x the
-    formula's share of the step, b / (1 + b) with b = `bubble_fraction` (see DEFAULT_BUBBLE_RTOL)."""
+    """A pipeline case: "in flight" exact on every rank (`microbatches_in_flight` of its stage);
+    at tp = 1 (with TP, a stage's compute includes its waits for TP peers: measured 0.6-0.95 of
+    the formula on 4 ranks over 2 cores), "bubble" the ranks' mean idle share in
+    [1 - min(bubble_rtol, 0.25), 1 + bubble_rtol] x the formula's share of the step, b / (1 + b)
+    with b = `bubble_fraction` (see DEFAULT_BUBBLE_RTOL)."""
     lay = measurement.case.layout
     v = lay.virtual_stages if lay.schedule == "interleaved" else 1
     ranks = measurement.ranks
@@ -280,10 +282,9 @@ def _compare_pipeline(measurement: Measurement, bubble_rtol: float) -> Validatio
     )
     b = bubble_fraction(lay.pp, lay.num_microbatches, lay.schedule, v)
     bubble = sum(r.bubble for r in ranks) / len(ranks)
-    checks = (
-        Check("in flight", tuple(r.in_flight for r in ranks), max(in_flight), predicted_per_rank=in_flight),
-        Check("bubble", (bubble,), b / (1 + b), bubble_rtol, below=min(bubble_rtol, 0.25)),
-    )
+    checks = (Check("in flight", tuple(r.in_flight for r in ranks), max(in_flight), predicted_per_rank=in_flight),)
+    if lay.tp == 1:  # with TP, a stage's compute includes waiting for its TP peers: no clean idle share
+        checks += (Check("bubble", (bubble,), b / (1 + b), bubble_rtol, below=min(bubble_rtol, 0.25)),)
     return ValidationRow(measurement.case, checks, {}, measurement.seconds)
 
 
