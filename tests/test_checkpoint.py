@@ -335,3 +335,39 @@ def test_pickled_hf_weights_are_refused_unless_trusted(pool, tmp_path):
     refused, loaded = pool.run(load_bin, 1, tmp_path, False)[0], pool.run(load_bin, 1, tmp_path, True)[0]
     assert "pickled .bin weights" in refused and "allow_pickle=True" in refused
     assert all(torch.equal(loaded[k], v) for k, v in reference.state_dict().items())
+
+
+def save_from_stages(rank, world, group, path):
+    """PP2 x TP2: one step, saved from the model, then the model dropped and saved again from
+    this rank's stages alone (their export records and names are theirs)."""
+    import gc
+
+    mesh = tplayers.init_mesh(pp=2, tp=2)
+    model = tiny_llama(0)
+    tplayers.parallelize(model, group=mesh["tp"], verify=False)
+    stages = tplayers.pipeline_split(model, group=mesh["pp"])
+    schedule = tplayers.Schedule1F1B(stages[0], 2, next_token_loss)
+    opt = torch.optim.AdamW(stages[0].parameters(), lr=1e-2, eps=1e-4)
+    schedule.step(batch(0), target=batch(0))
+    opt.step()
+    tplayers.save_checkpoint(f"{path}/from-model", model=model, optimizer=opt)
+    del model
+    gc.collect()
+    tplayers.save_checkpoint(f"{path}/from-stages", model=stages, optimizer=opt)
+
+
+def load_whole(rank, world, group, path):
+    run = Run(group, 7)
+    tplayers.load_checkpoint(path, model=run.model, optimizer=run.opt, group=group)
+    state = {f"optim.{k}": v for k, v in run.opt.state_dict()["state"].items()}
+    return run.gathered(), state
+
+
+def test_a_pipeline_rank_saves_from_its_stages_once_the_model_is_gone(pool, tmp_path):
+    pool.run(save_from_stages, 4, str(tmp_path))
+    (from_model, opt_a), (from_stages, opt_b) = (
+        pool.run(load_whole, 1, str(tmp_path / name))[0] for name in ("from-model", "from-stages")
+    )
+    assert from_model.keys() == from_stages.keys()
+    assert all(torch.equal(from_model[k], from_stages[k]) for k in from_model)
+    assert all(torch.equal(a, b) for k in opt_a for a, b in zip(opt_a[k].values(), opt_b[k].values(), strict=True))

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, raised on every rank
 
-from tplayers.checkpoint.chunks import Chunk, ChunkedTensor, chunked, model_pieces
+from tplayers.checkpoint.chunks import Chunk, ChunkedTensor, chunked, model_pieces, parameters
 from tplayers.checkpoint.planners import CheckpointError, LoadPlannerForChunks, SavePlannerForChunks, is_tensor_md
 from tplayers.distributed import resolve_group
 from tplayers.placement import get_placement
@@ -48,7 +48,7 @@ def _stepped(optimizer):
 def _layout(model, world) -> list[int]:
     """What the RNG states depend on: the world size and the TP / DP / PP group sizes."""
     sizes = [world, 1, 1, 1]
-    for p in model.parameters():
+    for p in parameters(model):
         placement = get_placement(p)
         for i, g in enumerate((getattr(placement, "group", None), getattr(placement, "dp_group", None),
                                getattr(placement, "pp_group", None)), 1):  # fmt: skip
@@ -127,7 +127,8 @@ def _state(model, optimizer, scaler, extra, group):
 
 def save_checkpoint(path, *, model, optimizer=None, scaler=None, extra=None, group=None) -> None:
     """Write `model` (and `optimizer`, `scaler`, `extra`: plain data and tensors) to the
-    directory `path`, each rank its own shards; on every rank of `group` (default: all)."""
+    directory `path`, each rank its own shards; on every rank of `group` (default: all).
+    `model` may also be this rank's stages from `tplayers.pipeline_split` (the model dropped)."""
     pg = resolve_group(group)
     path = Path(path)
     partial = path.with_name(path.name + ".partial")

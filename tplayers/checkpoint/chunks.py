@@ -127,21 +127,54 @@ _NONE = _NoPlacement()
 
 
 def model_pieces(model) -> dict[str, list[Piece]]:
-    """{unsharded name: this rank's pieces} for every tensor of `model`'s state dict it holds."""
-    held = _held_here(model)
+    """{unsharded name: this rank's pieces} for every tensor of the state dict it holds. `model`:
+    the model (all of it, or under pipeline parallelism its stages' parameters), or this rank's
+    `tplayers.PipelineStage`s of a model split by `pipeline_split` (the model itself may be gone)."""
+    stages = _stages(model)
+    if stages is None:
+        return _pieces(model, getattr(model, EXPORTS, []), lambda name: name, _held_here(model))
+    out = {}
+    for module in stages:
+        out.update(_pieces(module, module.hf_records, module.hf_name, None))
+    return out
+
+
+def parameters(model):
+    """The parameters of `model` or of its stages (see `model_pieces`)."""
+    stages = _stages(model)
+    return list(model.parameters()) if stages is None else [p for m in stages for p in m.parameters()]
+
+
+def _stages(model):
+    """The stage modules when `model` is a PipelineStage or a list of them, else None."""
+    from tplayers.pipeline import PipelineStage
+
+    items = model if isinstance(model, list | tuple) else [model]
+    if not all(isinstance(s, PipelineStage) for s in items):
+        return None
+    modules = [s.module for s in items]
+    if not all(hasattr(m, "hf_name") for m in modules):
+        raise ValueError(
+            "checkpoint: stages not made by tplayers.pipeline_split do not know the model's names; pass the model"
+        )
+    return modules
+
+
+def _pieces(model, records, rename, held) -> dict[str, list[Piece]]:
     out: dict[str, list[Piece]] = {}
-    covered = set()
-    for prefix, _export, _load, pieces in getattr(model, EXPORTS, []):
-        covered.add(prefix + ".")
+    covered = []
+    for prefix, _export, _load, pieces in records:
+        covered.append(prefix + ".")
         for piece in pieces():
             if held is None or id(piece.param) in held:
                 out.setdefault(f"{prefix}.{piece.key}", []).append(piece)
     params = {id(p) for p in model.parameters()}
     owners = {name.rpartition(".")[0] for name, p in model.named_parameters() if held is None or id(p) in held}
-    for name, t in model.state_dict(keep_vars=True).items():
+    for local, t in model.state_dict(keep_vars=True).items():
+        name = rename(local)
         if name.startswith(tuple(covered)):
             continue
-        if held is not None and (id(t) not in held if id(t) in params else name.rpartition(".")[0] not in owners):
+        if held is not None and (id(t) not in held if id(t) in params else local.rpartition(".")[0] not in owners):
             continue  # another stage's
         placement = get_placement(t)
         if placement is not None and placement.is_sharded:

@@ -93,8 +93,9 @@ def fused_column(sp: ShardingPass, name, linear, rows, *, shared_input=True):
             t = _stored(full_tensors[key], key, transpose)
             copy_in(getattr(layer, key), t[own.to(t.device)])
 
+    total = full.out_features  # not `full` in the closure: it holds the unsharded weight
+
     def layout():
-        total = full.out_features
         return [pieces.rows(key, getattr(layer, key), own, total, transpose and key == "weight") for key in keys]
 
     sp.exports.append((name, export, load, layout))
@@ -171,8 +172,10 @@ def multi_query_column(sp: ShardingPass, name, linear, query_rows: int):
             copy_in(getattr(query, key), t[:query_rows].chunk(sp.n, 0)[dist.get_rank(sp.group)])
             copy_in(getattr(key_value, key), t[query_rows:])
 
+    total = w.shape[0]  # not `w` in the closure: it is the unsharded weight
+
     def layout():
-        out, total = [], w.shape[0]
+        out = []
         for key in keys:
             t = key == "weight" and transpose
             q, kv = getattr(query, key), getattr(key_value, key)

@@ -185,6 +185,7 @@ def parallelize(model, *, group=None, sequence_parallel=False, plan=None, vocab_
     setattr(model, EXPORTS, parallelizer.exports)
     setattr(model, ORIGINAL_KEYS, keys)
     setattr(model, TIED, parallelizer.tied)
+    parallelizer.release()  # the export records outlive the pass: they must not hold the model
     if probe is not None:
         sharded = verification.logits(model, probe)
         verification.check(reference, sharded, group=group, vocab_parallel=vocab_parallel_logits)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tplayers.distributed import resolve_group
+from tplayers.hf.state_dict import EXPORTS
 from tplayers.pipeline import PipelineStage
 
 DECODER_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
@@ -46,6 +47,24 @@ class DecoderStage(nn.Module):
         self.lm_head = model.get_output_embeddings() if last else None
         self.rotary_emb = decoder.rotary_emb
         self.sequence_group = getattr(model, SEQUENCE_PARALLEL, None)
+        # The model's names for this stage's parts, and its export records for them: what a
+        # checkpoint of the stage alone needs once the model itself is gone.
+        names = {id(m): name for name, m in model.named_modules()}
+        parts = dict(embed_tokens=self.embed_tokens, norm=self.norm, lm_head=self.lm_head, layers=decoder.layers)
+        self.hf_prefixes = {part: names[id(m)] for part, m in parts.items() if m is not None and id(m) in names}
+        own = [self.hf_prefixes[p] for p in ("embed_tokens", "norm", "lm_head") if p in self.hf_prefixes]
+        own += [f"{self.hf_prefixes['layers']}.{i}" for i in self.layer_indices]
+        self.hf_records = [
+            r for r in getattr(model, EXPORTS, []) if any(r[0] == p or r[0].startswith(p + ".") for p in own)
+        ]
+
+    def hf_name(self, name: str) -> str:
+        """The model's name for `name` of this stage's state dict."""
+        part, _, rest = name.partition(".")
+        if part == "layers":
+            index, _, rest = rest.partition(".")
+            return f"{self.hf_prefixes['layers']}.{self.layer_indices[int(index)]}.{rest}"
+        return f"{self.hf_prefixes[part]}.{rest}"
 
     def forward(self, x):
         from transformers.masking_utils import create_causal_mask

@@ -135,6 +135,12 @@ class ShardingPass:
         if unknown:
             raise ValueError(f"parallelize: plan values must be one of {PLAN_KINDS}, got {unknown}")
 
+    def release(self):
+        """Drop the pass's references to the model and its modules, which the export records
+        (closures over this pass) would otherwise keep alive: pipeline stages hold only their own
+        records, and the layers of the other stages must be freed with the model."""
+        self.model, self.shared_input, self.partial_grads, self.done = None, [], [], set()
+
     # -- what adapters call -----------------------------------------------------------------
     def swap(self, name, new):
         parent_name, _, child = name.rpartition(".")
