@@ -254,6 +254,21 @@ def test_damaged_or_mismatched_checkpoints_raise_and_change_nothing(pool, tmp_pa
         assert isinstance(message, str) and re.search(expected, message), message
 
 
+def load_with_scaler(rank, world, group, path):
+    run = Run(group, 7, tp=2)
+    try:
+        tplayers.load_checkpoint(path, model=run.model, scaler=tplayers.DynamicLossScaler(group=group), group=group)
+    except tplayers.CheckpointError as e:
+        return str(e)
+
+
+def test_a_scaler_the_checkpoint_lacks_is_named(pool, tmp_path):
+    path = str(tmp_path / "ckpt")
+    pool.run(save_tp2, 2, path)  # no scaler saved
+    for message in pool.run(load_with_scaler, 2, path):
+        assert "scaler is not in the checkpoint (saved without it?)" in message, message
+
+
 def test_unexpected_tensors_in_the_checkpoint_are_named(pool, tmp_path):
     path = str(tmp_path / "ckpt")
     pool.run(save_after_one_step, 2, path, dict(tp=2))

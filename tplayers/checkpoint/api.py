@@ -170,6 +170,8 @@ def _check(wanted: dict, metadata, pg) -> None:
     errors = []
     for name, value in wanted.items():
         if not isinstance(value, ChunkedTensor):
+            if name not in md:  # an optimizer or scaler the checkpoint was saved without
+                errors.append(f"{name} is not in the checkpoint (saved without it?)")
             continue
         saved = md.get(name)
         if saved is None or not is_tensor_md(saved):
