@@ -314,7 +314,8 @@ def from_hf_directory(rank, world, group, source, target, family):
     return read[0], held, logits
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])  # gpt2: fused c_attn, Conv1D, tied head
+# gpt2: fused c_attn, Conv1D, tied head; phi3: fused qkv_proj and gate_up_proj
+@pytest.mark.parametrize("family", ["llama", "gpt2", "phi3"])
 def test_hf_directory_loads_sliced_on_meta_and_exports_back(pool, tmp_path, family):
     import transformers as tf
     from test_families import tiny_model

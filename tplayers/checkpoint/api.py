@@ -70,6 +70,11 @@ def _optimizer_tensors(pieces, optimizer, create=None):
     owned = {id(p) for g in holder.param_groups for p in g["params"]}
     out, attach = {}, []
     created = {}  # id(param) -> its fresh states, shared by the names it holds pieces of
+    saved = {}  # name -> the state keys the checkpoint holds for it
+    for full in create or ():
+        if full.startswith("optim."):
+            name, _, key = full[len("optim.") :].rpartition(".")
+            saved.setdefault(name, []).append(key)
     for name, ps in pieces.items():
         ps = [p for p in ps if id(masters.get(id(p.param), p.param)) in owned]  # ZeRO-1: this replica's
         if not ps:
@@ -84,8 +89,9 @@ def _optimizer_tensors(pieces, optimizer, create=None):
             states = []
             for s in stepped:
                 fresh = created.setdefault(id(s), {})
-                for full in (k for k in create if k.startswith(prefix) and "." not in k[len(prefix) :]):
-                    md, key = create[full], full[len(prefix) :]
+                for key in saved.get(name, ()):
+                    full = prefix + key
+                    md = create[full]
                     if key in fresh:
                         continue
                     if is_tensor_md(md):

@@ -115,15 +115,8 @@ def piece_chunks(piece: Piece, tensor) -> tuple[tuple[int, ...], list[Chunk]]:
 
 def _held_here(model) -> set[int] | None:
     """Under pipeline parallelism, the ids of this rank's stages' parameters; None otherwise."""
-    staged = {id(p) for p in model.parameters() if (get_placement(p) or _NONE).pp_group is not None}
+    staged = {id(p) for p in model.parameters() if getattr(get_placement(p), "pp_group", None) is not None}
     return staged or None
-
-
-class _NoPlacement:
-    pp_group = None
-
-
-_NONE = _NoPlacement()
 
 
 def model_pieces(model) -> dict[str, list[Piece]]:

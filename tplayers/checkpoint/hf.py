@@ -214,10 +214,15 @@ def save_pretrained(model, path, *, group=None) -> None:
     if mine:
         save_file(mine, path / file, metadata={"format": "pt"})
     maps = [None] * world
-    dist.all_gather_object(maps, {n: file for n in mine}, group=pg)
+    dist.all_gather_object(
+        maps, ({n: file for n in mine}, sum(t.numel() * t.element_size() for t in mine.values())), group=pg
+    )
     if rank == 0:
-        weight_map = {n: f for m in maps for n, f in m.items()}
-        index = {"metadata": {"total_size": 0}, "weight_map": dict(sorted(weight_map.items()))}
+        weight_map = {n: f for m, _ in maps for n, f in m.items()}
+        index = {
+            "metadata": {"total_size": sum(size for _, size in maps)},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
         (path / SAFE_INDEX).write_text(json.dumps(index, indent=2))
         model.config.save_pretrained(path)
         generation = getattr(model, "generation_config", None)

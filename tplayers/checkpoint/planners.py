@@ -109,6 +109,7 @@ class LoadPlannerForChunks(LoadPlanner):
         self.staged: dict[tuple, torch.Tensor] = {}  # (name, offsets) -> buffer of the chunk
         self.targets: dict[tuple, object] = {}
         self.missing: dict[tuple, int] = {}  # elements of each chunk still to arrive
+        self.dtypes: dict[tuple, torch.dtype] = {}
         self.objects: dict[str, object] = {}
 
     def create_local_plan(self) -> LoadPlan:
@@ -138,7 +139,7 @@ class LoadPlannerForChunks(LoadPlanner):
                     )
                 key = (name, tuple(chunk.offsets))
                 self.targets[key], self.missing[key] = chunk, chunk.numel
-                self.dtypes = getattr(self, "dtypes", {}) | {key: value.dtype}
+                self.dtypes[key] = value.dtype
                 if self.staged_load:
                     self.staged[key] = self._buffer(key)
                 requests += items

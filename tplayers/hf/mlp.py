@@ -66,10 +66,8 @@ def fused_gate_up(sp: ShardingPass, name, mlp):
         copy_in(layer.out_proj.weight, own_slice(full["down_proj.weight"], 1, sp.group))
 
     def layout():  # in_proj's rows alternate gate, up over this rank's 1/n of each half of [gate; up]
-        gate, up = pieces.interleaved(("gate_up_proj.weight",) * 2, layer.in_proj.weight, sp.group)
-        up = pieces.Piece(up.key, up.param, 0, up.local, up.glob + up.global_size, 2 * up.global_size)
-        gate = pieces.Piece(gate.key, gate.param, 0, gate.local, gate.glob, 2 * gate.global_size)
-        return [gate, up, pieces.split("down_proj.weight", layer.out_proj.weight, 1, sp.group)]
+        halves = pieces.interleaved(("gate_up_proj.weight",) * 2, layer.in_proj.weight, sp.group, stacked=True)
+        return [*halves, pieces.split("down_proj.weight", layer.out_proj.weight, 1, sp.group)]
 
     sp.exports.append((name, export, load, layout))
 

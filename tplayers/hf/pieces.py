@@ -63,13 +63,16 @@ def halves(key, param, dim, group, transpose=False) -> list[Piece]:
     ]  # fmt: skip
 
 
-def interleaved(keys, param, group) -> list[Piece]:
+def interleaved(keys, param, group, *, stacked=False) -> list[Piece]:
     """`ParallelMLP`'s in_proj: local rows alternate (keys[0] row i, keys[1] row i) over this
-    rank's 1/n of each of the two HF tensors."""
+    rank's 1/n of each of two HF tensors; `stacked`: of each half of one HF tensor [first; second]
+    (both keys the same)."""
     n = dist.get_world_size(group)
     half = param.shape[0] // 2
-    own = own_range(half * n, group)
-    return [Piece(key, param, 0, torch.arange(i, 2 * half, 2), own, half * n) for i, key in enumerate(keys)]
+    own, size = own_range(half * n, group), half * n
+    if stacked:
+        return [Piece(k, param, 0, torch.arange(i, 2 * half, 2), own + i * size, 2 * size) for i, k in enumerate(keys)]
+    return [Piece(key, param, 0, torch.arange(i, 2 * half, 2), own, size) for i, key in enumerate(keys)]
 
 
 def linear(layer, dim, transpose, group) -> list[Piece]:

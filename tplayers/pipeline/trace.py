@@ -35,62 +35,53 @@ class ScheduleTrace:
         return 1.0 - self.compute_seconds / self.step_seconds if self.step_seconds else 0.0
 
 
+def _timed(fn, done):
+    """`fn`, calling done(seconds, kwargs) after each call."""
+
+    def call(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            done(time.perf_counter() - start, kwargs)
+
+    return call
+
+
 @contextmanager
 def trace(schedule):
     """Trace every `schedule.step` (or `forward_backward`) in the block; yields a ScheduleTrace."""
     out = ScheduleTrace()
     chunks = len(schedule.stages)  # per rank: each stage is 1 / chunks of the rank's layers
     in_flight = [0]
-    patched = []
 
-    def timed(stage, name, delta):
-        inner = getattr(stage, name)
+    def compute(name, delta):
+        def done(seconds, kwargs):
+            out.compute_seconds += seconds
+            out.calls[name] = out.calls.get(name, 0) + 1
+            in_flight[0] += delta(kwargs)
+            out.peak_in_flight = max(out.peak_in_flight, in_flight[0] / chunks)
 
-        def call(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                out.compute_seconds += time.perf_counter() - start
-                out.calls[name] = out.calls.get(name, 0) + 1
-                in_flight[0] += delta(kwargs)
-                out.peak_in_flight = max(out.peak_in_flight, in_flight[0] / chunks)
-
-        setattr(stage, name, call)
-        patched.append((stage, name))
+        return done
 
     def released_by_backward(kwargs):  # a split backward keeps them for the weight gradient
         return -1 if kwargs.get("full_backward", True) else 0
 
-    for stage in (s.torch_stage for s in schedule.stages):
-        timed(stage, "forward_one_chunk", lambda kwargs: 1)
-        timed(stage, "backward_one_chunk", released_by_backward)
-        timed(stage, "backward_weight_one_chunk", lambda kwargs: -1)
+    deltas = {"forward_one_chunk": lambda kwargs: 1, "backward_one_chunk": released_by_backward,
+              "backward_weight_one_chunk": lambda kwargs: -1}  # fmt: skip
+    stages = [s.torch_stage for s in schedule.stages]
+    for stage in stages:
+        for name, delta in deltas.items():
+            setattr(stage, name, _timed(getattr(stage, name), compute(name, delta)))
     torch_schedule = schedule._schedule
-    loss_fn = torch_schedule._loss_fn
-
-    def timed_loss(*args, **kwargs):  # the last stage's loss is its compute too
-        start = time.perf_counter()
-        try:
-            return loss_fn(*args, **kwargs)
-        finally:
-            out.compute_seconds += time.perf_counter() - start
-
-    torch_schedule._loss_fn = timed_loss
-    step = schedule.step
-
-    def timed_step(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return step(*args, **kwargs)
-        finally:
-            out.step_seconds += time.perf_counter() - start
-
-    schedule.step = timed_step
+    loss_fn = torch_schedule._loss_fn  # the last stage's loss is its compute too
+    torch_schedule._loss_fn = _timed(loss_fn, compute("loss", lambda kwargs: 0))
+    schedule.step = _timed(schedule.step, lambda seconds, _: setattr(out, "step_seconds", out.step_seconds + seconds))
     try:
         yield out
     finally:
         del schedule.step
         torch_schedule._loss_fn = loss_fn
-        for stage, name in patched:
-            delattr(stage, name)
+        for stage in stages:
+            for name in deltas:
+                delattr(stage, name)

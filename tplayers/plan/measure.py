@@ -4,7 +4,7 @@ step of each case on local CPU ranks, and what each rank holds and sends in it."
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tplayers.plan.layout import Assumptions, Layout
 from tplayers.plan.specs import ModelSpec, Precision, padded_vocab
@@ -46,17 +46,8 @@ DEFAULT_BUBBLE_RTOL = 1.0
 
 # The model of the pipeline cases: 4 layers (pp x virtual stages up to 4), and wide enough that
 # a micro-batch's compute dwarfs what a stage sends (the bubble formula prices sends at zero).
-PIPELINE_VALIDATION_MODEL = ModelSpec(
-    layers=4,
-    hidden=128,
-    heads=4,
-    kv_heads=2,
-    ffn_hidden=512,
-    vocab=250,
-    seq_len=256,
-    gated_mlp=True,
-    dropout=False,
-    name="tiny-llama-pipeline",
+PIPELINE_VALIDATION_MODEL = replace(
+    VALIDATION_MODEL, layers=4, hidden=128, ffn_hidden=512, seq_len=256, num_params=None, name="tiny-llama-pipeline"
 )
 PIPELINE_MICRO_BATCH = 4
 PIPELINE_TRACED_STEPS = 3  # the quickest one's bubble is reported
