@@ -1,7 +1,9 @@
 """Benchmark: forward + backward of a Column -> GeLU -> Row MLP block, tplayers vs DTensor TP.
 
 Providers, timed side by side in one run on the same ranks:
-    tplayers             ColumnParallelLinear / RowParallelLinear.from_linear, overlap=True
+    tplayers             ColumnParallelLinear / RowParallelLinear.from_linear, their default
+                         overlap="auto" (per op and shape, the path the cost model expects faster)
+    tplayers-overlap     the same layers with overlap=True (the ring everywhere)
     tplayers-no-overlap  the same layers with overlap=False (one plain collective per op)
     dtensor              PyTorch's parallelize_module with ColwiseParallel / RowwiseParallel
     unsharded            the nn.Linear block on one rank (for scaling efficiency)
@@ -36,6 +38,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import tplayers
+from tplayers.functional import overlap_choices
 from tplayers.functional.overlap import all_gather_matmul, matmul_reduce_scatter
 from tplayers.testing import tolerance
 
@@ -60,10 +63,11 @@ class Shape:
 SHAPES = [Shape("compute", 4, 512, 512, 2048), Shape("comm", 4, 1024, 2048, 1024)]
 QUICK_SHAPES = [Shape("compute", 2, 64, 64, 256), Shape("comm", 2, 128, 256, 64)]
 MODES = ("tp", "tp+sp")
-PROVIDERS = ("tplayers", "tplayers-no-overlap", "dtensor", "unsharded")
+PROVIDERS = ("tplayers", "tplayers-overlap", "tplayers-no-overlap", "dtensor", "unsharded")
+FORCED = {"tplayers-overlap": True, "tplayers-no-overlap": False}
 FIELDS = (
     "kernel", "provider", "mode", "shape", "device", "threads", "tp", "time_ms", "ratio_to_dtensor",
-    "ratio_overlap_on_off", "scaling_efficiency", "bytes_per_rank", "tflops_per_rank",
+    "ratio_overlap_on_off", "auto_took", "auto_vs_faster", "scaling_efficiency", "bytes_per_rank", "tflops_per_rank",
 )  # fmt: skip
 
 
@@ -185,8 +189,8 @@ def bench_mlp(shape, mode, mesh, device, dtype, args):
     x_tp, dy_tp = (x_full.chunk(n, dim=1)[r], dy_full.chunk(n, dim=1)[r]) if sp else (x_full, dy_full)
     dy_tp = dy_tp.contiguous()  # as a gradient arriving from the next layer would be
     blocks = {
-        "tplayers": tplayers_block(ref, sp, overlap=True),
-        "tplayers-no-overlap": tplayers_block(ref, sp, overlap=False),
+        "tplayers": tplayers_block(ref, sp, overlap="auto"),
+        **{name: tplayers_block(ref, sp, overlap=forced) for name, forced in FORCED.items()},
         "dtensor": dtensor_block(ref, mesh, sp),
     }
     # Each provider gets its own input leaf, so gradients never mix.
@@ -207,9 +211,9 @@ def bench_mlp(shape, mode, mesh, device, dtype, args):
     fns["unsharded"] = (lambda: fwd_bwd(ref, x_ref, dy_full)) if r == 0 else None
     times = time_round_robin(fns, device, args.warmup, args.reps)
 
-    sent = {}
-    for name in ("tplayers", "tplayers-no-overlap"):
-        with tplayers.count_bytes() as counter:
+    sent, choices = {}, {}
+    for name in ("tplayers", *FORCED):
+        with tplayers.count_bytes() as counter, overlap_choices() as choices[name]:
             fns[name]()
         sent[name] = counter.total()
     rows = []
@@ -218,9 +222,23 @@ def bench_mlp(shape, mode, mesh, device, dtype, args):
         rows.append({
             "kernel": "mlp_fwd_bwd", "provider": name, "mode": mode, "shape": str(shape),
             "time_ms": 1e3 * times[name], "bytes_per_rank": sent.get(name, ""),
+            "auto_took": paths_taken(choices["tplayers"]) if name == "tplayers" else "",
             "tflops_per_rank": per_rank_flops / times[name] / 1e12,
         })  # fmt: skip
     return rows
+
+
+def paths_taken(choices) -> str:
+    """What overlap="auto" chose, from `overlap_choices()`: 'ring' / 'plain' when one path
+    everywhere, else per op ('ag:plain rs:ring')."""
+    per_op = {}
+    for c in choices:
+        per_op.setdefault(c.op, set()).add("ring" if c.overlap else "plain")
+    paths = set().union(*per_op.values()) if per_op else {"-"}
+    if len(paths) == 1:
+        return paths.pop()
+    short = {"all_gather_matmul": "ag", "matmul_reduce_scatter": "rs", "matmul_all_reduce": "ar"}
+    return " ".join(f"{short[op]}:{'/'.join(sorted(p))}" for op, p in per_op.items())
 
 
 # ---- GPU only: the fused forward ops against torch.matmul and torch's symm_mem ops ----------
@@ -316,8 +334,9 @@ def worker(rank, world_size, args):
     return rows
 
 
-def run_torchrun(args):
-    """Under torchrun: one process per GPU (NCCL), or per CPU rank (gloo)."""
+def run_torchrun_group(worker, args):
+    """Under torchrun: `worker(rank, world_size, args)` in one process per GPU (NCCL), or per CPU
+    rank (gloo)."""
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -340,8 +359,11 @@ def add_ratios(rows):
             row["ratio_to_dtensor"] = row["time_ms"] / dtensor
         if unsharded and row["provider"] != "unsharded":
             row["scaling_efficiency"] = unsharded / row["tp"] / row["time_ms"]
-        if row["provider"] == "tplayers" and (*key, "tplayers-no-overlap") in by_key:
-            row["ratio_overlap_on_off"] = row["time_ms"] / by_key[(*key, "tplayers-no-overlap")]
+        on, off = by_key.get((*key, "tplayers-overlap")), by_key.get((*key, "tplayers-no-overlap"))
+        if row["provider"] == "tplayers-overlap" and off:
+            row["ratio_overlap_on_off"] = row["time_ms"] / off
+        if row["provider"] == "tplayers" and on and off:
+            row["auto_vs_faster"] = row["time_ms"] / min(on, off)
     return rows
 
 
@@ -369,20 +391,20 @@ def print_table(rows):
     t = {(r["shape"], r["mode"], r["provider"]): r for r in mlp}
     print(f"\nMLP fwd+bwd, tp={mlp[0]['tp']}, threads/rank={mlp[0]['threads']}, device={mlp[0]['device']}")
     head = (
-        f"{'shape':<26} {'mode':<6} {'tpl ms':>8} {'no-ovl ms':>9} {'dtensor ms':>10} {'unshard ms':>10} "
-        f"{'tpl/dt':>7} {'noovl/dt':>8} {'on/off':>7} {'eff tpl':>7} {'eff dt':>7} {'MB/rank':>8}"
+        f"{'shape':<26} {'mode':<6} {'auto ms':>8} {'ovl ms':>8} {'no-ovl ms':>9} {'dtensor ms':>10} "
+        f"{'unshard ms':>10} {'tpl/dt':>7} {'on/off':>7} {'auto took':<16} {'auto/best':>9} {'eff tpl':>7} "
+        f"{'eff dt':>7} {'MB/rank':>8}"
     )
     print(head)
     print("-" * len(head))
     for shape, mode in dict.fromkeys((r["shape"], r["mode"]) for r in mlp):
-        on, off = t[shape, mode, "tplayers"], t[shape, mode, "tplayers-no-overlap"]
+        auto, on, off = (t[shape, mode, p] for p in ("tplayers", "tplayers-overlap", "tplayers-no-overlap"))
         dt, un = t[shape, mode, "dtensor"], t[shape, mode, "unsharded"]
         print(
-            f"{shape:<26} {mode:<6} {on['time_ms']:8.2f} {off['time_ms']:9.2f} {dt['time_ms']:10.2f} "
-            f"{un['time_ms']:10.2f} {on['ratio_to_dtensor']:7.3f} {off['ratio_to_dtensor']:8.3f} "
-            f"{on['ratio_overlap_on_off']:7.3f} {on['scaling_efficiency']:7.3f} "
-            f"{dt['scaling_efficiency']:7.3f} "
-            f"{on['bytes_per_rank'] / 2**20:8.1f}"
+            f"{shape:<26} {mode:<6} {auto['time_ms']:8.2f} {on['time_ms']:8.2f} {off['time_ms']:9.2f} "
+            f"{dt['time_ms']:10.2f} {un['time_ms']:10.2f} {auto['ratio_to_dtensor']:7.3f} "
+            f"{on['ratio_overlap_on_off']:7.3f} {auto['auto_took']:<16} {auto['auto_vs_faster']:9.3f} "
+            f"{auto['scaling_efficiency']:7.3f} {dt['scaling_efficiency']:7.3f} {auto['bytes_per_rank'] / 2**20:8.1f}"
         )
     fused = [r for r in rows if r["kernel"] != "mlp_fwd_bwd"]
     for r in fused:
@@ -403,9 +425,9 @@ def plot(rows, path):
         return [mlp[shape, mode, provider][field] for shape, mode in groups]
 
     series = {
-        "tplayers / dtensor": column("tplayers", "ratio_to_dtensor"),
-        "tplayers no-overlap / dtensor": column("tplayers-no-overlap", "ratio_to_dtensor"),
-        "overlap on / off": column("tplayers", "ratio_overlap_on_off"),
+        "tplayers (auto) / dtensor": column("tplayers", "ratio_to_dtensor"),
+        "overlap on / off": column("tplayers-overlap", "ratio_overlap_on_off"),
+        "auto / faster of on, off": column("tplayers", "auto_vs_faster"),
     }
     width = 0.8 / len(series)
     fig, ax = plt.subplots(figsize=(2.2 * len(groups) + 2, 4))
@@ -422,6 +444,15 @@ def plot(rows, path):
     plt.close(fig)
 
 
+def launch_or_torchrun(worker, args, nprocs):
+    """The rows of `worker(rank, world_size, args)`: under torchrun every rank's own (the files
+    are rank 0's to write: None elsewhere), else from `nprocs` local ranks (rank 0's)."""
+    if "LOCAL_RANK" not in os.environ:
+        return tplayers.launch(worker, nprocs, args)[0]
+    rows = run_torchrun_group(worker, args)
+    return rows if int(os.environ.get("RANK", "0")) == 0 else None
+
+
 def main(argv=None):
     """Run the benchmark; returns the rows (on torchrun, rank 0 alone writes the files).
 
@@ -430,19 +461,10 @@ def main(argv=None):
     module loaded from a file path under a made-up name cannot be found by them.
     """
     args = parse_args(argv)
-    if "LOCAL_RANK" in os.environ:
-        rows = run_torchrun(args)
-        if int(os.environ.get("RANK", "0")) != 0:
-            return rows
-    else:
-        rows = tplayers.launch(worker, args.tp, args)[0]
-    rows = add_ratios(rows)
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_csv(rows, args.out / "linear.csv")
-    plot(rows, args.out / "linear.png")
-    print_table(rows)
-    print(f"\nwrote {args.out / 'linear.csv'} and {args.out / 'linear.png'}")
-    return rows
+    rows = launch_or_torchrun(worker, args, args.tp)
+    if rows is None:
+        return None
+    return write_outputs(add_ratios(rows), args.out, "linear", FIELDS, plot, print_table)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ class BlockCase:
     sequence_parallel: bool = False
     gather: bool = False  # column gather_output=True, row input_is_parallel=False
     bias: bool = True
-    overlap: bool = True
+    overlap: bool | str = "auto"
     backend: str = "torch"
     exact: bool = False  # integer-valued data, compared bit for bit
     wrong_shard: bool = False  # negative control: the column layer gets its neighbour's slice
@@ -118,7 +118,7 @@ def block_cases(draw, dtypes, max_hidden, max_ffn_per_rank, backend):
         sequence_parallel=sp,
         gather=False if sp else draw(st.booleans()),
         bias=draw(st.booleans()),
-        overlap=draw(st.booleans()),
+        overlap=draw(st.sampled_from(["auto", True, False])),
         leading_dims=draw(st.sampled_from([1, 2] if sp else [1, 2, 3])),
         backend=backend,
         seed=draw(st.integers(0, 2**16)),

@@ -155,7 +155,7 @@ class MLPCase:
     dtype: torch.dtype = torch.float32
     sequence_parallel: bool = False
     bias: bool = False
-    overlap: bool = True
+    overlap: bool | str = "auto"
     backend: str = "torch"
     wrong_layout: bool = False  # negative control: gate|up fused as a plain concatenation
     seed: int = 0
@@ -253,7 +253,7 @@ def mlp_cases(draw, max_hidden, max_ffn_per_rank, backend):
         dtype=draw(st.sampled_from(DTYPES)),
         sequence_parallel=draw(st.booleans()),
         bias=draw(st.booleans()),
-        overlap=draw(st.booleans()),
+        overlap=draw(st.sampled_from(["auto", True, False])),
         backend=backend,
         seed=draw(st.integers(0, 2**16)),
     )

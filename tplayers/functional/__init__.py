@@ -3,6 +3,8 @@
     comm.py           the collectives every layer issues (one place to count bytes sent)
     collectives.py    Megatron's f / g Functions: copy / reduce / scatter / gather, sequence gather / scatter
     overlap.py        the overlap engine: all_gather_matmul, matmul_reduce_scatter, matmul_all_reduce
+    auto_overlap.py   overlap="auto": the per-shape choice of ring or plain path, agreed by every rank
+    cost_model.py     the constants and predictions behind it (defaults, the calibrated costs file)
     linear.py         column / row-parallel linear Functions (forward, dgrad, wgrad)
     swiglu.py         the column-parallel gate|up GEMM with SwiGLU in its epilogue
     cross_entropy.py  vocab_parallel_cross_entropy
@@ -11,6 +13,7 @@ May import: tplayers.kernels (lazily: `import tplayers` must not import triton) 
 foundations (backend, distributed, placement); never tplayers.nn or anything above it.
 """
 
+from tplayers.functional.auto_overlap import OverlapDisagreement, overlap_choices
 from tplayers.functional.collectives import (
     all_gather_sequence,
     copy_to_tp_region,
@@ -34,6 +37,8 @@ __all__ = [
     "gather_from_tp_region",
     "matmul_all_reduce",
     "matmul_reduce_scatter",
+    "overlap_choices",
+    "OverlapDisagreement",
     "reduce_from_tp_region",
     "reduce_scatter_sequence",
     "row_parallel_linear",

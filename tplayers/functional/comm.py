@@ -54,13 +54,15 @@ def all_reduce(t, group, *, async_op=False):
     return dist.all_reduce(t, group=group, async_op=async_op)
 
 
-def all_gather_into(out, t, group, *, async_op=False):
-    """Gather `t` from every rank into `out` (n * t.numel() elements, rank-major)."""
+def all_gather_into(out, t, group, *, async_op=False, record=True):
+    """Gather `t` from every rank into `out` (n * t.numel() elements, rank-major). record=False:
+    not counted (control messages, not the model's data)."""
     n = dist.get_world_size(group)
     if n == 1:
         out.copy_(t.reshape(out.shape))
         return _Done() if async_op else None
-    _record("all_gather", (n - 1) / n * _nbytes(out))
+    if record:
+        _record("all_gather", (n - 1) / n * _nbytes(out))
     # gloo wants the gathered buffer shaped (n * t.shape[0], *t.shape[1:])
     flat_out = out.view(-1, *t.shape[1:])
     return _all_gather_single(flat_out, t, group=group, async_op=async_op)

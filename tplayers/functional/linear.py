@@ -133,7 +133,7 @@ class RowParallelLinearFn(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
-def column_parallel_linear(x, weight, bias, group, *, sequence_parallel=False, overlap=True, reduce_input_grad=True):
+def column_parallel_linear(x, weight, bias, group, *, sequence_parallel=False, overlap="auto", reduce_input_grad=True):
     """reduce_input_grad=False (plain mode only) leaves dx as this rank's partial sum, for callers
     that feed several column layers one input and sum its gradient once (copy_to_tp_region or
     all_gather_sequence before them): one collective instead of one per layer."""
@@ -142,5 +142,5 @@ def column_parallel_linear(x, weight, bias, group, *, sequence_parallel=False, o
     return ColumnParallelLinearFn.apply(x, weight, bias, group, sequence_parallel, overlap, reduce_input_grad)
 
 
-def row_parallel_linear(x, weight, bias, group, *, sequence_parallel=False, overlap=True):
+def row_parallel_linear(x, weight, bias, group, *, sequence_parallel=False, overlap="auto"):
     return RowParallelLinearFn.apply(x, weight, bias, group, sequence_parallel, overlap)

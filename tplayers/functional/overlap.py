@@ -12,21 +12,20 @@ the full sequence S = n * s. GEMMs follow nn.Linear: y = x @ weight^T, weight (N
                            the all-reduce (chunked all-reduces on NCCL; the reduce-scatter
                            ring plus an all-gather ring on gloo, see its docstring).
 
-Communication is asynchronous: NCCL runs it on its own CUDA streams, gloo on its own threads,
-so either GEMM backend (Triton or torch) overlaps with it. overlap=False is the plain
-one-collective path, kept for comparison. Per-rank chunks are contiguous buffers
-(chunk-major, (n, B, s, K)) so they can be sent and received without copies; the GEMMs read
-and write strided views of them.
+overlap="auto" (the default) takes, per op and shape, the path the cost model expects to be
+faster, the same on every rank (auto_overlap.py); True forces the ring, False the plain
+one-collective path. Communication is asynchronous: NCCL runs it on its own CUDA streams, gloo
+on its own threads, so either GEMM backend (Triton or torch) overlaps with it. Per-rank chunks
+are contiguous buffers (chunk-major, (n, B, s, K)) so they can be sent and received without
+copies; the GEMMs read and write strided views of them.
 """
 
 import torch.distributed as dist
 
 from tplayers.backend import gemm
 from tplayers.functional import comm
-
-ALL_REDUCE_CHUNKS = 4
-# Below this many bytes per chunk, a chunk's collective latency outweighs what overlap hides.
-MIN_ALL_REDUCE_CHUNK_BYTES = 1 << 20
+from tplayers.functional.auto_overlap import use_ring
+from tplayers.functional.cost_model import all_reduce_chunks
 
 
 def all_gather_chunks(x, group):
@@ -41,7 +40,7 @@ def _swiglu_rows(swiglu_out, j, s):
     return {} if swiglu_out is None else {"swiglu_out": swiglu_out[:, j * s : (j + 1) * s]}
 
 
-def all_gather_matmul(x, weight, group, *, bias=None, overlap=True, swiglu_out=None):
+def all_gather_matmul(x, weight, group, *, bias=None, overlap="auto", swiglu_out=None):
     """y = all_gather(x, dim=1) @ weight^T + bias.
 
     x (B, s, K), weight (N, K) (any strides), bias (N,) -> y (B, n*s, N) and the gathered
@@ -51,7 +50,7 @@ def all_gather_matmul(x, weight, group, *, bias=None, overlap=True, swiglu_out=N
     n, r = dist.get_world_size(group), dist.get_rank(group)
     B, s, K = x.shape
     y = x.new_empty((B, n * s, weight.shape[0]))
-    if n == 1 or not overlap:
+    if not use_ring("all_gather_matmul", overlap, group, x, B * n * s, K, weight.shape[0]):
         chunks = all_gather_chunks(x, group)
         for j in range(n):
             gemm(chunks[j], weight, bias=bias, out=y[:, j * s : (j + 1) * s], **_swiglu_rows(swiglu_out, j, s))
@@ -76,17 +75,33 @@ def _ring_reduce_scatter(block_input, weight, group, *, bias=None, out=None):
     ranks lands on rank j. At each step a rank computes its partial sum for one block while the
     running sum of the block before travels to the next rank; its own block comes last, and
     only that final sum gets the bias, so the bias is added exactly once. Returns this rank's
-    block (written into `out` when given)."""
+    block (written into `out` when given).
+
+    Blocks may differ in size (matmul_all_reduce's uneven row split), so the ring's buffers are
+    allocated once at the largest block and viewed per step: two partial sums (the one in flight
+    and the one being computed; one for two ranks) and one receive buffer. Separate allocations,
+    not one: on CPU a block above glibc's 32 MiB mmap threshold is mapped and page-faulted anew
+    on every call, which cost more than the whole ring saves (measured: 21 ms for 48 MiB)."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
+    if n == 1:
+        return gemm(block_input(0), weight, bias=bias, out=out)
     prev, nxt = (r - 1) % n, (r + 1) % n
-    block = lambda step: (r - 1 - step) % n  # noqa: E731  the block computed at `step`
-    partial = gemm(block_input(block(0)), weight, bias=bias if n == 1 else None, out=out if n == 1 else None)
+    N = weight.shape[0]
+    inputs = [block_input((r - 1 - step) % n) for step in range(n)]  # the block computed at each step
+    shapes = [(*x_block.shape[:-1], N) for x_block in inputs]
+    largest = max(x_block[..., 0].numel() for x_block in inputs) * N
+    buffers = [inputs[0].new_empty(largest) for _ in range(3 if n > 2 else 2)]  # partial(s), then received
+    view = lambda buf, step: buf[: inputs[step][..., 0].numel() * N].view(shapes[step])  # noqa: E731
+    partial = gemm(inputs[0], weight, out=view(buffers[0], 0))
     for step in range(1, n):
-        last, x_block = step == n - 1, block_input(block(step))
-        # The previous rank's running sum of the block we compute now (blocks may differ in size).
-        received = partial.new_empty((*x_block.shape[:-1], weight.shape[0]))
+        last = step == n - 1
+        received = view(buffers[-1], step)  # the previous rank's running sum of the block we compute now
         in_flight = comm.exchange(partial, nxt, received, prev, group)
-        partial = gemm(x_block, weight, bias=bias if last else None, out=out if last else None)
+        if not last:
+            target = view(buffers[step % 2], step)
+        else:
+            target = out if out is not None else inputs[step].new_empty(shapes[step])
+        partial = gemm(inputs[step], weight, bias=bias if last else None, out=target)
         for work in in_flight:
             work.wait()
         partial += received
@@ -111,7 +126,7 @@ def _ring_all_gather_rows(y, bounds, group, side_work=()):
         work()
 
 
-def matmul_reduce_scatter(x, weight, group, *, bias=None, overlap=True):
+def matmul_reduce_scatter(x, weight, group, *, bias=None, overlap="auto"):
     """y = reduce_scatter(x @ weight^T, dim=1) + bias.
 
     x (B, n*s, K), weight (N, K) (any strides), bias (N,) added once -> y (B, s, N).
@@ -121,7 +136,7 @@ def matmul_reduce_scatter(x, weight, group, *, bias=None, overlap=True):
     if S % n:
         raise ValueError(f"sequence length {S} is not divisible by the TP size {n}")
     s, N = S // n, weight.shape[0]
-    if overlap or n == 1:
+    if n == 1 or use_ring("matmul_reduce_scatter", overlap, group, x, B * S, K, N):
         return _ring_reduce_scatter(lambda j: x[:, j * s : (j + 1) * s], weight, group, bias=bias)
     partials = x.new_empty((n, B, s, N))
     for j in range(n):
@@ -131,12 +146,13 @@ def matmul_reduce_scatter(x, weight, group, *, bias=None, overlap=True):
     return y if bias is None else y.add_(bias)
 
 
-def matmul_all_reduce(x, weight, group, *, bias=None, overlap=True, side_work=()):
+def matmul_all_reduce(x, weight, group, *, bias=None, overlap="auto", side_work=()):
     """y = all_reduce(x @ weight^T) + bias, x (..., K) -> y (..., N); bias added once.
 
     `side_work`: callables with no collectives (a weight gradient, say) to run while the
     reduction is in flight. With overlap on, the GEMM is split along the rows of x and
-    overlapped with the reduction in one of two ways, chosen by the group's backend:
+    overlapped with the reduction (when the ring is taken) in one of two ways, chosen by the
+    group's backend:
       NCCL: row chunks, each chunk's all-reduce in flight while the next chunk is computed;
       gloo: n row blocks in the reduce-scatter ring, then a ring all-gather of the reduced
             blocks with `side_work` in its shadow. gloo's all-reduce competes with the GEMM
@@ -150,7 +166,8 @@ def matmul_all_reduce(x, weight, group, *, bias=None, overlap=True, side_work=()
     # residual +=), which autograd forbids on a view made inside a Function.
     result = x.new_empty((*x.shape[:-1], N))
     y = result.view(M, N)
-    if overlap and n > 1 and dist.get_backend(group) == "gloo":
+    overlap = use_ring("matmul_all_reduce", overlap, group, x, M, x2.shape[1], N, side=len(side_work))
+    if overlap and dist.get_backend(group) == "gloo":
         bounds = [M * j // n for j in range(n + 1)]
         own = y[bounds[r] : bounds[r + 1]]
         _ring_reduce_scatter(lambda j: x2[bounds[j] : bounds[j + 1]], weight, group, bias=bias, out=own)
@@ -158,7 +175,7 @@ def matmul_all_reduce(x, weight, group, *, bias=None, overlap=True, side_work=()
         return result
     # Rank 0 alone adds the bias inside its GEMM: the sum then holds it once, at no extra pass.
     own_bias = bias if r == 0 else None
-    chunks = max(1, min(ALL_REDUCE_CHUNKS, M * N * x.element_size() // MIN_ALL_REDUCE_CHUNK_BYTES)) if overlap else 1
+    chunks = all_reduce_chunks(M * N * x.element_size()) if overlap else 1
     bounds = [M * i // chunks for i in range(chunks + 1)]
     works = []
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):

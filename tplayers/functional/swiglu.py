@@ -60,7 +60,7 @@ class ColumnSwiGLUFn(torch.autograd.Function):
         return (*column_backward(ctx, dy, saved, weight), None, None, None)
 
 
-def column_parallel_swiglu(x, weight, bias, group, *, sequence_parallel=False, overlap=True):
+def column_parallel_swiglu(x, weight, bias, group, *, sequence_parallel=False, overlap="auto"):
     """silu(gate) * up of the column-parallel GEMM x W^T + b whose output columns alternate gate, up."""
     if weight.shape[0] % 2:
         raise ValueError(f"the fused gate|up weight needs an even number of rows, got {weight.shape[0]}")

@@ -25,6 +25,7 @@ from torch.distributed.tensor import Replicate
 
 from tplayers.distributed import resolve_group
 from tplayers.functional import comm
+from tplayers.functional.auto_overlap import check_overlap
 from tplayers.functional.collectives import (
     all_gather_sequence,
     copy_to_tp_region,
@@ -145,7 +146,9 @@ def _decoder_blocks(model, placed):
     return None
 
 
-def parallelize(model, *, group=None, sequence_parallel=False, plan=None, vocab_parallel_logits=False, verify=None):
+def parallelize(
+    model, *, group=None, sequence_parallel=False, plan=None, vocab_parallel_logits=False, verify=None, overlap="auto"
+):
     """Shard `model` in place over `group` (see the module docstring); returns it.
 
     After it, `model(ids).logits` are the full-vocabulary logits of the unsharded model
@@ -157,12 +160,16 @@ def parallelize(model, *, group=None, sequence_parallel=False, plan=None, vocab_
     if they differ beyond the tolerance table. None (default): on whenever the weights are
     materialised and the model takes token ids; False: off; True: required; a tensor: the input
     to check with. It costs one forward of a (2, 4 * TP size) batch each way.
+
+    overlap: every tensor-parallel layer's overlap mode ("auto": per op and shape, the path the
+    cost model expects to be faster; True / False force the ring / the plain collectives).
     """
+    check_overlap(overlap, "parallelize")
     group = resolve_group(group)
     probe = verification.probe_input(model, verify, dist.get_world_size(group))
     reference = verification.logits(model, probe) if probe is not None else None
     keys = list(model.state_dict().keys())
-    parallelizer = ShardingPass(model, group, sequence_parallel, plan, vocab_parallel_logits)
+    parallelizer = ShardingPass(model, group, sequence_parallel, plan, vocab_parallel_logits, overlap)
     parallelizer.run(families.ADAPTERS, families.EMBEDDINGS, families.LINEAR_EQUIVALENTS)  # read per call: patchable
     if sequence_parallel:
         blocks = _decoder_blocks(model, parallelizer.shared_input)

@@ -15,7 +15,7 @@ from torch import nn
 
 from tplayers.functional.collectives import all_gather_dim, own_slice
 from tplayers.hf import pieces
-from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear, refuse_own_forward
+from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear, _ParallelLinear, refuse_own_forward
 from tplayers.placement import copy_into
 
 PLAN_KINDS = ("colwise", "rowwise", "vocab", "replicate")
@@ -118,8 +118,8 @@ class ShardingPass:
     tensor-parallel form; what the adapters need (column / row swaps, export records, inputs
     shared by several column layers, weights whose gradient each rank holds only part of) is here."""
 
-    def __init__(self, model, group, sequence_parallel, plan, vocab_parallel_logits):
-        self.model, self.group, self.sp = model, group, sequence_parallel
+    def __init__(self, model, group, sequence_parallel, plan, vocab_parallel_logits, overlap="auto"):
+        self.model, self.group, self.sp, self.overlap = model, group, sequence_parallel, overlap
         self.n = dist.get_world_size(group)
         self.plan = dict(plan or {})
         self.vocab_parallel_logits = vocab_parallel_logits
@@ -143,6 +143,9 @@ class ShardingPass:
 
     # -- what adapters call -----------------------------------------------------------------
     def swap(self, name, new):
+        for layer in new.modules():  # every tensor-parallel linear the adapter built, however nested
+            if isinstance(layer, _ParallelLinear):
+                layer.overlap = self.overlap
         parent_name, _, child = name.rpartition(".")
         setattr(self.model.get_submodule(parent_name) if parent_name else self.model, child, new)
         self.done.add(name)

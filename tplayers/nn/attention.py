@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate
 
 from tplayers.distributed import resolve_group
+from tplayers.functional.auto_overlap import check_overlap
 from tplayers.functional.collectives import copy_to_tp_region
 from tplayers.functional.linear import column_parallel_linear
 from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear, _ParallelLinear
@@ -124,7 +125,7 @@ class ParallelAttention(nn.Module):
 
     def __init__(
         self, hidden_size, num_heads, num_kv_heads=None, head_dim=None, *, bias=False, qkv_bias=None,
-        causal=True, group=None, sequence_parallel=False, overlap=True, rope_theta=10000.0,
+        causal=True, group=None, sequence_parallel=False, overlap="auto", rope_theta=10000.0,
         device=None, dtype=None,
     ):  # fmt: skip
         super().__init__()
@@ -141,7 +142,8 @@ class ParallelAttention(nn.Module):
             num_kv_heads,
             head_dim,
         )
-        self.causal, self.sequence_parallel, self.overlap = causal, sequence_parallel, overlap
+        self.causal, self.sequence_parallel = causal, sequence_parallel
+        self.overlap = check_overlap(overlap, "ParallelAttention")
         self.local_heads = num_heads // self.tp_size
         self.kv_replicated = num_kv_heads < self.tp_size
         self.local_kv_heads = 1 if self.kv_replicated else num_kv_heads // self.tp_size

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from tplayers.distributed import resolve_group
+from tplayers.functional.auto_overlap import check_overlap
 from tplayers.functional.collectives import gather_from_tp_region, own_slice, scatter_to_tp_region
 from tplayers.functional.linear import column_parallel_linear, row_parallel_linear
 from tplayers.placement import PlacedModule
@@ -88,7 +89,7 @@ class _ParallelLinear(PlacedModule):
         self.group = resolve_group(group)
         self.tp_size = dist.get_world_size(self.group)
         self.in_features, self.out_features = in_features, out_features
-        self.sequence_parallel, self.overlap = sequence_parallel, overlap
+        self.sequence_parallel, self.overlap = sequence_parallel, check_overlap(overlap, type(self).__name__)
 
     def _init_parameters(self, bias, device, dtype):
         """Draw the full nn.Linear weights, keep this rank's shards, keep placements attached."""
@@ -127,7 +128,7 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def __init__(
         self, in_features, out_features, bias=True, *, group=None, gather_output=False,
-        sequence_parallel=False, overlap=True, reduce_input_grad=True, device=None, dtype=None,
+        sequence_parallel=False, overlap="auto", reduce_input_grad=True, device=None, dtype=None,
     ):  # fmt: skip
         super().__init__(in_features, out_features, group=group, sequence_parallel=sequence_parallel, overlap=overlap)
         self.out_features_per_rank = _divide(out_features, self.tp_size, "out_features")
@@ -173,7 +174,7 @@ class RowParallelLinear(_ParallelLinear):
 
     def __init__(
         self, in_features, out_features, bias=True, *, group=None, input_is_parallel=True,
-        sequence_parallel=False, overlap=True, device=None, dtype=None,
+        sequence_parallel=False, overlap="auto", device=None, dtype=None,
     ):  # fmt: skip
         super().__init__(in_features, out_features, group=group, sequence_parallel=sequence_parallel, overlap=overlap)
         self.in_features_per_rank = _divide(in_features, self.tp_size, "in_features")

@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from tplayers.distributed import resolve_group
+from tplayers.functional.auto_overlap import check_overlap
 from tplayers.functional.swiglu import column_parallel_swiglu
 from tplayers.nn.linear import (
     ColumnParallelLinear,
@@ -70,7 +71,7 @@ class ParallelMLP(nn.Module):
 
     def __init__(
         self, hidden_size, ffn_hidden_size, *, activation="swiglu", bias=False, group=None,
-        sequence_parallel=False, overlap=True, device=None, dtype=None,
+        sequence_parallel=False, overlap="auto", device=None, dtype=None,
     ):  # fmt: skip
         super().__init__()
         if activation not in ACTIVATIONS:
@@ -81,7 +82,8 @@ class ParallelMLP(nn.Module):
         self.hidden_size, self.ffn_hidden_size, self.activation = hidden_size, ffn_hidden_size, activation
         self.sequence_parallel = sequence_parallel
         gated = activation == "swiglu"
-        kw = dict(group=self.group, sequence_parallel=sequence_parallel, overlap=overlap, dtype=dtype)
+        kw = dict(group=self.group, sequence_parallel=sequence_parallel, dtype=dtype)
+        kw["overlap"] = check_overlap(overlap, "ParallelMLP")
         in_features = 2 * ffn_hidden_size if gated else ffn_hidden_size
         self.in_proj = ColumnParallelLinear(hidden_size, in_features, bias, device="meta", **kw)
         self.out_proj = RowParallelLinear(ffn_hidden_size, hidden_size, bias, device="meta", **kw)

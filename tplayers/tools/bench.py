@@ -22,10 +22,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPTS = ("linear", "transformer", "amp", "zero", "pipeline", "checkpoint")
+SCRIPTS = ("linear", "overlap", "transformer", "amp", "zero", "pipeline", "checkpoint")
 FIELDS = (
     "op", "provider", "mode", "shape", "device", "version", "time_ms", "baseline", "ratio_to_baseline",
-    "tflops_per_rank", "gbps", "overlap_pays_off", "script",
+    "tflops_per_rank", "gbps", "overlap_pays_off", "auto_took", "auto_vs_faster", "script",
 )  # fmt: skip
 # Run-to-run noise of one time ratio on a busy machine (measured +-3-5% on 2 CPU cores): an
 # overlap on/off ratio within it is reported as "even", not as a win or a loss.
@@ -33,6 +33,7 @@ OVERLAP_NOISE = 0.03
 # Per script: (column with the ratio, the provider it is relative to, how its rows map to FIELDS)
 RATIO_OF = {
     "linear": ("ratio_to_dtensor", "dtensor"),
+    "overlap": ("ratio_to_faster", "the faster of overlap on / off"),
     "transformer": ("ratio_to_dtensor", "dtensor"),
     "amp": ("ratio_vs_torch", "torch"),
     "zero": ("ratio_to_torch", "torch recipe (DTensor TP + fully_shard)"),
@@ -49,6 +50,13 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--bench-dir", type=Path, default=None, help="folder of the scripts (default: the checkout's bench/)"
     )
+    calibration = parser.add_argument_group("--calibrate: measure the overlap cost model's constants instead")
+    calibration.add_argument("--calibrate", action="store_true", help="write the overlap costs file (no benchmarks)")
+    calibration.add_argument("--tp", type=int, default=2, help="local ranks to calibrate on")
+    calibration.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    calibration.add_argument("--rounds", type=int, default=3, help="calibration runs (each constant's median)")
+    calibration.add_argument("--costs-file", type=Path, default=None, help="default: $TPLAYERS_OVERLAP_COSTS or "
+                             "~/.cache/tplayers/overlap_costs.json")  # fmt: skip
 
 
 def _bench_dir(given) -> Path:
@@ -94,6 +102,20 @@ def _overlap_verdict(on_off) -> str:
     return "yes" if ratio < 1 - OVERLAP_NOISE else "no" if ratio > 1 + OVERLAP_NOISE else "even"
 
 
+def _auto_vs_faster(name, row) -> str:
+    """overlap="auto"'s time over the faster forced path's, on the rows of the auto provider."""
+    if name == "overlap":
+        return row["ratio_to_faster"] if row["provider"] == "auto" else ""
+    return row.get("auto_vs_faster", "")
+
+
+def _auto_said(row) -> str:
+    if not row["auto_took"]:
+        return ""
+    ratio = row["auto_vs_faster"]
+    return f"{row['auto_took']} ({float(ratio):.3f})" if ratio not in ("", None) else row["auto_took"]
+
+
 def merge(name: str, rows: list, versions: str) -> list:
     """One script's CSV rows in the common schema."""
     ratio_column, baseline = RATIO_OF[name]
@@ -114,6 +136,8 @@ def merge(name: str, rows: list, versions: str) -> list:
                 tflops_per_rank=row.get("tflops_per_rank", ""),
                 gbps=row.get("gbps", ""),
                 overlap_pays_off=_overlap_verdict(on_off),
+                auto_took=row.get("auto_took", ""),
+                auto_vs_faster=_auto_vs_faster(name, row),
                 script=name,
             )
         )
@@ -149,7 +173,10 @@ def plot(rows: list, path: Path) -> None:
 
 
 def summary(rows: list) -> str:
-    lines = [f"{'script':<12}{'op':<16}{'shape':<36}{'mode':<10}{'provider':<22}{'ratio':>8}  overlap pays off"]
+    lines = [
+        f"{'script':<12}{'op':<16}{'shape':<36}{'mode':<10}{'provider':<22}{'ratio':>8}  overlap pays off  "
+        "auto took (auto / faster forced)"
+    ]
     for r in rows:
         if r["provider"] == r["baseline"]:
             continue
@@ -157,12 +184,16 @@ def summary(rows: list) -> str:
         ratio = f"{float(ratio):8.3f}" if ratio not in ("", None) else f"{'-':>8}"
         lines.append(
             f"{r['script']:<12}{r['op']:<16}{r['shape'][:35]:<36}{r['mode']:<10}{r['provider']:<22}{ratio}  "
-            f"{r['overlap_pays_off']}"
+            f"{r['overlap_pays_off']:<18}{_auto_said(r)}"
         )
     return "\n".join(lines)
 
 
 def run(args) -> int:
+    if args.calibrate:
+        from tplayers.tools import calibrate
+
+        return calibrate.run(args)
     bench_dir = _bench_dir(args.bench_dir)
     out = args.out if args.out is not None else bench_dir / "out"
     versions = _versions()

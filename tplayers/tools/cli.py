@@ -14,7 +14,7 @@ def _demo(args) -> int:
         tp=args.tp, dp=args.dp, pp=args.pp, zero=args.zero, steps=args.steps, layers=args.layers,
         hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads, ffn=args.ffn,
         batch=args.batch, seq=args.seq, sequence_parallel=args.sequence_parallel,
-        overlap=not args.no_overlap, backend=args.backend, seed=args.seed,
+        overlap=OVERLAP_FLAGS[args.overlap], backend=args.backend, seed=args.seed,
         dtype=args.dtype, micro_batches=args.micro_batches, max_grad_norm=args.max_grad_norm,
         save=args.save, save_every=args.save_every, resume=args.resume,
     )  # fmt: skip
@@ -23,6 +23,9 @@ def _demo(args) -> int:
     print(summary(report))
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
+
+
+OVERLAP_FLAGS = {"auto": "auto", "on": True, "off": False}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,7 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--batch", type=int, default=8)
     demo.add_argument("--seq", type=int, default=64)
     demo.add_argument("--sequence-parallel", action="store_true")
-    demo.add_argument("--no-overlap", action="store_true", help="plain collectives, for comparison")
+    demo.add_argument(
+        "--overlap", choices=list(OVERLAP_FLAGS), default="auto",
+        help="ring overlap of the TP collectives: per op and shape (auto), always (on) or never (off)",
+    )  # fmt: skip
+    demo.add_argument("--no-overlap", dest="overlap", action="store_const", const="off", help="--overlap off")
     demo.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument(

@@ -36,7 +36,7 @@ class DemoConfig:
     seq: int = 64
     lr: float = 1e-3
     sequence_parallel: bool = False
-    overlap: bool = True
+    overlap: bool | str = "auto"  # the layers' overlap mode: "auto", True (ring) or False (plain collectives)
     backend: str = "auto"
     seed: int = 0
     dtype: str = "fp32"  # the TP model's parameters: fp32, or bf16 / fp16 with fp32 master weights
@@ -166,7 +166,9 @@ def train_on_rank(rank, world_size, cfg: DemoConfig):
         with torch.no_grad():  # parameters only: buffers (RoPE frequencies) stay fp32
             for p in model.parameters():
                 p.data = p.data.to(DTYPES[cfg.dtype])
-    tplayers.parallelize(model, group=group, sequence_parallel=cfg.sequence_parallel, vocab_parallel_logits=True)
+    tplayers.parallelize(
+        model, group=group, sequence_parallel=cfg.sequence_parallel, vocab_parallel_logits=True, overlap=cfg.overlap
+    )
     trained, schedule = model, None  # what this rank trains: the model, or its pipeline stage
     if cfg.pp > 1:
         stage = tplayers.pipeline_split(model, group=mesh["pp"])[0]

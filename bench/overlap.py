@@ -1,0 +1,174 @@
+"""Benchmark: overlap="auto" against both forced paths over a grid of token counts, from decode
+(one token per sequence) to the comm-heavy transformer shape.
+
+The block is bench/linear.py's Column -> GeLU -> Row MLP, forward + backward, at its comm-heavy
+hidden / ffn sizes; the batch is fixed and the sequence grows, so M = batch x seq runs from
+the batch size (decode) up. Modes "tp" and "tp+sp" (SP from seq = TP size up).
+
+Providers, timed side by side in one run on the same ranks (round robin, slowest rank, median):
+    auto   the layers' default: per op and shape, the path the cost model expects to be faster
+    on     overlap=True: the ring everywhere
+    off    overlap=False: one plain collective per op
+Per point: which path auto took for each op (from tplayers.functional.overlap_choices), which
+forced path was faster, auto / the faster one, and the model's predicted on / off ratio beside
+the measured one.
+
+CPU: `python bench/overlap.py [--quick] [--tp 2] [--out bench/out]` starts the ranks itself;
+`torchrun --nproc-per-node N bench/overlap.py` on GPUs. Writes <out>/overlap.csv and
+<out>/overlap.png (time of the three against M, per mode) and prints a table.
+"""
+
+import argparse
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from linear import (
+    Shape,
+    fwd_bwd,
+    launch_or_torchrun,
+    paths_taken,
+    reference_block,
+    time_once,
+    time_round_robin,
+    tplayers_block,
+    write_outputs,
+)
+
+import tplayers
+from tplayers.functional import overlap_choices
+
+BATCH = 4
+SEQS = (1, 4, 16, 64, 256, 1024)  # decode ... bench/linear.py's comm-heavy shape (b4 s1024 h2048 f1024)
+HIDDEN, FFN = 2048, 1024
+QUICK = dict(seqs=(1, 8, 64, 256), hidden=256, ffn=64)  # linear.py's quick comm shape at the top
+PROVIDERS = {"auto": "auto", "on": True, "off": False}
+MODES = ("tp", "tp+sp")
+FIELDS = (
+    "op", "provider", "mode", "shape", "tokens", "device", "tp", "time_ms", "auto_took", "faster_forced",
+    "ratio_to_faster", "measured_on_off", "predicted_on_off", "reps",
+)  # fmt: skip
+# Run-to-run noise of one time ratio here (2 CPU cores): the bar auto is held to.
+AUTO_SLACK = 1.05
+MAX_REPS = 100
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="small shapes, few rounds (smoke test)")
+    p.add_argument("--tp", type=int, default=2, help="local ranks (ignored under torchrun)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--reps", type=int, default=None, help="fewest timed rounds per point (default 7, quick 3)")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds per provider and point: small shapes get more rounds (default 2)")  # fmt: skip
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
+    args = p.parse_args(argv)
+    args.reps = args.reps or (3 if args.quick else 7)
+    args.budget = args.budget if args.budget is not None else (0.2 if args.quick else 2.0)
+    args.warmup = 1
+    grid = QUICK if args.quick else dict(seqs=SEQS, hidden=HIDDEN, ffn=FFN)
+    args.shapes = [Shape(f"s{s}", BATCH, s, grid["hidden"], grid["ffn"]) for s in grid["seqs"]]
+    return args
+
+
+def bench_point(shape, mode, device, dtype, args):
+    n, r = dist.get_world_size(), dist.get_rank()
+    sp = mode == "tp+sp"
+    ref = reference_block(shape, device, dtype)
+    x_full = torch.randn(shape.batch, shape.seq, shape.hidden, device=device, dtype=dtype)
+    dy_full = torch.randn_like(x_full)
+    x, dy = (x_full.chunk(n, dim=1)[r], dy_full.chunk(n, dim=1)[r]) if sp else (x_full, dy_full)
+    blocks = {name: tplayers_block(ref, sp, overlap) for name, overlap in PROVIDERS.items()}
+    inputs = {name: x.detach().clone().contiguous().requires_grad_() for name in blocks}
+    dy = dy.contiguous()
+    fns = {name: (lambda b=block, x=inputs[name]: fwd_bwd(b, x, dy)) for name, block in blocks.items()}
+    with overlap_choices() as choices:
+        fns["auto"]()
+    # Rounds enough to fill the budget (a small shape's time varies by +-20 % round to round here).
+    once = torch.tensor([time_once(fns["off"], device)], dtype=torch.float64)
+    dist.all_reduce(once, op=dist.ReduceOp.MAX)
+    reps = min(max(args.reps, int(args.budget / once.item())), MAX_REPS)
+    times = time_round_robin(fns, device, args.warmup, reps)
+    predicted = sum(c.predicted_ring_s for c in choices) / sum(c.predicted_plain_s for c in choices) if choices else 1
+    faster = min(("on", "off"), key=times.get)
+    common = dict(
+        op="mlp_fwd_bwd", mode=mode, shape=str(shape), tokens=shape.batch * shape.seq, auto_took=paths_taken(choices),
+        faster_forced=faster, reps=reps,
+        measured_on_off=times["on"] / times["off"], predicted_on_off=predicted,
+    )  # fmt: skip
+    return [
+        dict(common, provider=name, time_ms=1e3 * t, ratio_to_faster=t / times[faster]) for name, t in times.items()
+    ]
+
+
+def worker(rank, world_size, args):
+    torch.set_num_threads(args.threads)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    tplayers.set_backend("auto" if cuda else "torch")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    rows = []
+    for mode in MODES:
+        for shape in args.shapes:
+            if mode == "tp+sp" and shape.seq % world_size:
+                continue  # a sequence shorter than the TP size cannot be split along it
+            rows += bench_point(shape, mode, device, dtype, args)
+    name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    for row in rows:
+        row.update(device=name, tp=world_size)
+    return rows
+
+
+def print_table(rows):
+    auto = [r for r in rows if r["provider"] == "auto"]
+    t = {(r["mode"], r["shape"], r["provider"]): r["time_ms"] for r in rows}
+    print(f"\nMLP fwd+bwd, overlap auto / on / off, tp={rows[0]['tp']}, device={rows[0]['device']}")
+    head = (
+        f"{'mode':<6} {'shape':<24} {'M':>6} {'auto ms':>9} {'on ms':>9} {'off ms':>9} {'auto took':<14} "
+        f"{'faster':<6} {'auto/faster':>11} {'on/off':>7} {'model':>7}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in auto:
+        key = (r["mode"], r["shape"])
+        print(
+            f"{r['mode']:<6} {r['shape']:<24} {r['tokens']:>6} {t[(*key, 'auto')]:9.2f} {t[(*key, 'on')]:9.2f} "
+            f"{t[(*key, 'off')]:9.2f} {r['auto_took']:<14} {r['faster_forced']:<6} {r['ratio_to_faster']:11.3f} "
+            f"{r['measured_on_off']:7.3f} {r['predicted_on_off']:7.3f}"
+        )
+    worst = max(r["ratio_to_faster"] for r in auto)
+    print(f"\nauto / faster forced path: at most {worst:.3f} (bar: {AUTO_SLACK}) over {len(auto)} points")
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(MODES), figsize=(6 * len(MODES), 4.2), squeeze=False)
+    for ax, mode in zip(axes[0], MODES, strict=True):
+        for provider, style in (("on", "s--"), ("off", "o--"), ("auto", "x-")):
+            mine = [r for r in rows if r["mode"] == mode and r["provider"] == provider]
+            ax.plot([r["tokens"] for r in mine], [r["time_ms"] for r in mine], style, label=f"overlap={provider}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens M = batch x seq")
+        ax.set_ylabel("fwd+bwd ms (slowest rank, median)")
+        ax.set_title(f"{mode}, tp={rows[0]['tp']}, {rows[0]['device']}")
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rows = launch_or_torchrun(worker, args, args.tp)
+    if rows is None:
+        return None
+    return write_outputs(rows, args.out, "overlap", FIELDS, plot, print_table)
+
+
+if __name__ == "__main__":
+    main()
