@@ -18,11 +18,11 @@ def run_cli(*args, cwd):
     "flags",
     [
         [],
-        ["--sequence-parallel", "--tp", "4", "--seq", "32"],
-        ["--dp", "2", "--tp", "2", "--zero", "3"],
+        ["--sequence-parallel", "--tp", "4", "--seq", "32", "--overlap", "on"],
+        ["--dp", "2", "--tp", "2", "--zero", "3", "--no-overlap"],
         ["--pp", "2", "--tp", "2", "--sequence-parallel"],
     ],
-    ids=["tp2", "tp4_sp", "dp2_tp2_zero3", "pp2_tp2_sp"],
+    ids=["tp2", "tp4_sp_overlap_on", "dp2_tp2_zero3_overlap_off", "pp2_tp2_sp"],
 )
 def test_demo_trains_and_matches_unsharded(tmp_path, flags):
     result = run_cli("demo", "--steps", "25", "--out", str(tmp_path), *flags, cwd=tmp_path)
@@ -179,6 +179,39 @@ def test_bench_says_where_overlap_pays_off():
              ratio_to_dtensor="1.0", ratio_overlap_on_off=""),
     ]  # fmt: skip
     assert [r["overlap_pays_off"] for r in merge("linear", raw, "v")] == ["yes", "no", "even", ""]
+
+
+def test_bench_says_which_path_auto_took():
+    from tplayers.tools.bench import merge, summary
+
+    raw = [
+        dict(kernel="mlp", provider="tplayers", mode="tp", shape="s", device="cpu", time_ms="1.0",
+             ratio_to_dtensor="0.9", auto_took="ring", auto_vs_faster="1.01"),
+        dict(kernel="mlp", provider="tplayers-overlap", mode="tp", shape="s", device="cpu", time_ms="1.0",
+             ratio_to_dtensor="0.9", ratio_overlap_on_off="0.8"),
+    ]  # fmt: skip
+    merged = merge("linear", raw, "v")
+    assert [(r["auto_took"], r["auto_vs_faster"]) for r in merged] == [("ring", "1.01"), ("", "")]
+    assert "ring (1.010)" in summary(merged)
+    grid = [
+        dict(op="mlp_fwd_bwd", provider=p, mode="tp", shape="s1", device="cpu", time_ms="1.0", auto_took="plain",
+             ratio_to_faster=ratio) for p, ratio in (("auto", "1.02"), ("on", "1.5"), ("off", "1.0"))
+    ]  # fmt: skip
+    assert [r["auto_vs_faster"] for r in merge("overlap", grid, "v")] == ["1.02", "", ""]
+
+
+def test_bench_calibrate_writes_a_costs_file_the_layers_read(tmp_path):
+    from tplayers.functional import cost_model
+
+    path = tmp_path / "costs.json"
+    result = run_cli("bench", "--calibrate", "--rounds", "1", "--reps", "2", "--costs-file", str(path), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    costs = cost_model.read_costs("gloo", "cpu", path)
+    assert costs.source.startswith("calibrated: gloo on cpu, 2 ranks")
+    assert (
+        costs.p2p_bytes_per_s > 0 and costs.gemm_flops_per_s["float32"] > 0 and set(costs.hidden) == set(cost_model.OPS)
+    )
+    assert all(latency >= 0 and bandwidth > 0 for latency, bandwidth in costs.collectives.values())
 
 
 def test_bench_without_scripts_exit_code_2(tmp_path):

@@ -81,9 +81,16 @@ def reduce_scatter_into(out, t, group, *, async_op=False):
 
 def exchange(send_buf, group_dst: int, recv_buf, group_src: int, group):
     """Send `send_buf` to rank `group_dst` while receiving `recv_buf` from rank `group_src` (indices
-    in `group`); returns the works to wait on. One batched call, so NCCL runs both at once: two
-    separate calls could deadlock a two-rank ring where both ranks send first."""
+    in `group`); returns the works to wait on. NCCL gets one batched call, so it runs both at
+    once (two separate calls could deadlock a two-rank ring where both ranks send first); gloo's
+    sends and receives are asynchronous anyway, and two plain calls save the batch's Python
+    (15-20 us of a ~170 us ring step on 2 CPU ranks, measured)."""
     _record("send", _nbytes(send_buf))
+    if dist.get_backend(group) == "gloo":
+        return [
+            dist.isend(send_buf, group=group, group_dst=group_dst),
+            dist.irecv(recv_buf, group=group, group_src=group_src),
+        ]
     ops = [
         dist.P2POp(dist.isend, send_buf, group=group, group_peer=group_dst),
         dist.P2POp(dist.irecv, recv_buf, group=group, group_peer=group_src),

@@ -1,13 +1,21 @@
-"""Tools for property-testing tensor-parallel numerics against an unsharded reference:
-a reusable pool of local gloo ranks, one per-dtype tolerance table and shard-aware
-comparison helpers. tplayers' own test suite is built on them.
+"""Tools for property-testing tensor-parallel numerics against an unsharded reference. One
+call, `check_parallel`, proves a user's parallel model equal to its unsharded self over
+layouts; the parts it is built from serve hand-written checks. tplayers' own suite uses both.
 
-    pool.py      WorkerPool: local gloo ranks started once and reused, failing ranks' tracebacks shown
-    numerics.py  TOLERANCES (one per-dtype table), assert_close, assert_shard_close, shard_of
+    check.py       check_parallel(build, parallelize, inputs, layouts=...): every output, loss,
+                   gradient and parameter after each step, through the placement record
+    strategies.py  hypothesis strategies: layouts, shapes, dtypes, integer-valued tensors
+    plugin.py      the pytest plugin: session pool fixture `tplayers_pool`, marker, profiles
+    pool.py        WorkerPool: local gloo ranks started once and reused, failing ranks' tracebacks
+                   shown, hung ranks' stacks dumped at a deadline
+    meshes.py      layout_mesh: a ("dp", "pp", "tp") DeviceMesh over the first ranks of a pool
+    numerics.py    TOLERANCES (one per-dtype table), assert_close, assert_shard_close, shard_of
 
 A user-facing top layer: may import anything in tplayers; nothing in tplayers imports it.
 """
 
+from tplayers.testing.check import check_parallel, default_loss
+from tplayers.testing.meshes import layout_mesh
 from tplayers.testing.numerics import (
     TOLERANCES,
     assert_close,
@@ -20,6 +28,9 @@ from tplayers.testing.numerics import (
 from tplayers.testing.pool import RemoteError, WorkerPool
 
 __all__ = [
+    "check_parallel",
+    "default_loss",
+    "layout_mesh",
     "TOLERANCES",
     "RemoteError",
     "WorkerPool",

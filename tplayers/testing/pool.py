@@ -9,9 +9,12 @@ seconds, not a collective timeout.
 """
 
 import datetime
+import faulthandler
 import multiprocessing as mp
+import os
 import pickle
 import queue
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -20,9 +23,12 @@ import torch
 import torch.distributed as dist
 
 from tplayers.distributed import RankError, free_port
+from tplayers.testing.meshes import prepare_mesh
 
 # After one rank fails, how long the others get to report (they may be failing too).
 _GRACE_S = 3.0
+# How much longer than a task's deadline the parent waits: the late ranks dump their stacks first.
+_DUMP_WAIT_S = 1.5
 
 
 @dataclass
@@ -35,7 +41,9 @@ class RemoteError:
     traceback: str
 
 
-def _worker(rank, world_size, port, tasks, results, timeout_s):
+def _worker(rank, world_size, port, tasks, results, timeout_s, dump_dir):
+    # A task still running at its deadline has every thread's stack written here, for the parent.
+    dump = open(os.path.join(dump_dir, f"rank{rank}.txt"), "w")  # noqa: SIM115  (open for the worker's life)
     try:
         torch.set_num_threads(1)
         dist.init_process_group(
@@ -54,14 +62,22 @@ def _worker(rank, world_size, port, tasks, results, timeout_s):
         task = tasks.get()
         if task is None:
             break
-        task_id, fn, tp, args = task
+        task_id, fn, tp, args, deadline_s, mesh = task
+        if mesh is not None:  # every rank takes part in creating the groups, members or not
+            prepare_mesh(*mesh)
         if rank >= tp:
             continue
+        dump.seek(0)
+        dump.truncate()
+        if deadline_s is not None:
+            faulthandler.dump_traceback_later(deadline_s, file=dump)
         try:
             # Pickled here so that an unpicklable result is an error, not a lost reply.
             results.put((rank, task_id, "ok", pickle.dumps(fn(rank, tp, groups[tp], *args))))
         except BaseException as e:
             results.put((rank, task_id, "error", RemoteError(rank, type(e).__name__, str(e), traceback.format_exc())))
+        finally:
+            faulthandler.cancel_dump_traceback_later()
     dist.destroy_process_group()
 
 
@@ -75,13 +91,22 @@ class WorkerPool:
 
     def _start(self):
         ctx = mp.get_context("spawn")
+        self._dumps = tempfile.TemporaryDirectory(prefix="tplayers-pool-")
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         port = free_port()
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(rank, self.world_size, port, self._tasks[rank], self._results, self.collective_timeout_s),
+                args=(
+                    rank,
+                    self.world_size,
+                    port,
+                    self._tasks[rank],
+                    self._results,
+                    self.collective_timeout_s,
+                    self._dumps.name,
+                ),  # fmt: skip
                 daemon=True,
             )
             for rank in range(self.world_size)
@@ -97,6 +122,15 @@ class WorkerPool:
         if errors:
             self.close()
             raise RankError(f"worker pool failed to start:\n{errors[0].traceback}")
+
+    def _stacks(self, ranks) -> str:
+        """The stacks the late ranks dumped at their deadline (where each one hung)."""
+        out = []
+        for rank in ranks:
+            path = os.path.join(self._dumps.name, f"rank{rank}.txt")
+            text = open(path).read().strip() if os.path.exists(path) else ""  # noqa: SIM115
+            out.append(f"\n--- rank {rank} ---\n{text or '(no stack dumped)'}")
+        return "".join(out)
 
     def close(self):
         for p in self._procs:
@@ -114,7 +148,8 @@ class WorkerPool:
             if first_error_at is not None and now - first_error_at > _GRACE_S:
                 break
             if now > deadline:
-                raise TimeoutError(f"ranks {sorted(ranks - replies.keys())} gave no answer in {timeout_s:.0f}s")
+                late = sorted(ranks - replies.keys())
+                raise TimeoutError(f"ranks {late} gave no answer in {timeout_s:.0f}s", late)
             try:
                 rank, tid, status, value = self._results.get(timeout=0.2)
             except queue.Empty:
@@ -131,20 +166,28 @@ class WorkerPool:
                 first_error_at = time.monotonic()
         return replies
 
-    def run(self, fn, tp: int, *args, return_exceptions: bool = False):
-        """`fn(rank, tp, group, *args)` on ranks 0..tp-1 -> list of results, rank order."""
+    def run(self, fn, tp: int, *args, return_exceptions: bool = False, timeout_s=None, what=None, mesh=None):
+        """`fn(rank, tp, group, *args)` on ranks 0..tp-1 -> list of results, rank order.
+
+        timeout_s: this task's deadline (default the pool's): ranks still running then have
+        their stacks dumped, the pool restarts, and a TimeoutError shows where each was.
+        mesh: (dp, pp, tp) with dp * pp * tp == tp: the task may call `layout_mesh(dp, pp, tp)`."""
+        if mesh is not None and mesh[0] * mesh[1] * mesh[2] != tp:
+            raise ValueError(f"mesh {mesh} does not have {tp} ranks")
         if not 1 <= tp <= self.world_size:
             raise ValueError(f"tp must be in 1..{self.world_size}, got {tp}")
         if not self._procs:
             self._start()
         self._task_id += 1
         for q in self._tasks:
-            q.put((self._task_id, fn, tp, args))
+            q.put((self._task_id, fn, tp, args, timeout_s, mesh))
         try:
-            replies = self._collect(self._task_id, range(tp), self.timeout_s)
-        except TimeoutError:
+            # The parent waits a little longer than the workers' dump deadline, so the dumps exist.
+            replies = self._collect(self._task_id, range(tp), timeout_s + _DUMP_WAIT_S if timeout_s else self.timeout_s)
+        except TimeoutError as e:
+            stacks = self._stacks(e.args[1] if len(e.args) > 1 else ())
             self.close()
-            raise
+            raise TimeoutError(f"{what or getattr(fn, '__name__', 'task')}: {e.args[0]}{stacks}") from None
         missing = [r for r in range(tp) if r not in replies]
         errors = [replies[r] for r in range(tp) if isinstance(replies.get(r), RemoteError)]
         if missing or any(e.type_name == "ProcessDied" for e in errors):

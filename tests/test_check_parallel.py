@@ -1,0 +1,234 @@
+"""tplayers.testing.check_parallel: negative controls (a wrong shard, a missing gradient
+all-reduce, a double-counted replicated gradient, a bug only at TP 3 that hypothesis shrinks to),
+ranks that raise or hang, the strategies, and the harness on HF models, SP, ZeRO and pipelines."""
+
+import os
+import re
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, find, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import tplayers
+from tplayers.plan import Layout
+from tplayers.testing import WorkerPool, check_parallel, examples
+from tplayers.testing import strategies as tst
+
+pytestmark = pytest.mark.tplayers
+
+HIDDEN, FFN = 8, 24  # FFN divisible by TP 1-4
+
+
+def block():
+    return nn.Sequential(nn.Linear(HIDDEN, FFN), nn.GELU(), nn.Linear(FFN, HIDDEN))
+
+
+def stem_and_block():
+    """A replicated first layer feeding the block: its gradient needs the column layer's all-reduce."""
+    return nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, FFN), nn.GELU(), nn.Linear(FFN, HIDDEN))
+
+
+def shard_block(model, mesh, layout):
+    sp = layout.sequence_parallel
+    model[0] = tplayers.ColumnParallelLinear.from_linear(model[0], group=mesh["tp"], sequence_parallel=sp)
+    model[2] = tplayers.RowParallelLinear.from_linear(model[2], group=mesh["tp"], sequence_parallel=sp)
+    return tplayers.data_parallel(model, group=mesh["dp"], zero_stage=layout.zero_stage)
+
+
+def wrong_shard(model, mesh):
+    """The column layer gets its neighbour's rows."""
+    rows = FFN // mesh["tp"].size()
+    with torch.no_grad():
+        model[0].weight.copy_(model[0].weight.roll(rows, 0))
+    model[0] = tplayers.ColumnParallelLinear.from_linear(model[0], group=mesh["tp"])
+    model[2] = tplayers.RowParallelLinear.from_linear(model[2], group=mesh["tp"])
+    return model
+
+
+def missing_all_reduce(model, mesh):
+    """The column layer's input gradient is left as this rank's partial sum, and nothing sums it:
+    the replicated stem's gradient misses the other ranks' parts."""
+    model[1] = tplayers.ColumnParallelLinear.from_linear(model[1], group=mesh["tp"], reduce_input_grad=False)
+    model[3] = tplayers.RowParallelLinear.from_linear(model[3], group=mesh["tp"])
+    return model
+
+
+def _sum_over_tp(group):
+    def hook(param):
+        dist.all_reduce(param.grad, group=group)
+
+    return hook
+
+
+def double_counted(model, mesh):
+    """The row layer's replicated bias gradient (already whole on every rank) is summed again."""
+    model[0] = tplayers.ColumnParallelLinear.from_linear(model[0], group=mesh["tp"])
+    model[2] = tplayers.RowParallelLinear.from_linear(model[2], group=mesh["tp"])
+    model[2].bias.register_post_accumulate_grad_hook(_sum_over_tp(mesh["tp"].get_group()))
+    return model
+
+
+def wrong_at_tp3(model, mesh, layout):
+    return wrong_shard(model, mesh) if layout.tp == 3 else shard_block(model, mesh, layout)
+
+
+X = torch.randn(4, 6, HIDDEN, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize(
+    ("build", "parallelize", "said"),
+    [
+        (
+            block,
+            wrong_shard,
+            r"parameter '0\.weight'\[0:12, 0:8\] of \(24, 8\) \(Shard\(0\) over TP \(2 ranks\)\) "
+            r"after parallelize \(at Layout\(tp=2",
+        ),
+        (
+            stem_and_block,
+            missing_all_reduce,
+            r"gradient of '0\.weight'\[0:8, 0:8\] of \(8, 8\) \(replicated\) at step 0 \(at Layout\(tp=2",
+        ),
+        (block, double_counted, r"gradient of '2\.bias'\[0:8\] of \(8,\) \(replicated\) at step 0 \(at Layout\(tp=2"),
+    ],
+    ids=["wrong-shard", "missing-all-reduce", "double-counted"],
+)
+def test_negative_controls_name_the_parameter_and_the_layout(build, parallelize, said):
+    with pytest.raises(tplayers.distributed.RankError, match="check_parallel: ") as error:
+        check_parallel(build, parallelize, X, layouts=[Layout(tp=2)])
+    assert re.search(said, str(error.value)), str(error.value)[:2000]
+    assert "largest error" in str(error.value)
+
+
+def test_hypothesis_shrinks_a_bug_at_tp3_to_tp3():
+    def fails(layout):
+        try:
+            check_parallel(block, wrong_at_tp3, X, layouts=[layout])
+        except tplayers.distributed.RankError:
+            return True
+        return False
+
+    strategy = tst.layouts(max_world=8, tp=(1, 2, 3, 4), dp=(1, 2), zero_stages=(0, 3))
+    smallest = find(strategy, fails, settings=settings(max_examples=30, database=None, derandomize=True))
+    assert smallest == Layout(tp=3), smallest
+
+
+@settings(max_examples=examples(6), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    layout=tst.layouts(max_world=8, tp=(1, 2, 3, 4), dp=(1, 2), sequence_parallel=(False, True), seq_len=12),
+    steps=st.integers(1, 2),
+)
+def test_tplayers_layers_at_drawn_layouts(layout, steps):
+    """The harness over drawn layouts: TP 1-4, DP with every ZeRO stage, SP (activations split
+    along the sequence at the block's boundary)."""
+    x = torch.randn(4, 12, HIDDEN, generator=torch.Generator().manual_seed(steps))
+    check_parallel(block, shard_block, x, layouts=[layout], steps=steps, shard_sequence=True)
+
+
+def raise_on_rank_1(model, mesh):
+    if dist.get_rank() == 1:
+        raise RuntimeError("the user's code failed here")
+    return model
+
+
+def hang_on_rank_1(model, mesh):
+    if dist.get_rank() == 1:
+        time.sleep(3600)
+    return model
+
+
+def test_a_rank_that_raises_shows_its_traceback():
+    start = time.monotonic()
+    with pytest.raises(tplayers.distributed.RankError, match="the user's code failed here") as error:
+        check_parallel(block, raise_on_rank_1, X, layouts=[Layout(tp=2)])
+    assert "raise_on_rank_1" in str(error.value) and time.monotonic() - start < 15
+
+
+def test_a_rank_that_hangs_fails_in_seconds_with_its_stack():
+    with WorkerPool(world_size=2) as pool:  # its own pool: a hang restarts the pool
+        start = time.monotonic()
+        with pytest.raises(TimeoutError) as error:
+            check_parallel(block, hang_on_rank_1, X, layouts=[Layout(tp=2)], pool=pool, timeout_s=3)
+    assert time.monotonic() - start < 15
+    message = str(error.value)
+    assert "check_parallel at Layout(tp=2" in message and "--- rank 1 ---" in message
+    assert re.search(r"in hang_on_rank_1", message), message[-3000:]
+
+
+def test_unpicklable_functions_are_refused_before_any_rank_runs():
+    with pytest.raises(TypeError, match="module-level function"):
+        check_parallel(lambda: block(), shard_block, X, layouts=[Layout(tp=2)])
+
+
+# ---- the strategies ----------------------------------------------------------------------------
+
+
+@settings(max_examples=50, deadline=None)
+@given(layout=tst.layouts(max_world=8, tp=(1, 2, 3, 4), pp=(1, 2), dp=(1, 2), divides=(12,), seq_len=6, layers=2,
+                          sequence_parallel=(False, True)))  # fmt: skip
+def test_drawn_layouts_respect_world_and_divisibility(layout):
+    assert layout.tp * layout.pp * layout.dp <= 8 and 12 % layout.tp == 0 and layout.pp <= 2
+    assert layout.zero_stage == 0 or layout.dp > 1
+    assert layout.pp == 1 or layout.zero_stage in (0, 2, 3)
+    assert not layout.sequence_parallel or (layout.tp > 1 and 6 % layout.tp == 0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(shape=tst.shapes(3, multiples={0: 2, 1: 3}, max_side=12), t=tst.integer_tensors((3, 4)), dtype=tst.dtypes())
+def test_shapes_tensors_and_dtypes(shape, t, dtype):
+    assert shape[0] % 2 == 0 and shape[1] % 3 == 0 and all(1 <= s <= 12 for s in shape)
+    assert torch.equal(t, t.round()) and t.abs().max() <= 3
+    assert dtype in (torch.float32, torch.float16, torch.bfloat16)
+
+
+# ---- HF models: parallelize, ZeRO and pipeline stages through the harness ------------------------
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    return LlamaForCausalLM(cfg)
+
+
+def hf_parallelize(model, mesh, layout):
+    tplayers.parallelize(model, group=mesh["tp"], sequence_parallel=layout.sequence_parallel, verify=False)
+    if layout.pp > 1:
+        stages = tplayers.pipeline_split(model, group=mesh["pp"])
+        if layout.dp > 1:
+            for stage in stages:
+                tplayers.data_parallel(stage.module, group=mesh["dp"], zero_stage=layout.zero_stage)
+        return stages
+    return tplayers.data_parallel(model, group=mesh["dp"], zero_stage=layout.zero_stage)
+
+
+IDS = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        Layout(tp=2),
+        Layout(tp=4, sequence_parallel=True),
+        Layout(tp=2, dp=2, zero_stage=3),
+        Layout(tp=2, pp=2),
+        Layout(tp=2, pp=2, dp=2, zero_stage=2),
+    ],
+    ids=lambda layout: (
+        f"tp{layout.tp}-pp{layout.pp}-dp{layout.dp}-z{layout.zero_stage}" + ("-sp" if layout.sequence_parallel else "")
+    ),
+)
+def test_hf_llama_through_the_harness(layout):
+    check_parallel(tiny_llama, hf_parallelize, IDS, layouts=[layout], steps=2, optimizer=torch.optim.AdamW,
+                   optimizer_kwargs={"lr": 1e-2})  # fmt: skip
+
+
+def test_pool_world_comes_from_the_environment():
+    from tplayers.testing import plugin
+
+    assert plugin.pool_world() == int(os.environ.get(plugin.POOL_WORLD_ENV, "8"))

@@ -1,0 +1,388 @@
+"""check_parallel: prove a user's parallel model equal to its unsharded self, over layouts.
+
+    check_parallel(build, parallelize, inputs, layouts=[Layout(tp=2), Layout(tp=2, dp=2, zero_stage=3)])
+
+For each layout, on local gloo ranks (a WorkerPool, dp * pp * tp of them), every rank builds
+the unsharded model twice under the same seed: one stays the reference, the other goes through
+the user's `parallelize(model, mesh)` with the layout's ("dp", "pp", "tp") DeviceMesh. Both run
+`steps` steps (forward, loss, backward, optimizer step) on the same global batch, the parallel
+model on its replica's share of it; after each, the output, the loss, every gradient and every
+parameter are compared through what each rank holds of each unsharded tensor (the checkpoint's
+chunk description: TP placements, fused layouts, ZeRO rows, pipeline stages), with the one
+tolerance table, exactly where nothing is reduced. A mismatch raises an AssertionError naming
+the tensor, its placement, the layout, the step and the largest error; a rank that raises shows
+its traceback; a rank that hangs is dumped (every thread's stack) after `timeout_s`.
+
+`build`, `parallelize`, `inputs` and `loss_fn` are sent to the ranks by reference: module-level
+functions (not lambdas or closures).
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tplayers.testing.meshes import layout_mesh
+from tplayers.testing.numerics import tolerance
+
+DEFAULT_LR = 0.1
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """What every rank needs for one layout (pickled to the pool)."""
+
+    build: object
+    parallelize: object
+    inputs: object
+    layout: object
+    loss_fn: object
+    steps: int
+    optimizer: type
+    optimizer_kwargs: dict = field(default_factory=dict)
+    dtype: torch.dtype | None = None
+    seed: int = 0
+    exact: bool | None = None
+    shard_sequence: bool = False
+    microbatches: int | None = None
+
+
+def default_loss(output, target=None):
+    """Mean of squares of the output (or its .logits), or MSE against `target` when given."""
+    output = getattr(output, "logits", output)
+    if target is None:
+        return output.float().square().mean()
+    return torch.nn.functional.mse_loss(output.float(), target.float())
+
+
+def check_parallel(
+    build, parallelize, inputs, *, layouts, loss_fn=None, steps=1, optimizer=None, dtype=None,
+    optimizer_kwargs=None, seed=0, exact=None, shard_sequence=False, microbatches=None, pool=None, timeout_s=120.0,
+):  # fmt: skip
+    """Check `parallelize(build(), mesh)` against `build()` at every layout of `layouts`.
+
+    build()                  the unsharded model (an nn.Module), called under torch.manual_seed(seed)
+    parallelize(model, mesh) shards `model` (in place or returning the result) over the layout's
+                             DeviceMesh with dims ("dp", "pp", "tp"); returns the model, or with
+                             pp > 1 this rank's `PipelineStage`s (a GPipe schedule runs them).
+                             parallelize(model, mesh, layout) if it takes a third argument
+    inputs                   the global batch: a tensor x, or (x, target); or inputs(step) -> that.
+                             Each data-parallel replica gets its rows along dim 0
+    layouts                  `tplayers.plan.Layout`s (tp, pp, dp, zero_stage, sequence_parallel)
+    loss_fn(output, target)  default: mean of squares of the output (or its .logits), or MSE
+    steps                    optimizer steps, everything compared after each
+    optimizer                an optimizer class (default SGD), built with `optimizer_kwargs`
+                             (default lr 0.1), through `tplayers.data_parallel_optimizer` for ZeRO-1
+    dtype                    cast both models to it (default: as built)
+    exact                    compare bit for bit (default: only where the layout reduces nothing:
+                             tp = pp = dp = 1); True with integer-valued data and weights
+    shard_sequence           under sequence_parallel, the model takes and returns activations split
+                             along dim 1 over "tp" (tplayers layers used directly); False (default):
+                             whole ones (`tplayers.parallelize` of an HF model)
+    microbatches             pipeline micro-batches (default pp)
+    pool                     a `WorkerPool` with at least the layouts' largest world size (default:
+                             the pytest plugin's session pool, else one started for the call)
+    timeout_s                per layout: a rank still running then is dumped and the check fails
+    """
+    from tplayers.testing import plugin
+
+    loss_fn = loss_fn or default_loss
+    _check_picklable(build=build, parallelize=parallelize, inputs=inputs, loss_fn=loss_fn)
+    layouts = list(layouts)
+    if not layouts:
+        raise ValueError("check_parallel: layouts is empty")
+    world = max(layout.tp * layout.pp * layout.dp for layout in layouts)
+    pool = pool or plugin.session_pool(world)
+    if pool.world_size < world:
+        raise ValueError(f"check_parallel: a layout needs {world} ranks but the pool has {pool.world_size}")
+    optimizer = optimizer or torch.optim.SGD
+    kwargs = dict(optimizer_kwargs if optimizer_kwargs is not None else {"lr": DEFAULT_LR})
+    for layout in layouts:
+        spec = _Spec(build, parallelize, inputs, layout, loss_fn, steps, optimizer, kwargs, dtype, seed, exact,
+                     shard_sequence, microbatches)  # fmt: skip
+        size = layout.tp * layout.pp * layout.dp
+        mesh = (layout.dp, layout.pp, layout.tp)
+        what = f"check_parallel at {_describe(layout)}"
+        held = pool.run(_run_layout, size, spec, timeout_s=timeout_s, what=what, mesh=mesh)
+        _check_coverage(held, layout)
+
+
+def _check_picklable(**fns):
+    for name, fn in fns.items():
+        try:
+            pickle.dumps(fn)
+        except Exception as e:
+            raise TypeError(
+                f"check_parallel: {name}={fn!r} cannot be sent to the worker ranks ({e}); pass a module-level "
+                "function (not a lambda or a closure)"
+            ) from e
+
+
+def _describe(layout) -> str:
+    parts = [f"tp={layout.tp}", f"pp={layout.pp}", f"dp={layout.dp}"]
+    if layout.dp > 1:
+        parts.append(f"zero_stage={layout.zero_stage}")
+    if layout.sequence_parallel:
+        parts.append("sequence_parallel")
+    return f"Layout({', '.join(parts)})"
+
+
+# ---- on every rank ---------------------------------------------------------------------------
+
+
+def _run_layout(rank, world, group, spec: _Spec):
+    """One layout on one rank: build, parallelize, train both ways, compare. Returns what this
+    rank holds of each parameter ({name: (shape, [(offsets, sizes)])}, every reference parameter
+    named) for the coverage check."""
+    from tplayers.checkpoint.chunks import model_pieces
+
+    layout = spec.layout
+    mesh = layout_mesh(layout.dp, layout.pp, layout.tp)
+    reference = _build(spec)
+    model = _build(spec)
+    result = _call_parallelize(spec.parallelize, model, mesh, layout)
+    stages = _stages_of(result)
+    module = model if stages is not None or not isinstance(result, nn.Module) else result
+    exact = spec.exact if spec.exact is not None else layout.tp == layout.pp == layout.dp == 1
+    where = f"at {_describe(layout)}, rank {rank}"
+    params = _trained(module, stages)
+    ref_opt = spec.optimizer(reference.parameters(), **spec.optimizer_kwargs)
+    opt = _optimizer(module, params, spec, layout)
+    schedule = _schedule(stages, spec, layout)
+    pieces = model_pieces(module)
+    held = {name: (tuple(p.shape), []) for name, p in reference.named_parameters()}
+    # A wrong shard shows here first, named, before it spoils every output and gradient after it.
+    _compare_tensors(pieces, reference, "param", exact=True, where=where, step="start")
+    for step in range(spec.steps):
+        x, target = _batch(spec.inputs, step)
+        expected, ref_loss = _reference_step(reference, spec.loss_fn, x, target)
+        output, loss = _parallel_step(module, schedule, spec, mesh, x, target)
+        if output is not None:
+            _compare("output", output, _my_part(expected, mesh, spec, layout), exact, where, step)
+        if loss is not None:
+            _compare("loss", loss, ref_loss.detach().float(), exact, where, step)
+        _compare_tensors(pieces, reference, "grad", exact, where, step)
+        ref_opt.step()
+        opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=True)
+        _compare_tensors(pieces, reference, "param", exact, where, step, held)
+    return held
+
+
+def _call_parallelize(parallelize, model, mesh, layout):
+    """parallelize(model, mesh), or parallelize(model, mesh, layout) where it takes a third
+    argument (the ZeRO stage and sequence parallelism are the layout's, not the mesh's)."""
+    import inspect
+
+    try:
+        inspect.signature(parallelize).bind(model, mesh, layout)
+    except TypeError:
+        return parallelize(model, mesh)
+    return parallelize(model, mesh, layout)
+
+
+def _build(spec):
+    torch.manual_seed(spec.seed)
+    model = spec.build()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"check_parallel: build() must return an nn.Module, got {type(model).__name__}")
+    return model.to(spec.dtype) if spec.dtype is not None else model
+
+
+def _stages_of(result):
+    from tplayers.pipeline import PipelineStage
+
+    if isinstance(result, PipelineStage):
+        return [result]
+    if isinstance(result, list | tuple) and result and all(isinstance(s, PipelineStage) for s in result):
+        return list(result)
+    return None
+
+
+def _trained(module, stages):
+    """The parameters this rank trains: its stages' under pipeline parallelism."""
+    if stages is None:
+        return list(module.parameters())
+    return [p for s in stages for p in s.module.parameters()]
+
+
+def _optimizer(module, params, spec, layout):
+    if layout.dp > 1 and layout.zero_stage == 1:
+        from tplayers.data_parallel import data_parallel_optimizer
+
+        return data_parallel_optimizer(module, spec.optimizer, **spec.optimizer_kwargs)
+    return spec.optimizer(params, **spec.optimizer_kwargs)
+
+
+def _schedule(stages, spec, layout):
+    if stages is None:
+        return None
+    from tplayers.pipeline import ScheduleGPipe
+
+    # The schedule needs a target on the last stage; where inputs give none, a placeholder (one
+    # number per row) rides along and the loss ignores it.
+    has_target = _batch(spec.inputs, 0)[1] is not None
+
+    def loss(output, target):
+        return _loss(spec.loss_fn, output, target if has_target else None)
+
+    return ScheduleGPipe(stages, spec.microbatches or layout.pp, loss)
+
+
+def _loss(loss_fn, output, target):
+    return loss_fn(output) if target is None else loss_fn(output, target)
+
+
+def _batch(inputs, step):
+    batch = inputs(step) if callable(inputs) else inputs
+    if isinstance(batch, torch.Tensor):
+        return batch, None
+    if isinstance(batch, list | tuple) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise TypeError(f"check_parallel: inputs must give a tensor x or (x, target), got {type(batch).__name__}")
+
+
+def _reference_step(reference, loss_fn, x, target):
+    output = reference(x)
+    loss = _loss(loss_fn, output, target)
+    loss.backward()
+    return getattr(output, "logits", output).detach(), loss
+
+
+def _rows(t, mesh):
+    """This data-parallel replica's rows of the global batch `t`."""
+    dp = mesh["dp"]
+    n = dp.size()
+    if t.shape[0] % n:
+        raise ValueError(f"check_parallel: batch size {t.shape[0]} is not divisible by dp = {n}")
+    return t.chunk(n, 0)[dp.get_local_rank()]
+
+
+def _seq(t, mesh, spec, layout):
+    if not (spec.shard_sequence and layout.sequence_parallel):
+        return t
+    tp = mesh["tp"]
+    return t.chunk(tp.size(), 1)[tp.get_local_rank()].contiguous()
+
+
+def _my_part(t, mesh, spec, layout):
+    return _seq(_rows(t, mesh), mesh, spec, layout)
+
+
+def _parallel_step(module, schedule, spec, mesh, x, target):
+    """(this rank's output or None, the loss averaged over replicas or None)."""
+    layout = spec.layout
+    x_mine = _my_part(x, mesh, spec, layout)
+    t_mine = None if target is None else _my_part(target, mesh, spec, layout)
+    if schedule is not None:
+        first = mesh["pp"].get_local_rank() == 0
+        if t_mine is None:
+            t_mine = torch.zeros(x_mine.shape[0])
+        loss = schedule.step(x_mine if first else None, target=t_mine)
+        return None, None if loss is None else _replica_mean(loss.detach().float(), mesh)
+    output = module(x_mine)
+    loss = _loss(spec.loss_fn, output, t_mine)
+    split = spec.shard_sequence and layout.sequence_parallel
+    # A loss over this rank's part of the sequence: the TP ranks' mean is the whole sequence's
+    # (a mean over equal parts), and its gradient reaches each rank's part divided by tp.
+    (loss / mesh["tp"].size() if split else loss).backward()
+    loss = _replica_mean(loss.detach().float(), mesh, "tp") if split else loss.detach().float()
+    return getattr(output, "logits", output).detach(), _replica_mean(loss, mesh)
+
+
+def _replica_mean(loss, mesh, dim="dp"):
+    group = mesh[dim]
+    if group.size() > 1:
+        loss = loss.clone()
+        dist.all_reduce(loss, group=group.get_group())
+        loss /= group.size()
+    return loss
+
+
+def _compare(what, actual, expected, exact, where, step):
+    actual = actual.detach()
+    if actual.shape != expected.shape:
+        raise AssertionError(
+            f"check_parallel: {what} at step {step} has shape {tuple(actual.shape)}, the unsharded model's part "
+            f"{tuple(expected.shape)} ({where})"
+        )
+    _assert_close(actual, expected.to(actual.dtype), exact, f"{what} at step {step} ({where})")
+
+
+def _assert_close(actual, expected, exact, what):
+    try:
+        torch.testing.assert_close(actual, expected, **tolerance(expected.dtype, exact=exact))
+    except AssertionError as e:
+        diff = (actual.float() - expected.float()).abs()
+        worst = diff.argmax()
+        index = tuple(int(i) for i in torch.unravel_index(worst, diff.shape)) if diff.dim() else ()
+        raise AssertionError(
+            f"check_parallel: {what} differs from the unsharded model: largest error {diff.max().item():.3g} at "
+            f"{list(index)} ({actual.flatten()[worst].item():.6g} vs {expected.flatten()[worst].item():.6g}; "
+            f"{'exact' if exact else 'tolerance table'}).\n{e}"
+        ) from None
+
+
+def _compare_tensors(pieces, reference, kind, exact, where, step, held=None):
+    """Every chunk this rank holds of every parameter (kind "param") or its gradient ("grad")
+    against the same chunk of the reference's; each chunk compared goes into `held`."""
+    from tplayers.checkpoint.chunks import chunked
+
+    ref = dict(reference.named_parameters())
+    for name, parts in pieces.items():
+        if not all(isinstance(p.param, nn.Parameter) for p in parts):
+            continue  # a buffer
+        if name not in ref:
+            raise AssertionError(f"check_parallel: the parallel model has a parameter {name!r} the unsharded one lacks")
+        expected = ref[name] if kind == "param" else ref[name].grad
+        tensors = [p.param if kind == "param" else p.param.grad for p in parts]
+        placement = _placement(parts[0].param)
+        when = "after parallelize" if step == "start" else f"at step {step}"
+        what = f"{'gradient of ' if kind == 'grad' else 'parameter '}{name!r}"
+        if kind == "grad" and (expected is None) != any(t is None for t in tensors):
+            has = "has no gradient" if expected is not None else "has a gradient the unsharded model's lacks"
+            raise AssertionError(f"check_parallel: {what} ({placement}) {when} ({where}) {has}")
+        if expected is None:
+            continue
+        for chunk in chunked(parts, tensors).chunks:
+            index = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes, strict=True))
+            part = ", ".join(f"{i.start}:{i.stop}" for i in index)
+            said = f"{what}[{part}] of {tuple(expected.shape)} ({placement}) {when} ({where})"
+            _assert_close(chunk.read(), expected.detach()[index].to(chunk.source.dtype), exact, said)
+            if held is not None:
+                held[name][1].append((chunk.offsets, chunk.sizes))
+
+
+def _placement(param) -> str:
+    from torch.distributed.tensor import DTensor
+
+    from tplayers.placement import get_placement
+
+    record = get_placement(param)
+    if record is None or not record.is_sharded:
+        said = "replicated"
+    else:
+        said = f"Shard({record.placement.dim}) over TP ({dist.get_world_size(record.group)} ranks)"
+    if isinstance(param, DTensor):
+        said += f", ZeRO rows over DP ({param.device_mesh.size()} ranks)"
+    return said
+
+
+def _check_coverage(held_per_rank, layout):
+    """Every element of every parameter was compared on some rank."""
+    for name, (shape, _) in held_per_rank[0].items():
+        covered = torch.zeros(shape, dtype=torch.bool)
+        for held in held_per_rank:
+            for offsets, sizes in held.get(name, (shape, []))[1]:
+                covered[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))] = True
+        if not covered.all():
+            missing = int((~covered).sum())
+            raise AssertionError(
+                f"check_parallel: {missing} of {covered.numel()} elements of {name!r} are held by no rank at "
+                f"{_describe(layout)} (never compared: a parameter the parallel model dropped or renamed?)"
+            )
