@@ -5,6 +5,7 @@ module; the self-check (`verify`) catches a wrong shard. transformers 5.x (pypro
 range)."""
 
 import copy
+import functools
 import re
 import warnings
 
@@ -14,7 +15,8 @@ from torch import nn
 
 import tplayers
 from tplayers.hf import attention, families
-from tplayers.testing import RemoteError, assert_close
+from tplayers.plan import Layout
+from tplayers.testing import RemoteError, assert_close, check_parallel
 
 pytestmark = pytest.mark.multirank
 
@@ -262,3 +264,22 @@ def test_refusal_quotes_hf_tp_plan_as_a_hint(pool):
         assert isinstance(reply, RemoteError), reply
         assert re.search(r"could not place \['model.layers.0.mlp.w1'\].*HF's base_model_tp_plan, a hint", reply.message)
         assert "{'model.layers.0.mlp.w1': 'colwise'}" in reply.message
+
+
+# ---- every family composed with ZeRO-3 and SP, through tplayers.testing.check_parallel -------------
+
+FAMILY_IDS = torch.randint(3, VOCAB, (4, 8), generator=torch.Generator().manual_seed(1))
+
+
+def family_parallelize(model, mesh, layout):
+    tplayers.parallelize(model, group=mesh["tp"], sequence_parallel=layout.sequence_parallel, verify=False)
+    return tplayers.data_parallel(model, group=mesh["dp"], zero_stage=layout.zero_stage)
+
+
+@pytest.mark.tplayers
+@pytest.mark.parametrize("family", EXACT)
+def test_family_tp2_sp_zero3_through_check_parallel(family):
+    """Parameters after parallelize, logits, loss, every gradient and parameter after two SGD
+    steps, at TP 2 + SP x DP 2 with ZeRO-3, against the unsharded model."""
+    check_parallel(functools.partial(tiny_model, family), family_parallelize, FAMILY_IDS, steps=2,
+                   layouts=[Layout(tp=2, dp=2, zero_stage=3, sequence_parallel=True)])  # fmt: skip

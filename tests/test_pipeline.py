@@ -3,6 +3,7 @@ local ranks against the unsharded model: the mean loss and every gradient, and w
 several clipped optimizer steps; tied embeddings across the first and last stage; bad input."""
 
 import copy
+import functools
 import re
 import warnings
 
@@ -11,7 +12,8 @@ import torch
 from torch import nn
 
 import tplayers
-from tplayers.testing import RemoteError, assert_close
+from tplayers.plan import Layout
+from tplayers.testing import RemoteError, assert_close, check_parallel
 
 pytestmark = pytest.mark.multirank
 
@@ -435,3 +437,41 @@ def others_layers_are_freed(rank, pp, group):
 
 def test_the_layers_of_other_stages_are_freed_with_the_model(pool):
     pool.run(others_layers_are_freed, 2)
+
+
+# ---- the families that split, composed with TP and ZeRO, through tplayers.testing.check_parallel -----
+
+
+def family_model(family):
+    from test_families import tiny_model
+
+    return tiny_model(family)
+
+
+def split_after_tp(model, mesh, layout):
+    tplayers.parallelize(model, group=mesh["tp"], sequence_parallel=layout.sequence_parallel, verify=False)
+    stages = tplayers.pipeline_split(model, group=mesh["pp"])
+    for stage in stages if layout.dp > 1 else ():
+        tplayers.data_parallel(stage.module, group=mesh["dp"], zero_stage=layout.zero_stage)
+    return stages
+
+
+SPLIT_IDS = torch.randint(3, 64, (4, 8), generator=torch.Generator().manual_seed(2))
+
+
+TIED = {"gemma", "smollm3"}  # tie_word_embeddings by default
+
+
+@pytest.mark.tplayers
+@pytest.mark.parametrize("family", [f for f, said in SPLIT_FAMILIES.items() if said == "split"])
+def test_family_pp2_tp2_through_check_parallel(family):
+    """Parameters after the split, the mean loss over GPipe's micro-batches, every gradient and
+    parameter after two SGD steps, at PP 2 x TP 2 + SP and PP 2 x TP 2 x DP 2 ZeRO-2. Replicas of
+    stages with tied embeddings are refused (this check found them silently wrong)."""
+    layouts = [Layout(tp=2, pp=2, sequence_parallel=True), Layout(tp=2, pp=2, dp=2, zero_stage=2)]
+    build = functools.partial(family_model, family)
+    if family not in TIED:
+        return check_parallel(build, split_after_tp, SPLIT_IDS, layouts=layouts, steps=2)
+    check_parallel(build, split_after_tp, SPLIT_IDS, layouts=layouts[:1], steps=2)
+    with pytest.raises(tplayers.distributed.RankError, match="shares parameters with another stage"):
+        check_parallel(build, split_after_tp, SPLIT_IDS, layouts=layouts[1:])

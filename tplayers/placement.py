@@ -16,6 +16,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 _ATTR = "_tplayers_placement"
 
 
+# Set by PipelineStage on a stage module whose stage shares parameters with another (tied input /
+# output embeddings): data_parallel refuses ZeRO over such a stage (see its check).
+TIED_ACROSS_STAGES = "_tplayers_tied_across_stages"
+
+
 @dataclass(frozen=True)
 class ParamPlacement:
     """`placement` of a parameter over `group`: Shard(dim) (rank r holds the r-th contiguous

@@ -39,7 +39,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tplayers.distributed import resolve_group
-from tplayers.placement import get_placement, update_placement
+from tplayers.placement import TIED_ACROSS_STAGES, get_placement, update_placement
 
 STAGES = (0, 1, 2, 3)
 _WRAPPED = "_tplayers_data_parallel"  # (group, stage) on a wrapped module
@@ -61,6 +61,15 @@ def _check(module, pg, stage):
     if hasattr(module, _WRAPPED):
         stage_before = getattr(module, _WRAPPED)[1]
         raise ValueError(f"data_parallel: {type(module).__name__} is already data-parallel (zero_stage {stage_before})")
+    if getattr(module, TIED_ACROSS_STAGES, False) and dist.get_world_size(pg) > 1:
+        # FSDP2 would shard the copy on one stage's ranks and not the other's (which the sum over
+        # the pipeline of the tied gradients assumes alike): silently wrong, found by check_parallel.
+        raise ValueError(
+            f"data_parallel: this pipeline stage ({type(module).__name__}) shares parameters with another stage "
+            "(tied input / output embeddings), whose gradients are summed over the pipeline as whole tensors; "
+            "data parallelism over such stages is not supported: untie them (config.tie_word_embeddings=False) "
+            "or train the pipeline without replicas"
+        )
     replicas = set(dist.get_process_group_ranks(pg))
     for name, p in module.named_parameters():
         placement = get_placement(p)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tplayers.distributed import resolve_group
-from tplayers.placement import get_placement, update_placement
+from tplayers.placement import TIED_ACROSS_STAGES, get_placement, update_placement
 
 
 class PipelineStage:
@@ -55,6 +55,8 @@ class PipelineStage:
         for p in self.tied:
             if not counted_here:
                 update_placement(p, counted_by_another_stage=True)
+        if self.tied:
+            setattr(module, TIED_ACROSS_STAGES, True)
 
     def reset(self):
         """A new torch stage: it infers the shapes it receives and sends from its first step, so

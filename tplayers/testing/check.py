@@ -76,7 +76,10 @@ def check_parallel(
     loss_fn(output, target)  default: mean of squares of the output (or its .logits), or MSE
     steps                    optimizer steps, everything compared after each
     optimizer                an optimizer class (default SGD), built with `optimizer_kwargs`
-                             (default lr 0.1), through `tplayers.data_parallel_optimizer` for ZeRO-1
+                             (default lr 0.1), through `tplayers.data_parallel_optimizer` for ZeRO-1.
+                             Adam-like optimizers divide by the gradient's own size: a gradient
+                             within tolerance near zero can move its parameter by up to lr, so
+                             the parameters after a step compare reliably only under SGD
     dtype                    cast both models to it (default: as built)
     exact                    compare bit for bit (default: only where the layout reduces nothing:
                              tp = pp = dp = 1); True with integer-valued data and weights
@@ -154,7 +157,7 @@ def _run_layout(rank, world, group, spec: _Spec):
     opt = _optimizer(module, params, spec, layout)
     schedule = _schedule(stages, spec, layout)
     pieces = model_pieces(module)
-    held = {name: (tuple(p.shape), []) for name, p in reference.named_parameters()}
+    held = {name: (tuple(p.shape), []) for name, p in _named_parameters(reference).items()}
     # A wrong shard shows here first, named, before it spoils every output and gradient after it.
     _compare_tensors(pieces, reference, "param", exact=True, where=where, step="start")
     for step in range(spec.steps):
@@ -333,7 +336,7 @@ def _compare_tensors(pieces, reference, kind, exact, where, step, held=None):
     against the same chunk of the reference's; each chunk compared goes into `held`."""
     from tplayers.checkpoint.chunks import chunked
 
-    ref = dict(reference.named_parameters())
+    ref = _named_parameters(reference)
     for name, parts in pieces.items():
         if not all(isinstance(p.param, nn.Parameter) for p in parts):
             continue  # a buffer
@@ -356,6 +359,11 @@ def _compare_tensors(pieces, reference, kind, exact, where, step, held=None):
             _assert_close(chunk.read(), expected.detach()[index].to(chunk.source.dtype), exact, said)
             if held is not None:
                 held[name][1].append((chunk.offsets, chunk.sizes))
+
+
+def _named_parameters(model) -> dict:
+    """Every parameter under every name the state dict gives it (a tied LM head under its own too)."""
+    return {name: t for name, t in model.state_dict(keep_vars=True).items() if isinstance(t, nn.Parameter)}
 
 
 def _placement(param) -> str:
