@@ -232,3 +232,17 @@ def test_pool_world_comes_from_the_environment():
     from tplayers.testing import plugin
 
     assert plugin.pool_world() == int(os.environ.get(plugin.POOL_WORLD_ENV, "8"))
+
+
+def test_the_plugin_is_installed_and_its_pool_serves(tplayers_pool):
+    from importlib.metadata import entry_points
+
+    from tplayers.testing import plugin
+
+    assert any(ep.value == "tplayers.testing.plugin" for ep in entry_points(group="pytest11"))
+    assert tplayers_pool is plugin.session_pool(2) and tplayers_pool.world_size == plugin.pool_world()
+    assert tplayers_pool.run(_rank_and_world, 3) == [(0, 3), (1, 3), (2, 3)]
+
+
+def _rank_and_world(rank, world, group):
+    return rank, dist.get_world_size(group)
