@@ -37,6 +37,7 @@ from linear import (
 
 import tplayers
 from tplayers.functional import overlap_choices
+from tplayers.functional.overlap import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
 
 BATCH = 4
 SEQS = (1, 4, 16, 64, 256, 1024)  # decode ... bench/linear.py's comm-heavy shape (b4 s1024 h2048 f1024)
@@ -61,6 +62,7 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=None, help="fewest timed rounds per point (default 7, quick 3)")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds per provider and point: small shapes get more rounds (default 2)")  # fmt: skip
+    p.add_argument("--ops", action="store_true", help="also each op alone: the cost model against measurement per op")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
     args = p.parse_args(argv)
     args.reps = args.reps or (3 if args.quick else 7)
@@ -78,10 +80,24 @@ def bench_point(shape, mode, device, dtype, args):
     x_full = torch.randn(shape.batch, shape.seq, shape.hidden, device=device, dtype=dtype)
     dy_full = torch.randn_like(x_full)
     x, dy = (x_full.chunk(n, dim=1)[r], dy_full.chunk(n, dim=1)[r]) if sp else (x_full, dy_full)
-    blocks = {name: tplayers_block(ref, sp, overlap) for name, overlap in PROVIDERS.items()}
-    inputs = {name: x.detach().clone().contiguous().requires_grad_() for name in blocks}
-    dy = dy.contiguous()
-    fns = {name: (lambda b=block, x=inputs[name]: fwd_bwd(b, x, dy)) for name, block in blocks.items()}
+    # One block whose layers switch mode before each call: the three providers share weights,
+    # buffers and memory layout, so what differs between them is the path alone (separate blocks
+    # differed by up to 8 % on the same path here).
+    block = tplayers_block(ref, sp, "auto")
+    x, dy = x.detach().clone().contiguous().requires_grad_(), dy.contiguous()
+
+    def run(overlap):
+        block[0].overlap = block[2].overlap = overlap
+        fwd_bwd(block, x, dy)
+
+    fns = {name: (lambda overlap=overlap: run(overlap)) for name, overlap in PROVIDERS.items()}
+    tokens = shape.batch * shape.seq
+    return time_providers(fns, device, args, op="mlp_fwd_bwd", mode=mode, shape=str(shape), tokens=tokens)
+
+
+def time_providers(fns, device, args, **row):
+    """Rows of fns {"auto", "on", "off"} timed side by side: what auto chose (from one recorded
+    call), which forced path was faster, auto / faster, measured and predicted on / off."""
     with overlap_choices() as choices:
         fns["auto"]()
     # Rounds enough to fill the budget (a small shape's time varies by +-20 % round to round here).
@@ -92,13 +108,33 @@ def bench_point(shape, mode, device, dtype, args):
     predicted = sum(c.predicted_ring_s for c in choices) / sum(c.predicted_plain_s for c in choices) if choices else 1
     faster = min(("on", "off"), key=times.get)
     common = dict(
-        op="mlp_fwd_bwd", mode=mode, shape=str(shape), tokens=shape.batch * shape.seq, auto_took=paths_taken(choices),
-        faster_forced=faster, reps=reps,
+        row, auto_took=paths_taken(choices), faster_forced=faster, reps=reps,
         measured_on_off=times["on"] / times["off"], predicted_on_off=predicted,
     )  # fmt: skip
     return [
         dict(common, provider=name, time_ms=1e3 * t, ratio_to_faster=t / times[faster]) for name, t in times.items()
     ]
+
+
+def bench_ops(tokens, device, dtype, args):
+    """Each op alone (forward) at `tokens` rows, on the block's GEMM shapes: the model per op."""
+    n, group = dist.get_world_size(), dist.group.WORLD
+    hidden, ffn = args.shapes[0].hidden, args.shapes[0].ffn // n
+    m = max(tokens, n) // n * n
+    x_shard = torch.randn(1, m // n, hidden, device=device, dtype=dtype)
+    w_col, h = torch.randn(ffn, hidden, device=device, dtype=dtype), torch.randn(1, m, ffn, device=device, dtype=dtype)
+    w_row = torch.randn(hidden, ffn, device=device, dtype=dtype)
+    ops = {
+        "all_gather_matmul": lambda overlap: all_gather_matmul(x_shard, w_col, group, overlap=overlap),
+        "matmul_reduce_scatter": lambda overlap: matmul_reduce_scatter(h, w_row, group, overlap=overlap),
+        "matmul_all_reduce": lambda overlap: matmul_all_reduce(h[0], w_row, group, overlap=overlap),
+    }
+    rows = []
+    for op, call in ops.items():
+        fns = {name: (lambda call=call, overlap=overlap: call(overlap)) for name, overlap in PROVIDERS.items()}
+        k, n_out = (hidden, ffn) if op == "all_gather_matmul" else (ffn, hidden)
+        rows += time_providers(fns, device, args, op=op, mode="op", shape=f"m{m}k{k}n{n_out}", tokens=m)
+    return rows
 
 
 def worker(rank, world_size, args):
@@ -113,6 +149,9 @@ def worker(rank, world_size, args):
             if mode == "tp+sp" and shape.seq % world_size:
                 continue  # a sequence shorter than the TP size cannot be split along it
             rows += bench_point(shape, mode, device, dtype, args)
+    if args.ops:
+        for shape in args.shapes:
+            rows += bench_ops(shape.batch * shape.seq, device, dtype, args)
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     for row in rows:
         row.update(device=name, tp=world_size)
@@ -120,7 +159,8 @@ def worker(rank, world_size, args):
 
 
 def print_table(rows):
-    auto = [r for r in rows if r["provider"] == "auto"]
+    auto = [r for r in rows if r["provider"] == "auto" and r["mode"] in MODES]
+    ops = [r for r in rows if r["provider"] == "auto" and r["mode"] == "op"]
     t = {(r["mode"], r["shape"], r["provider"]): r["time_ms"] for r in rows}
     print(f"\nMLP fwd+bwd, overlap auto / on / off, tp={rows[0]['tp']}, device={rows[0]['device']}")
     head = (
@@ -138,6 +178,14 @@ def print_table(rows):
         )
     worst = max(r["ratio_to_faster"] for r in auto)
     print(f"\nauto / faster forced path: at most {worst:.3f} (bar: {AUTO_SLACK}) over {len(auto)} points")
+    if ops:
+        print("\neach op alone (forward)")
+        print(f"{'':<24} {'op':<22} {'M':>6} {'on/off':>7} {'model':>7} {'auto took':<10} {'auto/faster':>11}")
+        for r in ops:
+            print(f"{'':<24} {r['op']:<22} {r['tokens']:>6} {r['measured_on_off']:7.3f} {r['predicted_on_off']:7.3f} "
+                  f"{r['auto_took']:<10} {r['ratio_to_faster']:11.3f}")  # fmt: skip
+        agree = sum((r["measured_on_off"] < 1) == (r["auto_took"] == "ring") for r in ops)
+        print(f"auto took the measured faster path for {agree} of {len(ops)} (op, M)")
 
 
 def plot(rows, path):

@@ -129,6 +129,16 @@ def test_tplayers_layers_at_drawn_layouts(layout, steps):
     check_parallel(block, shard_block, x, layouts=[layout], steps=steps, shard_sequence=True)
 
 
+def shard_inputs(shard, shards, step):
+    """Each replica's own data (a data loader's shard), and a target."""
+    g = torch.Generator().manual_seed(100 * step + shard)
+    return torch.randn(2, 6, HIDDEN, generator=g), torch.randn(2, 6, HIDDEN, generator=g)
+
+
+def test_inputs_as_data_shards_with_targets():
+    check_parallel(block, shard_block, shard_inputs, layouts=[Layout(tp=2, dp=2, zero_stage=2), Layout(tp=1)], steps=2)
+
+
 def raise_on_rank_1(model, mesh):
     if dist.get_rank() == 1:
         raise RuntimeError("the user's code failed here")

@@ -70,7 +70,9 @@ def check_parallel(
                              DeviceMesh with dims ("dp", "pp", "tp"); returns the model, or with
                              pp > 1 this rank's `PipelineStage`s (a GPipe schedule runs them).
                              parallelize(model, mesh, layout) if it takes a third argument
-    inputs                   the global batch: a tensor x, or (x, target); or inputs(step) -> that.
+    inputs                   the global batch: a tensor x, or (x, target); or inputs(step) -> that;
+                             or inputs(shard, shards, step) -> data shard `shard` of `shards`
+                             (one per replica; the reference trains on them put together).
                              Each data-parallel replica gets its rows along dim 0
     layouts                  `tplayers.plan.Layout`s (tp, pp, dp, zero_stage, sequence_parallel)
     loss_fn(output, target)  default: mean of squares of the output (or its .logits), or MSE
@@ -161,7 +163,7 @@ def _run_layout(rank, world, group, spec: _Spec):
     # A wrong shard shows here first, named, before it spoils every output and gradient after it.
     _compare_tensors(pieces, reference, "param", exact=True, where=where, step="start")
     for step in range(spec.steps):
-        x, target = _batch(spec.inputs, step)
+        x, target = _batch(spec.inputs, step, layout.dp)
         expected, ref_loss = _reference_step(reference, spec.loss_fn, x, target)
         output, loss = _parallel_step(module, schedule, spec, mesh, x, target)
         if output is not None:
@@ -241,8 +243,24 @@ def _loss(loss_fn, output, target):
     return loss_fn(output) if target is None else loss_fn(output, target)
 
 
-def _batch(inputs, step):
-    batch = inputs(step) if callable(inputs) else inputs
+def _batch(inputs, step, shards=1):
+    """The global batch (x, target or None) of `step`: `inputs` itself, inputs(step), or the
+    data shards inputs(shard, shards, step) put together along dim 0 (the reference's batch;
+    the parallel model's replicas take them back apart)."""
+    if not callable(inputs):
+        return _pair(inputs)
+    import inspect
+
+    if len(inspect.signature(inputs).parameters) < 3:
+        return _pair(inputs(step))
+    parts = [_pair(inputs(shard, shards, step)) for shard in range(shards)]
+    if len({x.shape[0] for x, _ in parts}) > 1:
+        raise ValueError(f"check_parallel: the data shards differ in size: {[x.shape[0] for x, _ in parts]} rows")
+    x = torch.cat([x for x, _ in parts])
+    return x, None if parts[0][1] is None else torch.cat([t for _, t in parts])
+
+
+def _pair(batch):
     if isinstance(batch, torch.Tensor):
         return batch, None
     if isinstance(batch, list | tuple) and len(batch) == 2:
