@@ -192,7 +192,7 @@ def test_bench_says_which_path_auto_took():
     ]  # fmt: skip
     merged = merge("linear", raw, "v")
     assert [(r["auto_took"], r["auto_vs_faster"]) for r in merged] == [("ring", "1.01"), ("", "")]
-    assert "ring (1.010)" in summary(merged)
+    assert "ring (1.010: as fast)" in summary(merged)
     grid = [
         dict(op="mlp_fwd_bwd", provider=p, mode="tp", shape="s1", device="cpu", time_ms="1.0", auto_took="plain",
              ratio_to_faster=ratio) for p, ratio in (("auto", "1.02"), ("on", "1.5"), ("off", "1.0"))

@@ -110,10 +110,15 @@ def _auto_vs_faster(name, row) -> str:
 
 
 def _auto_said(row) -> str:
+    """'ring (1.004: as fast)': the path auto took, its time over the faster forced path's, and
+    whether that is as fast (within OVERLAP_NOISE) or slower."""
     if not row["auto_took"]:
         return ""
     ratio = row["auto_vs_faster"]
-    return f"{row['auto_took']} ({float(ratio):.3f})" if ratio not in ("", None) else row["auto_took"]
+    if ratio in ("", None):
+        return row["auto_took"]
+    verdict = "as fast" if float(ratio) <= 1 + OVERLAP_NOISE else "slower"
+    return f"{row['auto_took']} ({float(ratio):.3f}: {verdict})"
 
 
 def merge(name: str, rows: list, versions: str) -> list:
