@@ -33,7 +33,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from linear import sync, write_csv  # bench/linear.py: the shared device sync and CSV writer
+from linear import figure, save_figure, sync, write_csv  # bench/linear.py: shared sync, CSV, figures
 from tplayers.kernels.grad_stats_ref import unscale_and_stats_ref
 
 from tplayers.train.scaler import DynamicLossScaler
@@ -243,16 +243,11 @@ def print_table(rows):
 
 
 def plot(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     groups = list(dict.fromkeys((r["config"], r["dtype"]) for r in rows))
     by_key = {(r["config"], r["dtype"], r["provider"]): r for r in rows}
     providers = [p for p in PROVIDERS if any(r["provider"] == p for r in rows)]
     width = 0.8 / len(providers)
-    fig, ax = plt.subplots(figsize=(1.4 * len(groups) + 3, 4))
+    fig, ax = figure(figsize=(1.4 * len(groups) + 3, 4))
     for i, provider in enumerate(providers):
         xs = [g + (i - (len(providers) - 1) / 2) * width for g in range(len(groups))]
         ax.bar(xs, [by_key[(*key, provider)]["ratio_vs_torch"] for key in groups], width, label=provider)
@@ -261,9 +256,7 @@ def plot(rows, path):
     ax.set_ylabel("time / torch (lower is better)")
     ax.set_title(f"unscale + clip_grad_norm_ step, {rows[0]['device']}")
     ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def version(package):

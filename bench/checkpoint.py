@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from linear import time_round_robin, write_outputs  # bench/linear.py: the shared timing and CSV
+from linear import figure, save_figure, time_round_robin, write_outputs  # bench/linear.py: shared timing, CSV
 from zero import peak_step_bytes  # bench/zero.py: peak bytes allocated during a call
 
 import tplayers
@@ -147,12 +147,7 @@ def print_table(rows):
 
 
 def plot(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = figure(1, 2, figsize=(10, 4))
     for ax, mode in zip(axes, ("save", "load"), strict=True):
         for provider in ("tplayers", "tplayers-unstaged", "single-writer"):
             mine = [r for r in rows if r["mode"] == mode and r["provider"] == provider]
@@ -161,9 +156,7 @@ def plot(rows, path):
             ax.plot([r["model_mb"] for r in mine], [r["gbps_total"] for r in mine], marker="o", label=provider)
         ax.set(xlabel="model (MB)", ylabel="GB/s (total)", title=f"{mode}, {rows[0]['ranks']} ranks, cpu", xscale="log")
         ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None):

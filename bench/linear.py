@@ -367,6 +367,24 @@ def add_ratios(rows):
     return rows
 
 
+def figure(*args, **kwargs):
+    """plt.subplots on matplotlib's file-only backend (the benchmarks write PNGs, never show them)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(*args, **kwargs)
+
+
+def save_figure(fig, path):
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def write_outputs(rows, out, name, fields, plot, print_table):
     """<out>/<name>.csv and <out>/<name>.png of `rows`, and the printed table (bench/zero.py,
     bench/pipeline.py)."""
@@ -413,11 +431,6 @@ def print_table(rows):
 
 
 def plot(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     mlp = {(r["shape"], r["mode"], r["provider"]): r for r in rows if r["kernel"] == "mlp_fwd_bwd"}
     groups = list(dict.fromkeys((shape, mode) for shape, mode, _ in mlp))
 
@@ -430,7 +443,7 @@ def plot(rows, path):
         "auto / faster of on, off": column("tplayers", "auto_vs_faster"),
     }
     width = 0.8 / len(series)
-    fig, ax = plt.subplots(figsize=(2.2 * len(groups) + 2, 4))
+    fig, ax = figure(figsize=(2.2 * len(groups) + 2, 4))
     for i, (label, values) in enumerate(series.items()):
         ax.bar([g + (i - 1) * width for g in range(len(groups))], values, width, label=label)
     ax.axhline(1.0, color="black", linewidth=0.8)
@@ -439,9 +452,7 @@ def plot(rows, path):
     ax.set_ylabel("time ratio (lower is better)")
     ax.set_title(f"MLP fwd+bwd, tp={first['tp']}, {first['threads']} thread(s)/rank, {first['device']}")
     ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def launch_or_torchrun(worker, args, nprocs):

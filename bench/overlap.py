@@ -25,10 +25,12 @@ import torch
 import torch.distributed as dist
 from linear import (
     Shape,
+    figure,
     fwd_bwd,
     launch_or_torchrun,
     paths_taken,
     reference_block,
+    save_figure,
     time_once,
     time_round_robin,
     tplayers_block,
@@ -189,12 +191,7 @@ def print_table(rows):
 
 
 def plot(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(MODES), figsize=(6 * len(MODES), 4.2), squeeze=False)
+    fig, axes = figure(1, len(MODES), figsize=(6 * len(MODES), 4.2), squeeze=False)
     for ax, mode in zip(axes[0], MODES, strict=True):
         for provider, style in (("on", "s--"), ("off", "o--"), ("auto", "x-")):
             mine = [r for r in rows if r["mode"] == mode and r["provider"] == provider]
@@ -205,9 +202,7 @@ def plot(rows, path):
         ax.set_ylabel("fwd+bwd ms (slowest rank, median)")
         ax.set_title(f"{mode}, tp={rows[0]['tp']}, {rows[0]['device']}")
         ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from linear import time_round_robin, write_outputs  # bench/linear.py: the shared timing and CSV
+from linear import figure, save_figure, time_round_robin, write_outputs  # bench/linear.py: shared timing, CSV
 from torch import nn
 
 import tplayers
@@ -140,12 +140,7 @@ def print_table(rows):
 
 
 def plot(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = figure(figsize=(6, 4))
     for name in SCHEDULES:
         mine = [r for r in rows if r["mode"] == name and r["provider"] == "tplayers"]
         ms = [r["microbatches"] for r in mine]
@@ -154,9 +149,7 @@ def plot(rows, path):
     ax.plot([r["microbatches"] for r in first], [r["bubble_formula"] for r in first], "k--", label="(p-1)/(m+p-1)")
     ax.set(xlabel="micro-batches", ylabel="bubble (idle share of the step)", title=f"pp={rows[0]['pp']}, cpu")
     ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None):

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from linear import time_round_robin, wait, write_csv  # bench/linear.py: the shared timing and CSV
+from linear import figure, save_figure, time_round_robin, wait, write_csv  # bench/linear.py: shared timing, CSV
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
@@ -327,11 +327,6 @@ def print_table(rows):
 
 
 def plot(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     t = {(r["shape"], r["mode"], r["provider"]): r for r in rows}
     groups = [(r["shape"], r["mode"]) for r in rows if r["provider"] == "tplayers"]
     series = {
@@ -341,7 +336,7 @@ def plot(rows, path):
         ],
     }
     width = 0.8 / len(series)
-    fig, ax = plt.subplots(figsize=(2.2 * len(groups) + 2, 4))
+    fig, ax = figure(figsize=(2.2 * len(groups) + 2, 4))
     for i, (label, values) in enumerate(series.items()):
         ax.bar([g + (i - 0.5) * width for g in range(len(groups))], values, width, label=label)
     ax.axhline(1.0, color="black", linewidth=0.8)
@@ -350,9 +345,7 @@ def plot(rows, path):
     ax.set_ylabel("ratio to DTensor (lower is better)")
     ax.set_title(f"HF Llama fwd+bwd, tp={first['tp']}, {first['threads']} thread(s)/rank, cpu")
     ax.legend(fontsize="small", loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None):

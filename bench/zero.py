@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from linear import time_round_robin, write_outputs  # bench/linear.py: the shared timing and CSV
+from linear import figure, save_figure, time_round_robin, write_outputs  # bench/linear.py: shared timing, CSV
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -161,11 +161,6 @@ def print_table(rows):
 
 
 def plot(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = [r["provider"] for r in rows]
     series = {
         "time / torch": [r["ratio_to_torch"] for r in rows],
@@ -173,7 +168,7 @@ def plot(rows, path):
         "step peak / torch": [r["peak_ratio_to_torch"] for r in rows],
     }
     width = 0.8 / len(series)
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = figure(figsize=(9, 4))
     for i, (label, values) in enumerate(series.items()):
         ax.bar([g + (i - 1) * width for g in range(len(names))], values, width, label=label)
     ax.axhline(1.0, color="black", linewidth=0.8)
@@ -181,9 +176,7 @@ def plot(rows, path):
     ax.set_ylabel("ratio to torch's recipe at the same stage (lower is better)")
     ax.set_title(f"HF Llama train step, dp={rows[0]['dp']} x tp={rows[0]['tp']}, cpu")
     ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None):

@@ -158,13 +158,15 @@ def _run_layout(rank, world, group, spec: _Spec):
     params = _trained(module, stages)
     ref_opt = spec.optimizer(reference.parameters(), **spec.optimizer_kwargs)
     opt = _optimizer(module, params, spec, layout)
-    schedule = _schedule(stages, spec, layout)
+    schedule = None
     pieces = model_pieces(module)
     held = {name: (tuple(p.shape), []) for name, p in _named_parameters(reference).items()}
     # A wrong shard shows here first, named, before it spoils every output and gradient after it.
     _compare_tensors(pieces, reference, "param", exact=True, where=where, step="start")
     for step in range(spec.steps):
         x, target = (_cast(t, spec.dtype) for t in _batch(spec.inputs, step, layout.dp))
+        if stages is not None and schedule is None:
+            schedule = _schedule(stages, spec, layout, has_target=target is not None)
         expected, ref_loss = _reference_step(reference, spec.loss_fn, x, target)
         output, loss = _parallel_step(module, schedule, spec, mesh, x, target)
         if output is not None:
@@ -225,14 +227,11 @@ def _optimizer(module, params, spec, layout):
     return spec.optimizer(params, **spec.optimizer_kwargs)
 
 
-def _schedule(stages, spec, layout):
-    if stages is None:
-        return None
+def _schedule(stages, spec, layout, has_target):
     from tplayers.pipeline import ScheduleGPipe
 
     # The schedule needs a target on the last stage; where inputs give none, a placeholder (one
     # number per row) rides along and the loss ignores it.
-    has_target = _batch(spec.inputs, 0)[1] is not None
 
     def loss(output, target):
         return _loss(spec.loss_fn, output, target if has_target else None)
