@@ -195,7 +195,7 @@ def misuse(rank, world, group, case):
 
 
 MISUSE = {
-    "overlap": r"data-parallel group \[0, 1, 2, 3\] overlaps the tensor-parallel group \[0, 1, 2, 3\]",
+    "overlap": r"the data-parallel group \[0, 1, 2, 3\] overlaps the tensor-parallel group \[0, 1, 2, 3\]",
     "stage": r"zero_stage must be one of \(0, 1, 2, 3\), got 4",
     "twice": r"LlamaForCausalLM is already data-parallel \(zero_stage 0\)",
     "optimizer_first": r"AdamW holds model.embed_tokens.weight, which data_parallel replaced with its sharded form",

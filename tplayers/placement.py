@@ -13,6 +13,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from tplayers.distributed import resolve_group
+
 _ATTR = "_tplayers_placement"
 
 
@@ -118,3 +120,86 @@ class PlacedModule(nn.Module):
             copy.__dict__[key] = deepcopy(value, memo)
         copy._tag_parameters()  # Parameter.__deepcopy__ drops Python attributes
         return copy
+
+
+# ---------------------------------------------------------------------------- groups from the record
+# Calls that read placed parameters take their groups from the records; an explicit `group=`
+# must agree with them. Each rank checks its own records, so a contradiction raises on every
+# rank before any collective (on a mesh every rank's records have the same shape).
+
+
+def ranks_of(pg) -> tuple[int, ...]:
+    """The global ranks of a process group (None: none)."""
+    return () if pg is None else tuple(dist.get_process_group_ranks(pg))
+
+
+def recorded_groups(params, kind: str) -> list:
+    """The distinct groups (by their ranks) that the records of `params` name, of `kind`:
+    "tp" (the placement's group), "dp" or "pp"."""
+    attr = {"tp": "group", "dp": "dp_group", "pp": "pp_group"}[kind]
+    found = {}
+    for p in params:
+        pg = getattr(get_placement(p), attr, None)
+        if pg is not None:
+            found.setdefault(ranks_of(pg), pg)
+    return list(found.values())
+
+
+def tensor_parallel_group(params, group, caller: str):
+    """The tensor-parallel group the records of `params` name (None when nothing is placed);
+    an explicit `group` (ProcessGroup or 1-D DeviceMesh) over other ranks is refused."""
+    recorded = recorded_groups(params, "tp")
+    if len(recorded) > 1:
+        raise ValueError(
+            f"{caller}: the parameters are placed over {len(recorded)} tensor-parallel groups "
+            f"({', '.join(str(list(ranks_of(g))) for g in recorded)}); call it on each part"
+        )
+    if group is None:
+        return recorded[0] if recorded else None
+    pg = resolve_group(group)
+    if recorded and ranks_of(pg) != ranks_of(recorded[0]):
+        raise ValueError(
+            f"{caller}: group= holds ranks {list(ranks_of(pg))}, but the parameters' placement records name the "
+            f"tensor-parallel group {list(ranks_of(recorded[0]))}: leave group= out (the record's group is used) "
+            "or pass that group"
+        )
+    return recorded[0] if recorded else pg
+
+
+def covering_group(params, group, caller: str):
+    """The group a call that every rank holding the model takes part in runs over: `group`, or
+    by default the world (it holds every group a record names, and also data-parallel replicas
+    no record names, e.g. `train_step(dp_group=)`'s). An explicit group that leaves out a rank
+    of a group a record names is refused: those ranks hold part of what the call reads."""
+    pg = resolve_group(group)
+    if group is None:
+        return pg
+    members = set(ranks_of(pg))
+    for kind, name in (("tp", "tensor-parallel"), ("dp", "data-parallel"), ("pp", "pipeline")):
+        for recorded in recorded_groups(params, kind):
+            missing = sorted(set(ranks_of(recorded)) - members)
+            if missing:
+                raise ValueError(
+                    f"{caller}: group= holds ranks {sorted(members)}, which leaves out ranks {missing} of the "
+                    f"{name} group {list(ranks_of(recorded))} that the parameters' placement records name: "
+                    "leave group= out (the world) or pass a group over every rank that holds the model"
+                )
+    return pg
+
+
+_KIND_NAMES = {"tp": "tensor-parallel", "dp": "data-parallel", "pp": "pipeline"}
+
+
+def refuse_overlap(params, group, caller: str, kinds, why: str, role: str = "group=") -> None:
+    """Refuse a `group` two of whose ranks are in one group of `kinds` ("tp" / "dp" / "pp") that
+    the records of `params` name: those ranks do not hold what `group` means (`why` says so)."""
+    mine = set(ranks_of(resolve_group(group)))
+    for kind in kinds:
+        for recorded in recorded_groups(params, kind):
+            shared = sorted(mine & set(ranks_of(recorded)))
+            if len(shared) > 1:
+                raise ValueError(
+                    f"{caller}: {role} {sorted(mine)} overlaps the {_KIND_NAMES[kind]} group "
+                    f"{list(ranks_of(recorded))} that the parameters' placement records name (ranks {shared} are in "
+                    f"both): {why}"
+                )

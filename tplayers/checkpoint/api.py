@@ -17,7 +17,9 @@ once every rank has read everything: a mismatch or an unreadable file raises and
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -27,11 +29,12 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 from tplayers.checkpoint.chunks import Chunk, ChunkedTensor, chunked, model_pieces, parameters
 from tplayers.checkpoint.planners import CheckpointError, LoadPlannerForChunks, SavePlannerForChunks, is_tensor_md
-from tplayers.distributed import resolve_group
-from tplayers.placement import get_placement
+from tplayers.placement import covering_group, get_placement
 from tplayers.train.master import MixedPrecisionOptimizer
 
-MARKER = "tplayers-checkpoint.json"
+MARKER = "tplayers-checkpoint.json"  # written last: a directory with it is a complete checkpoint
+IN_PROGRESS = "tplayers-checkpoint.in-progress"  # in <path>.partial while a save writes it
+PARTIAL, OLD = ".partial", ".old"
 FORMAT = 1
 
 
@@ -113,7 +116,7 @@ def _optimizer_tensors(pieces, optimizer, create=None):
     return out, attach
 
 
-def _state(model, optimizer, scaler, extra, group):
+def _state(model, optimizer, scaler, scheduler, extra, group):
     rank, world = dist.get_rank(), dist.get_world_size(group)
     pieces = model_pieces(model)
     state = {f"model.{name}": chunked(ps) for name, ps in pieces.items()}
@@ -122,6 +125,8 @@ def _state(model, optimizer, scaler, extra, group):
         state["optim.param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     if scaler is not None:
         state["scaler"] = scaler.state_dict()
+    if scheduler is not None:
+        state["scheduler"] = scheduler.state_dict()
     if extra is not None:
         state["extra"] = extra
     rng = {"cpu": torch.get_rng_state(), "layout": _layout(model, world)}
@@ -131,38 +136,131 @@ def _state(model, optimizer, scaler, extra, group):
     return state
 
 
-def save_checkpoint(path, *, model, optimizer=None, scaler=None, extra=None, group=None) -> None:
-    """Write `model` (and `optimizer`, `scaler`, `extra`: plain data and tensors) to the
-    directory `path`, each rank its own shards; on every rank of `group` (default: all).
-    `model` may also be this rank's stages from `tplayers.pipeline_split` (the model dropped)."""
-    pg = resolve_group(group)
-    path = Path(path)
-    partial = path.with_name(path.name + ".partial")
-    state = _state(model, optimizer, scaler, extra, pg)
-    first = dist.get_rank(pg) == 0
+def _is_ours(path: Path) -> bool:
+    """A directory this module wrote: a complete checkpoint (its marker) or a save in progress."""
+    return path.is_dir() and not path.is_symlink() and ((path / MARKER).is_file() or (path / IN_PROGRESS).is_file())
+
+
+def _is_complete(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink() and (path / MARKER).is_file()
+
+
+def _aside(path: Path, suffix: str) -> Path:
+    return path.with_name(path.name + suffix)
+
+
+def _refusal(path: Path) -> str | None:
+    """Why a save to `path` must not go ahead (it would replace or delete what it did not write),
+    or None. Replaced: a complete tplayers checkpoint, an empty directory; nothing else."""
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        return f"save_checkpoint: {path} exists and is not a directory: it is left untouched (save elsewhere)"
+    if path.is_dir() and not _is_complete(path) and any(path.iterdir()):
+        return (
+            f"save_checkpoint: {path} is a directory that is not a tplayers checkpoint (no {MARKER}) and not "
+            "empty: it is left untouched (save to a new or empty path, or to an existing checkpoint)"
+        )
+    for suffix in (PARTIAL, OLD):
+        leftover = _aside(path, suffix)
+        if (leftover.exists() or leftover.is_symlink()) and not _is_ours(leftover):
+            return (
+                f"save_checkpoint: {leftover} exists and was not written by tplayers: it is left untouched "
+                "(a save writes there first; move it away)"
+            )
+    return None
+
+
+def _recover(path: Path) -> None:
+    """Finish or undo an interrupted save of `path` (on one rank): a save that died after writing
+    everything but before its renames is completed; otherwise the previous checkpoint is kept and
+    the partial one removed. Only directories this module wrote are touched."""
+    partial, old = _aside(path, PARTIAL), _aside(path, OLD)
+    if not path.exists() and not path.is_symlink():
+        if _is_complete(partial):  # died between the two renames: the new checkpoint is whole
+            partial.rename(path)
+        elif _is_complete(old):
+            old.rename(path)
+    for leftover in (partial, old):
+        if _is_ours(leftover):
+            shutil.rmtree(leftover)
+
+
+def _agree(error: str | None, pg) -> None:
+    """Raise `error` (this rank's or any other's) on every rank of `pg`."""
+    errors = [None] * dist.get_world_size(pg)
+    dist.all_gather_object(errors, error, group=pg)
+    first = next((e for e in errors if e), None)
     if first:
-        shutil.rmtree(partial, ignore_errors=True)
+        raise CheckpointError(first)
+
+
+def _rotate(path: Path, keep: int) -> None:
+    """Of the complete checkpoints beside `path` whose names differ from its own only in a
+    trailing number (step_100, step_200, ...), keep the `keep` saved last; delete the others."""
+    stem = re.sub(r"\d+$", "", path.name)
+    pattern = re.compile(re.escape(stem) + r"\d+$" if stem != path.name else re.escape(path.name) + "$")
+    series = [p for p in path.parent.iterdir() if pattern.match(p.name) and _is_complete(p)]
+
+    def saved_at(p):
+        try:
+            return json.loads((p / MARKER).read_text()).get("saved_at", 0), p.name
+        except (OSError, ValueError):
+            return 0, p.name
+
+    for stale in sorted(series, key=saved_at)[:-keep]:
+        if stale != path:
+            shutil.rmtree(stale)
+
+
+def save_checkpoint(
+    path, *, model, optimizer=None, scaler=None, scheduler=None, extra=None, group=None, keep: int | None = None
+) -> None:
+    """Write `model` (and `optimizer`, `scaler`, `scheduler`: a torch LR scheduler, `extra`:
+    plain data and tensors) to the directory `path`, each rank its own shards; on every rank of
+    `group` (default: the world; an explicit group must hold every group the parameters'
+    placement records name). `model` may also be this rank's stages from
+    `tplayers.pipeline_split` (the model dropped).
+
+    `path` may be new, an empty directory or a complete tplayers checkpoint, which is replaced
+    atomically; anything else (a file, a directory of other files) is refused on every rank and
+    left as it is. The leftovers of an interrupted save of `path` are cleaned up first.
+    `keep=N`: afterwards only the N checkpoints saved last among those beside `path` whose names
+    differ from its own in a trailing number (`step_100`, `step_200`, ...) remain."""
+    if keep is not None and (not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"save_checkpoint: keep must be a positive int, got {keep!r}")
+    pg = covering_group(parameters(model), group, "save_checkpoint")
+    path = Path(path)
+    partial = _aside(path, PARTIAL)
+    state = _state(model, optimizer, scaler, scheduler, extra, pg)
+    first = dist.get_rank(pg) == 0
+    _agree(_refusal(path) if first else None, pg)  # rank 0 decides: every rank sees one file system state
+    if first:
+        _recover(path)
+        partial.mkdir(parents=True)
+        (partial / IN_PROGRESS).touch()
     dist.barrier(group=pg)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), planner=SavePlannerForChunks(), process_group=pg)
     dist.barrier(group=pg)
     if first:
-        info = {"format": FORMAT, "world_size": dist.get_world_size(pg), "tensors": sum(
+        info = {"format": FORMAT, "world_size": dist.get_world_size(pg), "saved_at": time.time_ns(), "tensors": sum(
             isinstance(v, ChunkedTensor) for v in state.values())}  # fmt: skip
+        (partial / IN_PROGRESS).unlink()
         (partial / MARKER).write_text(json.dumps(info))
-        old = path.with_name(path.name + ".old")
-        if path.exists():
-            shutil.rmtree(old, ignore_errors=True)
+        old = _aside(path, OLD)
+        if path.is_dir() and any(path.iterdir()):  # a complete checkpoint (checked above)
             path.rename(old)
+        elif path.is_dir():
+            path.rmdir()
         partial.rename(path)
-        shutil.rmtree(old, ignore_errors=True)
+        if old.exists():
+            shutil.rmtree(old)
+        if keep is not None:
+            _rotate(path, keep)
     dist.barrier(group=pg)
 
 
 def _read_metadata(path: Path):
     if not (path / MARKER).is_file():
-        hint = " (a save was interrupted: the previous checkpoint is in .old)" if path.with_name(
-            path.name + ".old").exists() else ""  # fmt: skip
-        raise CheckpointError(f"checkpoint: {path} is not a complete tplayers checkpoint (no {MARKER}){hint}")
+        raise CheckpointError(f"checkpoint: {path} is not a complete tplayers checkpoint (no {MARKER})")
     try:
         return dcp.FileSystemReader(path).read_metadata()
     except Exception as e:  # noqa: BLE001 -- any failure to parse is a damaged checkpoint
@@ -199,15 +297,20 @@ def _check(wanted: dict, metadata, pg) -> None:
         raise CheckpointError("checkpoint does not fit the model, which is unchanged: " + "; ".join(errors[:5]) + more)
 
 
-def load_checkpoint(path, *, model, optimizer=None, scaler=None, group=None, staged: bool = True):
-    """Load what `save_checkpoint` wrote (at any layout) into `model` (and `optimizer`,
-    `scaler`) at this layout; returns the saved `extra`. On every rank of `group`.
+def load_checkpoint(path, *, model, optimizer=None, scaler=None, scheduler=None, group=None, staged: bool = True):
+    """Load what `save_checkpoint` wrote (at any layout) into `model` (and `optimizer` with its
+    param_groups' hyperparameters, `scaler`, `scheduler`) at this layout; returns the saved
+    `extra`. On every rank of `group` (as `save_checkpoint`'s). An interrupted save of `path` is
+    finished or undone first (see `save_checkpoint`).
 
     `staged=False` writes each chunk into the model as soon as it is read: no second copy of
     this rank's shards, but a file failing to read midway leaves the model partly loaded (the
     names, shapes and dtypes are still checked first)."""
-    pg = resolve_group(group)
+    pg = covering_group(parameters(model), group, "load_checkpoint")
     path = Path(path)
+    if dist.get_rank(pg) == 0:
+        _recover(path)
+    dist.barrier(group=pg)
     metadata = _read_metadata(path)
     md = metadata.state_dict_metadata
     rank, world = dist.get_rank(), dist.get_world_size(pg)
@@ -221,6 +324,8 @@ def load_checkpoint(path, *, model, optimizer=None, scaler=None, group=None, sta
         wanted["optim.param_groups"] = None
     if scaler is not None:
         wanted["scaler"] = None
+    if scheduler is not None:
+        wanted["scheduler"] = None
     for name in ("extra", f"rng.{rank}"):
         if name in md:
             wanted[name] = None
@@ -244,6 +349,8 @@ def load_checkpoint(path, *, model, optimizer=None, scaler=None, group=None, sta
         _load_param_groups(optimizer, objects["optim.param_groups"])
     if scaler is not None:
         scaler.load_state_dict(objects["scaler"])
+    if scheduler is not None:
+        scheduler.load_state_dict(objects["scheduler"])
     rng = objects.get(f"rng.{rank}")
     if rng is not None and list(rng["layout"]) == _layout(model, world):
         torch.set_rng_state(rng["cpu"])

@@ -24,11 +24,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tplayers.checkpoint.chunks import chunked, model_pieces
+from tplayers.checkpoint.chunks import chunked, model_pieces, parameters
 from tplayers.checkpoint.planners import CheckpointError
-from tplayers.distributed import resolve_group
 from tplayers.hf.state_dict import EXPORTS
-from tplayers.placement import full_tensor
+from tplayers.placement import covering_group, full_tensor, tensor_parallel_group
 
 SAFE_INDEX, SAFE_SINGLE = "model.safetensors.index.json", "model.safetensors"
 BIN_INDEX, BIN_SINGLE = "pytorch_model.bin.index.json", "pytorch_model.bin"
@@ -132,8 +131,9 @@ def load_pretrained(model, path, *, device=None, group=None, allow_pickle: bool 
     """Fill `model` (parallelized or not, pipeline stages or not, parameters on meta or real)
     from the HF checkpoint directory `path`, each rank reading only the slices it holds. Every
     tensor's name and shape is checked on every rank first; tensors of the checkpoint that no rank
-    holds raise too. On every rank of `group` (default: all)."""
-    pg = resolve_group(group)
+    holds raise too. On every rank of `group` (default: the world; an explicit group must hold
+    every group the parameters' placement records name)."""
+    pg = covering_group(parameters(model), group, "load_pretrained")
     path = Path(path)
     files = _files(path, allow_pickle)
     reader = _Reader()
@@ -186,10 +186,12 @@ def _tied_aliases(pieces) -> dict[str, str]:
 def save_pretrained(model, path, *, group=None) -> None:
     """Write `model` as a HF directory (config, safetensors shards, index) that
     `from_pretrained` loads: each tensor gathered whole once (over TP, and ZeRO's replicas) and
-    written by one rank holding it, into that rank's own file; on every rank of `group`."""
+    written by one rank holding it, into that rank's own file; on every rank of `group` (as
+    `load_pretrained`'s)."""
     from safetensors.torch import save_file
 
-    pg = resolve_group(group)
+    pg = covering_group(parameters(model), group, "save_pretrained")
+    tp_group = tensor_parallel_group(parameters(model), None, "save_pretrained")
     path = Path(path)
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
     names = sorted(model_pieces(model))
@@ -204,7 +206,7 @@ def save_pretrained(model, path, *, group=None) -> None:
     if head is not None and f"{_name_of(model, head)}.weight" in _tied_aliases(model_pieces(model)):
         skip.add(f"{_name_of(model, head)}.weight")
     mine = {}
-    for name, tensor in _full_tensors(model, set(names)):
+    for name, tensor in _full_tensors(model, set(names), tp_group):
         if writer.get(name) == rank and name not in skip:
             mine[name] = tensor.detach().contiguous().cpu()
     file = f"model-{rank + 1:05d}-of-{world:05d}.safetensors"
@@ -231,13 +233,13 @@ def save_pretrained(model, path, *, group=None) -> None:
     dist.barrier(group=pg)
 
 
-def _full_tensors(model, names):
+def _full_tensors(model, names, tp_group):
     """(name, full tensor) for every state-dict tensor this rank holds, one record at a time
     (the TP gathers are collectives over each record's group, in the same order on every rank)."""
     sharded = []
     for prefix, export, _, _ in getattr(model, EXPORTS, []):
         sharded.append(prefix + ".")
-        for key, tensor in export(lambda p: full_tensor(p.detach()), _tp_group(model)).items():
+        for key, tensor in export(lambda p: full_tensor(p.detach()), tp_group).items():
             yield f"{prefix}.{key}", tensor
     for name, value in model.state_dict().items():
         if not name.startswith(tuple(sharded)) and name in names:
@@ -246,16 +248,6 @@ def _full_tensors(model, names):
 
 def _name_of(model, module) -> str:
     return next(name for name, m in model.named_modules() if m is module)
-
-
-def _tp_group(model):
-    from tplayers.placement import get_placement
-
-    for p in model.parameters():
-        placement = get_placement(p)
-        if placement is not None and placement.group is not None:
-            return placement.group
-    return None
 
 
 __all__ = ["load_pretrained", "materialize", "parameters_on_meta", "save_pretrained"]

@@ -39,7 +39,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tplayers.distributed import resolve_group
-from tplayers.placement import TIED_ACROSS_STAGES, get_placement, update_placement
+from tplayers.placement import TIED_ACROSS_STAGES, get_placement, refuse_overlap, update_placement
 
 STAGES = (0, 1, 2, 3)
 _WRAPPED = "_tplayers_data_parallel"  # (group, stage) on a wrapped module
@@ -70,16 +70,9 @@ def _check(module, pg, stage):
             "data parallelism over such stages is not supported: untie them (config.tie_word_embeddings=False) "
             "or train the pipeline without replicas"
         )
-    replicas = set(dist.get_process_group_ranks(pg))
-    for name, p in module.named_parameters():
-        placement = get_placement(p)
-        if placement is not None and placement.group is not None:
-            tp = set(dist.get_process_group_ranks(placement.group))
-            if len(tp & replicas) > 1:
-                raise ValueError(
-                    f"data_parallel: the data-parallel group {sorted(replicas)} overlaps the tensor-parallel group "
-                    f"{sorted(tp)} of {name}: replicas must hold the same shard (use init_mesh(dp=..., tp=...))"
-                )
+    refuse_overlap(module.parameters(), pg, "data_parallel", ("tp", "pp"),
+                   "replicas must hold the same shards of the same stage (use init_mesh(dp=..., tp=..., pp=...) "
+                   "and pass mesh['dp'])", role="the data-parallel group")  # fmt: skip
 
 
 def _check_mixed_precision(module, stage, param_dtype):

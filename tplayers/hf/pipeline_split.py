@@ -26,6 +26,7 @@ from torch import nn
 from tplayers.distributed import resolve_group
 from tplayers.hf.state_dict import EXPORTS
 from tplayers.pipeline import PipelineStage
+from tplayers.placement import refuse_overlap
 
 DECODER_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
 SEQUENCE_PARALLEL = "_tplayers_sequence_parallel"  # the TP group, set by parallelize(sequence_parallel=True)
@@ -109,6 +110,9 @@ def pipeline_split(model, *, group=None, virtual_stages: int = 1, layers_per_sta
     i on rank i % n), for the interleaved schedules. `layers_per_stage`: the decoder layers of
     each stage (default: as even as possible)."""
     pg = resolve_group(group)
+    refuse_overlap(model.parameters(), pg, "pipeline_split", ("tp", "dp"),
+                   "the stages are split over ranks that hold the same stage's shards or replicas (use "
+                   "init_mesh(pp=..., tp=...) and pass mesh['pp'])", role="the pipeline group")  # fmt: skip
     n, rank = dist.get_world_size(pg), dist.get_rank(pg)
     decoder = getattr(model, "model", None)
     missing = [p for p in DECODER_PARTS if not hasattr(decoder, p)]

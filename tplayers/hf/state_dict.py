@@ -2,8 +2,7 @@
 names, and loading one back into the shards. `parallelize` leaves on the model, for each
 swapped module, how to export and load it (`EXPORTS`); nothing else is needed."""
 
-from tplayers.distributed import resolve_group
-from tplayers.placement import copy_into, full_tensor
+from tplayers.placement import copy_into, full_tensor, tensor_parallel_group
 
 EXPORTS = "_tplayers_exports"  # [(prefix, export, load, pieces)] on the model (pieces: tplayers.hf.pieces)
 ORIGINAL_KEYS = "_tplayers_original_keys"  # model.state_dict() keys before parallelize
@@ -24,8 +23,10 @@ def _sharded_prefixes(model) -> tuple[str, ...]:
 
 
 def gather_state_dict(model, *, group=None) -> dict:
-    """The full, unsharded state dict under the original module names, on every rank."""
-    group = resolve_group(group)
+    """The full, unsharded state dict under the original module names, on every rank. Gathers
+    over the tensor-parallel group the parameters' placement records name (and their data-parallel
+    shards); an explicit `group` over other ranks raises on every rank before any collective."""
+    group = tensor_parallel_group(model.parameters(), group, "gather_state_dict")
     full = _gathered(model, group, lambda p: full_tensor(p.detach()))  # whole over data parallelism too
     sharded = _sharded_prefixes(model)
     for key, value in model.state_dict().items():
@@ -36,8 +37,9 @@ def gather_state_dict(model, *, group=None) -> dict:
 
 
 def gather_grads(model, *, group=None) -> dict:
-    """The full, unsharded gradient of every parameter under its original name, on every rank."""
-    group = resolve_group(group)
+    """The full, unsharded gradient of every parameter under its original name, on every rank
+    (groups as `gather_state_dict`)."""
+    group = tensor_parallel_group(model.parameters(), group, "gather_grads")
     full = _gathered(model, group, lambda p: None if p.grad is None else full_tensor(p.grad))
     sharded = _sharded_prefixes(model)
     for key, p in model.named_parameters():
@@ -49,7 +51,8 @@ def gather_grads(model, *, group=None) -> dict:
 def load_full_state_dict(model, state_dict, *, group=None) -> None:
     """Load a full, unsharded state dict (original names, what `gather_state_dict` returns) into a
     parallelized model: each rank copies in its shards. No communication; strict like
-    `load_state_dict`."""
+    `load_state_dict`. An explicit `group` must be the records' tensor-parallel group."""
+    tensor_parallel_group(model.parameters(), group, "load_full_state_dict")
     records = getattr(model, EXPORTS, [])
     state_dict = dict(state_dict)
     supplied = set(state_dict)

@@ -14,7 +14,7 @@ layouts; the parts it is built from serve hand-written checks. tplayers' own sui
 A user-facing top layer: may import anything in tplayers; nothing in tplayers imports it.
 """
 
-from tplayers.testing.check import check_parallel, default_loss
+from tplayers.testing.check import ParallelMismatch, check_parallel, default_loss
 from tplayers.testing.meshes import layout_mesh
 from tplayers.testing.numerics import (
     TOLERANCES,
@@ -28,6 +28,7 @@ from tplayers.testing.numerics import (
 from tplayers.testing.pool import RemoteError, WorkerPool
 
 __all__ = [
+    "ParallelMismatch",
     "check_parallel",
     "default_loss",
     "layout_mesh",

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tplayers.distributed import RankError
 from tplayers.testing.meshes import layout_mesh
 from tplayers.testing.numerics import tolerance
 
@@ -113,8 +114,27 @@ def check_parallel(
         size = layout.tp * layout.pp * layout.dp
         mesh = (layout.dp, layout.pp, layout.tp)
         what = f"check_parallel at {_describe(layout)}"
-        held = pool.run(_run_layout, size, spec, timeout_s=timeout_s, what=what, mesh=mesh)
+        try:
+            held = pool.run(_run_layout, size, spec, timeout_s=timeout_s, what=what, mesh=mesh)
+        except RankError as e:
+            reports = {r.rank: r.message for r in getattr(e, "errors", ()) if r.message.startswith(_PREFIX)}
+            if reports:  # the comparison failed: an AssertionError, as users' negative controls expect
+                raise ParallelMismatch(reports) from e
+            raise  # the user's code (or a dead rank): its traceback, as it is
         _check_coverage(held, layout)
+
+
+_PREFIX = "check_parallel: "  # how every comparison's failure begins
+
+
+class ParallelMismatch(AssertionError):
+    """The parallel model differs from the unsharded one. `reports`: {rank: what differs there}."""
+
+    def __init__(self, reports: dict):
+        self.reports = dict(sorted(reports.items()))
+        first, *others = self.reports.items()
+        more = "".join(f"\n(rank {r} also: {m.splitlines()[0][len(_PREFIX) :][:300]})" for r, m in others)
+        super().__init__(f"{first[1]}\n(reported by rank {first[0]}){more}")
 
 
 def _check_picklable(**fns):

@@ -203,7 +203,9 @@ class WorkerPool:
             )
             others = "".join(f"\nthen rank {e.rank} raised {e.type_name}: {e.message[:200]}" for e in errors[1:])
             waiting = f"\n(ranks {missing} were left waiting and have been restarted)" if missing else ""
-            raise RankError(f"{headline}\n{first.traceback}{others}{waiting}")
+            error = RankError(f"{headline}\n{first.traceback}{others}{waiting}")
+            error.errors = errors  # every failing rank's RemoteError, the cause first
+            raise error
         return [replies[r] for r in range(tp)]
 
     def __enter__(self):

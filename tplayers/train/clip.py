@@ -25,9 +25,14 @@ import torch.distributed as dist
 
 from tplayers.distributed import resolve_group
 from tplayers.functional import comm
-from tplayers.placement import get_placement, local_tensor
+from tplayers.placement import get_placement, local_tensor, ranks_of, recorded_groups, refuse_overlap
 
 _EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
+_OVERLAP = (
+    "those ranks hold parts of the same gradients, which would be counted more than once. group= is for "
+    "ranks that hold disjoint parameters (pipeline stages the records do not name); the records' groups are "
+    "always used"
+)
 
 
 def _unique_params(parameters) -> list:
@@ -132,6 +137,8 @@ def clip_grad_norm_(
     # a weight two pipeline stages share (tied embeddings) enters the norm on one stage only
     params = [p for p in every if not getattr(get_placement(p), "counted_by_another_stage", False)]
     extra = resolve_group(group) if group is not None else None
+    if extra is not None:  # it combines per-rank totals: its ranks must hold disjoint parameters
+        refuse_overlap(every, extra, "clip_grad_norm_", ("tp", "dp"), _OVERLAP)
     is_max = math.isinf(norm_type)
 
     grads = [local_tensor(p.grad) for p in params if p.grad is not None]
@@ -170,9 +177,9 @@ def clip_grad_norm_(
         total = torch.maximum(total, part) if is_max else total + part
     # Pipeline stages hold disjoint parameters: their totals are combined over the stage group
     # their placements name (then over `group`, unless it is that group).
-    stage_groups = {id(g): g for p in params for g in [getattr(get_placement(p), "pp_group", None)] if g is not None}
+    stage_groups = {ranks_of(g): g for g in recorded_groups(params, "pp")}
     if extra is not None:
-        stage_groups.setdefault(id(extra), extra)
+        stage_groups.setdefault(ranks_of(extra), extra)
     for pg in stage_groups.values():
         reduced = _reduce(torch.cat([total.reshape(1), flags]), pg, is_max)
         total, flags = reduced[0], reduced[1:].clamp(max=1)

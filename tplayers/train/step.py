@@ -28,7 +28,7 @@ import torch
 
 from tplayers.distributed import resolve_group
 from tplayers.functional import comm
-from tplayers.placement import get_placement
+from tplayers.placement import get_placement, refuse_overlap
 from tplayers.train.clip import clip_grad_norm_
 
 
@@ -78,6 +78,10 @@ def train_step(
             "train_step: the model is already data-parallel (tplayers.data_parallel averages its gradients); "
             "passing dp_group would average them twice"
         )
+    if dp_group is not None:
+        refuse_overlap(_optimizer_parameters(optimizer), dp_group, "train_step", ("tp", "pp"),
+                       "replicas must hold the same shards of the same stage (pass mesh['dp'])",
+                       role="dp_group")  # fmt: skip
     scale = scaler.get_scale() if scaler is not None else 1.0
     total = None
     if hasattr(model, "forward_backward"):  # a pipeline schedule: its micro-batches are the accumulation
