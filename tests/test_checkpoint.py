@@ -387,3 +387,153 @@ def test_a_pipeline_rank_saves_from_its_stages_once_the_model_is_gone(pool, tmp_
     assert from_model.keys() == from_stages.keys()
     assert all(torch.equal(from_model[k], from_stages[k]) for k in from_model)
     assert all(torch.equal(a, b) for k in opt_a for a, b in zip(opt_a[k].values(), opt_b[k].values(), strict=True))
+
+
+# ---------------------------------------------------------------------------- what a save may replace
+
+
+def _tiny(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+
+
+def save_tiny(rank, world, group, path, seed, keep=None):
+    """Save a tiny model (weights from `seed`); the refusal's message, or None."""
+    try:
+        tplayers.save_checkpoint(path, model=_tiny(seed), group=group, keep=keep)
+    except tplayers.CheckpointError as e:
+        return str(e)
+
+
+def load_tiny(rank, world, group, path):
+    model = _tiny(99)
+    tplayers.load_checkpoint(path, model=model, group=group)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _same_weights(loaded, seed):
+    return all(torch.equal(loaded[k], v) for k, v in _tiny(seed).state_dict().items())
+
+
+def _tree(path: Path) -> dict:
+    """{relative path: bytes} of everything under `path` (or the file itself)."""
+    if path.is_file():
+        return {".": path.read_bytes()}
+    return {str(p.relative_to(path)): p.read_bytes() if p.is_file() else None for p in sorted(path.rglob("*"))}
+
+
+def test_a_save_never_replaces_what_tplayers_did_not_write(pool, tmp_path):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("my results")
+    foreign = tmp_path / "my_experiment"
+    (foreign / "data").mkdir(parents=True)
+    (foreign / "data" / "train.csv").write_text("1,2,3\n")
+    (foreign / "README").write_text("keep me")
+    squatted = tmp_path / "ckpt"  # the name is free, but its .partial is the user's
+    (tmp_path / "ckpt.partial").mkdir()
+    (tmp_path / "ckpt.partial" / "mine.txt").write_text("not a checkpoint")
+    for target, said in [
+        (a_file, "exists and is not a directory"),
+        (foreign, "is a directory that is not a tplayers checkpoint"),
+        (squatted, "ckpt.partial exists and was not written by tplayers"),
+    ]:
+        before = _tree(tmp_path)
+        for message in pool.run(save_tiny, 2, str(target), 0):  # every rank refuses
+            assert message is not None and said in message and str(target.name) in message, message
+        assert _tree(tmp_path) == before, f"a refused save onto {target} changed the disk"
+
+
+def test_a_save_replaces_an_old_checkpoint_or_an_empty_directory(pool, tmp_path):
+    path = tmp_path / "ckpt"
+    path.mkdir()  # empty: nothing to lose
+    assert pool.run(save_tiny, 2, str(path), 0) == [None, None]
+    assert pool.run(save_tiny, 2, str(path), 1) == [None, None]  # the old checkpoint: replaced
+    assert _same_weights(pool.run(load_tiny, 2, str(path))[0], 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no .old or .partial left
+
+
+def test_an_interrupted_save_is_finished_or_undone_by_the_next_save_or_load(pool, tmp_path):
+    path = tmp_path / "ckpt"
+    pool.run(save_tiny, 1, str(path), 0)
+    # died between its two renames: the old checkpoint moved aside, the new one complete
+    path.rename(tmp_path / "ckpt.old")
+    pool.run(save_tiny, 1, str(tmp_path / "other"), 1)
+    (tmp_path / "other").rename(tmp_path / "ckpt.partial")
+    assert _same_weights(pool.run(load_tiny, 2, str(path))[0], 1)  # the newer one
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    # died before its renames: only the old checkpoint moved aside
+    path.rename(tmp_path / "ckpt.old")
+    assert _same_weights(pool.run(load_tiny, 2, str(path))[0], 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_keep_leaves_the_last_checkpoints_of_the_series_and_nothing_else(pool, tmp_path):
+    (tmp_path / "step_notes").mkdir()  # not a checkpoint
+    pool.run(save_tiny, 1, str(tmp_path / "best"), 0)  # a checkpoint of another name
+    for step in (100, 200, 300, 400, 500):
+        assert pool.run(save_tiny, 2, str(tmp_path / f"step_{step}"), step, 2) == [None, None]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "step_400", "step_500", "step_notes"]
+    assert _same_weights(pool.run(load_tiny, 1, str(tmp_path / "step_500"))[0], 500)
+    assert "keep must be a positive int" in str(pytest.raises(ValueError, tplayers.save_checkpoint, "x", model=None,
+                                                               keep=0).value)  # fmt: skip
+
+
+def test_a_save_after_a_rank_died_mid_save_then_loads(pool, tmp_path):
+    path = str(tmp_path / "ckpt")
+    pool.run(save_tp2, 2, path)
+    with pytest.raises(tplayers.RankError, match="rank 1 died"):
+        pool.run(save_tp2, 2, path, 1)
+    second = pool.run(save_after_one_step, 2, path, dict(tp=2))[0]  # cleans the partial save up
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    extra, loaded, _ = pool.run(load_and_step, 2, path, dict(tp=2))[0]
+    assert extra == {"step": 1} and all(torch.equal(loaded[k], second[k]) for k in second)
+
+
+# ---------------------------------------------------------------------------- optimizer hyperparameters, schedulers
+
+
+def schedule_run(rank, world, group, path, split_at, steps=6):
+    """A TP-2 tiny Llama under AdamW with a StepLR (the learning rate halves every 2 steps):
+    straight through, or `split_at` steps, save, and a fresh optimizer and scheduler (at the
+    constructor's learning rate) load and do the rest."""
+
+    def fresh(seed):
+        run = Run(group, seed, tp=2)
+        return run, torch.optim.lr_scheduler.StepLR(run.opt, step_size=2, gamma=0.5)
+
+    run, scheduler = fresh(0)
+    lrs = []
+    for step in range(steps):
+        if step == split_at:
+            tplayers.save_checkpoint(path, model=run.model, optimizer=run.opt, scheduler=scheduler, group=group)
+            run, scheduler = fresh(3)
+            tplayers.load_checkpoint(path, model=run.model, optimizer=run.opt, scheduler=scheduler, group=group)
+        lrs.append(run.opt.param_groups[0]["lr"])
+        run.step(step)
+        scheduler.step()
+    return lrs, run.gathered()
+
+
+def test_a_resumed_scheduler_continues_its_schedule_exactly(pool, tmp_path):
+    straight = pool.run(schedule_run, 2, str(tmp_path / "unused"), -1)
+    resumed = pool.run(schedule_run, 2, str(tmp_path / "ckpt"), 3)
+    for (lrs, weights), (lrs2, weights2) in zip(straight, resumed, strict=True):
+        assert lrs == lrs2 == [1e-2, 1e-2, 5e-3, 5e-3, 2.5e-3, 2.5e-3]
+        assert all(torch.equal(weights[k], weights2[k]) for k in weights)
+
+
+def param_groups_after_load(rank, world, group, path):
+    """The optimizer's hyperparameters once a checkpoint saved after a scheduler changed them
+    is loaded into a fresh optimizer (no scheduler: the param groups alone must carry them)."""
+    run = Run(group, 0, tp=2)
+    for group_ in run.opt.param_groups:
+        group_.update(lr=1.25e-3, betas=(0.8, 0.95), weight_decay=0.3)
+    tplayers.save_checkpoint(path, model=run.model, optimizer=run.opt, group=group)
+    fresh = Run(group, 1, tp=2)
+    tplayers.load_checkpoint(path, model=fresh.model, optimizer=fresh.opt, group=group)
+    return [{k: v for k, v in g.items() if k != "params"} for g in fresh.opt.param_groups]
+
+
+def test_the_optimizers_hyperparameters_are_restored(pool, tmp_path):
+    for groups in pool.run(param_groups_after_load, 2, str(tmp_path / "ckpt")):
+        assert [(g["lr"], g["betas"], g["weight_decay"]) for g in groups] == [(1.25e-3, (0.8, 0.95), 0.3)]

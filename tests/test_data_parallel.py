@@ -192,8 +192,23 @@ def misuse(rank, world, group, case):
     if case == "master_weights":
         tplayers.data_parallel(model.to(torch.bfloat16), group=mesh["dp"])
         tplayers.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()))
+    if case == "param_dtype_kind":
+        tplayers.data_parallel(model, group=mesh["dp"], zero_stage=3, param_dtype=torch.float64)
+    if case == "param_dtype_low":
+        tplayers.data_parallel(model.to(torch.bfloat16), group=mesh["dp"], zero_stage=3, param_dtype=torch.bfloat16)
+    if case == "param_dtype_sp":
+        other = tiny_llama()
+        tplayers.parallelize(other, group=mesh["tp"], sequence_parallel=True, verify=False)
+        tplayers.data_parallel(other, group=mesh["dp"], zero_stage=3, param_dtype=torch.bfloat16)
+    if case == "stages_as_replicas":  # PP 2 x TP 2: replicas asked for over the pipeline's ranks
+        pp_mesh = tplayers.init_mesh(pp=2, tp=2)
+        other = tiny_llama()
+        tplayers.parallelize(other, group=pp_mesh["tp"], verify=False)
+        stage = tplayers.pipeline_split(other, group=pp_mesh["pp"])[0]
+        tplayers.data_parallel(stage.module, group=pp_mesh["pp"], zero_stage=3)
 
 
+# every message a user sees on the data-parallel path, each naming the constraint it enforces
 MISUSE = {
     "overlap": r"the data-parallel group \[0, 1, 2, 3\] overlaps the tensor-parallel group \[0, 1, 2, 3\]",
     "stage": r"zero_stage must be one of \(0, 1, 2, 3\), got 4",
@@ -202,6 +217,10 @@ MISUSE = {
     "average_twice": r"passing dp_group would average them twice",
     "param_dtype_stage0": r"param_dtype needs ZeRO stage 2 or 3",
     "master_weights": r"MixedPrecisionOptimizer: the model is data-parallel",
+    "param_dtype_kind": r"param_dtype must be torch.bfloat16 or torch.float16, got torch.float64",
+    "param_dtype_low": r"keep the model in fp32 \(its shards are the masters\); model.embed_tokens.weight is not",
+    "param_dtype_sp": r"is summed over the TP group by its own hook \(sequence parallelism\)",
+    "stages_as_replicas": r"the data-parallel group \[(0, 2|1, 3)\] overlaps the pipeline group \[(0, 2|1, 3)\]",
 }
 
 

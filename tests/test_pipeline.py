@@ -144,20 +144,57 @@ def misuse(rank, pp, group, case):
     model = mlp_stack(layers=4)
     if case == "stage_index":
         tplayers.PipelineStage(model[:2], 5, 2, group=group)
+    if case == "num_stages":
+        tplayers.PipelineStage(model[:2], rank, 3, group=group)
+    if case == "stage_rank":
+        tplayers.PipelineStage(model[:2], 1 - rank, 2, group=group)
+    if case == "overlap":  # the layer is tensor-parallel over the very ranks given as stages
+        tplayers.PipelineStage(tplayers.ColumnParallelLinear(6, 6, group=group), rank, 2, group=group)
     if case == "fewer_layers":
         tplayers.pipeline_split(tiny_llama(layers=1), group=group)
+    if case == "layers_per_stage":
+        tplayers.pipeline_split(tiny_llama(layers=3), group=group, layers_per_stage=[1, 1])
+    if case == "virtual_stages":
+        tplayers.pipeline_split(tiny_llama(layers=2), group=group, virtual_stages=0)
+    if case == "not_stages":
+        tplayers.ScheduleGPipe([model], 2, mse)
     stage = tplayers.PipelineStage(model[2 * rank : 2 * rank + 2], rank, 2, group=group)
     if case == "microbatches":
         tplayers.Schedule1F1B(stage, 1, mse)
+    if case == "no_microbatches":
+        tplayers.ScheduleGPipe(stage, 0, mse)
+    if case == "rounds":
+        stages = [tplayers.PipelineStage(model[i : i + 1], i, 4, group=group) for i in (rank, rank + 2)]
+        tplayers.ScheduleInterleaved1F1B(stages, 5, mse)
+    x, y = torch.randn(8, 6), torch.randn(8, 6)
+    # each rank passes what it holds: the batch on the first stage's, the target on the last's
     if case == "batch":
-        tplayers.ScheduleGPipe(stage, 4, mse).step(torch.randn(6, 6), target=torch.randn(6, 6))
+        tplayers.ScheduleGPipe(stage, 4, mse).step(torch.randn(6, 6) if rank == 0 else None, target=y)
+    if case == "target_split":
+        tplayers.ScheduleGPipe(stage, 4, mse).step(x if rank == 0 else None, target=y[:6])
+    if case == "no_batch":
+        tplayers.ScheduleGPipe(stage, 4, mse).step(None, target=y)
+    if case == "no_target":
+        tplayers.ScheduleGPipe(stage, 4, mse).step(x if rank == 0 else None)
 
 
+# every message a user sees on the schedule path, each naming the constraint it enforces
 MISUSE = {
     "stage_index": r"stage_index 5 is outside 0..1",
+    "num_stages": r"num_stages \(3\) must be a positive multiple of the pipeline ranks \(2\)",
+    "stage_rank": r"stage [01] of 2 belongs on pipeline rank [01], not [01] \(stages are looped over the ranks\)",
+    "overlap": r"PipelineStage: the pipeline group \[0, 1\] overlaps the tensor-parallel group \[0, 1\]",
     "fewer_layers": r"fewer decoder layers \(1\) than pipeline stages \(2\)",
-    "microbatches": r"n_microbatches \(1\) must be at least 2 for 2 pipeline ranks",
-    "batch": r"x of shape \(6, 6\) does not split into 4 micro-batches",
+    "layers_per_stage": r"layers_per_stage \[1, 1\] must be 2 positive counts adding to 3",
+    "virtual_stages": r"virtual_stages must be a positive int, got 0",
+    "not_stages": r"ScheduleGPipe: needs tplayers.PipelineStage objects",
+    "microbatches": r"n_microbatches \(1\) must be at least 2 for 2 pipeline ranks: every rank holds one in flight",
+    "no_microbatches": r"ScheduleGPipe: n_microbatches must be a positive int, got 0",
+    "rounds": r"n_microbatches \(5\) must be a multiple of its rounds \(5 // 2 pipeline ranks = 2\)",
+    "batch": r"ScheduleGPipe.step: x of shape \(6, 6\) does not split into 4 micro-batches",
+    "target_split": r"ScheduleGPipe.step: target of shape \(6, 6\) does not split into 4 micro-batches",
+    "no_batch": r"ScheduleGPipe.step: the first stage needs the batch x",
+    "no_target": r"ScheduleGPipe.step: the last stage needs the target",
 }
 
 

@@ -174,7 +174,7 @@ def covering_group(params, group, caller: str):
     pg = resolve_group(group)
     if group is None:
         return pg
-    members = set(ranks_of(pg))
+    members, params = set(ranks_of(pg)), list(params)
     for kind, name in (("tp", "tensor-parallel"), ("dp", "data-parallel"), ("pp", "pipeline")):
         for recorded in recorded_groups(params, kind):
             missing = sorted(set(ranks_of(recorded)) - members)
@@ -193,7 +193,7 @@ _KIND_NAMES = {"tp": "tensor-parallel", "dp": "data-parallel", "pp": "pipeline"}
 def refuse_overlap(params, group, caller: str, kinds, why: str, role: str = "group=") -> None:
     """Refuse a `group` two of whose ranks are in one group of `kinds` ("tp" / "dp" / "pp") that
     the records of `params` name: those ranks do not hold what `group` means (`why` says so)."""
-    mine = set(ranks_of(resolve_group(group)))
+    mine, params = set(ranks_of(resolve_group(group))), list(params)
     for kind in kinds:
         for recorded in recorded_groups(params, kind):
             shared = sorted(mine & set(ranks_of(recorded)))

@@ -89,8 +89,9 @@ def gated_mlp(sp: ShardingPass, name, mlp):
         for key in ("weight", "bias"):
             if getattr(layer.in_proj, key) is None:
                 continue
-            gate, up = unfuse_gate_up(gather(pick(getattr(layer.in_proj, key)), 0, group), sp.n)
-            out[f"gate_proj.{key}"], out[f"up_proj.{key}"] = gate, up
+            fused = gather(pick(getattr(layer.in_proj, key)), 0, group)
+            if fused is not None:  # None: a gradient this rank's pipeline stage did not compute
+                out[f"gate_proj.{key}"], out[f"up_proj.{key}"] = unfuse_gate_up(fused, sp.n)
             down = pick(getattr(layer.out_proj, key))
             out[f"down_proj.{key}"] = gather(down, 1, group) if key == "weight" else down
         return out

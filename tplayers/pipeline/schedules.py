@@ -32,18 +32,24 @@ class _Schedule:
     # torch's schedule of that name (torch.distributed.pipelining imports triton: imported when a
     # schedule is built, so that `import tplayers` does not)
     torch_class: str
-    min_microbatches_per_stage = 1  # n_microbatches >= this x the pipeline ranks
+
+    @staticmethod
+    def _refuse_microbatches(n: int, ranks: int) -> str | None:
+        """Why this schedule cannot run `n` micro-batches over `ranks` pipeline ranks, or None."""
+        if n < ranks:
+            return f"must be at least {ranks} for {ranks} pipeline ranks: every rank holds one in flight"
+        return None
 
     def __init__(self, stages, n_microbatches: int, loss_fn):
         stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
         if not stages or not all(isinstance(s, PipelineStage) for s in stages):
             raise TypeError(f"{type(self).__name__}: needs tplayers.PipelineStage objects, got {stages!r}")
         ranks = dist.get_world_size(stages[0].group)
-        if not isinstance(n_microbatches, int) or n_microbatches < max(1, self.min_microbatches_per_stage * ranks):
-            raise ValueError(
-                f"{type(self).__name__}: n_microbatches ({n_microbatches}) must be at least "
-                f"{self.min_microbatches_per_stage * ranks} for {ranks} pipeline ranks"
-            )
+        if not isinstance(n_microbatches, int) or isinstance(n_microbatches, bool) or n_microbatches < 1:
+            raise ValueError(f"{type(self).__name__}: n_microbatches must be a positive int, got {n_microbatches!r}")
+        why = self._refuse_microbatches(n_microbatches, ranks)
+        if why:
+            raise ValueError(f"{type(self).__name__}: n_microbatches ({n_microbatches}) {why}")
         self.stages, self.n_microbatches, self.loss_fn = stages, n_microbatches, loss_fn
         self._agreed = None  # the micro-batch (shape, dtype) every stage was checked against
         self._build()
@@ -67,43 +73,52 @@ class _Schedule:
         # the backward of the mean over the micro-batches (times the loss scale, if any)
         return self.loss_fn(output, target) * (self.loss_scale / self.n_microbatches)
 
-    def _check_batch(self, name, t):
-        if t is not None and (t.dim() == 0 or t.shape[0] % self.n_microbatches):
-            raise ValueError(
-                f"{type(self).__name__}.step: {name} of shape {tuple(t.shape)} does not split into "
-                f"{self.n_microbatches} micro-batches along dim 0"
-            )
+    def _refuse_batch(self, x, target, first, last) -> str | None:
+        """What is wrong with this rank's share of a step's arguments, or None."""
+        name = f"{type(self).__name__}.step"
+        if first and x is None:
+            return f"{name}: the first stage needs the batch x"
+        if last and target is None:
+            return f"{name}: the last stage needs the target"
+        for what, t in (("x", x), ("target", target)):
+            if t is not None and (t.dim() == 0 or t.shape[0] % self.n_microbatches):
+                return (
+                    f"{name}: {what} of shape {tuple(t.shape)} does not split into {self.n_microbatches} "
+                    "micro-batches along dim 0"
+                )
+        return None
 
     def step(self, x=None, *, target=None):
         """One step over the batch `x` (used on the rank of the first stage) and `target` (on the
         rank of the last); see the module docstring."""
         first = any(s.is_first for s in self.stages)
         last = any(s.is_last for s in self.stages)
-        if first and x is None:
-            raise ValueError(f"{type(self).__name__}.step: the first stage needs the batch x")
-        if last and target is None:
-            raise ValueError(f"{type(self).__name__}.step: the last stage needs the target")
-        self._check_batch("x", x)
-        self._check_batch("target", target)
-        self._agree_shapes(x, target if last else None)
+        self._agree_shapes(x, target if last else None, self._refuse_batch(x, target, first, last))
         losses = []  # the micro-batches' losses / n, as torch's schedule computed them for backward
         self._schedule.step(*((x,) if first else ()), **({"target": target, "losses": losses} if last else {}))
         self._sum_tied_grads()
         return torch.stack([loss.detach() for loss in losses]).sum() / self.loss_scale if last else None
 
-    def _agree_shapes(self, x, target):
-        """Every rank learns the micro-batch's shape and dtype from the first stage's rank (one
-        small broadcast per step). When they are new, each stage in turn runs its module on zeros
-        of what the stage before it produces (no grad, the RNG and train / eval flags left as they
-        were) and broadcasts the shapes and dtypes of its outputs, or its error, to the pipeline
-        group: a stage that cannot take what it is sent raises the same error on every rank
+    def _agree_shapes(self, x, target, refusal=None):
+        """Every rank learns the micro-batch's shape and dtype from the first stage's rank, and
+        every rank's `refusal` of its arguments, which all then raise (one small all-gather per
+        step: the batch lives on the first stage's rank, the target on the last's, so a check of
+        either alone would leave the other ranks waiting). When the shapes are new, each stage in
+        turn runs its module on zeros of what the stage before it produces (no grad, the RNG and
+        train / eval flags left as they were) and broadcasts the shapes and dtypes of its
+        outputs, or its error, to the pipeline group: a stage that cannot take what it is sent raises the same error on every rank
         before anything is sent, instead of one rank failing mid-schedule and the others waiting.
         A new shape after the first gets new torch stages, as torch infers the shapes travelling
         between stages once, from a stage's first step."""
         group = self.stages[0].group
         n, name = dist.get_world_size(group), type(self).__name__
-        batch = [None if x is None else ((x.shape[0] // self.n_microbatches, *x.shape[1:]), x.dtype)]
-        dist.broadcast_object_list(batch, group=group, group_src=0)  # stage 0 lives on pipeline rank 0
+        mine = None if x is None or refusal else ((x.shape[0] // self.n_microbatches, *x.shape[1:]), x.dtype)
+        shared = [None] * n
+        dist.all_gather_object(shared, (refusal, mine), group=group)
+        refusals = [r for r, _ in shared if r]
+        if refusals:
+            raise ValueError(refusals[0])
+        batch = [shared[0][1]]  # stage 0 lives on pipeline rank 0
         if batch[0] == self._agreed:
             return
         here = {s.stage_index: s for s in self.stages}
@@ -154,7 +169,23 @@ class _Schedule:
 
 class ScheduleGPipe(_Schedule):
     torch_class = "ScheduleGPipe"
-    min_microbatches_per_stage = 0  # any number: all forwards, then all backwards
+
+    @staticmethod
+    def _refuse_microbatches(n, ranks):
+        return None  # any number: all forwards, then all backwards
+
+
+def _refuse_rounds(n, ranks):
+    """torch's interleaved schedules run the micro-batches in n // ranks rounds of equal size."""
+    rounds = max(1, n // ranks)
+    if n < ranks:
+        return _Schedule._refuse_microbatches(n, ranks)
+    if n % rounds:
+        return (
+            f"must be a multiple of its rounds ({n} // {ranks} pipeline ranks = {rounds}): the interleaved schedules "
+            "run the micro-batches in rounds of equal size"
+        )
+    return None
 
 
 class Schedule1F1B(_Schedule):
@@ -164,11 +195,13 @@ class Schedule1F1B(_Schedule):
 class ScheduleInterleaved1F1B(_Schedule):
     torch_class = "ScheduleInterleaved1F1B"
     _multi_stage = True
+    _refuse_microbatches = staticmethod(_refuse_rounds)
 
 
 class ScheduleInterleavedZeroBubble(_Schedule):
     torch_class = "ScheduleInterleavedZeroBubble"
     _multi_stage = True
+    _refuse_microbatches = staticmethod(_refuse_rounds)
 
 
 def _run_on_zeros(stage, signature, loss_fn, target, target_shape):

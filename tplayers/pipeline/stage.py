@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tplayers.distributed import resolve_group
-from tplayers.placement import TIED_ACROSS_STAGES, get_placement, update_placement
+from tplayers.placement import TIED_ACROSS_STAGES, get_placement, refuse_overlap, update_placement
 
 
 class PipelineStage:
@@ -25,6 +25,9 @@ class PipelineStage:
 
     def __init__(self, module: nn.Module, stage_index: int, num_stages: int, *, group=None, tied=(), counted_here=True):
         pg = resolve_group(group)
+        refuse_overlap(module.parameters(), pg, "PipelineStage", ("tp", "dp"),
+                       "its ranks hold the same stage's shards or replicas, not stages (pass mesh['pp'])",
+                       role="the pipeline group")  # fmt: skip
         n, rank = dist.get_world_size(pg), dist.get_rank(pg)
         if not isinstance(num_stages, int) or num_stages < 1 or num_stages % n:
             raise ValueError(
