@@ -106,8 +106,9 @@ class _Schedule:
         either alone would leave the other ranks waiting). When the shapes are new, each stage in
         turn runs its module on zeros of what the stage before it produces (no grad, the RNG and
         train / eval flags left as they were) and broadcasts the shapes and dtypes of its
-        outputs, or its error, to the pipeline group: a stage that cannot take what it is sent raises the same error on every rank
-        before anything is sent, instead of one rank failing mid-schedule and the others waiting.
+        outputs, or its error, to the pipeline group: a stage that cannot take what it is sent
+        raises the same error on every rank before anything is sent, instead of one rank
+        failing mid-schedule and the others waiting.
         A new shape after the first gets new torch stages, as torch infers the shapes travelling
         between stages once, from a stage's first step."""
         group = self.stages[0].group
