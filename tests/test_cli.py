@@ -1,6 +1,7 @@
 """`tplayers demo` (the main job) and `tplayers plan`, end to end through the command line."""
 
 import csv
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +37,14 @@ def test_demo_trains_and_matches_unsharded(tmp_path, flags):
     assert max(abs(a - b) for a, b in zip(losses, unsharded, strict=True)) < 1e-4  # like the unsharded twin
     assert (tmp_path / "loss.png").stat().st_size > 0
     assert "model state per rank (rank 0): params" in result.stdout
+    # the yardstick: both fp32 runs against the unsharded model trained in fp64
+    assert list(rows[0]) == ["step", "loss_tp", "loss_unsharded", "loss_fp64", "tp_vs_fp64", "unsharded_vs_fp64"]
+    for row in rows:
+        assert float(row["tp_vs_fp64"]) == abs(float(row["loss_tp"]) - float(row["loss_fp64"]))
+        assert float(row["unsharded_vs_fp64"]) < 1e-4  # fp32 rounding only, over 25 steps
+    assert re.search(r"\|loss - fp64 loss\| median / largest over the steps: sharded \S+ / \S+, unsharded fp32 "
+                     r"\S+ / \S+ \(ratio of the medians \S+\)", result.stdout), result.stdout  # fmt: skip
+    assert re.search(r"from the fp64 run at the end: sharded \S+, unsharded fp32 \S+", result.stdout), result.stdout
 
 
 def test_demo_3d_dp2_pp2_tp2_zero3_on_8_ranks(tmp_path):
@@ -51,8 +60,9 @@ def test_demo_saves_and_resumes_at_another_layout(tmp_path):
     """Sharded checkpoints through the main job: 3 steps at DP 2 x TP 2 (ZeRO-3) saved, 3 more at
     PP 2 x TP 2 from the checkpoint, on track with the unsharded twin and with a straight run."""
     saved = run_cli("demo", "--dp", "2", "--tp", "2", "--zero", "3", "--steps", "3", "--save", str(tmp_path / "ck"),
-                    "--out", str(tmp_path / "first"), cwd=tmp_path)  # fmt: skip
+                    "--save-every", "1", "--out", str(tmp_path / "first"), cwd=tmp_path)  # fmt: skip
     assert saved.returncode == 0, saved.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_2", "step_3"]  # --keep 2
     resumed = run_cli("demo", "--pp", "2", "--tp", "2", "--steps", "6", "--resume", str(tmp_path / "ck"),
                       "--out", str(tmp_path / "second"), cwd=tmp_path)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -16,7 +16,7 @@ def _demo(args) -> int:
         batch=args.batch, seq=args.seq, sequence_parallel=args.sequence_parallel,
         overlap=OVERLAP_FLAGS[args.overlap], backend=args.backend, seed=args.seed,
         dtype=args.dtype, micro_batches=args.micro_batches, max_grad_norm=args.max_grad_norm,
-        save=args.save, save_every=args.save_every, resume=args.resume,
+        save=args.save, save_every=args.save_every, keep=args.keep, resume=args.resume,
     )  # fmt: skip
     report = run_demo(cfg)
     paths = write_report(report, args.out)
@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="demo_out", help="folder for loss.csv / loss.png")
     demo.add_argument("--save", help="folder for sharded checkpoints (tplayers.save_checkpoint)")
     demo.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: at the end only)")
-    demo.add_argument("--resume", help="go on from the checkpoint --save wrote there, at this (any) layout")
+    demo.add_argument("--keep", type=int, default=2, help="checkpoints kept in --save: the last ones")
+    demo.add_argument("--resume", help="go on from the last checkpoint --save wrote there, at this (any) layout")
     demo.set_defaults(run=_demo)
 
     from tplayers.plan import cli as plan_cli

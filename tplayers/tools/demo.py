@@ -4,7 +4,10 @@ CPU ranks and check it step for step against the same model trained unsharded.
 Model: `LlamaForCausalLM` from a small random config over bytes (vocabulary 256, padded to a multiple of TP), sharded by
 `tplayers.parallelize` with vocabulary-parallel logits and `vocab_parallel_cross_entropy`.
 Text: generated on the fly, sums written out ("17+25=42;"), so there is structure to learn and
-nothing to download. Rank 0 trains the unsharded twin on the same batches.
+nothing to download. Rank 0 trains the unsharded twins on the same batches: one in fp32, what
+the sharded run is compared with step by step, and one in fp64, the exact answer both fp32 runs
+approximate, so the report shows the sharded run as close to it as the unsharded fp32 run is.
+Checkpoints (`--save`) go to `<save>/step_<n>`, the last `keep` of them kept.
 """
 
 import time
@@ -44,7 +47,8 @@ class DemoConfig:
     max_grad_norm: float = 1.0
     save: str | None = None  # a folder: sharded checkpoints (tplayers.save_checkpoint) written there
     save_every: int = 0  # steps between checkpoints (0: only at the end)
-    resume: str | None = None  # a folder `save` wrote: go on from its checkpoint, at any layout
+    keep: int = 2  # checkpoints kept in `save` (the last ones)
+    resume: str | None = None  # a folder `save` wrote: go on from its last checkpoint, at any layout
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -121,31 +125,74 @@ def _own_keys(full, trained, pp):
     return keys
 
 
-CHECKPOINT, TWIN = "checkpoint", "unsharded_twin.pt"
+STEP_PREFIX, TWINS = "step_", "unsharded_twins.pt"
 
 
-def _save(folder, step, model, opt, scaler, losses, reference, ref_opt, ref_losses):
-    """The sharded checkpoint (every rank), and rank 0's unsharded twin beside it."""
-    folder = Path(folder)
+def _next_token_loss(logits, ids):
+    """Mean next-byte cross-entropy, in the logits' dtype (fp64 for the exact twin: HF's own
+    loss upcasts to fp32 only)."""
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+class Twins:
+    """Rank 0's unsharded copies of the initial model, trained on the same batches with torch's
+    own clipping: in fp32 (what the sharded run is compared with) and in fp64 (the exact answer
+    both fp32 runs approximate: the yardstick for how close "close" is)."""
+
+    def __init__(self, model, cfg, device):
+        self.models = {}
+        for name, dtype in (("fp32", torch.float32), ("fp64", torch.float64)):
+            twin = build_model(cfg).to(device, dtype)
+            twin.load_state_dict(model.state_dict())
+            self.models[name] = (twin, torch.optim.AdamW(twin.parameters(), lr=cfg.lr))
+        self.losses = {name: [] for name in self.models}
+        self.max_grad_norm = cfg.max_grad_norm
+
+    def step(self, ids):
+        for name, (twin, opt) in self.models.items():
+            loss = _next_token_loss(twin(ids).logits, ids)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(twin.parameters(), self.max_grad_norm)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            self.losses[name].append(loss.item())
+
+    def state_dict(self):
+        models = {n: {"model": m.state_dict(), "optimizer": o.state_dict()} for n, (m, o) in self.models.items()}
+        return {"models": models, "losses": self.losses}
+
+    def load_state_dict(self, state):
+        for name, (twin, opt) in self.models.items():
+            twin.load_state_dict(state["models"][name]["model"])
+            opt.load_state_dict(state["models"][name]["optimizer"])
+        self.losses = {name: list(v) for name, v in state["losses"].items()}
+
+
+def _save(folder, step, keep, model, opt, scaler, losses, twins):
+    """The sharded checkpoint `<folder>/step_<step>` (every rank), rank 0's twins inside it; only
+    the last `keep` checkpoints stay."""
+    path = Path(folder) / f"{STEP_PREFIX}{step}"
     extra = {"step": step, "losses": list(losses)}
-    tplayers.save_checkpoint(folder / CHECKPOINT, model=model, optimizer=opt, scaler=scaler, extra=extra)
-    if reference is not None:
-        twin = {"model": reference.state_dict(), "optimizer": ref_opt.state_dict(), "losses": list(ref_losses)}
-        torch.save(twin, folder / (TWIN + ".partial"))
-        (folder / (TWIN + ".partial")).replace(folder / TWIN)
+    tplayers.save_checkpoint(path, model=model, optimizer=opt, scaler=scaler, extra=extra, keep=keep)
+    if twins is not None:  # rotation removes the checkpoint and its twins together
+        torch.save(twins.state_dict(), path / (TWINS + ".partial"))
+        (path / (TWINS + ".partial")).replace(path / TWINS)
 
 
-def _resume(folder, model, opt, scaler, reference, ref_opt):
-    """(next step, losses so far, the twin's losses so far) from the checkpoint in `folder`."""
-    folder = Path(folder)
-    extra = tplayers.load_checkpoint(folder / CHECKPOINT, model=model, optimizer=opt, scaler=scaler)
-    ref_losses = []
-    if reference is not None:
-        twin = torch.load(folder / TWIN, weights_only=True)
-        reference.load_state_dict(twin["model"])
-        ref_opt.load_state_dict(twin["optimizer"])
-        ref_losses = twin["losses"]
-    return extra["step"], list(extra["losses"]), ref_losses
+def last_checkpoint(folder) -> Path | None:
+    """The checkpoint `--save` wrote last in `folder` (the highest step with its twins), or None."""
+    steps = [p for p in Path(folder).glob(f"{STEP_PREFIX}*") if p.name[len(STEP_PREFIX) :].isdigit()]
+    steps = [p for p in steps if (p / TWINS).is_file()]
+    return max(steps, key=lambda p: int(p.name[len(STEP_PREFIX) :]), default=None)
+
+
+def _resume(folder, model, opt, scaler, twins):
+    """(next step, losses so far) from the last checkpoint in `folder`; the twins restored."""
+    path = last_checkpoint(folder)
+    extra = tplayers.load_checkpoint(path, model=model, optimizer=opt, scaler=scaler)
+    if twins is not None:
+        twins.load_state_dict(torch.load(path / TWINS, weights_only=True))
+    return extra["step"], list(extra["losses"])
 
 
 def train_on_rank(rank, world_size, cfg: DemoConfig):
@@ -157,10 +204,7 @@ def train_on_rank(rank, world_size, cfg: DemoConfig):
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     torch.manual_seed(cfg.seed)
     model = build_model(cfg).to(device)
-    reference = None
-    if rank == 0:
-        reference = build_model(cfg).to(device)
-        reference.load_state_dict(model.state_dict())
+    twins = Twins(model, cfg, device) if rank == 0 else None
     data_parallel = cfg.dp > 1 or cfg.zero > 0
     if not data_parallel:  # 16-bit parameters with fp32 masters in the optimizer
         with torch.no_grad():  # parameters only: buffers (RoPE frequencies) stay fp32
@@ -183,7 +227,6 @@ def train_on_rank(rank, world_size, cfg: DemoConfig):
         opt = tplayers.MixedPrecisionOptimizer(opt)
     # fp16's 5 exponent bits need loss scaling; bf16 has fp32's range and does not.
     scaler = tplayers.DynamicLossScaler(init_scale=2.0**12, group=group, enabled=cfg.dtype == "fp16")
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=cfg.lr) if reference is not None else None
 
     progress = None
     if rank == 0:
@@ -192,10 +235,10 @@ def train_on_rank(rank, world_size, cfg: DemoConfig):
         layout = f"TP={cfg.tp}" + (f" PP={cfg.pp}" if cfg.pp > 1 else "")
         layout += f" DP={cfg.dp} ZeRO-{cfg.zero}" if cfg.dp > 1 or cfg.zero else ""
         progress = tqdm(total=cfg.steps, desc=f"{layout} Llama {cfg.dtype}", unit="step")
-    losses, ref_losses, train_time, bytes_per_step, skipped = [], [], 0.0, 0, 0
+    losses, train_time, bytes_per_step, skipped = [], 0.0, 0, 0
     start_step = 0
     if cfg.resume:
-        start_step, losses, ref_losses = _resume(cfg.resume, model, opt, scaler, reference, ref_opt)
+        start_step, losses = _resume(cfg.resume, model, opt, scaler, twins)
         if progress is not None:
             progress.update(start_step)
     for step in range(start_step, cfg.steps):
@@ -218,45 +261,56 @@ def train_on_rank(rank, world_size, cfg: DemoConfig):
         dist.all_reduce(loss, group=dp_group)  # the mean over the replicas: the whole batch's
         losses.append(loss.item() / cfg.dp)
         skipped += result.skipped
-        if reference is not None:  # the unsharded fp32 twin, with torch's own clipping
-            ref_loss = reference(ids, labels=ids).loss
-            ref_loss.backward()
-            torch.nn.utils.clip_grad_norm_(reference.parameters(), cfg.max_grad_norm)
-            ref_opt.step()
-            ref_opt.zero_grad(set_to_none=True)
-            ref_losses.append(ref_loss.item())
+        if twins is not None:
+            twins.step(ids)
             progress.update(1)
-            progress.set_postfix(loss=f"{losses[-1]:.4f}", unsharded=f"{ref_losses[-1]:.4f}")
+            progress.set_postfix(loss=f"{losses[-1]:.4f}", unsharded=f"{twins.losses['fp32'][-1]:.4f}")
         last = step + 1 == cfg.steps
         if cfg.save and (last or (cfg.save_every and (step + 1) % cfg.save_every == 0)):
-            _save(cfg.save, step + 1, model, opt, scaler, losses, reference, ref_opt, ref_losses)
+            _save(cfg.save, step + 1, cfg.keep, model, opt, scaler, losses, twins)
     if progress is not None:
         progress.close()
     full = tplayers.gather_state_dict(model, group=group)  # a collective: every rank
     state_bytes = model_state_bytes(trained, opt)
-    # each stage's own weights against the unsharded twin's (rank 0 sends its twin's to all)
-    twin = [reference.state_dict() if reference is not None else None]
-    dist.broadcast_object_list(twin, src=0)
+    # each stage's own weights against the twins' (rank 0 sends theirs to all)
+    twin_states = [{n: m.state_dict() for n, (m, _) in twins.models.items()} if twins is not None else None]
+    dist.broadcast_object_list(twin_states, src=0)
+    twin_states = twin_states[0]
     mine = _own_keys(full, trained, cfg.pp)
-    diff = torch.tensor([max((full[k].float() - twin[0][k]).abs().max().item() for k in mine)])
-    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
-    diff = diff.item()
+
+    def largest_difference(state, exact):
+        return max((state[k].double() - exact[k]).abs().max().item() for k in mine)
+
+    diffs = torch.tensor(
+        [largest_difference(full, twin_states["fp32"]), largest_difference(full, twin_states["fp64"])],
+        dtype=torch.float64,
+    )
+    dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
     if rank != 0:
         return None
     tokens = cfg.steps * cfg.batch * cfg.seq
+    ref_losses, exact_losses = twins.losses["fp32"], twins.losses["fp64"]
     loss_diffs = [abs(a - b) for a, b in zip(losses, ref_losses, strict=True)]
     # Summation order differs between the sharded and the unsharded GEMMs, so the two runs differ
     # by rounding from the first step; training amplifies that over hundreds of steps. Report how
-    # long they agree to AGREE_TOL and how far apart they end up.
+    # long they agree to AGREE_TOL and how far apart they end up, and how far each fp32 run is
+    # from the exact (fp64) one: the sharded run is as good as the unsharded when those match.
     tol = AGREE_TOL[cfg.dtype]
     agree_steps = next((i for i, d in enumerate(loss_diffs) if d > tol), len(loss_diffs))
     return dict(
         config=asdict(cfg),
         losses=losses,
         unsharded_losses=ref_losses,
+        exact_losses=exact_losses,
+        sharded_vs_exact=[abs(a - b) for a, b in zip(losses, exact_losses, strict=True)],
+        unsharded_vs_exact=[abs(a - b) for a, b in zip(ref_losses, exact_losses, strict=True)],
         tokens_per_s=tokens / train_time,
         bytes_per_step=bytes_per_step,
-        max_param_diff=diff,
+        max_param_diff=diffs[0].item(),
+        max_param_diff_vs_exact=diffs[1].item(),
+        unsharded_param_diff_vs_exact=max(
+            (v.double() - twin_states["fp64"][k]).abs().max().item() for k, v in twin_states["fp32"].items()
+        ),
         max_loss_diff=max(loss_diffs),
         agree_steps=agree_steps,
         max_loss_diff_while_agreeing=max(loss_diffs[:agree_steps], default=0.0),
@@ -311,22 +365,26 @@ def run_demo(cfg: DemoConfig) -> dict:
         )
     if cfg.save_every < 0 or (cfg.save_every and not cfg.save):
         raise ValueError(f"--save-every {cfg.save_every} needs --save and a positive count")
-    if cfg.resume and not (Path(cfg.resume) / CHECKPOINT).is_dir():
-        raise ValueError(f"--resume {cfg.resume}: no {CHECKPOINT} folder there (written by --save)")
+    if cfg.keep < 1:
+        raise ValueError(f"--keep {cfg.keep}: at least the last checkpoint must be kept")
+    if cfg.resume and last_checkpoint(cfg.resume) is None:
+        raise ValueError(f"--resume {cfg.resume}: no checkpoint folder there ({STEP_PREFIX}<n>, written by --save)")
     if cfg.sequence_parallel and cfg.seq % cfg.tp:
         raise ValueError(f"seq ({cfg.seq}) is not divisible by the tensor-parallel size ({cfg.tp})")
     return tplayers.launch(train_on_rank, cfg.dp * cfg.pp * cfg.tp, cfg)[0]
 
 
+CSV_COLUMNS = ("step", "loss_tp", "loss_unsharded", "loss_fp64", "tp_vs_fp64", "unsharded_vs_fp64")
+
+
 def write_report(report: dict, out_dir) -> list:
     """loss.csv and, where matplotlib is installed, loss.png; returns the paths written."""
-    from pathlib import Path
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rows = zip(report["losses"], report["unsharded_losses"], strict=True)
+    rows = zip(report["losses"], report["unsharded_losses"], report["exact_losses"], report["sharded_vs_exact"],
+               report["unsharded_vs_exact"], strict=True)  # fmt: skip
     csv = out / "loss.csv"
-    csv.write_text("step,loss_tp,loss_unsharded\n" + "".join(f"{i},{a},{b}\n" for i, (a, b) in enumerate(rows)))
+    csv.write_text(",".join(CSV_COLUMNS) + "\n" + "".join(f"{i},{','.join(map(str, r))}\n" for i, r in enumerate(rows)))
     written = [csv]
     try:
         import matplotlib
@@ -336,19 +394,33 @@ def write_report(report: dict, out_dir) -> list:
     except ImportError:
         print("matplotlib is not installed (pip install 'tplayers[bench]'): loss.png not written")
         return written
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(report["unsharded_losses"], label="unsharded", linewidth=3, alpha=0.5)
-    ax.plot(report["losses"], label=f"TP={report['config']['tp']}", linestyle="--")
-    ax.set(xlabel="step", ylabel="cross-entropy (nats / byte)", title="tplayers demo: Llama-style model")
-    ax.legend()
+    tp = f"TP={report['config']['tp']}"
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(6, 6.5), sharex=True, height_ratios=(3, 2))
+    top.plot(report["unsharded_losses"], label="unsharded fp32", linewidth=3, alpha=0.5)
+    top.plot(report["losses"], label=f"{tp} {report['config']['dtype']}", linestyle="--")
+    top.set(ylabel="cross-entropy (nats / byte)", title="tplayers demo: Llama-style model")
+    top.legend()
+    # how far each run is from the exact answer: the sharded run should sit where the unsharded one does
+    floor = 1e-12  # a zero distance (step 0) drawn at the bottom of the log scale
+    bottom.semilogy([max(d, floor) for d in report["unsharded_vs_exact"]], label="unsharded fp32", linewidth=3,
+                    alpha=0.5)  # fmt: skip
+    bottom.semilogy([max(d, floor) for d in report["sharded_vs_exact"]], label=tp, linestyle="--")
+    bottom.set(xlabel="step", ylabel="|loss - fp64 loss|", title="distance from the unsharded fp64 run")
+    bottom.legend()
     fig.tight_layout()
     fig.savefig(out / "loss.png", dpi=120)
     plt.close(fig)
     return [*written, out / "loss.png"]
 
 
+def _median(values):
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else 0.0
+
+
 def summary(report: dict) -> str:
     losses = report["losses"]
+    sharded, unsharded = report["sharded_vs_exact"], report["unsharded_vs_exact"]
     return "\n".join(
         [
             f"loss: {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps",
@@ -360,6 +432,14 @@ def summary(report: dict) -> str:
             f"(largest |loss difference| there: {report['max_loss_diff_while_agreeing']:.3g})",
             f"largest |loss difference| vs unsharded over all steps: {report['max_loss_diff']:.3g}",
             f"largest |parameter difference| vs unsharded at the end: {report['max_param_diff']:.3g}",
+            "distance from the exact answer (the unsharded model trained in fp64), |loss - fp64 loss| median / "
+            f"largest over the steps: sharded {_median(sharded):.3g} / {max(sharded):.3g}, "
+            f"unsharded fp32 {_median(unsharded):.3g} / {max(unsharded):.3g} "
+            f"(ratio of the medians {_median(sharded) / max(_median(unsharded), 1e-30):.2g})",
+            "largest |parameter difference| from the fp64 run at the end: "
+            f"sharded {report['max_param_diff_vs_exact']:.3g}, "
+            f"unsharded fp32 {report['unsharded_param_diff_vs_exact']:.3g} "
+            "(fp32 rounding, amplified by training, moves both fp32 runs from the exact one alike)",
             "model state per rank (rank 0): "
             + ", ".join(f"{k} {v:,} B" for k, v in report["model_state_bytes"].items())
             + f" (ZeRO stage {report['config']['zero']} over {report['config']['dp']} replicas"
