@@ -140,9 +140,10 @@ def count_loss_bytes(rank, tp, group, rows, vocab_per_rank):
 
 @pytest.mark.multirank
 def test_loss_communicates_only_row_statistics(pool):
-    """One all-gather of 4 fp32 statistics per row, whatever the vocab size; none in backward."""
+    """One all-gather of 4 fp32 statistics and the target id per row, whatever the vocab size;
+    none in backward."""
     for counted in pool.run(count_loss_bytes, 4, 10, 1000):
-        assert counted == {"all_gather": 3 * 10 * 4 * 4}
+        assert counted == {"all_gather": 3 * 10 * 5 * 4}
 
 
 # --- the fused statistics kernel ------------------------------------------------------------
@@ -341,3 +342,22 @@ def masked_shard_loss(rank, tp, group, backend):
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
 def test_masked_vocab_shard_gives_finite_loss(pool, backend):
     pool.run(masked_shard_loss, 2, backend)
+
+
+def replicas_in_the_group(rank, world, group):
+    """TP 2 x DP 2, each replica its own tokens: the loss over the world (the default group)
+    would mix the replicas' vocab shards and targets into one wrong number."""
+    mesh = tplayers.init_mesh(dp=2, tp=2)
+    local = torch.randn(6, 8, generator=torch.Generator().manual_seed(mesh["tp"].get_local_rank()))
+    target = torch.randint(0, 16, (6,), generator=torch.Generator().manual_seed(10 + mesh["dp"].get_local_rank()))
+    vocab_parallel_cross_entropy(local, target, group=mesh["tp"])  # the right group
+    try:
+        vocab_parallel_cross_entropy(local, target)
+    except ValueError as e:
+        return str(e)
+
+
+@pytest.mark.multirank
+def test_a_group_holding_replicas_is_refused_on_every_rank(pool):
+    for said in pool.run(replicas_in_the_group, 4):
+        assert said is not None and "hold different targets" in said and "mesh['tp']" in said, said

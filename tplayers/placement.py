@@ -128,6 +128,9 @@ class PlacedModule(nn.Module):
 # rank before any collective (on a mesh every rank's records have the same shape).
 
 
+_KIND_NAMES = {"tp": "tensor-parallel", "dp": "data-parallel", "pp": "pipeline"}
+
+
 def ranks_of(pg) -> tuple[int, ...]:
     """The global ranks of a process group (None: none)."""
     return () if pg is None else tuple(dist.get_process_group_ranks(pg))
@@ -175,7 +178,7 @@ def covering_group(params, group, caller: str):
     if group is None:
         return pg
     members, params = set(ranks_of(pg)), list(params)
-    for kind, name in (("tp", "tensor-parallel"), ("dp", "data-parallel"), ("pp", "pipeline")):
+    for kind, name in _KIND_NAMES.items():
         for recorded in recorded_groups(params, kind):
             missing = sorted(set(ranks_of(recorded)) - members)
             if missing:
@@ -185,9 +188,6 @@ def covering_group(params, group, caller: str):
                     "leave group= out (the world) or pass a group over every rank that holds the model"
                 )
     return pg
-
-
-_KIND_NAMES = {"tp": "tensor-parallel", "dp": "data-parallel", "pp": "pipeline"}
 
 
 def refuse_overlap(params, group, caller: str, kinds, why: str, role: str = "group=") -> None:

@@ -9,9 +9,13 @@ the caller's `extra` and each rank's RNG state (restored only into the same layo
 
 A save writes into `<path>.partial` and becomes `<path>` by a rename once every rank has
 written, with a marker file last: a crash mid-save leaves the previous `<path>` whole and the
-partial one without its marker. A load checks every tensor's name, shape and dtype against the
-model on every rank before reading, reads into staging buffers, and only copies into the model
-once every rank has read everything: a mismatch or an unreadable file raises and changes nothing.
+partial one without its marker, and the next save or load of `<path>` finishes or undoes it. A
+save replaces only a complete tplayers checkpoint or an empty directory, and deletes only
+directories it wrote: anything else at `<path>` (or its `.partial` / `.old`) is refused.
+
+A load checks every tensor's name, shape and dtype against the model on every rank before
+reading, reads into staging buffers, and only copies into the model once every rank has read
+everything: a mismatch or an unreadable file raises and changes nothing.
 """
 
 from __future__ import annotations

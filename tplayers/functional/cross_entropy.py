@@ -12,8 +12,11 @@ its own shard: softmax over the full vocab is exp(logits - lse) with the global 
 
 Communication: one fused pass over the local shard (kernels/vocab_ce.py, or its reference)
 gives per row the local max, local sum-exp, target logit and logit sum; a single all-gather of
-those (R, 4) fp32 statistics lets every rank combine them (global max, rescaled sum-exps,
-sums) in the same rank order, so the loss is identical on every rank.
+those (R, 4) fp32 statistics, with the target ids beside them (R, 5), lets every rank combine
+them (global max, rescaled sum-exps, sums) in the same rank order, so the loss is identical on
+every rank, and check that every rank had the same targets: a `group` that is not the
+tensor-parallel group of the logits (the world, when data-parallel replicas are in it) is
+refused instead of mixing the replicas' tokens into one wrong loss.
 """
 
 import torch
@@ -68,6 +71,21 @@ def check_cross_entropy_args(local_logits, target, tp_size, ignore_index, label_
         )
 
 
+def _refuse_different_targets(targets, group) -> None:
+    """targets (n, R): every rank's ids, gathered. Raised on every rank alike (they all hold the
+    same gathered tensor), so none goes on to another collective."""
+    differ = (targets != targets[:1]).any(1)
+    if bool(differ.any()):
+        other = int(differ.nonzero()[0])
+        row = int((targets[other] != targets[0]).nonzero()[0])
+        raise ValueError(
+            f"vocab_parallel_cross_entropy: the ranks of group {dist.get_process_group_ranks(group)} hold different "
+            f"targets (row {row}: id {int(targets[0, row])} on the first, {int(targets[other, row])} on rank "
+            f"{dist.get_process_group_ranks(group)[other]}); group must be the tensor-parallel group the logits are "
+            "split over, whose ranks see the same tokens (e.g. mesh['tp'], not the world under data parallelism)"
+        )
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """logits (R, V/n) this rank's vocab shard, target (R,) global ids -> loss per `reduction`."""
 
@@ -82,9 +100,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             loss = lse
         else:
             stats = _stats(logits, target, vocab_start)  # (R, 4): max, sum-exp, target logit, logit sum
-            gathered = stats.new_empty((n, rows, 4))
+            # the target ids travel along (exact in fp32 below 2**24): ranks that disagree on them
+            # are not one tensor-parallel group (e.g. data-parallel replicas in `group`)
+            stats = torch.cat([stats, target.to(stats.dtype)[:, None]], 1)
+            gathered = stats.new_empty((n, rows, 5))
             comm.all_gather_into(gathered, stats, group)
-            local_max, local_sum_exp, target_logit, logit_sum = gathered.unbind(-1)  # each (n, R)
+            _refuse_different_targets(gathered[..., 4], group)
+            local_max, local_sum_exp, target_logit, logit_sum = gathered[..., :4].unbind(-1)  # each (n, R)
             row_max = local_max.amax(0)
             # A shard masked to -inf contributes nothing (its sum-exp is 0), never a nan.
             scale = torch.where(local_max == float("-inf"), 0.0, torch.exp(local_max - row_max))

@@ -266,9 +266,9 @@ def _stage_tp_bytes_per_microbatch(ctx: _Context, stage: int) -> float:
     all-reduce (stage 0); the LM head's backward all-reduce and the cross-entropy's three
     all-reduces of s*b fp32 values (last stage). These weight gradients are all-reduced as
     autograd produces them, in the parameter's dtype (param_bytes). `Assumptions.implementation`
-    "tplayers": the cross-entropy all-gathers 4 fp32 statistics per row instead, and under
-    sequence parallelism the first block's entry (backward) and the last block's exit (forward)
-    each all-gather s*b*h."""
+    "tplayers": the cross-entropy all-gathers 4 fp32 statistics and the target id per row
+    instead, and under sequence parallelism the first block's entry (backward) and the last
+    block's exit (forward) each all-gather s*b*h."""
     model, layout = ctx.model, ctx.layout
     tp, mb, d = layout.tp, layout.micro_batch, ctx.precision.activation_bytes
     if tp == 1:
@@ -290,7 +290,7 @@ def _stage_tp_bytes_per_microbatch(ctx: _Context, stage: int) -> float:
         total += all_reduce_bytes(sbh, tp) + sp_edge
     if stage == layout.pp - 1:
         if tplayers:
-            cross_entropy = all_gather_bytes(tp * rows * 4 * 4, tp)  # every rank's (rows, 4) fp32
+            cross_entropy = all_gather_bytes(tp * rows * 5 * 4, tp)  # every rank's (rows, 5) fp32: 4 stats, target
         else:
             cross_entropy = 3 * all_reduce_bytes(rows * LOGITS_BYTES, tp)
         total += all_reduce_bytes(sbh, tp) + sp_edge + cross_entropy
