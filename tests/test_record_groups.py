@@ -13,6 +13,7 @@ from torch import nn
 
 import tplayers
 from tplayers.hf import gather_grads
+from tplayers.placement import local_tensor
 
 pytestmark = pytest.mark.multirank
 
@@ -91,7 +92,16 @@ def defaults_equal_the_right_group(rank, world, group, layout, path):
         tplayers.load_pretrained(model, f"{path}/hf-default")
         tplayers.load_pretrained(model, f"{path}/hf-explicit", group=group)
         assert _equal(full, tplayers.gather_state_dict(model))
-    return norm
+    # the loss scaler: an inf on the last rank alone makes every rank skip, by default and with the world
+    skipped = []
+    opt = torch.optim.SGD(params, lr=0.1)
+    for scaler in (tplayers.DynamicLossScaler(), tplayers.DynamicLossScaler(group=group)):
+        if rank == world - 1:
+            local_tensor(next(p.grad for p in params if p.grad is not None)).view(-1)[0] = float("inf")
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        skipped.append(scaler.last_step_skipped)
+    return norm, skipped
 
 
 def contradicting_groups_raise(rank, world, group, layout, path):
@@ -121,8 +131,9 @@ def contradicting_groups_raise(rank, world, group, layout, path):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_calls_without_group_equal_the_right_group(pool, tmp_path, layout):
-    norms = pool.run(defaults_equal_the_right_group, 4, LAYOUTS[layout], str(tmp_path))
-    assert all(torch.equal(n, norms[0]) for n in norms)  # one global norm on every rank
+    results = pool.run(defaults_equal_the_right_group, 4, LAYOUTS[layout], str(tmp_path))
+    assert all(torch.equal(norm, results[0][0]) for norm, _ in results)  # one global norm on every rank
+    assert all(skipped == [True, True] for _, skipped in results)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
