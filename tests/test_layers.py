@@ -35,6 +35,7 @@ class BlockCase:
     # this rank's (tokens, H), split along the tokens (OPT's flattened MLP, MoE blocks)
     leading_dims: int = 2
     seed: int = 0
+    ffn: int | None = None  # the whole width when it does not divide: ffn_per_rank is then its ceil-share
 
 
 def run_block(rank, tp, group, case: BlockCase):
@@ -45,7 +46,7 @@ def run_block(rank, tp, group, case: BlockCase):
 
         assert matmul.INTERPRET
     torch.manual_seed(case.seed)
-    S, F = case.seq_per_rank * tp, case.ffn_per_rank * tp
+    S, F = case.seq_per_rank * tp, case.ffn if case.ffn is not None else case.ffn_per_rank * tp
     fc1 = nn.Linear(case.hidden, F, bias=case.bias, dtype=case.dtype)
     fc2 = nn.Linear(F, case.hidden, bias=case.bias, dtype=case.dtype)
     shape = (case.batch, S, case.hidden)
@@ -67,7 +68,7 @@ def run_block(rank, tp, group, case: BlockCase):
     if case.wrong_shard:
         source = nn.Linear(case.hidden, F, bias=case.bias, dtype=case.dtype)
         with torch.no_grad():
-            source.weight.copy_(fc1.weight.roll(case.ffn_per_rank, 0))
+            source.weight.copy_(fc1.weight.roll(-(-F // tp), 0))
             if case.bias:
                 source.bias.copy_(fc1.bias)
     sp = case.sequence_parallel
@@ -109,11 +110,14 @@ def check_block(pool, tp, case):
 def block_cases(draw, dtypes, max_hidden, max_ffn_per_rank, backend):
     tp = draw(st.integers(1, 4))
     sp = draw(st.booleans())
+    ffn_per_rank = draw(st.integers(1, max_ffn_per_rank))
+    # any width: even, uneven, or narrower than the group (ranks holding none of it)
     case = BlockCase(
         batch=draw(st.integers(1, 3)),
         seq_per_rank=draw(st.integers(1, 3)),
         hidden=draw(st.integers(1, max_hidden)),
-        ffn_per_rank=draw(st.integers(1, max_ffn_per_rank)),
+        ffn_per_rank=ffn_per_rank,
+        ffn=draw(st.one_of(st.none(), st.integers(1, ffn_per_rank * tp))),
         dtype=draw(st.sampled_from(dtypes)),
         sequence_parallel=sp,
         gather=False if sp else draw(st.booleans()),
@@ -146,10 +150,13 @@ def test_block_matches_unsharded_triton_backend(pool, data):
     "mode", ["plain", "sequence_parallel", "sp_tokens", "gather"], ids=["plain", "sp", "sp_tokens", "gather_output"]
 )
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no_overlap"])
-def test_block_exact_with_integer_values(pool, tp, mode, overlap):
+@pytest.mark.parametrize("width", ["even", "uneven"])
+def test_block_exact_with_integer_values(pool, tp, mode, overlap, width):
+    """uneven: 2 tp + 1 features, split [3, 2], [3, 3, 1], [3, 3, 3, 0] (the last rank holds none)."""
     case = BlockCase(
         batch=2, seq_per_rank=3, hidden=13, ffn_per_rank=5, exact=True, overlap=overlap,
         sequence_parallel=mode.startswith("s"), gather=mode == "gather", leading_dims=1 if mode == "sp_tokens" else 2,
+        ffn=2 * tp + 1 if width == "uneven" else None,
     )  # fmt: skip
     check_block(pool, tp, case)
 

@@ -23,10 +23,26 @@ _ATTR = "_tplayers_placement"
 TIED_ACROSS_STAGES = "_tplayers_tied_across_stages"
 
 
+def shard_sizes(total: int, n: int) -> list[int]:
+    """How a dimension of `total` splits over `n` ranks, as torch.chunk and DTensor's Shard split
+    it: ceil(total / n) each in rank order, the last non-empty one the remainder, any after it
+    none (10 over 4: [3, 3, 3, 1]; 3 over 8: [1, 1, 1, 0, 0, 0, 0, 0])."""
+    size = -(-total // n)
+    return [max(0, min(size, total - r * size)) for r in range(n)]
+
+
+def shard_range(total: int, n: int, r: int) -> tuple[int, int]:
+    """(start, size) of rank r's contiguous slice of a dimension of `total` over `n` ranks."""
+    size = -(-total // n)
+    start = min(total, r * size)
+    return start, shard_sizes(total, n)[r]
+
+
 @dataclass(frozen=True)
 class ParamPlacement:
     """`placement` of a parameter over `group`: Shard(dim) (rank r holds the r-th contiguous
-    slice along dim) or Replicate() (every rank holds the whole tensor, with the whole grad)."""
+    slice along dim, sized as `shard_sizes` splits it: uneven sizes allowed, a rank may hold
+    none) or Replicate() (every rank holds the whole tensor, with the whole grad)."""
 
     group: dist.ProcessGroup | None
     placement: Shard | Replicate

@@ -14,19 +14,45 @@ import torch
 import torch.distributed as dist
 
 from tplayers.functional import comm
+from tplayers.placement import shard_range, shard_sizes
 
 
-def all_gather_dim(x, dim, group):
-    """Concatenate every rank's `x` along `dim`."""
+def all_gather_dim(x, dim, group, total=None):
+    """Concatenate every rank's `x` along `dim`. `total`: the gathered size, when the ranks hold
+    uneven slices of it (split as `shard_sizes` splits it); None: every rank holds as many."""
     n = dist.get_world_size(group)
     if n == 1:
         return x
+    dim = dim % x.dim()
+    sizes = shard_sizes(total, n) if total is not None else [x.shape[dim]] * n
+    mine = sizes[dist.get_rank(group)]
+    if x.shape[dim] != mine:
+        raise ValueError(f"all_gather_dim: this rank holds {x.shape[dim]} of dim {dim}, its share of {total} is {mine}")
+    widest = max(sizes)
+    if widest != mine:  # pad to the widest slice: the collective moves equal blocks
+        x = torch.cat([x, x.new_zeros((*x.shape[:dim], widest - mine, *x.shape[dim + 1 :]))], dim)
     out = x.new_empty((n, *x.shape))
     comm.all_gather_into(out, x.contiguous(), group)
-    dim = dim % x.dim()
+    if len(set(sizes)) > 1:
+        return torch.cat([out[i].narrow(dim, 0, size) for i, size in enumerate(sizes)], dim)
     if dim == 0:
         return out.view(n * x.shape[0], *x.shape[1:])
     return out.movedim(0, dim).reshape(*x.shape[:dim], n * x.shape[dim], *x.shape[dim + 1 :])
+
+
+def all_gather_any(x, dim, group):
+    """`all_gather_dim` for slices whose sizes this rank does not know (state-dict export: a cold
+    path): one more tiny all-gather learns them first."""
+    n = dist.get_world_size(group)
+    if n == 1:
+        return x
+    sizes = torch.empty(n, dtype=torch.int64, device=x.device)
+    comm.all_gather_into(sizes, torch.tensor([x.shape[dim]], device=x.device), group, record=False)
+    sizes = sizes.tolist()
+    total = sum(sizes)
+    if sizes != shard_sizes(total, n):
+        raise ValueError(f"all_gather_any: the ranks hold {sizes} of dim {dim}, not a split of {total} over {n}")
+    return all_gather_dim(x, dim, group, total)
 
 
 def reduce_scatter_dim(x, dim, group):
@@ -43,9 +69,12 @@ def reduce_scatter_dim(x, dim, group):
 
 
 def own_slice(x, dim, group):
-    """This rank's contiguous slice of `x` along `dim`."""
+    """This rank's contiguous slice of `x` along `dim` (uneven sizes as `shard_sizes` splits them)."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
-    return x.chunk(n, dim)[r].contiguous() if n > 1 else x
+    if n == 1:
+        return x
+    start, size = shard_range(x.shape[dim], n, r)
+    return x.narrow(dim, start, size).contiguous()
 
 
 class _CopyToTPRegion(torch.autograd.Function):
@@ -94,23 +123,23 @@ class _SumOverTPRegion(torch.autograd.Function):
 class _ScatterToTPRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
+        ctx.dim, ctx.group, ctx.total = dim, group, x.shape[dim]
         return own_slice(x, dim, group)
 
     @staticmethod
     def backward(ctx, dy):
-        return all_gather_dim(dy, ctx.dim, ctx.group), None, None
+        return all_gather_dim(dy, ctx.dim, ctx.group, ctx.total), None, None
 
 
 class _GatherFromTPRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group):
+    def forward(ctx, x, dim, group, total):
         ctx.dim, ctx.group = dim, group
-        return all_gather_dim(x, dim, group)
+        return all_gather_dim(x, dim, group, total)
 
     @staticmethod
     def backward(ctx, dy):
-        return own_slice(dy, ctx.dim, ctx.group), None, None
+        return own_slice(dy, ctx.dim, ctx.group), None, None, None
 
 
 class _AllGatherSequence(torch.autograd.Function):
@@ -151,8 +180,10 @@ def scatter_to_tp_region(x, group, dim=-1):
     return _ScatterToTPRegion.apply(x, dim, group)
 
 
-def gather_from_tp_region(x, group, dim=-1):
-    return _GatherFromTPRegion.apply(x, dim, group)
+def gather_from_tp_region(x, group, dim=-1, total=None):
+    """All-gather along `dim` (`total`: the gathered size, for uneven slices); backward keeps this
+    rank's slice."""
+    return _GatherFromTPRegion.apply(x, dim, group, total)
 
 
 def all_gather_sequence(x, group, dim=1):

@@ -31,7 +31,7 @@ from tplayers.functional.overlap import (
 
 
 def _flat(t):
-    return t.reshape(-1, t.shape[-1])
+    return t.reshape(-1, t.shape[-1]) if t.shape[-1] else t.flatten(0, -2)  # a rank may hold none
 
 
 def _wgrad(dy, x, dtype):

@@ -20,6 +20,8 @@ are contiguous buffers (chunk-major, (n, B, s, K)) so they can be sent and recei
 copies; the GEMMs read and write strided views of them.
 """
 
+import math
+
 import torch.distributed as dist
 
 from tplayers.backend import gemm
@@ -89,9 +91,9 @@ def _ring_reduce_scatter(block_input, weight, group, *, bias=None, out=None):
     N = weight.shape[0]
     inputs = [block_input((r - 1 - step) % n) for step in range(n)]  # the block computed at each step
     shapes = [(*x_block.shape[:-1], N) for x_block in inputs]
-    largest = max(x_block[..., 0].numel() for x_block in inputs) * N
-    buffers = [inputs[0].new_empty(largest) for _ in range(3 if n > 2 else 2)]  # partial(s), then received
-    view = lambda buf, step: buf[: inputs[step][..., 0].numel() * N].view(shapes[step])  # noqa: E731
+    rows = [math.prod(x_block.shape[:-1]) for x_block in inputs]  # (a rank may hold no columns: K = 0)
+    buffers = [inputs[0].new_empty(max(rows) * N) for _ in range(3 if n > 2 else 2)]  # partial(s), then received
+    view = lambda buf, step: buf[: rows[step] * N].view(shapes[step])  # noqa: E731
     partial = gemm(inputs[0], weight, out=view(buffers[0], 0))
     for step in range(1, n):
         last = step == n - 1
@@ -160,7 +162,7 @@ def matmul_all_reduce(x, weight, group, *, bias=None, overlap="auto", side_work=
             in bench/linear.py); both send the ring minimum, 2(n-1)/n of y's bytes.
     """
     n, r = dist.get_world_size(group), dist.get_rank(group)
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x.reshape(-1, x.shape[-1]) if x.shape[-1] else x.flatten(0, -2)  # a rank may hold no columns
     M, N = x2.shape[0], weight.shape[0]
     # The result is returned as allocated, not as a view: callers may modify it in place (Falcon's
     # residual +=), which autograd forbids on a view made inside a Function.

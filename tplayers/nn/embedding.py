@@ -14,8 +14,8 @@ from torch.distributed.tensor import Shard
 
 from tplayers.distributed import resolve_group
 from tplayers.functional.collectives import own_slice, reduce_from_tp_region
-from tplayers.nn.linear import _divide, refuse_own_forward
-from tplayers.placement import PlacedModule
+from tplayers.nn.linear import refuse_own_forward
+from tplayers.placement import PlacedModule, shard_range
 
 
 class VocabParallelEmbedding(PlacedModule):
@@ -25,7 +25,7 @@ class VocabParallelEmbedding(PlacedModule):
     the same on every rank. The padding row's gradient stays zero, as in nn.Embedding.
     """
 
-    _placements = {"weight": Shard(0)}  # rank r holds rows [r*V/n, (r+1)*V/n)
+    _placements = {"weight": Shard(0)}  # rank r holds its rows as torch.chunk splits V (shard_range)
 
     def __init__(
         self, num_embeddings, embedding_dim, padding_idx=None, *, group=None, device=None, dtype=None
@@ -34,8 +34,10 @@ class VocabParallelEmbedding(PlacedModule):
         self.group = resolve_group(group)
         self.tp_size = dist.get_world_size(self.group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.num_embeddings_per_rank = _divide(num_embeddings, self.tp_size, "num_embeddings")
-        self.vocab_start = dist.get_rank(self.group) * self.num_embeddings_per_rank
+        # uneven vocabularies (50257) split as torch.chunk splits them; a rank may hold no rows
+        self.vocab_start, self.num_embeddings_per_rank = shard_range(
+            num_embeddings, self.tp_size, dist.get_rank(self.group)
+        )
         if padding_idx is not None:
             if not -num_embeddings <= padding_idx < num_embeddings:
                 raise ValueError(f"padding_idx {padding_idx} must be within num_embeddings ({num_embeddings})")
@@ -103,8 +105,11 @@ class VocabParallelEmbedding(PlacedModule):
         outside = (local < 0) | (local >= self.num_embeddings_per_rank)
         # Out-of-shard ids look up row 0 and are zeroed: their gradient to row 0 is exactly zero.
         local = local.masked_fill(outside, 0)
-        out = nn.functional.embedding(local, self.weight, self.local_padding_idx)
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.num_embeddings_per_rank:
+            out = nn.functional.embedding(local, self.weight, self.local_padding_idx)
+            out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        else:  # no rows here: every id is another rank's (the weight still joins backward)
+            out = ids.new_zeros((*ids.shape, self.embedding_dim), dtype=self.weight.dtype) + self.weight.sum()
         return reduce_from_tp_region(out, self.group)
 
     def extra_repr(self):

@@ -2,7 +2,9 @@
 
 Weights follow nn.Linear's (out, in) layout; rank r of the TP group holds the r-th contiguous
 slice: ColumnParallelLinear splits `out` (weight (out/n, in), bias (out/n,)), RowParallelLinear
-splits `in` (weight (out, in/n), bias (out,) replicated). Each parameter carries its placement
+splits `in` (weight (out, in/n), bias (out,) replicated). A size that does not divide splits as
+torch.chunk splits it (`tplayers.placement.shard_sizes`: ceil(size / n) each, the last rank
+the rest, a rank may hold none); the ranks still take part in every collective. Each parameter carries its placement
 (tplayers.placement). Inputs are batch-first (B, S, H); with sequence_parallel=True the
 activations outside the TP region are sharded along dim 1, or, for a flattened (tokens, H) input
 (OPT's MLP, MoE blocks), along the tokens: each rank's tokens are treated as a (1, T/n, H)
@@ -20,13 +22,18 @@ from tplayers.distributed import resolve_group
 from tplayers.functional.auto_overlap import check_overlap
 from tplayers.functional.collectives import gather_from_tp_region, own_slice, scatter_to_tp_region
 from tplayers.functional.linear import column_parallel_linear, row_parallel_linear
-from tplayers.placement import PlacedModule
+from tplayers.placement import PlacedModule, shard_sizes
 
 
 def _divide(total: int, n: int, what: str) -> int:
     if total % n:
         raise ValueError(f"{what} ({total}) is not divisible by the tensor-parallel size ({n})")
     return total // n
+
+
+def _share(total: int, group) -> int:
+    """This rank's share of a dimension of `total` (uneven sizes as torch.chunk splits them)."""
+    return shard_sizes(total, dist.get_world_size(group))[dist.get_rank(group)]
 
 
 def refuse_own_forward(module, base, what):
@@ -131,7 +138,7 @@ class ColumnParallelLinear(_ParallelLinear):
         sequence_parallel=False, overlap="auto", reduce_input_grad=True, device=None, dtype=None,
     ):  # fmt: skip
         super().__init__(in_features, out_features, group=group, sequence_parallel=sequence_parallel, overlap=overlap)
-        self.out_features_per_rank = _divide(out_features, self.tp_size, "out_features")
+        self.out_features_per_rank = _share(out_features, self.group)
         if sequence_parallel and not reduce_input_grad:
             raise ValueError("ColumnParallelLinear: reduce_input_grad=False applies only without sequence_parallel")
         self.gather_output, self.reduce_input_grad = gather_output, reduce_input_grad
@@ -153,7 +160,7 @@ class ColumnParallelLinear(_ParallelLinear):
             x, self.weight, self.bias, self.group, sequence_parallel=self.sequence_parallel, overlap=self.overlap,
             reduce_input_grad=self.reduce_input_grad,
         )  # fmt: skip
-        return gather_from_tp_region(y, self.group, dim=-1) if self.gather_output else y
+        return gather_from_tp_region(y, self.group, dim=-1, total=self.out_features) if self.gather_output else y
 
     def extra_repr(self):
         return (
@@ -177,7 +184,7 @@ class RowParallelLinear(_ParallelLinear):
         sequence_parallel=False, overlap="auto", device=None, dtype=None,
     ):  # fmt: skip
         super().__init__(in_features, out_features, group=group, sequence_parallel=sequence_parallel, overlap=overlap)
-        self.in_features_per_rank = _divide(in_features, self.tp_size, "in_features")
+        self.in_features_per_rank = _share(in_features, self.group)
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
         self.input_is_parallel = input_is_parallel

@@ -90,11 +90,11 @@ class Assumptions:
         embedding reduce-scatters and the LM head all-gathers. "tplayers" (what
         `tplayers.parallelize` + `vocab_parallel_cross_entropy` do, checked by
         `tplayers.plan.validate`): the cross-entropy all-gathers 5 fp32 values per row (4
-        statistics and the target id) and keeps the logits in the activation dtype; under sequence parallelism the embedding
-        all-reduces, the first block keeps its sequence slice (an all-gather in backward), the
-        last block's output is all-gathered (the final norm and LM head see the whole
-        sequence), and column-parallel layers keep their all-gathered input for the weight
-        gradient instead of re-gathering it.
+        statistics and the target id) and keeps the logits in the activation dtype; under
+        sequence parallelism the embedding all-reduces, the first block keeps its sequence
+        slice (an all-gather in backward), the last block's output is all-gathered (the final
+        norm and LM head see the whole sequence), and column-parallel layers keep their
+        all-gathered input for the weight gradient instead of re-gathering it.
     """
 
     compute_efficiency: float = 0.5

@@ -24,10 +24,12 @@ def assert_close(actual, expected, *, exact=False, msg=None):
 
 
 def shard_of(full, dim: int, rank: int, num_shards: int):
-    """Rank `rank`'s contiguous slice of `full` along `dim` (the layout of every tplayers shard)."""
-    if full.shape[dim] % num_shards:
-        raise ValueError(f"dim {dim} of size {full.shape[dim]} is not divisible into {num_shards} shards")
-    return full.chunk(num_shards, dim)[rank]
+    """Rank `rank`'s contiguous slice of `full` along `dim` (the layout of every tplayers shard:
+    uneven sizes as torch.chunk splits them, `tplayers.placement.shard_sizes`)."""
+    from tplayers.placement import shard_range
+
+    start, size = shard_range(full.shape[dim], num_shards, rank)
+    return full.narrow(dim, start, size)
 
 
 def assert_shard_close(local, full, *, dim, rank, num_shards, exact=False, msg=None):
