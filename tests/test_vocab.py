@@ -16,7 +16,7 @@ from torch import nn
 import tplayers
 from tplayers.functional.cross_entropy import vocab_parallel_cross_entropy
 from tplayers.nn.embedding import VocabParallelEmbedding
-from tplayers.testing import RemoteError, assert_close, assert_shard_close, examples
+from tplayers.testing import RemoteError, assert_close, assert_shard_close, examples, shard_of
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -37,6 +37,7 @@ class LossCase:
     backend: str = "torch"
     wrong_shard: bool = False  # negative control: each rank gets its neighbour's columns
     seed: int = 0
+    vocab: int | None = None  # a vocabulary that does not divide (vocab_per_rank is then its ceil-share)
 
 
 def run_loss(rank, tp, group, case: LossCase):
@@ -47,7 +48,7 @@ def run_loss(rank, tp, group, case: LossCase):
 
         assert vocab_ce.INTERPRET
     gen = torch.Generator().manual_seed(case.seed)
-    vocab = case.vocab_per_rank * tp
+    vocab = case.vocab if case.vocab is not None else case.vocab_per_rank * tp
     full = (3 * torch.randn(case.rows, vocab, generator=gen)).to(case.dtype).requires_grad_(True)
     target = torch.randint(0, vocab, (case.rows,), generator=gen)
     target[torch.rand(case.rows, generator=gen) < case.ignored] = case.ignore_index
@@ -56,11 +57,11 @@ def run_loss(rank, tp, group, case: LossCase):
     dy = torch.randn(expected.shape, generator=gen).to(case.dtype)
     expected.backward(dy)
 
-    shift = case.vocab_per_rank if case.wrong_shard else 0
-    local = full.detach().roll(-shift, 1).chunk(tp, 1)[rank].clone().requires_grad_(True)
+    shift = -(-vocab // tp) if case.wrong_shard else 0
+    local = shard_of(full.detach().roll(-shift, 1), 1, rank, tp).clone().requires_grad_(True)
     lead = (2, case.rows // 2) if case.leading_dims == 2 else (case.rows,)
     loss = vocab_parallel_cross_entropy(
-        local.view(*lead, -1), target.view(lead), group=group, **kwargs
+        local.view(*lead, local.shape[-1]), target.view(lead), group=group, vocab_size=case.vocab, **kwargs
     )  # fmt: skip
     loss.backward(dy.view(lead) if case.reduction == "none" else dy)
     loss = loss.reshape(expected.shape)
@@ -83,9 +84,11 @@ def loss_cases(draw, max_rows, max_vocab_per_rank, backend):
     tp = draw(st.integers(1, 4))
     leading_dims = draw(st.sampled_from([1, 2]))
     rows = draw(st.integers(1, max_rows // 2)) * 2 if leading_dims == 2 else draw(st.integers(1, max_rows))
+    per_rank = draw(st.integers(1, max_vocab_per_rank))
     case = LossCase(
         rows=rows,
-        vocab_per_rank=draw(st.integers(1, max_vocab_per_rank)),
+        vocab_per_rank=per_rank,
+        vocab=draw(st.one_of(st.none(), st.integers(1, per_rank * tp))),  # any vocabulary: uneven, even under tp
         dtype=draw(st.sampled_from(DTYPES)),
         ignore_index=draw(st.sampled_from([-100, 0])),  # an ignore_index may also be a real class
         ignored=draw(st.sampled_from([0.0, 0.3])),
@@ -140,10 +143,10 @@ def count_loss_bytes(rank, tp, group, rows, vocab_per_rank):
 
 @pytest.mark.multirank
 def test_loss_communicates_only_row_statistics(pool):
-    """One all-gather of 4 fp32 statistics and the target id per row, whatever the vocab size;
-    none in backward."""
+    """One all-gather of 4 fp32 statistics and the target id per row (and one row of the split
+    each rank was told), whatever the vocab size; none in backward."""
     for counted in pool.run(count_loss_bytes, 4, 10, 1000):
-        assert counted == {"all_gather": 3 * 10 * 5 * 4}
+        assert counted == {"all_gather": 3 * (10 + 1) * 5 * 4}
 
 
 # --- the fused statistics kernel ------------------------------------------------------------
@@ -200,11 +203,12 @@ class EmbeddingCase:
     padding_idx: int | None = None
     wrong_shard: bool = False
     seed: int = 0
+    vocab: int | None = None  # a vocabulary that does not divide (vocab_per_rank is then its ceil-share)
 
 
 def run_embedding(rank, tp, group, case: EmbeddingCase):
     torch.manual_seed(case.seed)
-    vocab = case.vocab_per_rank * tp
+    vocab = case.vocab if case.vocab is not None else case.vocab_per_rank * tp
     emb = nn.Embedding(vocab, case.dim, case.padding_idx, dtype=case.dtype)
     ids = torch.randint(0, vocab, case.shape)
     if case.padding_idx is not None:
@@ -239,11 +243,12 @@ def run_embedding(rank, tp, group, case: EmbeddingCase):
 @given(
     tp=st.integers(1, 4), vocab_per_rank=st.integers(1, 12), dim=st.integers(1, 16),
     shape=st.sampled_from([(7,), (2, 5), (2, 1, 3)]), dtype=st.sampled_from(DTYPES),
-    padding=st.sampled_from([None, 0, 3, -1]), seed=st.integers(0, 2**16),
+    padding=st.sampled_from([None, 0, 3, -1]), seed=st.integers(0, 2**16), data=st.data(),
 )  # fmt: skip
-def test_embedding_matches_nn_embedding(pool, tp, vocab_per_rank, dim, shape, dtype, padding, seed):
-    padding_idx = None if padding is None else padding % (vocab_per_rank * tp) if padding >= 0 else padding
-    case = EmbeddingCase(vocab_per_rank, dim, shape, dtype, padding_idx, seed=seed)
+def test_embedding_matches_nn_embedding(pool, tp, vocab_per_rank, dim, shape, dtype, padding, seed, data):
+    vocab = data.draw(st.integers(1, vocab_per_rank * tp), label="vocab")  # any vocabulary, uneven or under tp
+    padding_idx = None if padding is None else padding % vocab if padding >= 0 else padding
+    case = EmbeddingCase(vocab_per_rank, dim, shape, dtype, padding_idx, seed=seed, vocab=vocab)
     pool.run(run_embedding, tp, case)
 
 
@@ -259,8 +264,11 @@ def test_embedding_negative_control_wrong_shard_fails(pool):
 
 
 def bad_call(rank, tp, group, case):
-    if case == "vocab_not_divisible":
-        VocabParallelEmbedding(10, 4, group=group)
+    ragged = torch.randn(6, [4, 4, 2][rank])  # a vocabulary of 10 over 3 ranks
+    if case == "uneven_without_vocab_size":
+        vocab_parallel_cross_entropy(ragged, torch.zeros(6, dtype=torch.long), group=group)
+    if case == "told_another_split":  # negative control: rank 2 believes in another vocabulary
+        vocab_parallel_cross_entropy(ragged, torch.zeros(6, dtype=torch.long), group=group, vocab_size=10 + (rank == 2))
     layer = VocabParallelEmbedding(4 * tp, 4, group=group)
     logits = torch.randn(6, 5)
     calls = {
@@ -281,13 +289,18 @@ def bad_call(rank, tp, group, case):
 
 
 BAD_CASES = {
-    "vocab_not_divisible": (ValueError, r"num_embeddings \(10\) is not divisible by the tensor-parallel size \(3\)"),
+    "uneven_without_vocab_size": (
+        ValueError,
+        r"not one split of a vocabulary \(rank 0: 4 from 0 of 12, rank 1: 4 from 4 of 12, rank 2: 2 from 4 of 6\).*"
+        r"pass vocab_size=",
+    ),
+    "told_another_split": (ValueError, r"rank 2: 2 from 8 of 11\)"),
     "ids_out_of_range": (ValueError, r"token ids must be in \[0, 12\), got ids from 0 to 12"),
     "ids_negative": (ValueError, r"token ids must be in \[0, 12\), got ids from -1 to 2"),
     "ids_float": (TypeError, "must be an integer tensor of token ids, got torch.float32"),
     "target_shape": (ValueError, r"target shape \(5,\) does not match local_logits \(6, 5\)"),
     "target_float": (TypeError, "target must be an integer tensor"),
-    "target_out_of_range": (ValueError, r"target id 15 is outside the vocabulary \[0, 15\) \(5 per rank of 3\)"),
+    "target_out_of_range": (ValueError, r"target id 15 is outside the vocabulary \[0, 15\) and is not ignore_index"),
     "reduction": (ValueError, "reduction must be one of"),
     "smoothing": (ValueError, r"label_smoothing must be in \[0, 1\], got 1.5"),
 }

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from tplayers.placement import shard_range
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -38,12 +40,14 @@ def whole(key, param, transpose=False) -> Piece:
     return Piece(key, param, transpose=transpose)
 
 
-def split(key, param, dim, group, transpose=False) -> Piece:
-    """This rank's contiguous 1/n of the HF tensor along `dim` (`param.shape` is the TP-local
-    shape, also for a ZeRO 2-3 DTensor)."""
-    size = param.shape[dim]
-    n = dist.get_world_size(group)
-    return Piece(key, param, dim, torch.arange(size), own_range(size * n, group), size * n, transpose)
+def split(key, param, dim, group, transpose=False, total=None) -> Piece:
+    """This rank's contiguous slice of the HF tensor along `dim` (`param.shape` is the TP-local
+    shape, also for a ZeRO 2-3 DTensor): of `total` as torch.chunk splits it (None: an even
+    1/n, n times the local size)."""
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    total = param.shape[dim] * n if total is None else total
+    start, size = shard_range(total, n, r)
+    return Piece(key, param, dim, torch.arange(size), torch.arange(start, start + size), total, transpose)
 
 
 def rows(key, param, own: torch.Tensor, total: int, transpose=False) -> Piece:
@@ -76,9 +80,19 @@ def interleaved(keys, param, group, *, stacked=False) -> list[Piece]:
 
 
 def linear(layer, dim, transpose, group) -> list[Piece]:
-    """A column (dim 0), row (dim 1) or replicated (None) linear layer, or an embedding (dim 0)."""
+    """A column (dim 0), row (dim 1) or replicated (None) linear layer, or an embedding (dim 0),
+    split as unevenly as its width (or vocabulary) requires."""
     weight = layer.weight
-    pieces = [whole("weight", weight, transpose) if dim is None else split("weight", weight, dim, group, transpose)]
+    total = None if dim is None else _full_size(layer, dim)
+    pieces = [
+        whole("weight", weight, transpose) if dim is None else split("weight", weight, dim, group, transpose, total)
+    ]
     if getattr(layer, "bias", None) is not None:
-        pieces.append(split("bias", layer.bias, 0, group) if dim == 0 else whole("bias", layer.bias))
+        pieces.append(split("bias", layer.bias, 0, group, total=total) if dim == 0 else whole("bias", layer.bias))
     return pieces
+
+
+def _full_size(layer, dim) -> int | None:
+    """The unsharded size of a tplayers layer's split dim (None: not a tplayers layer: even)."""
+    names = ("out_features", "in_features") if hasattr(layer, "out_features") else ("num_embeddings", None)
+    return getattr(layer, names[dim], None) if names[dim] else None

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 from torch import nn
 
-from tplayers.functional.collectives import all_gather_dim, own_slice
+from tplayers.functional.collectives import all_gather_any, own_slice
 from tplayers.hf import pieces
 from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear, _ParallelLinear, refuse_own_forward
 from tplayers.placement import copy_into
@@ -54,8 +54,9 @@ def as_linear(module, name="") -> nn.Linear:
 
 
 def gather(t, dim, group):
-    """`t` all-gathered along `dim` over `group` (None stays None: a parameter without a gradient)."""
-    return all_gather_dim(t.contiguous(), dim, group) if t is not None else None
+    """`t` all-gathered along `dim` over `group`, whatever each rank holds of it (None stays
+    None: a parameter without a gradient); exports only, which are not hot."""
+    return all_gather_any(t.contiguous(), dim, group) if t is not None else None
 
 
 def on_device(module, device):

@@ -290,7 +290,8 @@ def _stage_tp_bytes_per_microbatch(ctx: _Context, stage: int) -> float:
         total += all_reduce_bytes(sbh, tp) + sp_edge
     if stage == layout.pp - 1:
         if tplayers:
-            cross_entropy = all_gather_bytes(tp * rows * 5 * 4, tp)  # every rank's (rows, 5) fp32: 4 stats, target
+            # every rank's (rows + 1, 5) fp32: 4 statistics and the target per row, then its split
+            cross_entropy = all_gather_bytes(tp * (rows + 1) * 5 * 4, tp)
         else:
             cross_entropy = 3 * all_reduce_bytes(rows * LOGITS_BYTES, tp)
         total += all_reduce_bytes(sbh, tp) + sp_edge + cross_entropy
