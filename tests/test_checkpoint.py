@@ -21,13 +21,13 @@ pytestmark = pytest.mark.multirank
 VOCAB = 96
 
 
-def tiny_llama(seed, layers=2, hidden=32, dropout=0.0):
+def tiny_llama(seed, layers=2, hidden=32, dropout=0.0, vocab=VOCAB):
     import transformers as tf
 
     torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=64, num_hidden_layers=layers,
+        cfg = tf.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=64, num_hidden_layers=layers,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                              tie_word_embeddings=False, attention_dropout=dropout)  # fmt: skip
     return tf.LlamaForCausalLM(cfg)
@@ -84,8 +84,8 @@ class Run:
         return {k: full[k].detach().clone() for k in _held(self)}
 
 
-def reference_after(steps):
-    model = tiny_llama(0)
+def reference_after(steps, **model_kw):
+    model = tiny_llama(0, **model_kw)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
     for step in range(steps):
         next_token_loss(model(batch(step)).logits, batch(step)).backward()
@@ -146,6 +146,18 @@ def test_a_checkpoint_loads_at_another_layout_and_trains_on_like_unsharded(pool,
                 assert torch.equal(loaded[key], saved[key]), f"{saved_at} -> {name}: {key} not loaded exactly"
                 where = f"{saved_at} -> {name}: {key}"
                 assert_close(trained[key], reference[key], msg=lambda m, w=where: f"{w}: {m}")
+
+
+def test_an_uneven_vocabulary_saved_at_one_layout_loads_at_others(pool, tmp_path):
+    """97 rows: [49, 48] at TP 2 (each then split over ZeRO-3's two replicas), [25, 25, 25, 22] at TP 4."""
+    path = str(tmp_path / "ckpt")
+    saved = pool.run(save_after_one_step, 4, path, dict(tp=2, dp=2, zero=3, vocab=97))[0]
+    reference = reference_after(2, vocab=97)
+    for layout in (dict(tp=4, vocab=97), dict(vocab=97), dict(tp=2, vocab=97)):
+        for extra, loaded, trained in pool.run(load_and_step, _world(layout), path, layout):
+            for key in loaded:
+                assert torch.equal(loaded[key], saved[key]), f"{layout}: {key} not loaded exactly"
+                assert_close(trained[key], reference[key], msg=lambda m, k=key: f"{layout} {k}: {m}")
 
 
 # ---------------------------------------------------------------------------- exact resume
@@ -314,13 +326,14 @@ def from_hf_directory(rank, world, group, source, target, family):
     return read[0], held, logits
 
 
-# gpt2: fused c_attn, Conv1D, tied head; phi3: fused qkv_proj and gate_up_proj
-@pytest.mark.parametrize("family", ["llama", "gpt2", "phi3"])
-def test_hf_directory_loads_sliced_on_meta_and_exports_back(pool, tmp_path, family):
+# gpt2: fused c_attn, Conv1D, tied head; phi3: fused qkv_proj and gate_up_proj; a vocabulary of 97:
+# uneven slices of the safetensors' rows
+@pytest.mark.parametrize("family, vocab", [("llama", None), ("gpt2", None), ("phi3", None), ("gpt2", 97)])
+def test_hf_directory_loads_sliced_on_meta_and_exports_back(pool, tmp_path, family, vocab):
     import transformers as tf
     from test_families import tiny_model
 
-    reference = tiny_model(family)
+    reference = tiny_model(family, vocab=vocab)
     reference.save_pretrained(tmp_path / "source")
     full = sum(p.numel() for p in reference.parameters())
     for read, held, logits in pool.run(from_hf_directory, 2, tmp_path / "source", tmp_path / "trained", family):

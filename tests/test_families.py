@@ -53,8 +53,9 @@ TP4_REFUSED = {
 }
 
 
-def tiny_model(family, dtype=torch.float32):
-    """A 2-layer random model: hidden 32, 4 query heads of 8, 2 key/value heads, no dropout."""
+def tiny_model(family, dtype=torch.float32, vocab=None):
+    """A 2-layer random model: hidden 32, 4 query heads of 8, 2 key/value heads, no dropout
+    (`vocab`: another vocabulary size than VOCAB)."""
     import transformers as tf
 
     torch.manual_seed(0)
@@ -65,6 +66,8 @@ def tiny_model(family, dtype=torch.float32):
     if family in ("gptj", "codegen"):
         kw["rotary_dim"] = 4
     kw.update(overrides)
+    if vocab is not None:
+        kw["vocab_size"] = vocab
     if family == "falcon":
         kw.pop("head_dim")  # a read-only property there
     with warnings.catch_warnings():
@@ -76,8 +79,8 @@ def tiny_model(family, dtype=torch.float32):
     return tf.AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
 
 
-def matches_unsharded(rank, tp, group, family, sequence_parallel, dtype):
-    model = tiny_model(family, dtype)
+def matches_unsharded(rank, tp, group, family, sequence_parallel, dtype, vocab=None):
+    model = tiny_model(family, dtype, vocab)
     reference = copy.deepcopy(model)
     tplayers.parallelize(model, group=group, sequence_parallel=sequence_parallel)  # verify on by default
     full = tplayers.gather_state_dict(model, group=group)  # the state dict round-trips exactly
@@ -118,6 +121,14 @@ def test_family_matches_unsharded(pool, family, tp, sequence_parallel):
 @pytest.mark.parametrize("family", ["llama", "gemma2", "gpt2", "opt"])
 def test_family_tp2_plain(pool, family):
     pool.run(matches_unsharded, 2, family, False, torch.float32)
+
+
+# GPT-2's 50257 in small: 97 splits [49, 48] at TP 2 and [25, 25, 25, 22] at TP 4, as torch.chunk does
+@pytest.mark.parametrize("family", ["llama", "gpt2", "opt", "gpt_neox", "gemma"])
+@pytest.mark.parametrize("tp, sequence_parallel", [(2, True), (4, False)], ids=["tp2-sp", "tp4"])
+def test_a_vocabulary_that_does_not_divide(pool, family, tp, sequence_parallel):
+    """Logits, loss, every parameter after a step, generate() and the state-dict round trip."""
+    pool.run(matches_unsharded, tp, family, sequence_parallel, torch.float32, 97)
 
 
 def experts_sharded(rank, tp, group, family):

@@ -190,3 +190,18 @@ def test_tolerance_helper_negative_control():
     with pytest.raises(AssertionError):
         assert_close(x + 1e-7 * x.abs().max(), x, exact=True)
     assert_close(x.clone(), x, exact=True)
+
+
+def widths_in_turn(rank, tp, group):
+    """A layer of 96 output features (48 a rank), then one of 97 (49 and 48), overlap="auto"."""
+    torch.manual_seed(0)
+    for out in (96, 97):
+        layer = tplayers.ColumnParallelLinear(8, out, group=group, sequence_parallel=True)
+        layer(torch.randn(2, 3, 8)).sum().backward()
+
+
+def test_uneven_widths_ask_one_overlap_question(pool):
+    """Regression (a hang): the overlap choice is cached by shape; keyed by each rank's own width,
+    the rank holding 48 of 97 found the 96-wide layer's entry and went on, while the one holding
+    49 asked the group and waited. Every rank now asks about the widest rank's width."""
+    pool.run(widths_in_turn, 2, timeout_s=60)

@@ -6,11 +6,11 @@ rank of a group must take the same one or they hang. The choice is the cost mode
 dtype, the group size and the backend. The first time a group meets an (op, shape, dtype) each
 rank gathers every rank's request and choice with one tiny all-gather, raises
 `OverlapDisagreement` on every rank if they differ (layers built with different `overlap=`, or
-different costs files on different machines; where only the ranks' local shapes differ, as
-under an uneven split, the choice of the rank with the largest GEMM is every rank's), and
-caches the agreed choice; later calls with that shape issue no extra collective. Forced modes
-(True / False) take part in that first check, so a rank built with another flag fails at once
-instead of hanging.
+different costs files on different machines), and caches the agreed choice (keyed by the shape,
+so every rank must ask about the same one: under an uneven split the callers pass the widest
+rank's, `widest=`, which is also the GEMM the group waits for); later calls with that shape
+issue no extra collective. Forced modes (True / False) take part in that first check, so a rank
+built with another flag fails at once instead of hanging.
 
 `overlap_choices()` records what each call chose (the benchmarks report it).
 """
@@ -116,14 +116,8 @@ def _agree(key, overlap, ring: bool, group, device) -> bool:
     mine = torch.tensor(mine, dtype=torch.int64, device=device)
     everyone = mine.new_empty((len(ranks), mine.numel()))
     comm.all_gather_into(everyone, mine, group, record=False)  # control traffic, once per shape
-    rows = everyone.tolist()
-    if len({tuple(row[3:]) for row in rows}) > 1 and len({row[0] for row in rows}) == 1:
-        # uneven splits: each rank's GEMM has its own local shape; the slowest rank's (the most
-        # work, the lowest rank on a tie) decides for all, as the group waits for it anyway
-        slowest = max(range(len(rows)), key=lambda i: (rows[i][3] * rows[i][4] * rows[i][5], -i))
-        ring = bool(rows[slowest][1])
-    elif not bool((everyone == mine).all()):
-        raise OverlapDisagreement(_disagreement(op, dtype, ranks, rows))
+    if not bool((everyone == mine).all()):
+        raise OverlapDisagreement(_disagreement(op, dtype, ranks, everyone.tolist()))
     _agreed[key] = ring
     return ring
 

@@ -55,11 +55,11 @@ def _seq_chunks(t, n):
 
 class ColumnParallelLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel, overlap, reduce_input_grad):
+    def forward(ctx, x, weight, bias, group, sequence_parallel, overlap, reduce_input_grad, widest):
         ctx.group, ctx.sequence_parallel, ctx.overlap = group, sequence_parallel, overlap
-        ctx.has_bias, ctx.reduce_input_grad = bias is not None, reduce_input_grad
+        ctx.has_bias, ctx.reduce_input_grad, ctx.widest = bias is not None, reduce_input_grad, widest
         if sequence_parallel:
-            y, chunks = all_gather_matmul(x, weight, group, bias=bias, overlap=overlap)
+            y, chunks = all_gather_matmul(x, weight, group, bias=bias, overlap=overlap, widest=widest)
             ctx.save_for_backward(chunks, weight)
             return y
         ctx.save_for_backward(x, weight)
@@ -68,17 +68,18 @@ class ColumnParallelLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         saved, weight = ctx.saved_tensors
-        return (*column_backward(ctx, dy, saved, weight), None, None, None, None)
+        return (*column_backward(ctx, dy, saved, weight), None, None, None, None, None)
 
 
 def column_backward(ctx, dy, saved, weight):
     """(dx, dW, db) of a column-parallel GEMM from its output gradient dy; `saved` is the input
     (plain) or the gathered input chunks (sequence parallel). Shared with the fused SwiGLU GEMM."""
     group, n = ctx.group, dist.get_world_size(ctx.group)
+    widest = getattr(ctx, "widest", None)  # the widest rank's output features (uneven splits)
     dx = dw = db = None
     if ctx.sequence_parallel:
         if ctx.needs_input_grad[0]:
-            dx = matmul_reduce_scatter(dy, weight.t(), group, overlap=ctx.overlap)
+            dx = matmul_reduce_scatter(dy, weight.t(), group, overlap=ctx.overlap, widest=widest)
         if ctx.needs_input_grad[1]:
             dw = _wgrad_from_chunks(_seq_chunks(dy, n), saved, weight.dtype)
     else:
@@ -90,7 +91,7 @@ def column_backward(ctx, dy, saved, weight):
                 wgrad()
         elif ctx.needs_input_grad[0]:  # the weight gradient is computed in the all-reduce's shadow
             side_work = [wgrad] if ctx.needs_input_grad[1] else []
-            dx = matmul_all_reduce(dy, weight.t(), group, overlap=ctx.overlap, side_work=side_work)
+            dx = matmul_all_reduce(dy, weight.t(), group, overlap=ctx.overlap, side_work=side_work, widest=widest)
         elif ctx.needs_input_grad[1]:
             wgrad()
         dw = grads.get("dw")
@@ -101,13 +102,13 @@ def column_backward(ctx, dy, saved, weight):
 
 class RowParallelLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel, overlap):
-        ctx.group, ctx.sequence_parallel, ctx.overlap = group, sequence_parallel, overlap
+    def forward(ctx, x, weight, bias, group, sequence_parallel, overlap, widest):
+        ctx.group, ctx.sequence_parallel, ctx.overlap, ctx.widest = group, sequence_parallel, overlap, widest
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, weight)
         if sequence_parallel:
-            return matmul_reduce_scatter(x, weight, group, bias=bias, overlap=overlap)
-        return matmul_all_reduce(x, weight, group, bias=bias, overlap=overlap)
+            return matmul_reduce_scatter(x, weight, group, bias=bias, overlap=overlap, widest=widest)
+        return matmul_all_reduce(x, weight, group, bias=bias, overlap=overlap, widest=widest)
 
     @staticmethod
     def backward(ctx, dy):
@@ -116,31 +117,36 @@ class RowParallelLinearFn(torch.autograd.Function):
         dx = dw = db = None
         if ctx.sequence_parallel:
             if ctx.needs_input_grad[0]:
-                dx, dy_chunks = all_gather_matmul(dy, weight.t(), ctx.group, overlap=ctx.overlap)
+                dx, dy_chunks = all_gather_matmul(dy, weight.t(), ctx.group, overlap=ctx.overlap, widest=ctx.widest)
             else:  # only the weight / bias grads: gather dy, skip the dgrad GEMM
                 dy_chunks = all_gather_chunks(dy, ctx.group)
             if ctx.needs_input_grad[1]:
                 dw = _wgrad_from_chunks(dy_chunks, _seq_chunks(x, n), weight.dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 db = dy_chunks.sum((0, 1, 2))
-            return dx, dw, db, None, None, None
+            return dx, dw, db, None, None, None, None
         if ctx.needs_input_grad[0]:
             dx = gemm(_flat(dy), weight.t()).view(*dy.shape[:-1], weight.shape[1])
         if ctx.needs_input_grad[1]:
             dw = _wgrad(dy, x, weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = _flat(dy).sum(0)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
-def column_parallel_linear(x, weight, bias, group, *, sequence_parallel=False, overlap="auto", reduce_input_grad=True):
+def column_parallel_linear(
+    x, weight, bias, group, *, sequence_parallel=False, overlap="auto", reduce_input_grad=True, widest=None
+):
     """reduce_input_grad=False (plain mode only) leaves dx as this rank's partial sum, for callers
     that feed several column layers one input and sum its gradient once (copy_to_tp_region or
-    all_gather_sequence before them): one collective instead of one per layer."""
+    all_gather_sequence before them): one collective instead of one per layer. `widest`: the
+    largest rank's output features where a split is uneven (the overlap choice is asked about
+    one shape on every rank)."""
     if sequence_parallel and not reduce_input_grad:
         raise ValueError("reduce_input_grad=False applies to plain (not sequence-parallel) column layers")
-    return ColumnParallelLinearFn.apply(x, weight, bias, group, sequence_parallel, overlap, reduce_input_grad)
+    return ColumnParallelLinearFn.apply(x, weight, bias, group, sequence_parallel, overlap, reduce_input_grad, widest)
 
 
-def row_parallel_linear(x, weight, bias, group, *, sequence_parallel=False, overlap="auto"):
-    return RowParallelLinearFn.apply(x, weight, bias, group, sequence_parallel, overlap)
+def row_parallel_linear(x, weight, bias, group, *, sequence_parallel=False, overlap="auto", widest=None):
+    """`widest`: the largest rank's input features where a split is uneven."""
+    return RowParallelLinearFn.apply(x, weight, bias, group, sequence_parallel, overlap, widest)

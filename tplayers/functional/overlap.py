@@ -42,17 +42,19 @@ def _swiglu_rows(swiglu_out, j, s):
     return {} if swiglu_out is None else {"swiglu_out": swiglu_out[:, j * s : (j + 1) * s]}
 
 
-def all_gather_matmul(x, weight, group, *, bias=None, overlap="auto", swiglu_out=None):
+def all_gather_matmul(x, weight, group, *, bias=None, overlap="auto", swiglu_out=None, widest=None):
     """y = all_gather(x, dim=1) @ weight^T + bias.
 
     x (B, s, K), weight (N, K) (any strides), bias (N,) -> y (B, n*s, N) and the gathered
     input as chunks (n, B, s, K), chunk j being rank j's x (reused for the weight gradient).
     swiglu_out (B, n*s, N/2): also receives silu(y[..., 0::2]) * y[..., 1::2] from each GEMM.
+    `widest`: the largest N of any rank, when the ranks' N differ (an uneven split; see
+    `use_ring`: every rank must ask about one shape).
     """
     n, r = dist.get_world_size(group), dist.get_rank(group)
     B, s, K = x.shape
     y = x.new_empty((B, n * s, weight.shape[0]))
-    if not use_ring("all_gather_matmul", overlap, group, x, B * n * s, K, weight.shape[0]):
+    if not use_ring("all_gather_matmul", overlap, group, x, B * n * s, K, widest or weight.shape[0]):
         chunks = all_gather_chunks(x, group)
         for j in range(n):
             gemm(chunks[j], weight, bias=bias, out=y[:, j * s : (j + 1) * s], **_swiglu_rows(swiglu_out, j, s))
@@ -128,17 +130,18 @@ def _ring_all_gather_rows(y, bounds, group, side_work=()):
         work()
 
 
-def matmul_reduce_scatter(x, weight, group, *, bias=None, overlap="auto"):
+def matmul_reduce_scatter(x, weight, group, *, bias=None, overlap="auto", widest=None):
     """y = reduce_scatter(x @ weight^T, dim=1) + bias.
 
     x (B, n*s, K), weight (N, K) (any strides), bias (N,) added once -> y (B, s, N).
+    `widest`: the largest K of any rank, when the ranks' K differ (an uneven split).
     """
     n = dist.get_world_size(group)
     B, S, K = x.shape
     if S % n:
         raise ValueError(f"sequence length {S} is not divisible by the TP size {n}")
     s, N = S // n, weight.shape[0]
-    if n == 1 or use_ring("matmul_reduce_scatter", overlap, group, x, B * S, K, N):
+    if n == 1 or use_ring("matmul_reduce_scatter", overlap, group, x, B * S, widest or K, N):
         return _ring_reduce_scatter(lambda j: x[:, j * s : (j + 1) * s], weight, group, bias=bias)
     partials = x.new_empty((n, B, s, N))
     for j in range(n):
@@ -148,8 +151,9 @@ def matmul_reduce_scatter(x, weight, group, *, bias=None, overlap="auto"):
     return y if bias is None else y.add_(bias)
 
 
-def matmul_all_reduce(x, weight, group, *, bias=None, overlap="auto", side_work=()):
+def matmul_all_reduce(x, weight, group, *, bias=None, overlap="auto", side_work=(), widest=None):
     """y = all_reduce(x @ weight^T) + bias, x (..., K) -> y (..., N); bias added once.
+    `widest`: the largest K of any rank, when the ranks' K differ (an uneven split).
 
     `side_work`: callables with no collectives (a weight gradient, say) to run while the
     reduction is in flight. With overlap on, the GEMM is split along the rows of x and
@@ -168,7 +172,7 @@ def matmul_all_reduce(x, weight, group, *, bias=None, overlap="auto", side_work=
     # residual +=), which autograd forbids on a view made inside a Function.
     result = x.new_empty((*x.shape[:-1], N))
     y = result.view(M, N)
-    overlap = use_ring("matmul_all_reduce", overlap, group, x, M, x2.shape[1], N, side=len(side_work))
+    overlap = use_ring("matmul_all_reduce", overlap, group, x, M, widest or x2.shape[1], N, side=len(side_work))
     if overlap and dist.get_backend(group) == "gloo":
         bounds = [M * j // n for j in range(n + 1)]
         own = y[bounds[r] : bounds[r + 1]]

@@ -158,7 +158,7 @@ class ColumnParallelLinear(_ParallelLinear):
         check_input(self, x, self.in_features, self.sequence_parallel)
         y = column_parallel_linear(
             x, self.weight, self.bias, self.group, sequence_parallel=self.sequence_parallel, overlap=self.overlap,
-            reduce_input_grad=self.reduce_input_grad,
+            reduce_input_grad=self.reduce_input_grad, widest=-(-self.out_features // self.tp_size),
         )  # fmt: skip
         return gather_from_tp_region(y, self.group, dim=-1, total=self.out_features) if self.gather_output else y
 
@@ -210,8 +210,9 @@ class RowParallelLinear(_ParallelLinear):
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.group, dim=-1)
         return row_parallel_linear(
-            x, self.weight, self.bias, self.group, sequence_parallel=self.sequence_parallel, overlap=self.overlap
-        )
+            x, self.weight, self.bias, self.group, sequence_parallel=self.sequence_parallel, overlap=self.overlap,
+            widest=-(-self.in_features // self.tp_size),
+        )  # fmt: skip
 
     def extra_repr(self):
         return (
