@@ -155,9 +155,10 @@ def test_an_uneven_vocabulary_saved_at_one_layout_loads_at_others(pool, tmp_path
     reference = reference_after(2, vocab=97)
     for layout in (dict(tp=4, vocab=97), dict(vocab=97), dict(tp=2, vocab=97)):
         for extra, loaded, trained in pool.run(load_and_step, _world(layout), path, layout):
+            assert extra == {"step": 1}
             for key in loaded:
                 assert torch.equal(loaded[key], saved[key]), f"{layout}: {key} not loaded exactly"
-                assert_close(trained[key], reference[key], msg=lambda m, k=key: f"{layout} {k}: {m}")
+                assert_close(trained[key], reference[key], msg=lambda m, k=key, at=layout: f"{at} {k}: {m}")
 
 
 # ---------------------------------------------------------------------------- exact resume

@@ -89,9 +89,9 @@ def test_hf_model_matches_unsharded(pool, family, tp, sequence_parallel):
 class Custom(nn.Module):
     """A model parallelize cannot recognise: it needs a plan."""
 
-    def __init__(self):
+    def __init__(self, vocab=12):
         super().__init__()
-        self.emb = nn.Embedding(12, 8)
+        self.emb = nn.Embedding(vocab, 8)
         self.up = nn.Linear(8, 16)
         self.down = nn.Linear(16, 8)
 
@@ -99,12 +99,14 @@ class Custom(nn.Module):
         return self.down(torch.relu(self.up(self.emb(ids))))
 
 
-def plan_for_custom_model(rank, tp, group):
+def plan_for_custom_model(rank, tp, group, vocab=12):
     torch.manual_seed(0)
-    model = Custom()
+    model = Custom(vocab)
     reference = copy.deepcopy(model)
     tplayers.parallelize(model, group=group, plan={"emb": "vocab", "up": "colwise", "down": "rowwise"})
-    ids = torch.tensor([[1, 5, 11, 0]])
+    full = tplayers.gather_state_dict(model)
+    assert all(torch.equal(full[k], v) for k, v in reference.state_dict().items())
+    ids = torch.tensor([[1, 5, vocab - 1, 0]])
     y, y_ref = model(ids), reference(ids)
     assert_close(y, y_ref)
     y.sum().backward()
@@ -118,15 +120,16 @@ def test_plan_for_an_unrecognised_model(pool):
     pool.run(plan_for_custom_model, 2)
 
 
+def test_plan_with_splits_that_do_not_divide(pool):
+    """A vocabulary of 10 and a width of 16 on 3 ranks: [4, 4, 2] and [6, 6, 4] rows."""
+    pool.run(plan_for_custom_model, 3, 10)
+
+
 def bad_input(rank, tp, group, case):
     if case == "unrecognised":
         tplayers.parallelize(Custom(), group=group)
     elif case == "heads":
         tplayers.parallelize(tiny_model("mistral"), group=group)  # 4 heads on 3 ranks
-    elif case == "vocab":
-        model = Custom()
-        model.emb = nn.Embedding(10, 8)
-        tplayers.parallelize(model, group=group, plan={"emb": "vocab", "up": "colwise", "down": "rowwise"})
     elif case == "bad_plan":
         tplayers.parallelize(Custom(), group=group, plan={"up": "diagonal"})
     elif case == "too_long":
@@ -140,7 +143,6 @@ def bad_input(rank, tp, group, case):
 CASES = {
     "unrecognised": r"could not place \['up', 'down'\]",
     "heads": r"attention heads \(4\) is not divisible by the tensor-parallel size \(3\)",
-    "vocab": r"\(10\) is not divisible by the tensor-parallel size \(3\)",
     "bad_plan": r"plan values must be one of",
     "too_long": r"input of 65 positions is longer than the model's 64",
     "sp_sequence": r"sequence length \(3,\) is not divisible by the tensor-parallel size \(2\)",
@@ -151,7 +153,7 @@ CASES = {
 def test_bad_input_raises_on_every_rank(pool, case):
     import re
 
-    replies = pool.run(bad_input, 3 if case in ("heads", "vocab") else 2, case, return_exceptions=True)
+    replies = pool.run(bad_input, 3 if case == "heads" else 2, case, return_exceptions=True)
     for reply in replies:
         assert isinstance(reply, RemoteError) and re.search(CASES[case], reply.message), reply
 
