@@ -21,13 +21,13 @@ pytestmark = pytest.mark.multirank
 VOCAB = 96
 
 
-def tiny_llama(seed, layers=2, hidden=32, dropout=0.0, vocab=VOCAB):
+def tiny_llama(seed, layers=2, hidden=32, dropout=0.0, vocab=VOCAB, ffn=64):
     import transformers as tf
 
     torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cfg = tf.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=64, num_hidden_layers=layers,
+        cfg = tf.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                              tie_word_embeddings=False, attention_dropout=dropout)  # fmt: skip
     return tf.LlamaForCausalLM(cfg)
@@ -148,12 +148,13 @@ def test_a_checkpoint_loads_at_another_layout_and_trains_on_like_unsharded(pool,
                 assert_close(trained[key], reference[key], msg=lambda m, w=where: f"{w}: {m}")
 
 
-def test_an_uneven_vocabulary_saved_at_one_layout_loads_at_others(pool, tmp_path):
-    """97 rows: [49, 48] at TP 2 (each then split over ZeRO-3's two replicas), [25, 25, 25, 22] at TP 4."""
-    path = str(tmp_path / "ckpt")
-    saved = pool.run(save_after_one_step, 4, path, dict(tp=2, dp=2, zero=3, vocab=97))[0]
-    reference = reference_after(2, vocab=97)
-    for layout in (dict(tp=4, vocab=97), dict(vocab=97), dict(tp=2, vocab=97)):
+def test_uneven_splits_saved_at_one_layout_load_at_others(pool, tmp_path):
+    """A vocabulary of 97: [49, 48] rows at TP 2 (each then split over ZeRO-3's two replicas),
+    [25, 25, 25, 22] at TP 4; an intermediate size of 67: [34, 33] and [17, 17, 17, 16]."""
+    path, sizes = str(tmp_path / "ckpt"), dict(vocab=97, ffn=67)
+    saved = pool.run(save_after_one_step, 4, path, dict(tp=2, dp=2, zero=3, **sizes))[0]
+    reference = reference_after(2, **sizes)
+    for layout in (dict(tp=4, **sizes), dict(sizes), dict(tp=2, **sizes)):
         for extra, loaded, trained in pool.run(load_and_step, _world(layout), path, layout):
             assert extra == {"step": 1}
             for key in loaded:

@@ -53,9 +53,9 @@ TP4_REFUSED = {
 }
 
 
-def tiny_model(family, dtype=torch.float32, vocab=None):
+def tiny_model(family, dtype=torch.float32, vocab=None, ffn=None):
     """A 2-layer random model: hidden 32, 4 query heads of 8, 2 key/value heads, no dropout
-    (`vocab`: another vocabulary size than VOCAB)."""
+    (`vocab`, `ffn`: another vocabulary size than VOCAB, another intermediate size than 64)."""
     import transformers as tf
 
     torch.manual_seed(0)
@@ -68,6 +68,8 @@ def tiny_model(family, dtype=torch.float32, vocab=None):
     kw.update(overrides)
     if vocab is not None:
         kw["vocab_size"] = vocab
+    if ffn is not None:
+        kw.update(intermediate_size=ffn, ffn_dim=ffn, n_inner=ffn)  # the families' names for it
     if family == "falcon":
         kw.pop("head_dim")  # a read-only property there
     with warnings.catch_warnings():
@@ -79,8 +81,8 @@ def tiny_model(family, dtype=torch.float32, vocab=None):
     return tf.AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
 
 
-def matches_unsharded(rank, tp, group, family, sequence_parallel, dtype, vocab=None):
-    model = tiny_model(family, dtype, vocab)
+def matches_unsharded(rank, tp, group, family, sequence_parallel, dtype, vocab=None, ffn=None):
+    model = tiny_model(family, dtype, vocab, ffn)
     reference = copy.deepcopy(model)
     tplayers.parallelize(model, group=group, sequence_parallel=sequence_parallel)  # verify on by default
     full = tplayers.gather_state_dict(model, group=group)  # the state dict round-trips exactly
@@ -123,12 +125,17 @@ def test_family_tp2_plain(pool, family):
     pool.run(matches_unsharded, 2, family, False, torch.float32)
 
 
-# GPT-2's 50257 in small: 97 splits [49, 48] at TP 2 and [25, 25, 25, 22] at TP 4, as torch.chunk does
-@pytest.mark.parametrize("family", ["llama", "gpt2", "opt", "gpt_neox", "gemma"])
-@pytest.mark.parametrize("tp, sequence_parallel", [(2, True), (4, False)], ids=["tp2-sp", "tp4"])
-def test_a_vocabulary_that_does_not_divide(pool, family, tp, sequence_parallel):
+# GPT-2's 50257 in small: 97 splits [49, 48] at TP 2 and [25, 25, 25, 22] at TP 4, as torch.chunk
+# does; an intermediate size of 67: [34, 33] and [17, 17, 17, 16] (SiLU MLPs in whole gate / up pairs)
+# (Phi-3 at TP 2 only: its fused qkv_proj still needs its 2 key/value heads to divide by TP)
+UNEVEN = [(f, 2, True) for f in ("llama", "gpt2", "opt", "gpt_neox", "gemma", "phi3")]
+UNEVEN += [(f, 4, False) for f in ("llama", "gpt2", "opt", "gpt_neox", "gemma")]
+
+
+@pytest.mark.parametrize("family, tp, sequence_parallel", UNEVEN, ids=[f"{f}-tp{t}{'-sp' * s}" for f, t, s in UNEVEN])
+def test_widths_that_do_not_divide(pool, family, tp, sequence_parallel):
     """Logits, loss, every parameter after a step, generate() and the state-dict round trip."""
-    pool.run(matches_unsharded, tp, family, sequence_parallel, torch.float32, 97)
+    pool.run(matches_unsharded, tp, family, sequence_parallel, torch.float32, 97, 67)
 
 
 def experts_sharded(rank, tp, group, family):
@@ -279,12 +286,24 @@ def test_refusal_quotes_hf_tp_plan_as_a_hint(pool):
 
 # ---- every family composed with ZeRO-3 and SP, through tplayers.testing.check_parallel -------------
 
+
+def uneven_gpt2():
+    """GPT-2 (Conv1D, tied head) with a vocabulary of 97 and an MLP of 67: no even split at TP 2."""
+    return tiny_model("gpt2", vocab=97, ffn=67)
+
+
 FAMILY_IDS = torch.randint(3, VOCAB, (4, 8), generator=torch.Generator().manual_seed(1))
 
 
 def family_parallelize(model, mesh, layout):
     tplayers.parallelize(model, group=mesh["tp"], sequence_parallel=layout.sequence_parallel, verify=False)
     return tplayers.data_parallel(model, group=mesh["dp"], zero_stage=layout.zero_stage)
+
+
+@pytest.mark.tplayers
+def test_uneven_splits_with_zero3_through_check_parallel():
+    check_parallel(uneven_gpt2, family_parallelize, FAMILY_IDS, layouts=[Layout(tp=2, dp=2, zero_stage=3,
+                   sequence_parallel=True), Layout(tp=4)], steps=2)  # fmt: skip
 
 
 @pytest.mark.tplayers

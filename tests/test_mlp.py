@@ -13,6 +13,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import tplayers
 from tplayers.nn.mlp import ParallelMLP, fuse_gate_up, unfuse_gate_up
+from tplayers.placement import shard_range
 from tplayers.testing import assert_close, assert_shard_close, examples, shard_of
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -127,19 +128,21 @@ def test_swiglu_argument_errors():
 
 
 def test_fused_gate_up_layout():
-    """Rank r's contiguous slice of the fused weight interleaves gate_r and up_r row by row (so each
-    GEMM output tile pairs gate and up columns), and unfusing inverts it."""
+    """Rank r's slice of the fused weight in whole pairs interleaves its rows of gate and of up
+    row by row (so each GEMM output tile pairs gate and up columns), also where F does not divide
+    by n (12 over 5: 3, 3, 3, 3, 0 pairs), and unfusing inverts it."""
     F, H = 12, 5
     gate, up = torch.randn(F, H), torch.randn(F, H)
-    for n in (1, 2, 3, 4):
-        fused = fuse_gate_up(gate, up, n)
+    fused = fuse_gate_up(gate, up)
+    for n in (1, 2, 3, 4, 5):
         for r in range(n):
-            shard = shard_of(fused, 0, r, n)
+            start, size = shard_range(F, n, r)
+            shard = fused[2 * start : 2 * (start + size)]
             assert torch.equal(shard[0::2], shard_of(gate, 0, r, n)) and torch.equal(shard[1::2], shard_of(up, 0, r, n))
-        back = unfuse_gate_up(fused, n)
-        assert torch.equal(back[0], gate) and torch.equal(back[1], up)
-    with pytest.raises(ValueError, match=r"ffn_hidden_size \(12\) is not divisible by the tensor-parallel size \(5\)"):
-        fuse_gate_up(gate, up, 5)
+    back = unfuse_gate_up(fused)
+    assert torch.equal(back[0], gate) and torch.equal(back[1], up)
+    with pytest.raises(ValueError, match="needs an even number of rows"):
+        unfuse_gate_up(fused[:-1])
 
 
 # --- ParallelMLP against the unsharded block ---------------------------------------------------
@@ -159,6 +162,7 @@ class MLPCase:
     backend: str = "torch"
     wrong_layout: bool = False  # negative control: gate|up fused as a plain concatenation
     seed: int = 0
+    ffn: int | None = None  # a width that does not divide (ffn_per_rank is then its ceil-share)
 
 
 def run_mlp(rank, tp, group, case: MLPCase):
@@ -169,7 +173,8 @@ def run_mlp(rank, tp, group, case: MLPCase):
 
         assert swiglu.INTERPRET
     torch.manual_seed(case.seed)
-    S, F, H, dt = case.seq_per_rank * tp, case.ffn_per_rank * tp, case.hidden, case.dtype
+    S, H, dt = case.seq_per_rank * tp, case.hidden, case.dtype
+    F = case.ffn if case.ffn is not None else case.ffn_per_rank * tp
     gated = case.activation == "swiglu"
     ins = [nn.Linear(H, F, bias=case.bias, dtype=dt) for _ in range(1 + gated)]
     down = nn.Linear(F, H, bias=case.bias, dtype=dt)
@@ -244,11 +249,13 @@ def check_mlp(pool, tp, case):
 @st.composite
 def mlp_cases(draw, max_hidden, max_ffn_per_rank, backend):
     tp = draw(st.integers(1, 4))
+    ffn_per_rank = draw(st.integers(1, max_ffn_per_rank))
     case = MLPCase(
         batch=draw(st.integers(1, 2)),
         seq_per_rank=draw(st.integers(1, 3)),
         hidden=draw(st.integers(1, max_hidden)),
-        ffn_per_rank=draw(st.integers(1, max_ffn_per_rank)),
+        ffn_per_rank=ffn_per_rank,
+        ffn=draw(st.one_of(st.none(), st.integers(1, ffn_per_rank * tp))),  # any width: uneven, under tp
         activation=draw(st.sampled_from(["swiglu", "swiglu", "gelu", "gelu_tanh"])),
         dtype=draw(st.sampled_from(DTYPES)),
         sequence_parallel=draw(st.booleans()),
@@ -278,8 +285,11 @@ def test_mlp_matches_unsharded_triton_backend(pool, tp_case):
 @pytest.mark.multirank
 @pytest.mark.parametrize("tp", [1, 2, 3, 4])
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
-def test_swiglu_mlp_every_tp_size(pool, tp, sequence_parallel):
-    case = MLPCase(batch=2, seq_per_rank=2, hidden=9, ffn_per_rank=3, bias=True, sequence_parallel=sequence_parallel)
+@pytest.mark.parametrize("width", ["even", "uneven"])
+def test_swiglu_mlp_every_tp_size(pool, tp, sequence_parallel, width):
+    """uneven: 2 tp + 1 = 5, 7, 9 features in whole gate / up pairs: [3, 2], [3, 3, 1], [3, 3, 3, 0]."""
+    case = MLPCase(batch=2, seq_per_rank=2, hidden=9, ffn_per_rank=3, bias=True, sequence_parallel=sequence_parallel,
+                   ffn=2 * tp + 1 if width == "uneven" else None)  # fmt: skip
     check_mlp(pool, tp, case)
 
 
@@ -313,8 +323,6 @@ def run_seeded_init(rank, tp, group, activation, bias):
 
 
 def run_errors(rank, tp, group):
-    with pytest.raises(ValueError, match=r"ffn_hidden_size \(10\) is not divisible by the tensor-parallel size \(4\)"):
-        ParallelMLP(8, 10, group=group)
     with pytest.raises(ValueError, match="activation must be one of"):
         ParallelMLP(8, 8, activation="relu", group=group)
     mlp = ParallelMLP(8, 8, group=group, sequence_parallel=True)

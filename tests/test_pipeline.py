@@ -512,3 +512,16 @@ def test_family_pp2_tp2_through_check_parallel(family):
     check_parallel(build, split_after_tp, SPLIT_IDS, layouts=layouts[:1], steps=2)
     with pytest.raises(tplayers.distributed.RankError, match="shares parameters with another stage"):
         check_parallel(build, split_after_tp, SPLIT_IDS, layouts=layouts[1:])
+
+
+def uneven_llama():
+    """A vocabulary of 97 and an intermediate size of 67: no split of them is even at TP 2."""
+    from test_families import tiny_model
+
+    return tiny_model("llama", vocab=97, ffn=67)
+
+
+@pytest.mark.tplayers
+def test_uneven_splits_in_pipeline_stages_through_check_parallel():
+    layouts = [Layout(tp=2, pp=2, sequence_parallel=True), Layout(tp=2, pp=2, dp=2, zero_stage=2)]
+    check_parallel(uneven_llama, split_after_tp, SPLIT_IDS, layouts=layouts, steps=2)

@@ -17,14 +17,16 @@ from tplayers.functional import comm
 from tplayers.placement import shard_range, shard_sizes
 
 
-def all_gather_dim(x, dim, group, total=None):
+def all_gather_dim(x, dim, group, total=None, *, sizes=None):
     """Concatenate every rank's `x` along `dim`. `total`: the gathered size, when the ranks hold
-    uneven slices of it (split as `shard_sizes` splits it); None: every rank holds as many."""
+    uneven slices of it (split as `shard_sizes` splits it); `sizes`: every rank's, when known
+    otherwise; neither: every rank holds as many."""
     n = dist.get_world_size(group)
     if n == 1:
         return x
     dim = dim % x.dim()
-    sizes = shard_sizes(total, n) if total is not None else [x.shape[dim]] * n
+    if sizes is None:
+        sizes = shard_sizes(total, n) if total is not None else [x.shape[dim]] * n
     mine = sizes[dist.get_rank(group)]
     if x.shape[dim] != mine:
         raise ValueError(f"all_gather_dim: this rank holds {x.shape[dim]} of dim {dim}, its share of {total} is {mine}")
@@ -41,18 +43,15 @@ def all_gather_dim(x, dim, group, total=None):
 
 
 def all_gather_any(x, dim, group):
-    """`all_gather_dim` for slices whose sizes this rank does not know (state-dict export: a cold
-    path): one more tiny all-gather learns them first."""
+    """`all_gather_dim` of whatever each rank holds along `dim`, in rank order, for slices whose
+    sizes this rank does not know (state-dict export: a cold path): one more tiny all-gather
+    learns them first."""
     n = dist.get_world_size(group)
     if n == 1:
         return x
     sizes = torch.empty(n, dtype=torch.int64, device=x.device)
     comm.all_gather_into(sizes, torch.tensor([x.shape[dim]], device=x.device), group, record=False)
-    sizes = sizes.tolist()
-    total = sum(sizes)
-    if sizes != shard_sizes(total, n):
-        raise ValueError(f"all_gather_any: the ranks hold {sizes} of dim {dim}, not a split of {total} over {n}")
-    return all_gather_dim(x, dim, group, total)
+    return all_gather_dim(x, dim, group, sizes=sizes.tolist())
 
 
 def reduce_scatter_dim(x, dim, group):
@@ -68,13 +67,14 @@ def reduce_scatter_dim(x, dim, group):
     return out
 
 
-def own_slice(x, dim, group):
-    """This rank's contiguous slice of `x` along `dim` (uneven sizes as `shard_sizes` splits them)."""
+def own_slice(x, dim, group, unit=1):
+    """This rank's contiguous slice of `x` along `dim` (uneven sizes as `shard_sizes` splits them),
+    in whole units of `unit` entries (ParallelMLP's interleaved gate / up pairs: 2)."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
     if n == 1:
         return x
-    start, size = shard_range(x.shape[dim], n, r)
-    return x.narrow(dim, start, size).contiguous()
+    start, size = shard_range(x.shape[dim] // unit, n, r)
+    return x.narrow(dim, start * unit, size * unit).contiguous()
 
 
 class _CopyToTPRegion(torch.autograd.Function):

@@ -18,6 +18,8 @@ RowParallel:    weight (N, K/n), bias (N,) replicated
            gets the whole bias gradient without another collective.
 """
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -31,7 +33,8 @@ from tplayers.functional.overlap import (
 
 
 def _flat(t):
-    return t.reshape(-1, t.shape[-1]) if t.shape[-1] else t.flatten(0, -2)  # a rank may hold none
+    """(..., N) -> (rows, N), also where N is 0 (a rank holding none of an uneven split)."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
 def _wgrad(dy, x, dtype):

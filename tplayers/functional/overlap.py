@@ -166,7 +166,7 @@ def matmul_all_reduce(x, weight, group, *, bias=None, overlap="auto", side_work=
             in bench/linear.py); both send the ring minimum, 2(n-1)/n of y's bytes.
     """
     n, r = dist.get_world_size(group), dist.get_rank(group)
-    x2 = x.reshape(-1, x.shape[-1]) if x.shape[-1] else x.flatten(0, -2)  # a rank may hold no columns
+    x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # (a rank may hold no columns: K = 0)
     M, N = x2.shape[0], weight.shape[0]
     # The result is returned as allocated, not as a view: callers may modify it in place (Falcon's
     # residual +=), which autograd forbids on a view made inside a Function.

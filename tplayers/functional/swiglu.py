@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from tplayers.backend import gemm, uses_triton
-from tplayers.functional.linear import column_backward
+from tplayers.functional.linear import _flat, column_backward
 from tplayers.functional.overlap import all_gather_matmul
 
 
@@ -32,17 +32,17 @@ def _swiglu_backward_kernel(tensor):
 
 class ColumnSwiGLUFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel, overlap):
-        ctx.group, ctx.sequence_parallel, ctx.overlap = group, sequence_parallel, overlap
+    def forward(ctx, x, weight, bias, group, sequence_parallel, overlap, widest):
+        ctx.group, ctx.sequence_parallel, ctx.overlap, ctx.widest = group, sequence_parallel, overlap, widest
         ctx.has_bias, ctx.reduce_input_grad = bias is not None, True
         f = weight.shape[0] // 2
         if sequence_parallel:
             B, s, _ = x.shape
             h = x.new_empty((B, dist.get_world_size(group) * s, f))
-            y, chunks = all_gather_matmul(x, weight, group, bias=bias, overlap=overlap, swiglu_out=h)
+            y, chunks = all_gather_matmul(x, weight, group, bias=bias, overlap=overlap, swiglu_out=h, widest=widest)
             ctx.save_for_backward(chunks, weight, y)
             return h
-        x2 = x.reshape(-1, x.shape[-1])
+        x2 = _flat(x)
         h = x.new_empty((x2.shape[0], f))
         y = gemm(x2, weight, bias=bias, swiglu_out=h).view(*x.shape[:-1], 2 * f)
         ctx.save_for_backward(x, weight, y)
@@ -51,17 +51,18 @@ class ColumnSwiGLUFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dh):
         saved, weight, y = ctx.saved_tensors
-        y2 = y.reshape(-1, y.shape[-1])
+        y2 = _flat(y)
         dy = torch.empty_like(y2)
         _swiglu_backward_kernel(y2)(
-            dh.reshape(-1, y2.shape[-1] // 2), y2[:, 0::2], y2[:, 1::2], dgate=dy[:, 0::2], dup=dy[:, 1::2]
+            dh.reshape(y2.shape[0], y2.shape[-1] // 2), y2[:, 0::2], y2[:, 1::2], dgate=dy[:, 0::2], dup=dy[:, 1::2]
         )
         dy = dy.view(*y.shape)
-        return (*column_backward(ctx, dy, saved, weight), None, None, None)
+        return (*column_backward(ctx, dy, saved, weight), None, None, None, None)
 
 
-def column_parallel_swiglu(x, weight, bias, group, *, sequence_parallel=False, overlap="auto"):
-    """silu(gate) * up of the column-parallel GEMM x W^T + b whose output columns alternate gate, up."""
+def column_parallel_swiglu(x, weight, bias, group, *, sequence_parallel=False, overlap="auto", widest=None):
+    """silu(gate) * up of the column-parallel GEMM x W^T + b whose output columns alternate gate, up.
+    `widest`: the largest rank's rows where the pairs split unevenly (see `use_ring`)."""
     if weight.shape[0] % 2:
         raise ValueError(f"the fused gate|up weight needs an even number of rows, got {weight.shape[0]}")
-    return ColumnSwiGLUFn.apply(x, weight, bias, group, sequence_parallel, overlap)
+    return ColumnSwiGLUFn.apply(x, weight, bias, group, sequence_parallel, overlap, widest)

@@ -54,7 +54,7 @@ def fused_gate_up(sp: ShardingPass, name, mlp):
         w = pick(layer.in_proj.weight)
         out = {}
         if w is not None:
-            out["gate_up_proj.weight"] = torch.cat(unfuse_gate_up(gather(w, 0, group), sp.n), 0)
+            out["gate_up_proj.weight"] = torch.cat(unfuse_gate_up(gather(w, 0, group)), 0)
         down = pick(layer.out_proj.weight)
         if down is not None:
             out["down_proj.weight"] = gather(down, 1, group)
@@ -62,12 +62,15 @@ def fused_gate_up(sp: ShardingPass, name, mlp):
 
     def load(full):
         gate, up = full["gate_up_proj.weight"].chunk(2, 0)
-        copy_in(layer.in_proj.weight, own_slice(fuse_gate_up(gate, up, sp.n), 0, sp.group))
+        copy_in(layer.in_proj.weight, own_slice(fuse_gate_up(gate, up), 0, sp.group, unit=2))
         copy_in(layer.out_proj.weight, own_slice(full["down_proj.weight"], 1, sp.group))
 
-    def layout():  # in_proj's rows alternate gate, up over this rank's 1/n of each half of [gate; up]
-        halves = pieces.interleaved(("gate_up_proj.weight",) * 2, layer.in_proj.weight, sp.group, stacked=True)
-        return [*halves, pieces.split("down_proj.weight", layer.out_proj.weight, 1, sp.group)]
+    def layout():  # in_proj's rows alternate gate, up over this rank's rows of each half of [gate; up]
+        halves = pieces.interleaved(
+            ("gate_up_proj.weight",) * 2, layer.in_proj.weight, sp.group, layer.ffn_hidden_size, stacked=True
+        )
+        down = pieces.split("down_proj.weight", layer.out_proj.weight, 1, sp.group, total=layer.ffn_hidden_size)
+        return [*halves, down]
 
     sp.exports.append((name, export, load, layout))
 
@@ -91,7 +94,7 @@ def gated_mlp(sp: ShardingPass, name, mlp):
                 continue
             fused = gather(pick(getattr(layer.in_proj, key)), 0, group)
             if fused is not None:  # None: a gradient this rank's pipeline stage did not compute
-                out[f"gate_proj.{key}"], out[f"up_proj.{key}"] = unfuse_gate_up(fused, sp.n)
+                out[f"gate_proj.{key}"], out[f"up_proj.{key}"] = unfuse_gate_up(fused)
             down = pick(getattr(layer.out_proj, key))
             out[f"down_proj.{key}"] = gather(down, 1, group) if key == "weight" else down
         return out
@@ -100,8 +103,8 @@ def gated_mlp(sp: ShardingPass, name, mlp):
         for key in ("weight", "bias"):
             if getattr(layer.in_proj, key) is None:
                 continue
-            fused = fuse_gate_up(full[f"gate_proj.{key}"], full[f"up_proj.{key}"], sp.n)
-            copy_in(getattr(layer.in_proj, key), own_slice(fused, 0, sp.group))
+            fused = fuse_gate_up(full[f"gate_proj.{key}"], full[f"up_proj.{key}"])
+            copy_in(getattr(layer.in_proj, key), own_slice(fused, 0, sp.group, unit=2))
             down = full[f"down_proj.{key}"]
             copy_in(getattr(layer.out_proj, key), own_slice(down, 1, sp.group) if key == "weight" else down)
 
@@ -110,10 +113,11 @@ def gated_mlp(sp: ShardingPass, name, mlp):
         for key in ("weight", "bias"):
             if getattr(layer.in_proj, key) is None:
                 continue
-            out += pieces.interleaved((f"gate_proj.{key}", f"up_proj.{key}"), getattr(layer.in_proj, key), sp.group)
+            keys = (f"gate_proj.{key}", f"up_proj.{key}")
+            out += pieces.interleaved(keys, getattr(layer.in_proj, key), sp.group, layer.ffn_hidden_size)
             down = getattr(layer.out_proj, key)
             out.append(
-                pieces.split(f"down_proj.{key}", down, 1, sp.group)
+                pieces.split(f"down_proj.{key}", down, 1, sp.group, total=layer.ffn_hidden_size)
                 if key == "weight"
                 else pieces.whole(f"down_proj.{key}", down)
             )

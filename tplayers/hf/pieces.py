@@ -67,16 +67,17 @@ def halves(key, param, dim, group, transpose=False) -> list[Piece]:
     ]  # fmt: skip
 
 
-def interleaved(keys, param, group, *, stacked=False) -> list[Piece]:
+def interleaved(keys, param, group, total, *, stacked=False) -> list[Piece]:
     """`ParallelMLP`'s in_proj: local rows alternate (keys[0] row i, keys[1] row i) over this
-    rank's 1/n of each of two HF tensors; `stacked`: of each half of one HF tensor [first; second]
-    (both keys the same)."""
-    n = dist.get_world_size(group)
-    half = param.shape[0] // 2
-    own, size = own_range(half * n, group), half * n
+    rank's rows of each of two HF tensors of `total` rows (split as torch.chunk splits them);
+    `stacked`: of each half of one HF tensor [first; second] (both keys the same)."""
+    start, half = shard_range(total, dist.get_world_size(group), dist.get_rank(group))
+    own = torch.arange(start, start + half)
     if stacked:
-        return [Piece(k, param, 0, torch.arange(i, 2 * half, 2), own + i * size, 2 * size) for i, k in enumerate(keys)]
-    return [Piece(key, param, 0, torch.arange(i, 2 * half, 2), own, size) for i, key in enumerate(keys)]
+        return [
+            Piece(k, param, 0, torch.arange(i, 2 * half, 2), own + i * total, 2 * total) for i, k in enumerate(keys)
+        ]
+    return [Piece(key, param, 0, torch.arange(i, 2 * half, 2), own, total) for i, key in enumerate(keys)]
 
 
 def linear(layer, dim, transpose, group) -> list[Piece]:

@@ -135,10 +135,16 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def __init__(
         self, in_features, out_features, bias=True, *, group=None, gather_output=False,
-        sequence_parallel=False, overlap="auto", reduce_input_grad=True, device=None, dtype=None,
+        sequence_parallel=False, overlap="auto", reduce_input_grad=True, split_unit=1, device=None, dtype=None,
     ):  # fmt: skip
         super().__init__(in_features, out_features, group=group, sequence_parallel=sequence_parallel, overlap=overlap)
-        self.out_features_per_rank = _share(out_features, self.group)
+        if out_features % split_unit or (split_unit > 1 and gather_output):
+            raise ValueError(
+                f"ColumnParallelLinear: split_unit {split_unit} needs out_features ({out_features}) in whole units "
+                "and no gather_output"
+            )
+        self.split_unit = split_unit  # rows split in whole units (ParallelMLP's gate / up pairs: 2)
+        self.out_features_per_rank = _share(out_features // split_unit, self.group) * split_unit
         if sequence_parallel and not reduce_input_grad:
             raise ValueError("ColumnParallelLinear: reduce_input_grad=False applies only without sequence_parallel")
         self.gather_output, self.reduce_input_grad = gather_output, reduce_input_grad
@@ -148,8 +154,9 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def _set_shards(self, weight, bias, device):
         """Keep this rank's rows of the full weight / bias."""
-        self.weight = nn.Parameter(own_slice(weight, 0, self.group).to(device=device, copy=True))
-        bias = None if bias is None else nn.Parameter(own_slice(bias, 0, self.group).to(device=device, copy=True))
+        unit = self.split_unit
+        self.weight = nn.Parameter(own_slice(weight, 0, self.group, unit).to(device=device, copy=True))
+        bias = None if bias is None else nn.Parameter(own_slice(bias, 0, self.group, unit).to(device=device, copy=True))
         self.register_parameter("bias", bias)
         self._tag_parameters()
 
@@ -158,9 +165,14 @@ class ColumnParallelLinear(_ParallelLinear):
         check_input(self, x, self.in_features, self.sequence_parallel)
         y = column_parallel_linear(
             x, self.weight, self.bias, self.group, sequence_parallel=self.sequence_parallel, overlap=self.overlap,
-            reduce_input_grad=self.reduce_input_grad, widest=-(-self.out_features // self.tp_size),
+            reduce_input_grad=self.reduce_input_grad, widest=self.widest,
         )  # fmt: skip
         return gather_from_tp_region(y, self.group, dim=-1, total=self.out_features) if self.gather_output else y
+
+    @property
+    def widest(self) -> int:
+        """The largest rank's output features (the overlap choice is asked about it on every rank)."""
+        return -(-self.out_features // (self.split_unit * self.tp_size)) * self.split_unit
 
     def extra_repr(self):
         return (

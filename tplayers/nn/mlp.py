@@ -1,16 +1,17 @@
 """`ParallelMLP`: the tensor-parallel feed-forward block, SwiGLU (Llama) or GeLU (GPT-2).
 
-n = TP size, H = hidden_size, F = ffn_hidden_size, f = F/n. Built on the column / row layers, so
-all communication (and its overlap with the GEMMs) is theirs:
+n = TP size, H = hidden_size, F = ffn_hidden_size, f = this rank's share of F (F/n, or as
+torch.chunk splits an F that does not divide: `tplayers.placement.shard_sizes`). Built on the
+column / row layers, so all communication (and its overlap with the GEMMs) is theirs:
 
     SwiGLU:  x (..., H) -> in_proj: ColumnParallelLinear(H, 2F), local weight (2f, H), rows
              alternating gate, up -> one GEMM whose epilogue gives h (..., f) = silu(gate) * up
              (tplayers/functional/swiglu.py) -> out_proj: RowParallelLinear(F, H) -> (..., H)
     GeLU:    x -> in_proj: ColumnParallelLinear(H, F) -> gelu -> out_proj: RowParallelLinear(F, H)
 
-Fused gate|up layout. Rank r's in_proj weight interleaves gate_proj.weight[r*f:(r+1)*f] and
-up_proj.weight[r*f:(r+1)*f] row by row (bias likewise), so every GEMM output tile holds matching
-gate and up columns and the shard is local and contiguous. Its placement is Shard(0) of a virtual
+Fused gate|up layout. Rank r's in_proj weight interleaves its rows of gate_proj.weight and of
+up_proj.weight row by row (bias likewise), so every GEMM output tile holds matching gate and up
+columns and the shard is local and contiguous. Its placement is Shard(0) of a virtual
 (2F, H) weight whose rows alternate gate, up (what concatenating the shards along dim 0 gives):
 `fuse_gate_up` builds it from the unsharded pair, `unfuse_gate_up` maps it back, and
 `ParallelMLP.unfused_shards()` gives each rank's slices in the unsharded gate / up / down layout.
@@ -28,7 +29,6 @@ from tplayers.functional.swiglu import column_parallel_swiglu
 from tplayers.nn.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
-    _divide,
     _full_linear_init,
     check_input,
     refuse_own_forward,
@@ -38,20 +38,19 @@ from tplayers.nn.linear import (
 ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh")
 
 
-def fuse_gate_up(gate, up, n):
+def fuse_gate_up(gate, up):
     """The unsharded (F, ...) gate / up weights (or biases) -> the (2F, ...) fused tensor whose rows
-    alternate gate, up: row 2i is gate row i, row 2i+1 up row i. Its r-th contiguous slice along
-    dim 0 is rank r's fused shard (rows r*f .. (r+1)*f of each, interleaved), `n` only checks
-    that the rows split evenly."""
+    alternate gate, up: row 2i is gate row i, row 2i+1 up row i. Rank r's fused shard is its slice
+    in whole pairs (`own_slice(fused, 0, group, unit=2)`): its rows of each, interleaved."""
     if gate.shape != up.shape:
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} must have the same shape")
-    _divide(gate.shape[0], n, "ffn_hidden_size")
     return torch.stack((gate, up), dim=1).flatten(0, 1)
 
 
-def unfuse_gate_up(fused, n):
+def unfuse_gate_up(fused):
     """Inverse of `fuse_gate_up`: the (2F, ...) fused tensor (the shards concatenated) -> (gate, up)."""
-    _divide(fused.shape[0], 2 * n, "2 * ffn_hidden_size")
+    if fused.shape[0] % 2:
+        raise ValueError(f"the fused gate|up tensor needs an even number of rows, got {fused.shape[0]}")
     return fused[0::2], fused[1::2]
 
 
@@ -78,14 +77,14 @@ class ParallelMLP(nn.Module):
             raise ValueError(f"ParallelMLP: activation must be one of {ACTIVATIONS}, got {activation!r}")
         self.group = resolve_group(group)
         self.tp_size = torch.distributed.get_world_size(self.group)
-        _divide(ffn_hidden_size, self.tp_size, "ffn_hidden_size")
         self.hidden_size, self.ffn_hidden_size, self.activation = hidden_size, ffn_hidden_size, activation
         self.sequence_parallel = sequence_parallel
         gated = activation == "swiglu"
         kw = dict(group=self.group, sequence_parallel=sequence_parallel, dtype=dtype)
         kw["overlap"] = check_overlap(overlap, "ParallelMLP")
         in_features = 2 * ffn_hidden_size if gated else ffn_hidden_size
-        self.in_proj = ColumnParallelLinear(hidden_size, in_features, bias, device="meta", **kw)
+        # SwiGLU: the fused rows split in whole gate / up pairs, F as torch.chunk splits it
+        self.in_proj = ColumnParallelLinear(hidden_size, in_features, bias, device="meta", split_unit=1 + gated, **kw)
         self.out_proj = RowParallelLinear(ffn_hidden_size, hidden_size, bias, device="meta", **kw)
         if device is not None and torch.device(device).type == "meta":
             return
@@ -98,9 +97,9 @@ class ParallelMLP(nn.Module):
         (up_w, up_b)] for SwiGLU, [(fc_w, fc_b)] for GeLU; `down` is (down_w, down_b)."""
         if len(in_weights) == 2:
             (gw, gb), (uw, ub) = in_weights
-            weight, bias = fuse_gate_up(gw, uw, self.tp_size), None
+            weight, bias = fuse_gate_up(gw, uw), None
             if gb is not None:
-                bias = fuse_gate_up(gb, ub, self.tp_size)
+                bias = fuse_gate_up(gb, ub)
         else:
             ((weight, bias),) = in_weights
         self.in_proj._set_shards(weight, bias, device)
@@ -175,7 +174,7 @@ class ParallelMLP(nn.Module):
             check_input(layer, x, layer.in_features, layer.sequence_parallel)  # before any collective
             h = column_parallel_swiglu(
                 x, layer.weight, layer.bias, layer.group, sequence_parallel=layer.sequence_parallel,
-                overlap=layer.overlap,
+                overlap=layer.overlap, widest=layer.widest,
             )  # fmt: skip
         else:
             h = nn.functional.gelu(self.in_proj(x), approximate="tanh" if self.activation == "gelu_tanh" else "none")
@@ -184,5 +183,5 @@ class ParallelMLP(nn.Module):
     def extra_repr(self):
         return (
             f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size} "
-            f"({self.ffn_hidden_size // self.tp_size} per rank of {self.tp_size}), activation={self.activation!r}"
+            f"({self.out_proj.in_features_per_rank} on this rank of {self.tp_size}), activation={self.activation!r}"
         )
