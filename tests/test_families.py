@@ -53,7 +53,7 @@ TP4_REFUSED = {
 }
 
 
-def tiny_model(family, dtype=torch.float32, vocab=None, ffn=None):
+def tiny_model(family, dtype=torch.float32, vocab=None, ffn=None, **config):
     """A 2-layer random model: hidden 32, 4 query heads of 8, 2 key/value heads, no dropout
     (`vocab`, `ffn`: another vocabulary size than VOCAB, another intermediate size than 64)."""
     import transformers as tf
@@ -70,6 +70,7 @@ def tiny_model(family, dtype=torch.float32, vocab=None, ffn=None):
         kw["vocab_size"] = vocab
     if ffn is not None:
         kw.update(intermediate_size=ffn, ffn_dim=ffn, n_inner=ffn)  # the families' names for it
+    kw.update(config)
     if family == "falcon":
         kw.pop("head_dim")  # a read-only property there
     with warnings.catch_warnings():
@@ -81,8 +82,8 @@ def tiny_model(family, dtype=torch.float32, vocab=None, ffn=None):
     return tf.AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
 
 
-def matches_unsharded(rank, tp, group, family, sequence_parallel, dtype, vocab=None, ffn=None):
-    model = tiny_model(family, dtype, vocab, ffn)
+def matches_unsharded(rank, tp, group, family, sequence_parallel, dtype, vocab=None, ffn=None, config=None):
+    model = tiny_model(family, dtype, vocab, ffn, **(config or {}))
     reference = copy.deepcopy(model)
     tplayers.parallelize(model, group=group, sequence_parallel=sequence_parallel)  # verify on by default
     full = tplayers.gather_state_dict(model, group=group)  # the state dict round-trips exactly
@@ -136,6 +137,36 @@ UNEVEN += [(f, 4, False) for f in ("llama", "gpt2", "opt", "gpt_neox", "gemma")]
 def test_widths_that_do_not_divide(pool, family, tp, sequence_parallel):
     """Logits, loss, every parameter after a step, generate() and the state-dict round trip."""
     pool.run(matches_unsharded, tp, family, sequence_parallel, torch.float32, 97, 67)
+
+
+# Published head counts in small (head width 8): SmolLM2-135M 9 heads / 3 key/value, Qwen2.5-0.5B
+# 14 / 2, Qwen2-7B 28 / 4
+HEADS = {"smollm2": ("llama", 9, 3), "qwen2.5-0.5b": ("qwen2", 14, 2), "qwen2-7b": ("qwen2", 28, 4)}
+HEAD_CASES = [("smollm2", 2, True), ("qwen2.5-0.5b", 4, True), ("qwen2.5-0.5b", 3, False), ("qwen2-7b", 3, False)]
+
+
+def heads_config(shape):
+    family, heads, kv_heads = HEADS[shape]
+    return family, dict(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=8, hidden_size=8 * heads)
+
+
+@pytest.mark.parametrize(
+    "shape, tp, sequence_parallel", HEAD_CASES, ids=[f"{m}-tp{t}{'-sp' * s}" for m, t, s in HEAD_CASES]
+)
+def test_heads_that_do_not_divide(pool, shape, tp, sequence_parallel):
+    """Whole heads per rank as torch.chunk splits them (9 over 2: 5, 4; 14 over 4: 4, 4, 4, 2;
+    28 over 3: 10, 10, 8), each rank's key/value heads those its queries read, also where they
+    straddle two groups: logits, loss, every parameter after a step, generate(), the state dict."""
+    family, config = heads_config(shape)
+    pool.run(matches_unsharded, tp, family, sequence_parallel, torch.float32, None, None, config)
+
+
+def test_a_rank_left_without_a_head_is_refused_naming_the_way_out(pool):
+    family, config = heads_config("smollm2")  # 9 heads over 4 ranks: 3, 3, 3 and none
+    for reply in pool.run(matches_unsharded, 4, family, False, torch.float32, None, None, config,
+                          return_exceptions=True):  # fmt: skip
+        assert isinstance(reply, RemoteError), reply
+        assert re.search(r"9 attention heads over 4 ranks.*\[3, 3, 3, 0\].*use at most 3 ranks", reply.message)
 
 
 def experts_sharded(rank, tp, group, family):

@@ -27,6 +27,7 @@ from tplayers.hf.fused import ReplicatedKVProjection, codegen_rows, fused_column
 from tplayers.hf.shard import ShardingPass, on_device
 from tplayers.nn.linear import _divide
 from tplayers.nn.norm import ParallelRMSNorm
+from tplayers.placement import shard_range, shard_sizes
 from tplayers.tolerances import TOLERANCES
 
 HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
@@ -78,12 +79,8 @@ def qkvo_attention(sp: ShardingPass, name, attn):
     o_proj = getattr(attn, out)
     head_dim = getattr(attn, "head_dim", None) or o_proj.in_features // sp.config("num_attention_heads")
     heads, kv_heads = attn.q_proj.out_features // head_dim, attn.k_proj.out_features // head_dim
-    _divide(heads, sp.n, f"{name}: attention heads")
-    if kv_heads % sp.n and sp.n % kv_heads:
-        raise ValueError(
-            f"{name}: key/value heads ({kv_heads}) and the tensor-parallel size ({sp.n}): one must divide "
-            "the other (key/value heads split over the ranks, or each replicated on n / heads ranks)"
-        )
+    if heads % sp.n or (kv_heads % sp.n and sp.n % kv_heads):
+        return _qkvo_by_whole_heads(sp, name, attn, out, head_dim, heads, kv_heads)
     sp.shared_input_column(f"{name}.q_proj", attn.q_proj)
     if kv_heads % sp.n == 0:
         sp.shared_input_column(f"{name}.k_proj", attn.k_proj)
@@ -108,6 +105,45 @@ def qkvo_attention(sp: ShardingPass, name, attn):
     )
     split = {"q_proj", "k_proj", "v_proj"} if kv_heads % sp.n == 0 else {"q_proj"}
     _per_head_weights(sp, name, attn, head_dim, {"q_proj", "k_proj", "v_proj", out}, split)
+    sp.shared_input.append(attn)
+    sp.done.add(name)
+
+
+def _qkvo_by_whole_heads(sp: ShardingPass, name, attn, out, head_dim, heads, kv_heads):
+    """Heads that do not split evenly (9 over 2: 5 and 4; 14 over 4: 4, 4, 4, 2), or key/value
+    groups that do not follow the query heads: the query heads split as torch.chunk splits
+    them, whole; each rank computes, for each of its query heads, the key / value head it reads
+    (rows of the key / value weights kept whole on every rank, their gradients summed over the
+    group), so its heads pair one to one (num_key_value_groups 1) even where its queries
+    straddle two key/value groups. The output projection splits its input by the same heads."""
+    n, rank = sp.n, dist.get_rank(sp.group)
+    sizes = shard_sizes(heads, n)
+    if heads % kv_heads:
+        raise ValueError(f"{name}: {heads} attention heads do not share {kv_heads} key/value heads evenly")
+    if 0 in sizes:
+        raise ValueError(
+            f"{name}: {heads} attention heads over {n} ranks, split as torch.chunk splits them ({sizes}), leave "
+            f"{sizes.count(0)} ranks without a head, and the model's attention forward cannot run on none; use at "
+            f"most {max(m for m in range(1, n + 1) if 0 not in shard_sizes(heads, m))} ranks for this model"
+        )
+    start, local = shard_range(heads, n, rank)
+    per_group = heads // kv_heads
+    rows = torch.cat([torch.arange(h // per_group * head_dim, (h // per_group + 1) * head_dim)
+                      for h in range(start, start + local)])  # fmt: skip
+    sp.shared_input_column(f"{name}.q_proj", attn.q_proj, split_unit=head_dim)
+    for proj in ("k_proj", "v_proj"):
+        module = getattr(attn, proj)
+        layer = on_device(ReplicatedKVProjection.from_linear(module, group=sp.group), module.weight.device)
+        layer.rows = rows
+        sp.swap(f"{name}.{proj}", layer)
+        sp.record(f"{name}.{proj}", layer, None, False)
+    attn.num_key_value_groups = 1  # one key / value head computed per local query head
+    sp.row(f"{name}.{out}", getattr(attn, out), split_unit=head_dim)
+    widths = {w: local * head_dim for w in HIDDEN_WIDTHS if getattr(attn, w, None) == heads * head_dim}
+    localize_attributes(
+        name, attn, {**dict.fromkeys(HEAD_COUNTS, local), **dict.fromkeys(KV_HEAD_COUNTS, local), **widths}
+    )
+    _per_head_weights(sp, name, attn, head_dim, {"q_proj", "k_proj", "v_proj", out}, {"q_proj"})
     sp.shared_input.append(attn)
     sp.done.add(name)
 

@@ -40,13 +40,13 @@ def whole(key, param, transpose=False) -> Piece:
     return Piece(key, param, transpose=transpose)
 
 
-def split(key, param, dim, group, transpose=False, total=None) -> Piece:
+def split(key, param, dim, group, transpose=False, total=None, unit=1) -> Piece:
     """This rank's contiguous slice of the HF tensor along `dim` (`param.shape` is the TP-local
-    shape, also for a ZeRO 2-3 DTensor): of `total` as torch.chunk splits it (None: an even
-    1/n, n times the local size)."""
+    shape, also for a ZeRO 2-3 DTensor): of `total` as torch.chunk splits it, in whole units of
+    `unit` (attention heads: head_dim); None: an even 1/n, n times the local size."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
     total = param.shape[dim] * n if total is None else total
-    start, size = shard_range(total, n, r)
+    start, size = (unit * v for v in shard_range(total // unit, n, r))
     return Piece(key, param, dim, torch.arange(size), torch.arange(start, start + size), total, transpose)
 
 
@@ -82,14 +82,14 @@ def interleaved(keys, param, group, total, *, stacked=False) -> list[Piece]:
 
 def linear(layer, dim, transpose, group) -> list[Piece]:
     """A column (dim 0), row (dim 1) or replicated (None) linear layer, or an embedding (dim 0),
-    split as unevenly as its width (or vocabulary) requires."""
-    weight = layer.weight
-    total = None if dim is None else _full_size(layer, dim)
-    pieces = [
-        whole("weight", weight, transpose) if dim is None else split("weight", weight, dim, group, transpose, total)
-    ]
-    if getattr(layer, "bias", None) is not None:
-        pieces.append(split("bias", layer.bias, 0, group, total=total) if dim == 0 else whole("bias", layer.bias))
+    split as unevenly as its width (or vocabulary) requires, in its whole units."""
+    weight, bias = layer.weight, getattr(layer, "bias", None)
+    if dim is None:
+        return [whole("weight", weight, transpose)] + ([whole("bias", bias)] if bias is not None else [])
+    total, unit = _full_size(layer, dim), getattr(layer, "split_unit", 1)
+    pieces = [split("weight", weight, dim, group, transpose, total, unit)]
+    if bias is not None:
+        pieces.append(split("bias", bias, 0, group, total=total, unit=unit) if dim == 0 else whole("bias", bias))
     return pieces
 
 

@@ -161,13 +161,15 @@ class ShardingPass:
         self.record(name, layer, 0, is_conv1d(module))
         return layer
 
-    def shared_input_column(self, name, module):
+    def shared_input_column(self, name, module, **kwargs):
         """A column layer of a module in `shared_input`: its input gradient is summed (or reduce-
         scattered) once for the module, by the hook parallelize puts before it."""
-        return self.column(name, module, sequence_parallel=False, reduce_input_grad=False)
+        return self.column(name, module, sequence_parallel=False, reduce_input_grad=False, **kwargs)
 
-    def row(self, name, module):
-        layer = RowParallelLinear.from_linear(as_linear(module, name), group=self.group, sequence_parallel=self.sp)
+    def row(self, name, module, **kwargs):
+        layer = RowParallelLinear.from_linear(
+            as_linear(module, name), group=self.group, sequence_parallel=self.sp, **kwargs
+        )
         layer = on_device(layer, module.weight.device)
         self.swap(name, layer)
         self.record(name, layer, 1, is_conv1d(module))

@@ -193,10 +193,16 @@ class RowParallelLinear(_ParallelLinear):
 
     def __init__(
         self, in_features, out_features, bias=True, *, group=None, input_is_parallel=True,
-        sequence_parallel=False, overlap="auto", device=None, dtype=None,
+        sequence_parallel=False, overlap="auto", split_unit=1, device=None, dtype=None,
     ):  # fmt: skip
         super().__init__(in_features, out_features, group=group, sequence_parallel=sequence_parallel, overlap=overlap)
-        self.in_features_per_rank = _share(in_features, self.group)
+        if in_features % split_unit or (split_unit > 1 and not input_is_parallel):
+            raise ValueError(
+                f"RowParallelLinear: split_unit {split_unit} needs in_features ({in_features}) in whole units "
+                "and input_is_parallel"
+            )
+        self.split_unit = split_unit  # columns split in whole units (attention's heads: head_dim)
+        self.in_features_per_rank = _share(in_features // split_unit, self.group) * split_unit
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
         self.input_is_parallel = input_is_parallel
@@ -206,7 +212,7 @@ class RowParallelLinear(_ParallelLinear):
 
     def _set_shards(self, weight, bias, device):
         """Keep this rank's columns of the full weight; the bias is whole on every rank."""
-        self.weight = nn.Parameter(own_slice(weight, 1, self.group).to(device=device, copy=True))
+        self.weight = nn.Parameter(own_slice(weight, 1, self.group, self.split_unit).to(device=device, copy=True))
         self.register_parameter("bias", None if bias is None else nn.Parameter(bias.to(device=device, copy=True)))
         self._tag_parameters()
 
@@ -223,7 +229,7 @@ class RowParallelLinear(_ParallelLinear):
             x = scatter_to_tp_region(x, self.group, dim=-1)
         return row_parallel_linear(
             x, self.weight, self.bias, self.group, sequence_parallel=self.sequence_parallel, overlap=self.overlap,
-            widest=-(-self.in_features // self.tp_size),
+            widest=-(-self.in_features // (self.split_unit * self.tp_size)) * self.split_unit,
         )  # fmt: skip
 
     def extra_repr(self):
