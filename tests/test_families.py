@@ -11,12 +11,16 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import tplayers
 from tplayers.hf import attention, families
+from tplayers.placement import shard_sizes
 from tplayers.plan import Layout
-from tplayers.testing import RemoteError, assert_close, check_parallel
+from tplayers.testing import RemoteError, assert_close, check_parallel, examples
+from tplayers.testing import strategies as tst
 
 pytestmark = pytest.mark.multirank
 
@@ -204,10 +208,11 @@ def heads_not_divisible(rank, tp, group, family):
 
 
 @pytest.mark.parametrize("family", ["gemma", "opt", "gptj"])
-def test_heads_not_divisible_named_on_every_rank(pool, family):
+def test_a_split_leaving_a_rank_without_a_head_is_named_on_every_rank(pool, family):
+    """4 heads over 3 ranks split as torch.chunk splits them: 2, 2 and none."""
     for reply in pool.run(heads_not_divisible, 3, family, return_exceptions=True):
         assert isinstance(reply, RemoteError), reply
-        assert re.search(r"attention heads \(4\) is not divisible by the tensor-parallel size \(3\)", reply.message)
+        assert re.search(r"4 attention heads over 3 ranks.*\[2, 2, 0\].*use at most 2 ranks", reply.message), reply
 
 
 # -- negative controls ------------------------------------------------------------------------
@@ -344,3 +349,48 @@ def test_family_tp2_sp_zero3_through_check_parallel(family):
     steps, at TP 2 + SP x DP 2 with ZeRO-3, against the unsharded model."""
     check_parallel(functools.partial(tiny_model, family), family_parallelize, FAMILY_IDS, steps=2,
                    layouts=[Layout(tp=2, dp=2, zero_stage=3, sequence_parallel=True)])  # fmt: skip
+
+
+# ---- hypothesis: any heads, key/value heads, vocabulary and MLP width, through check_parallel -------
+
+
+def parallelize_any(model, mesh, layout):
+    """TP (+ SP), then pipeline stages or ZeRO over the replicas, as the layout asks."""
+    tplayers.parallelize(model, group=mesh["tp"], sequence_parallel=layout.sequence_parallel, verify=False)
+    if layout.pp == 1:
+        return tplayers.data_parallel(model, group=mesh["dp"], zero_stage=layout.zero_stage)
+    stages = tplayers.pipeline_split(model, group=mesh["pp"])
+    for stage in stages if layout.dp > 1 else ():
+        tplayers.data_parallel(stage.module, group=mesh["dp"], zero_stage=layout.zero_stage)
+    return stages
+
+
+@pytest.mark.tplayers
+@settings(max_examples=examples(4), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_drawn_uneven_llamas_through_check_parallel(data):
+    """Heads (kv groups x group size, head width 4), vocabulary and MLP width drawn without regard
+    to the TP size, over drawn layouts (TP 2-4, SP, ZeRO, pipeline stages)."""
+    layout = data.draw(tst.layouts(max_world=8, tp=(2, 3, 4), pp=(1, 2), dp=(1, 2), zero_stages=(0, 3),
+                                   sequence_parallel=(False, True), seq_len=8, layers=2), label="layout")  # fmt: skip
+    kv = data.draw(st.integers(1, 3), label="kv_heads")
+    heads = kv * data.draw(st.integers(1, 3), label="group")
+    assume(0 not in shard_sizes(heads, layout.tp))  # a rank without a head is refused (tested above)
+    vocab = data.draw(st.integers(8, 101), label="vocab")
+    ffn = data.draw(st.integers(1, 40), label="ffn")  # under tp: ranks with none of it
+    build = functools.partial(tiny_model, "llama", vocab=vocab, ffn=ffn, num_attention_heads=heads,
+                              num_key_value_heads=kv, head_dim=4, hidden_size=4 * heads)  # fmt: skip
+    ids = torch.randint(3, min(vocab, VOCAB), (4, 8), generator=torch.Generator().manual_seed(vocab))
+    check_parallel(build, parallelize_any, ids, layouts=[layout], steps=2)
+
+
+def llama_with_one_mlp_column():
+    return tiny_model("llama", ffn=1)
+
+
+@pytest.mark.tplayers
+def test_a_rank_holding_none_of_a_split_under_zero3():
+    """An MLP of 1 over 2 ranks: rank 1 holds none of it, and FSDP2 has nothing to shard there
+    (found by the drawn test above: FSDP2 cannot reduce-scatter an empty tensor)."""
+    check_parallel(llama_with_one_mlp_column, parallelize_any, FAMILY_IDS,
+                   layouts=[Layout(tp=2, dp=2, zero_stage=3)], steps=2)  # fmt: skip

@@ -156,8 +156,11 @@ def data_parallel(
             update_placement(p, dp_group=pg)
     else:
         summed = [p for p in module.parameters() if getattr(get_placement(p), "grad_summed", False)]
+        # a rank holding none of an uneven tensor-parallel split: nothing to shard (FSDP2 cannot
+        # reduce-scatter an empty tensor), nothing to reduce
+        empty = {p for p in module.parameters() if p.numel() == 0}
         old = dict(module.named_parameters())
-        kwargs = dict(mesh=mesh, reshard_after_forward=zero_stage == 3, ignored_params=set(summed))
+        kwargs = dict(mesh=mesh, reshard_after_forward=zero_stage == 3, ignored_params=set(summed) | empty)
         if param_dtype is not None:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         for unit in sharding_units(module):
@@ -169,6 +172,8 @@ def data_parallel(
                 if records[name] is not None:  # the whole record: TP placement, pipeline group, ...
                     update_placement(p, **{f.name: getattr(records[name], f.name) for f in fields(records[name])})
                 update_placement(p, dp_group=pg, dp_sharded=True)
+        for p in empty:
+            update_placement(p, dp_group=pg)
         for p in summed:  # after the hook that sums them over TP: the mean over the replicas
             update_placement(p, dp_group=pg)
             p.register_hook(_average_over(pg))

@@ -72,12 +72,10 @@ def interleaved(keys, param, group, total, *, stacked=False) -> list[Piece]:
     rank's rows of each of two HF tensors of `total` rows (split as torch.chunk splits them);
     `stacked`: of each half of one HF tensor [first; second] (both keys the same)."""
     start, half = shard_range(total, dist.get_world_size(group), dist.get_rank(group))
-    own = torch.arange(start, start + half)
+    own, rows = torch.arange(start, start + half), torch.arange(half) * 2  # (a rank may hold none)
     if stacked:
-        return [
-            Piece(k, param, 0, torch.arange(i, 2 * half, 2), own + i * total, 2 * total) for i, k in enumerate(keys)
-        ]
-    return [Piece(key, param, 0, torch.arange(i, 2 * half, 2), own, total) for i, key in enumerate(keys)]
+        return [Piece(k, param, 0, rows + i, own + i * total, 2 * total) for i, k in enumerate(keys)]
+    return [Piece(k, param, 0, rows + i, own, total) for i, k in enumerate(keys)]
 
 
 def linear(layer, dim, transpose, group) -> list[Piece]:
