@@ -15,10 +15,10 @@ pytestmark = pytest.mark.multirank
 
 
 def build_and_call(rank, tp, group, case):
-    if case == "out_not_divisible":
-        tplayers.ColumnParallelLinear(8, 10, group=group)
-    elif case == "in_not_divisible":
-        tplayers.RowParallelLinear(10, 8, group=group)
+    if case == "out_not_in_units":  # (widths that do not divide the TP size are split unevenly)
+        tplayers.ColumnParallelLinear(8, 10, group=group, split_unit=4)
+    elif case == "in_not_in_units":
+        tplayers.RowParallelLinear(10, 8, group=group, split_unit=4)
     col = tplayers.ColumnParallelLinear(8, 6 * tp, group=group, sequence_parallel=case.startswith("sp"))
     row = tplayers.RowParallelLinear(6 * tp, 8, group=group, sequence_parallel=case == "sp_row_seq")
     inputs = {
@@ -33,8 +33,8 @@ def build_and_call(rank, tp, group, case):
 
 
 CASES = {
-    "out_not_divisible": (ValueError, r"out_features \(10\) is not divisible by the tensor-parallel size \(3\)"),
-    "in_not_divisible": (ValueError, r"in_features \(10\) is not divisible by the tensor-parallel size \(3\)"),
+    "out_not_in_units": (ValueError, r"split_unit 4 needs out_features \(10\) in whole units"),
+    "in_not_in_units": (ValueError, r"split_unit 4 needs in_features \(10\) in whole units"),
     "last_dim": (ValueError, r"input last dim \(7,\) does not match the layer's 8"),
     "dtype": (TypeError, "input dtype torch.float16 does not match the weight dtype torch.float32"),
     "device": (ValueError, "input is on meta but the weight is on cpu"),
