@@ -31,6 +31,7 @@ from tplayers.functional.auto_overlap import check_overlap
 from tplayers.functional.collectives import copy_to_tp_region
 from tplayers.functional.linear import column_parallel_linear
 from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear, _ParallelLinear
+from tplayers.placement import shard_range
 
 
 class ReplicatedLinear(_ParallelLinear):
@@ -81,16 +82,15 @@ def apply_rope(x, cos, sin):
     return x * cos + rotate_half(x) * sin
 
 
-def _check_heads(num_heads, num_kv_heads, tp):
+def _check_heads(num_heads, num_kv_heads):
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) is not divisible by num_kv_heads ({num_kv_heads})")
-    if num_heads % tp:
-        raise ValueError(f"num_heads ({num_heads}) is not divisible by the tensor-parallel size ({tp})")
-    if num_kv_heads % tp and tp % num_kv_heads:
-        raise ValueError(
-            f"num_kv_heads ({num_kv_heads}) and the tensor-parallel size ({tp}): one must divide the other "
-            "(kv heads split over the ranks, or each kv head replicated on tp/num_kv_heads ranks)"
-        )
+
+
+def _splits_evenly(num_heads, num_kv_heads, tp) -> bool:
+    """Whether the query heads divide by tp and the key/value heads either split with them or
+    are fewer than the ranks, a whole number of ranks each (the layouts of the module docstring)."""
+    return num_heads % tp == 0 and (num_kv_heads % tp == 0 or tp % num_kv_heads == 0)
 
 
 class ParallelAttention(nn.Module):
@@ -133,7 +133,7 @@ class ParallelAttention(nn.Module):
         self.tp_size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         head_dim = hidden_size // num_heads if head_dim is None else head_dim
-        _check_heads(num_heads, num_kv_heads, self.tp_size)
+        _check_heads(num_heads, num_kv_heads)
         if rope_theta is not None and head_dim % 2:
             raise ValueError(f"rotary embeddings need an even head_dim, got {head_dim}")
         self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -144,20 +144,37 @@ class ParallelAttention(nn.Module):
         )
         self.causal, self.sequence_parallel = causal, sequence_parallel
         self.overlap = check_overlap(overlap, "ParallelAttention")
-        self.local_heads = num_heads // self.tp_size
-        self.kv_replicated = num_kv_heads < self.tp_size
-        self.local_kv_heads = 1 if self.kv_replicated else num_kv_heads // self.tp_size
-        # The first kv head this rank holds (replicated case: the one its query heads read).
-        self.kv_head_start = rank // (self.tp_size // num_kv_heads) if self.kv_replicated else 0
+        self.by_whole_heads = not _splits_evenly(num_heads, num_kv_heads, self.tp_size)
+        if self.by_whole_heads:
+            # Heads split as torch.chunk splits them (9 over 2: 5, 4; 4 over 3: 2, 2 and none);
+            # each local query head gets its own copy of the kv head it reads (the kv weights
+            # whole on every rank, as below), also where the heads straddle two kv groups.
+            start, self.local_heads = shard_range(num_heads, self.tp_size, rank)
+            per_group = num_heads // num_kv_heads
+            self.kv_replicated, self.local_kv_heads, self.kv_head_start = True, self.local_heads, start // per_group
+            kv_heads = [h // per_group for h in range(start, start + self.local_heads)]
+            self._kv_rows = (
+                torch.arange(head_dim) + torch.tensor(kv_heads, dtype=torch.long)[:, None] * head_dim
+            ).flatten()
+        else:
+            self.local_heads = num_heads // self.tp_size
+            self.kv_replicated = num_kv_heads < self.tp_size
+            self.local_kv_heads = 1 if self.kv_replicated else num_kv_heads // self.tp_size
+            # The first kv head this rank holds (replicated case: the one its query heads read).
+            self.kv_head_start = rank // (self.tp_size // num_kv_heads) if self.kv_replicated else 0
+            self._kv_rows = slice(self.kv_head_start * head_dim, (self.kv_head_start + 1) * head_dim)
+        # the widest rank's q / k / v rows: every rank asks the overlap question about one shape
+        self._widest_qkv = 3 * -(-num_heads // self.tp_size) * head_dim if self.by_whole_heads else None
         qkv_bias = bias if qkv_bias is None else qkv_bias
         kw = dict(group=self.group, device=device, dtype=dtype)
         kv_cls = ReplicatedLinear if self.kv_replicated else ColumnParallelLinear
-        self.q_proj = ColumnParallelLinear(hidden_size, num_heads * head_dim, qkv_bias, **kw)
+        self.q_proj = ColumnParallelLinear(hidden_size, num_heads * head_dim, qkv_bias, split_unit=head_dim, **kw)
         self.k_proj = kv_cls(hidden_size, num_kv_heads * head_dim, qkv_bias, **kw)
         self.v_proj = kv_cls(hidden_size, num_kv_heads * head_dim, qkv_bias, **kw)
         self.o_proj = RowParallelLinear(
-            num_heads * head_dim, hidden_size, bias, sequence_parallel=sequence_parallel, overlap=overlap, **kw
-        )
+            num_heads * head_dim, hidden_size, bias, sequence_parallel=sequence_parallel, overlap=overlap,
+            split_unit=head_dim, **kw,
+        )  # fmt: skip
         self.rope_theta = rope_theta
         buffer_device = "cpu" if device is None or torch.device(device).type == "meta" else device
         inv_freq = None if rope_theta is None else rope_inv_freq(head_dim, rope_theta).to(buffer_device)
@@ -196,7 +213,7 @@ class ParallelAttention(nn.Module):
         k_w, v_w = self.k_proj.weight, self.v_proj.weight
         k_b, v_b = self.k_proj.bias, self.v_proj.bias
         if self.kv_replicated:
-            rows = slice(self.kv_head_start * self.head_dim, (self.kv_head_start + 1) * self.head_dim)
+            rows = self._kv_rows
             # Identity forward; backward all-reduces the (mostly zero) whole-weight gradient.
             k_w, v_w = (copy_to_tp_region(w, self.group)[rows] for w in (k_w, v_w))
             if k_b is not None:
@@ -238,7 +255,13 @@ class ParallelAttention(nn.Module):
         D, hq, hkv = self.head_dim, self.local_heads, self.local_kv_heads
         weight, bias = self._qkv_weight_and_bias()
         qkv = column_parallel_linear(
-            x, weight, bias, self.group, sequence_parallel=self.sequence_parallel, overlap=self.overlap
+            x,
+            weight,
+            bias,
+            self.group,
+            sequence_parallel=self.sequence_parallel,
+            overlap=self.overlap,
+            widest=self._widest_qkv,
         )  # (B, S, (hq + 2 hkv) * D)
         B = qkv.shape[0]
         q, k, v = qkv.split([hq * D, hkv * D, hkv * D], dim=-1)
