@@ -51,7 +51,6 @@ SP_REFUSED = {
 
 # Split by key/value heads (or groups): 2 of them do not go over 4 ranks.
 TP4_REFUSED = {
-    "phi3": r"key/value heads \(fused qkv_proj\) \(2\) is not divisible by the tensor-parallel size \(4\)",
     "falcon-new": r"key/value groups \(Falcon's fused query_key_value\) \(2\) is not divisible by the tensor-parallel",
     "olmo2": r"k_norm normalises all of k_proj, which is whole on every rank here",
 }
@@ -132,9 +131,8 @@ def test_family_tp2_plain(pool, family):
 
 # GPT-2's 50257 in small: 97 splits [49, 48] at TP 2 and [25, 25, 25, 22] at TP 4, as torch.chunk
 # does; an intermediate size of 67: [34, 33] and [17, 17, 17, 16] (SiLU MLPs in whole gate / up pairs)
-# (Phi-3 at TP 2 only: its fused qkv_proj still needs its 2 key/value heads to divide by TP)
 UNEVEN = [(f, 2, True) for f in ("llama", "gpt2", "opt", "gpt_neox", "gemma", "phi3")]
-UNEVEN += [(f, 4, False) for f in ("llama", "gpt2", "opt", "gpt_neox", "gemma")]
+UNEVEN += [(f, 4, False) for f in ("llama", "gpt2", "opt", "gpt_neox", "gemma", "phi3")]
 
 
 @pytest.mark.parametrize("family, tp, sequence_parallel", UNEVEN, ids=[f"{f}-tp{t}{'-sp' * s}" for f, t, s in UNEVEN])

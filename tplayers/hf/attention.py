@@ -109,14 +109,11 @@ def qkvo_attention(sp: ShardingPass, name, attn):
     sp.done.add(name)
 
 
-def _qkvo_by_whole_heads(sp: ShardingPass, name, attn, out, head_dim, heads, kv_heads):
-    """Heads that do not split evenly (9 over 2: 5 and 4; 14 over 4: 4, 4, 4, 2), or key/value
-    groups that do not follow the query heads: the query heads split as torch.chunk splits
-    them, whole; each rank computes, for each of its query heads, the key / value head it reads
-    (rows of the key / value weights kept whole on every rank, their gradients summed over the
-    group), so its heads pair one to one (num_key_value_groups 1) even where its queries
-    straddle two key/value groups. The output projection splits its input by the same heads."""
-    n, rank = sp.n, dist.get_rank(sp.group)
+def _heads_and_kv_rows(name, heads, kv_heads, head_dim, sp: ShardingPass):
+    """(this rank's query heads, split whole as torch.chunk splits them; the rows of the key (or
+    value) weight each of them reads, one head_dim block per query head). A split leaving a rank
+    without a head is refused: the models' attention forwards cannot run on none."""
+    n = sp.n
     sizes = shard_sizes(heads, n)
     if heads % kv_heads:
         raise ValueError(f"{name}: {heads} attention heads do not share {kv_heads} key/value heads evenly")
@@ -126,10 +123,19 @@ def _qkvo_by_whole_heads(sp: ShardingPass, name, attn, out, head_dim, heads, kv_
             f"{sizes.count(0)} ranks without a head, and the model's attention forward cannot run on none; use at "
             f"most {max(m for m in range(1, n + 1) if 0 not in shard_sizes(heads, m))} ranks for this model"
         )
-    start, local = shard_range(heads, n, rank)
-    per_group = heads // kv_heads
-    rows = torch.cat([torch.arange(h // per_group * head_dim, (h // per_group + 1) * head_dim)
-                      for h in range(start, start + local)])  # fmt: skip
+    start, local = shard_range(heads, n, dist.get_rank(sp.group))
+    kv_of = torch.arange(start, start + local) // (heads // kv_heads)
+    return local, (kv_of[:, None] * head_dim + torch.arange(head_dim)).flatten()
+
+
+def _qkvo_by_whole_heads(sp: ShardingPass, name, attn, out, head_dim, heads, kv_heads):
+    """Heads that do not split evenly (9 over 2: 5 and 4; 14 over 4: 4, 4, 4, 2), or key/value
+    groups that do not follow the query heads: the query heads split as torch.chunk splits
+    them, whole; each rank computes, for each of its query heads, the key / value head it reads
+    (rows of the key / value weights kept whole on every rank, their gradients summed over the
+    group), so its heads pair one to one (num_key_value_groups 1) even where its queries
+    straddle two key/value groups. The output projection splits its input by the same heads."""
+    local, rows = _heads_and_kv_rows(name, heads, kv_heads, head_dim, sp)
     sp.shared_input_column(f"{name}.q_proj", attn.q_proj, split_unit=head_dim)
     for proj in ("k_proj", "v_proj"):
         module = getattr(attn, proj)
@@ -235,19 +241,27 @@ def fused_qkv_attention(sp: ShardingPass, name, attn):
     attention gets its own copy of the config with the local head counts, which its forward reads."""
     head_dim, config = attn.head_dim, attn.config
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    _divide(heads, sp.n, f"{name}: attention heads")
-    _divide(kv_heads, sp.n, f"{name}: key/value heads (fused qkv_proj)")
     sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
     if attn.qkv_proj.out_features != sum(sizes):
         raise ValueError(f"parallelize: {name}.qkv_proj has {attn.qkv_proj.out_features} rows, not q+k+v {sizes}")
-    fused_column(sp, f"{name}.qkv_proj", attn.qkv_proj, part_rows(sizes, sp.n))
-    sp.row(f"{name}.o_proj", attn.o_proj)
+    if heads % sp.n == 0 and kv_heads % sp.n == 0:
+        local_heads = heads // sp.n
+        local_kv = kv_heads // sp.n
+        fused_column(sp, f"{name}.qkv_proj", attn.qkv_proj, part_rows(sizes, sp.n))
+        sp.row(f"{name}.o_proj", attn.o_proj)
+    else:  # whole query heads per rank, each computing the key / value head it reads (see qkvo)
+        local_heads, kv_rows = _heads_and_kv_rows(name, heads, kv_heads, head_dim, sp)
+        local_kv = local_heads
+        rows = torch.cat([kv_rows, kv_heads * head_dim + kv_rows])  # [k; v] of the [k; v] block
+        multi_query_column(sp, f"{name}.qkv_proj", attn.qkv_proj, heads * head_dim, head_dim=head_dim, kv_rows=rows)
+        sp.row(f"{name}.o_proj", attn.o_proj, split_unit=head_dim)
+        attn.num_key_value_groups = 1
     attn.config = copy.copy(config)  # this module's own: the model's config stays global
-    attn.config.num_attention_heads, attn.config.num_key_value_heads = heads // sp.n, kv_heads // sp.n
+    attn.config.num_attention_heads, attn.config.num_key_value_heads = local_heads, local_kv
     localize_attributes(
         name,
         attn,
-        dict.fromkeys(KV_HEAD_COUNTS, kv_heads // sp.n),
+        dict.fromkeys(KV_HEAD_COUNTS, local_kv),
         config_keys=("num_attention_heads", "num_key_value_heads"),
     )
     sp.shared_input.append(attn)

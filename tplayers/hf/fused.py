@@ -19,12 +19,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tplayers.functional.collectives import copy_to_tp_region
+from tplayers.functional.collectives import copy_to_tp_region, own_slice
 from tplayers.functional.linear import column_parallel_linear
 from tplayers.hf import pieces
 from tplayers.hf.shard import ShardingPass, as_linear, copy_in, gather, is_conv1d, on_device
 from tplayers.nn.attention import ReplicatedLinear
 from tplayers.nn.linear import ColumnParallelLinear
+from tplayers.placement import shard_range
 
 
 def part_rows(sizes, n) -> list[torch.Tensor]:
@@ -140,19 +141,24 @@ def _linear_of(weight, bias) -> nn.Linear:
     return linear
 
 
-def multi_query_column(sp: ShardingPass, name, linear, query_rows: int):
-    """Shard a multi-query [q; k; v] projection whose first `query_rows` rows are the queries."""
+def multi_query_column(sp: ShardingPass, name, linear, query_rows: int, *, head_dim=1, kv_rows=None):
+    """Shard a multi-query [q; k; v] projection whose first `query_rows` rows are the queries: the
+    queries split in whole heads of `head_dim` rows, the key / value rows whole on every rank,
+    each rank computing `kv_rows` of them (default: all)."""
     full = as_linear(linear, name)
     device = linear.weight.device
     w, b = full.weight.detach(), (full.bias.detach() if full.bias is not None else None)
     query = ColumnParallelLinear.from_linear(
-        _linear_of(w[:query_rows], None if b is None else b[:query_rows]), group=sp.group, reduce_input_grad=False
-    )
+        _linear_of(w[:query_rows], None if b is None else b[:query_rows]), group=sp.group, reduce_input_grad=False,
+        split_unit=head_dim,
+    )  # fmt: skip
     query = on_device(query, device)
     key_value = ReplicatedKVProjection.from_linear(
         _linear_of(w[query_rows:], None if b is None else b[query_rows:]), group=sp.group
     )
     key_value = on_device(key_value, device)
+    if kv_rows is not None:
+        key_value.rows = kv_rows
     sp.swap(name, MultiQueryProjection(query, key_value))
     transpose = is_conv1d(linear)
     keys = ("weight", "bias") if b is not None else ("weight",)
@@ -169,7 +175,7 @@ def multi_query_column(sp: ShardingPass, name, linear, query_rows: int):
     def load(full_tensors):
         for key in keys:
             t = _stored(full_tensors[key], key, transpose)
-            copy_in(getattr(query, key), t[:query_rows].chunk(sp.n, 0)[dist.get_rank(sp.group)])
+            copy_in(getattr(query, key), own_slice(t[:query_rows], 0, sp.group, head_dim))
             copy_in(getattr(key_value, key), t[query_rows:])
 
     total = w.shape[0]  # not `w` in the closure: it is the unsharded weight
@@ -179,8 +185,8 @@ def multi_query_column(sp: ShardingPass, name, linear, query_rows: int):
         for key in keys:
             t = key == "weight" and transpose
             q, kv = getattr(query, key), getattr(key_value, key)
-            own = pieces.own_range(query_rows, sp.group)
-            out.append(pieces.Piece(key, q, 0, torch.arange(own.numel()), own, total, t))
+            start, size = (head_dim * v for v in shard_range(query_rows // head_dim, sp.n, dist.get_rank(sp.group)))
+            out.append(pieces.Piece(key, q, 0, torch.arange(size), torch.arange(start, start + size), total, t))
             kv_rows = torch.arange(kv.shape[0])
             out.append(pieces.Piece(key, kv, 0, kv_rows, query_rows + kv_rows, total, t))
         return out
