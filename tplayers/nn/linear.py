@@ -229,8 +229,13 @@ class RowParallelLinear(_ParallelLinear):
             x = scatter_to_tp_region(x, self.group, dim=-1)
         return row_parallel_linear(
             x, self.weight, self.bias, self.group, sequence_parallel=self.sequence_parallel, overlap=self.overlap,
-            widest=-(-self.in_features // (self.split_unit * self.tp_size)) * self.split_unit,
+            widest=self.widest,
         )  # fmt: skip
+
+    @property
+    def widest(self) -> int:
+        """The largest rank's input features (the overlap choice is asked about it on every rank)."""
+        return -(-self.in_features // (self.split_unit * self.tp_size)) * self.split_unit
 
     def extra_repr(self):
         return (
