@@ -18,7 +18,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotary
 
 import tplayers
 from tplayers.nn.attention import ParallelAttention
-from tplayers.placement import get_placement
+from tplayers.placement import even_sizes, get_placement
 from tplayers.testing import RemoteError, assert_close, assert_shard_close, examples
 
 pytestmark = pytest.mark.multirank
@@ -117,13 +117,15 @@ def run_attention(rank, tp, group, case: AttnCase):
             placement = get_placement(param)
             assert placement is not None and placement.group is group, f"{name}.{pname} placement"
             dim = placement.placement.dim if placement.is_sharded else None
-            unit = getattr(getattr(layer, name), "split_unit", 1)  # q / o: whole heads
+            # q / o: whole heads, as evenly as they go (12 over 8: 2, 2, 2, 2, 1, 1, 1, 1)
+            unit = getattr(getattr(layer, name), "split_unit", 1)
+            split = dict(unit=unit, sizes=even_sizes(case.num_heads, tp) if name in ("q_proj", "o_proj") else None)
             # The parameter itself is this rank's slice of the HF one (bit for bit) ...
             if not case.wrong_shard:
-                assert_shard_close(param.detach(), ref_param.detach(), dim=dim, **kw, exact=True, unit=unit)
+                assert_shard_close(param.detach(), ref_param.detach(), dim=dim, **kw, exact=True, **split)
             # ... and its grad this rank's slice of the unsharded grad (whole when replicated).
             assert_shard_close(
-                param.grad, ref_param.grad, dim=dim, **kw, unit=unit,
+                param.grad, ref_param.grad, dim=dim, **kw, **split,
                 msg=lambda m, n=f"{name}.{pname}": f"{n} grad: {m}",
             )  # fmt: skip
             if dim is None:
@@ -172,12 +174,12 @@ def test_attention_matches_hf_llama(pool, tp_case):
 
 
 # Every head layout explicitly: MHA, GQA with kv split, TP > kv heads (GQA and MQA), tp = 3; then
-# heads that do not divide, split whole as torch.chunk splits them: 9 / 3 over 2 (5 and 4, the
-# queries of kv head 1 on both ranks), 14 / 2 over 4 (4, 4, 4, 2), 6 / 2 over 3 (kv groups straddle
-# ranks), 4 / 2 over 3 (2, 2 and a rank with none), 12 / 4 over 3.
+# heads that do not divide, split whole as evenly as they go: 9 / 3 over 2 (5 and 4, the queries
+# of kv head 1 on both ranks), 14 / 2 over 4 (4, 4, 3, 3), 6 / 2 over 3 (kv groups straddle ranks),
+# 4 / 2 over 3 (2, 1, 1), 12 / 4 over 3, 2 / 2 over 3 (1, 1 and a rank with none).
 LAYOUTS = [
     (1, 4, 2), (2, 4, 4), (2, 8, 2), (4, 8, 4), (4, 8, 2), (4, 8, 1), (4, 4, 1), (2, 2, 1), (3, 6, 3), (3, 6, 1),
-    (2, 9, 3), (4, 14, 2), (3, 6, 2), (3, 4, 2), (3, 12, 4),
+    (2, 9, 3), (4, 14, 2), (3, 6, 2), (3, 4, 2), (3, 12, 4), (3, 2, 2),
 ]  # fmt: skip
 
 

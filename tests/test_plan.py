@@ -406,9 +406,13 @@ def test_from_hf_config_errors(tmp_path):
 def test_invalid_layouts_rejected_with_reason():
     model = ModelSpec.preset("llama3-70b")  # 64 heads, 8 kv heads, 80 layers
     c24 = ClusterSpec.preset("h100", num_gpus=24)
+    reasons = validate_layout(model, ClusterSpec.preset("h100", num_gpus=3), Layout(tp=3))
+    assert not any("heads" in r for r in reasons), reasons  # heads need not divide (uneven splits)
+    few_heads = ModelSpec(layers=2, hidden=64, heads=4, vocab=100, seq_len=16)
+    assert "heads (4) < tp (8): a rank would hold no attention head" in validate_layout(
+        few_heads, ClusterSpec.preset("h100", num_gpus=8), Layout(tp=8)
+    )
     cases = [
-        (c24, Layout(tp=3, dp=8), "heads (64) not divisible by tp (3)"),
-        (c24, Layout(tp=3, dp=8), "kv_heads (8) and tp (3)"),
         (ClusterSpec.preset("h100", num_gpus=64), Layout(tp=8, pp=2, dp=2), "tp*pp*dp = 8*2*2 = 32 != 64 GPUs"),
         (ClusterSpec.preset("h100", num_gpus=64), Layout(tp=16, dp=4), "tp=16 > 8 GPUs per node"),
         (ClusterSpec.preset("h100", num_gpus=24), Layout(tp=8, pp=3), "layers (80) not divisible by pp (3)"),
@@ -737,3 +741,27 @@ def test_first_stage_keeps_embedding_masks_of_the_micro_batches_in_flight(m, hel
     embedding = _embedding_activation_bytes(model, 1, 2, False)
     assert embedding > 0
     assert est.stages[0].memory.activations == pytest.approx(layers + held * embedding, rel=1e-12)
+
+
+def test_uneven_splits_are_priced_at_the_most_loaded_rank():
+    """28 heads / 4 kv heads, ffn 18944, vocabulary 152064 (Qwen2-7B) at TP 8: no refusal; rank 0
+    holds ceil shares (4 heads, 2368 ffn columns, 19008 rows) and the whole k / v (the kv heads do
+    not split with the queries), its FLOPs set the time, and the report names the imbalance."""
+    from tplayers.plan.estimate import model_state_bytes_per_rank
+    from tplayers.plan.specs import _layer_params, local_dims
+
+    model = ModelSpec(layers=28, hidden=3584, heads=28, kv_heads=4, ffn_hidden=18944, vocab=152064, seq_len=4096)
+    cluster = ClusterSpec.preset("h100", num_gpus=8)
+    tplayers_edges = Assumptions(implementation="tplayers")
+    est = estimate(model, cluster, Layout(tp=8), assumptions=tplayers_edges)
+    assert [local_dims(model, 8, r).heads for r in range(8)] == [4, 4, 4, 4, 3, 3, 3, 3]
+    first, last = local_dims(model, 8, 0), local_dims(model, 8, 7)
+    assert (first.ffn, last.ffn, first.kv, first.kv_heads_computed) == (2368, 2368, 4 * 128, 4)
+    per_rank = [model_state_bytes_per_rank(model, Layout(tp=8), assumptions=tplayers_edges, tp_rank=r)[0][0]
+                for r in range(8)]  # fmt: skip
+    assert est.memory.params == per_rank[0] == max(per_rank) > per_rank[7]
+    mean = sum(_layer_params(model, 8, r) for r in range(8)) / 8
+    assert est.tp_imbalance == pytest.approx(_layer_params(model, 8) / mean) and est.tp_imbalance > 1.01
+    assert any("uneven tensor-parallel split" in note for note in est.notes)
+    divisible = estimate(replace(model, heads=32, kv_heads=8, head_dim=112, num_params=None), cluster, Layout(tp=8))
+    assert divisible.tp_imbalance == pytest.approx(1.0) and not any("uneven" in n for n in divisible.notes)

@@ -31,11 +31,29 @@ def shard_sizes(total: int, n: int) -> list[int]:
     return [max(0, min(size, total - r * size)) for r in range(n)]
 
 
-def shard_range(total: int, n: int, r: int) -> tuple[int, int]:
-    """(start, size) of rank r's contiguous slice of a dimension of `total` over `n` ranks."""
-    size = -(-total // n)
-    start = min(total, r * size)
-    return start, shard_sizes(total, n)[r]
+def shard_range(total: int, n: int, r: int, sizes=None) -> tuple[int, int]:
+    """(start, size) of rank r's contiguous slice of a dimension of `total` over `n` ranks, split
+    as `shard_sizes` splits it, or as the explicit per-rank `sizes` say."""
+    sizes = shard_sizes(total, n) if sizes is None else list(sizes)
+    return sum(sizes[:r]), sizes[r]
+
+
+def even_sizes(total: int, n: int) -> list[int]:
+    """`total` whole items over `n` ranks as evenly as they go: the first total % n ranks one more
+    (12 over 8: [2, 2, 2, 2, 1, 1, 1, 1]). Attention heads split so (an explicit split, as the
+    layers' `split_sizes` take it): a rank is left without a head only where there are fewer heads
+    than ranks, where torch.chunk's split leaves ranks without one much more often (12 over 8:
+    [2, 2, 2, 2, 2, 2, 0, 0]) and HF attention forwards cannot run on none."""
+    base, extra = divmod(total, n)
+    return [base + (r < extra) for r in range(n)]
+
+
+def check_sizes(sizes, total: int, n: int, what: str) -> tuple[int, ...]:
+    """An explicit split: `n` non-negative sizes summing to `total` (else ValueError naming `what`)."""
+    sizes = tuple(int(s) for s in sizes)
+    if len(sizes) != n or sum(sizes) != total or min(sizes) < 0:
+        raise ValueError(f"{what}: split sizes {list(sizes)} are not {n} non-negative sizes summing to {total}")
+    return sizes
 
 
 @dataclass(frozen=True)

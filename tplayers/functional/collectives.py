@@ -67,13 +67,14 @@ def reduce_scatter_dim(x, dim, group):
     return out
 
 
-def own_slice(x, dim, group, unit=1):
-    """This rank's contiguous slice of `x` along `dim` (uneven sizes as `shard_sizes` splits them),
-    in whole units of `unit` entries (ParallelMLP's interleaved gate / up pairs: 2)."""
+def own_slice(x, dim, group, unit=1, sizes=None):
+    """This rank's contiguous slice of `x` along `dim` (uneven sizes as `shard_sizes` splits them,
+    or the explicit per-rank `sizes`), in whole units of `unit` entries (ParallelMLP's interleaved
+    gate / up pairs: 2; attention heads: head_dim)."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
     if n == 1:
         return x
-    start, size = shard_range(x.shape[dim] // unit, n, r)
+    start, size = shard_range(x.shape[dim] // unit, n, r, sizes)
     return x.narrow(dim, start * unit, size * unit).contiguous()
 
 

@@ -25,9 +25,8 @@ from torch import nn
 
 from tplayers.hf.fused import ReplicatedKVProjection, codegen_rows, fused_column, multi_query_column, part_rows
 from tplayers.hf.shard import ShardingPass, on_device
-from tplayers.nn.linear import _divide
-from tplayers.nn.norm import ParallelRMSNorm
-from tplayers.placement import shard_range, shard_sizes
+from tplayers.nn.norm import ComputedRowsRMSNorm, ParallelRMSNorm
+from tplayers.placement import even_sizes, shard_range
 from tplayers.tolerances import TOLERANCES
 
 HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
@@ -86,13 +85,8 @@ def qkvo_attention(sp: ShardingPass, name, attn):
         sp.shared_input_column(f"{name}.k_proj", attn.k_proj)
         sp.shared_input_column(f"{name}.v_proj", attn.v_proj)
     else:  # fewer key/value heads than ranks: each rank computes the one its query heads use
-        kv_index = dist.get_rank(sp.group) // (sp.n // kv_heads)
-        for proj in ("k_proj", "v_proj"):
-            module = getattr(attn, proj)
-            layer = on_device(ReplicatedKVProjection.from_linear(module, group=sp.group), module.weight.device)
-            layer.rows = slice(kv_index * head_dim, (kv_index + 1) * head_dim)
-            sp.swap(f"{name}.{proj}", layer)
-            sp.record(f"{name}.{proj}", layer, None, False)
+        block = torch.arange(head_dim)
+        _replicated_kv(sp, name, attn, [r // (sp.n // kv_heads) * head_dim + block for r in range(sp.n)])
         attn.num_key_value_groups = heads // sp.n  # local query heads per (one) local kv head
     sp.row(f"{name}.{out}", o_proj)
     local_kv = max(kv_heads // sp.n, 1)
@@ -103,53 +97,68 @@ def qkvo_attention(sp: ShardingPass, name, attn):
         attn,
         {**dict.fromkeys(HEAD_COUNTS, heads // sp.n), **dict.fromkeys(KV_HEAD_COUNTS, local_kv), **widths},
     )
-    split = {"q_proj", "k_proj", "v_proj"} if kv_heads % sp.n == 0 else {"q_proj"}
-    _per_head_weights(sp, name, attn, head_dim, {"q_proj", "k_proj", "v_proj", out}, split)
+    _per_head_weights(sp, name, attn, head_dim, {"q_proj", "k_proj", "v_proj", out})
     sp.shared_input.append(attn)
     sp.done.add(name)
 
 
+def head_split(name, heads, n) -> list[int]:
+    """Every rank's whole query heads, as evenly as they go (`even_sizes`: 9 over 2: 5, 4; 14
+    over 4: 4, 4, 3, 3; 12 over 8: 2, 2, 2, 2, 1, 1, 1, 1). Fewer heads than ranks is refused:
+    a rank would hold none, and the models' attention forwards cannot run on none."""
+    if heads < n:
+        raise ValueError(
+            f"{name}: {heads} attention heads over {n} ranks leave {n - heads} ranks without a head, and the "
+            f"model's attention forward cannot run on none; use at most {heads} ranks for this model"
+        )
+    return even_sizes(heads, n)
+
+
 def _heads_and_kv_rows(name, heads, kv_heads, head_dim, sp: ShardingPass):
-    """(this rank's query heads, split whole as torch.chunk splits them; the rows of the key (or
-    value) weight each of them reads, one head_dim block per query head). A split leaving a rank
-    without a head is refused: the models' attention forwards cannot run on none."""
-    n = sp.n
-    sizes = shard_sizes(heads, n)
+    """(every rank's query heads (`head_split`), this rank's count; for every rank the rows of the
+    key (or value) weight each of its query heads reads, one head_dim block per query head)."""
+    sizes = head_split(name, heads, sp.n)
     if heads % kv_heads:
         raise ValueError(f"{name}: {heads} attention heads do not share {kv_heads} key/value heads evenly")
-    if 0 in sizes:
-        raise ValueError(
-            f"{name}: {heads} attention heads over {n} ranks, split as torch.chunk splits them ({sizes}), leave "
-            f"{sizes.count(0)} ranks without a head, and the model's attention forward cannot run on none; use at "
-            f"most {max(m for m in range(1, n + 1) if 0 not in shard_sizes(heads, m))} ranks for this model"
-        )
-    start, local = shard_range(heads, n, dist.get_rank(sp.group))
-    kv_of = torch.arange(start, start + local) // (heads // kv_heads)
-    return local, (kv_of[:, None] * head_dim + torch.arange(head_dim)).flatten()
+    rows = []
+    for r in range(sp.n):
+        start, local = shard_range(heads, sp.n, r, sizes)
+        kv_of = torch.arange(start, start + local) // (heads // kv_heads)
+        rows.append((kv_of[:, None] * head_dim + torch.arange(head_dim)).flatten())
+    return sizes, sizes[dist.get_rank(sp.group)], rows
+
+
+def _replicated_kv(sp: ShardingPass, name, attn, rows: list[torch.Tensor]):
+    """k_proj and v_proj whole on every rank, rank r computing `rows[r]` of each (read through a
+    slice where they are contiguous: a view, where an index would copy the rows every step)."""
+    own = rows[dist.get_rank(sp.group)]
+    first = int(own[0]) if own.numel() else 0
+    if torch.equal(own, torch.arange(first, first + own.numel())):
+        own = slice(first, first + own.numel())
+    for proj in ("k_proj", "v_proj"):
+        module = getattr(attn, proj)
+        layer = on_device(ReplicatedKVProjection.from_linear(module, group=sp.group), module.weight.device)
+        layer.rows, layer.rows_of_ranks = own, rows
+        sp.swap(f"{name}.{proj}", layer)
+        sp.record(f"{name}.{proj}", layer, None, False)
 
 
 def _qkvo_by_whole_heads(sp: ShardingPass, name, attn, out, head_dim, heads, kv_heads):
     """Heads that do not split evenly (9 over 2: 5 and 4; 14 over 4: 4, 4, 4, 2), or key/value
-    groups that do not follow the query heads: the query heads split as torch.chunk splits
-    them, whole; each rank computes, for each of its query heads, the key / value head it reads
+    groups that do not follow the query heads: the query heads split whole (`head_split`); each rank computes, for each of its query heads, the key / value head it reads
     (rows of the key / value weights kept whole on every rank, their gradients summed over the
     group), so its heads pair one to one (num_key_value_groups 1) even where its queries
     straddle two key/value groups. The output projection splits its input by the same heads."""
-    local, rows = _heads_and_kv_rows(name, heads, kv_heads, head_dim, sp)
-    sp.shared_input_column(f"{name}.q_proj", attn.q_proj, split_unit=head_dim)
-    for proj in ("k_proj", "v_proj"):
-        module = getattr(attn, proj)
-        layer = on_device(ReplicatedKVProjection.from_linear(module, group=sp.group), module.weight.device)
-        layer.rows = rows
-        sp.swap(f"{name}.{proj}", layer)
-        sp.record(f"{name}.{proj}", layer, None, False)
+    sizes, local, rows = _heads_and_kv_rows(name, heads, kv_heads, head_dim, sp)
+    sp.shared_input_column(f"{name}.q_proj", attn.q_proj, split_unit=head_dim, split_sizes=sizes)
+    _replicated_kv(sp, name, attn, rows)
     attn.num_key_value_groups = 1  # one key / value head computed per local query head
-    sp.row(f"{name}.{out}", getattr(attn, out), split_unit=head_dim)
+    sp.row(f"{name}.{out}", getattr(attn, out), split_unit=head_dim, split_sizes=sizes)
     widths = {w: local * head_dim for w in HIDDEN_WIDTHS if getattr(attn, w, None) == heads * head_dim}
     localize_attributes(
         name, attn, {**dict.fromkeys(HEAD_COUNTS, local), **dict.fromkeys(KV_HEAD_COUNTS, local), **widths}
     )
-    _per_head_weights(sp, name, attn, head_dim, {"q_proj", "k_proj", "v_proj", out}, {"q_proj"})
+    _per_head_weights(sp, name, attn, head_dim, {"q_proj", "k_proj", "v_proj", out})
     sp.shared_input.append(attn)
     sp.done.add(name)
 
@@ -176,29 +185,33 @@ def rms_norm_eps(norm) -> float | None:
         return eps if torch.allclose(norm(x), expected, **TOLERANCES[weight.dtype]) else None
 
 
-def _norm_over_projection(sp: ShardingPass, name, norm, projection, split):
-    """OLMo2's q_norm / k_norm: an RMSNorm over a whole column-split projection's output ->
-    ParallelRMSNorm (its sum of squares summed over the group)."""
+def _norm_over_projection(sp: ShardingPass, name, norm, projection):
+    """OLMo2's q_norm / k_norm: an RMSNorm over a whole projection's output. Over a column-split
+    projection -> ParallelRMSNorm (its sum of squares summed over the group); over keys each rank
+    computes for its own query heads (some key/value heads on several ranks) ->
+    ComputedRowsRMSNorm (each key counted once in the sum)."""
     eps = rms_norm_eps(norm)
     if eps is None:
         raise ValueError(
             f"parallelize: {name} ({type(norm).__name__}) spans all heads and is not an RMSNorm tplayers knows"
         )
-    if projection not in split:
-        raise ValueError(
-            f"parallelize: {name} normalises all of {projection}, which is whole on every rank here (more ranks "
-            "than key/value heads); use a tensor-parallel size that divides the key/value heads"
+    source = getattr(sp.model.get_submodule(name.rpartition(".")[0]), projection)
+    if isinstance(source, ReplicatedKVProjection):
+        layer = on_device(ComputedRowsRMSNorm(norm.weight, eps, source.rows_of_ranks, group=sp.group), norm.weight.device)
+        dim = None
+    else:
+        layer = ParallelRMSNorm.from_weight(
+            norm.weight, eps, group=sp.group, split_unit=source.split_unit, split_sizes=source.split_sizes
         )
-    layer = ParallelRMSNorm.from_weight(norm.weight, eps, group=sp.group)
+        dim = 0
     sp.swap(name, layer)
-    sp.record(name, layer, 0, False)
+    sp.record(name, layer, dim, False)
 
 
-def _per_head_weights(sp: ShardingPass, name, attn, head_dim, projections, split=()):
+def _per_head_weights(sp: ShardingPass, name, attn, head_dim, projections):
     """Other weights inside the attention. Acting on each head alike (Qwen3's q_norm / k_norm):
     replicated, but each rank's heads give only part of their gradient, so it is summed. An
-    RMSNorm over a whole projection (OLMo2): split with it (`split`: the projections split by
-    columns). Any other weight spanning all heads, or one module per head (StableLM's per-head
+    RMSNorm over a whole projection (OLMo2): split with it (`_norm_over_projection`). Any other weight spanning all heads, or one module per head (StableLM's per-head
     norms: each rank would apply the first heads' norms to its own heads), cannot be split by
     this pass: an error naming it."""
     for child_name, child in attn.named_children():
@@ -208,7 +221,7 @@ def _per_head_weights(sp: ShardingPass, name, attn, head_dim, projections, split
         width = getattr(getattr(attn, projection, None), "out_features", None) if projection else None
         weight = getattr(child, "weight", None)
         if width and isinstance(weight, torch.Tensor) and tuple(weight.shape) == (width,) and width != head_dim:
-            _norm_over_projection(sp, f"{name}.{child_name}", child, projection, split)
+            _norm_over_projection(sp, f"{name}.{child_name}", child, projection)
             continue
         if any(True for _ in child.children()) and any(True for _ in child.parameters()):
             raise ValueError(
@@ -224,13 +237,20 @@ def _per_head_weights(sp: ShardingPass, name, attn, head_dim, projections, split
             sp.partial_grads.append(p)
 
 
+def _local_heads(name, heads, sp: ShardingPass):
+    """(every rank's whole heads (`head_split`), this rank's first head, its count)."""
+    split = head_split(name, heads, sp.n)
+    return (split, *shard_range(heads, sp.n, dist.get_rank(sp.group), split))
+
+
 def gpt2_attention(sp: ShardingPass, name, attn):
     width = attn.c_attn.nf // 3
-    _divide(attn.num_heads, sp.n, f"{name}: attention heads")
-    fused_column(sp, f"{name}.c_attn", attn.c_attn, part_rows([width] * 3, sp.n))
+    head_dim = width // attn.num_heads
+    split, _, local = _local_heads(name, attn.num_heads, sp)
+    fused_column(sp, f"{name}.c_attn", attn.c_attn, part_rows([width] * 3, sp.n, head_dim, split))
     # HF splits c_attn's output into q, k, v of split_size
-    localize_attributes(name, attn, {"split_size": width // sp.n, **dict.fromkeys(HEAD_COUNTS, attn.num_heads // sp.n)})
-    sp.row(f"{name}.c_proj", attn.c_proj)
+    localize_attributes(name, attn, {"split_size": local * head_dim, **dict.fromkeys(HEAD_COUNTS, local)})
+    sp.row(f"{name}.c_proj", attn.c_proj, split_unit=head_dim, split_sizes=split)
     sp.shared_input.append(attn)
     sp.done.add(name)
 
@@ -250,11 +270,14 @@ def fused_qkv_attention(sp: ShardingPass, name, attn):
         fused_column(sp, f"{name}.qkv_proj", attn.qkv_proj, part_rows(sizes, sp.n))
         sp.row(f"{name}.o_proj", attn.o_proj)
     else:  # whole query heads per rank, each computing the key / value head it reads (see qkvo)
-        local_heads, kv_rows = _heads_and_kv_rows(name, heads, kv_heads, head_dim, sp)
+        split, local_heads, kv_rows = _heads_and_kv_rows(name, heads, kv_heads, head_dim, sp)
+        kv_rows = kv_rows[dist.get_rank(sp.group)]
         local_kv = local_heads
         rows = torch.cat([kv_rows, kv_heads * head_dim + kv_rows])  # [k; v] of the [k; v] block
-        multi_query_column(sp, f"{name}.qkv_proj", attn.qkv_proj, heads * head_dim, head_dim=head_dim, kv_rows=rows)
-        sp.row(f"{name}.o_proj", attn.o_proj, split_unit=head_dim)
+        multi_query_column(
+            sp, f"{name}.qkv_proj", attn.qkv_proj, heads * head_dim, head_dim=head_dim, kv_rows=rows, split=split
+        )
+        sp.row(f"{name}.o_proj", attn.o_proj, split_unit=head_dim, split_sizes=split)
         attn.num_key_value_groups = 1
     attn.config = copy.copy(config)  # this module's own: the model's config stays global
     attn.config.num_attention_heads, attn.config.num_key_value_heads = local_heads, local_kv
@@ -274,13 +297,13 @@ def named(*names):
     return lambda m: any(c.__name__ in names for c in type(m).__mro__)
 
 
-def _local_head_bias(sp: ShardingPass, attn, arg, heads):
+def _local_head_bias(sp: ShardingPass, attn, arg, heads, start, count):
     """ALiBi (Bloom, MPT, Falcon with alibi): the model builds one bias for all heads and passes it
     to every attention as `arg`, as (batch * heads, 1, keys), (heads, 1, keys) or (batch, heads,
     1, keys); Falcon also folds it into a (batch, heads, queries, keys) attention mask. Each rank's
-    attention gets the rows of its own heads, so each rank applies its own heads' slopes."""
+    attention gets the rows of its own heads (`count` from `start`), so each rank applies its own
+    heads' slopes."""
     params = list(inspect.signature(type(attn).forward).parameters)[1:]
-    rank = dist.get_rank(sp.group)
 
     def per_head(t):
         return t.dim() == 4 and t.shape[1] == heads
@@ -289,9 +312,9 @@ def _local_head_bias(sp: ShardingPass, attn, arg, heads):
         if not isinstance(t, torch.Tensor) or heads == 1:
             return t
         if per_head(t):
-            return t.chunk(sp.n, 1)[rank]
+            return t.narrow(1, start, count)
         if name == arg and t.dim() == 3 and t.shape[0] % heads == 0:
-            return t.unflatten(0, (-1, heads)).chunk(sp.n, 1)[rank].flatten(0, 1)
+            return t.unflatten(0, (-1, heads)).narrow(1, start, count).flatten(0, 1)
         if name == arg:
             raise ValueError(f"parallelize: {arg} of shape {tuple(t.shape)} does not hold the {heads} heads")
         return t  # a mask shared by all heads
@@ -312,13 +335,13 @@ def _finish_attention(sp: ShardingPass, name, attn, local: dict, **kwargs):
     sp.done.add(name)
 
 
-def _heads_and_widths(attn, heads, head_dim, n, kv_heads=None):
+def _heads_and_widths(attn, heads, head_dim, local_heads, local_kv=None):
     """Local values of the head counts and of widths equal to all heads' (hidden_size, embed_dim)."""
-    local = dict.fromkeys(HEAD_COUNTS, heads // n)
-    if kv_heads is not None:
-        local.update(dict.fromkeys(KV_HEAD_COUNTS, max(kv_heads // n, 1)))
+    local = dict.fromkeys(HEAD_COUNTS, local_heads)
+    if local_kv is not None:
+        local.update(dict.fromkeys(KV_HEAD_COUNTS, local_kv))
     widths = (*HIDDEN_WIDTHS, "split_size")
-    local.update({w: heads // n * head_dim for w in widths if getattr(attn, w, None) == heads * head_dim})
+    local.update({w: local_heads * head_dim for w in widths if getattr(attn, w, None) == heads * head_dim})
     return local
 
 
@@ -328,78 +351,119 @@ def interleaved_qkv_attention(sp: ShardingPass, name, attn):
     Bloom's ALiBi bias is sliced to each rank's heads."""
     head_dim = getattr(attn, "head_dim", None) or attn.head_size
     heads = attn.query_key_value.out_features // (3 * head_dim)
-    _divide(heads, sp.n, f"{name}: attention heads")
+    split, start, local = _local_heads(name, heads, sp)
     if getattr(attn, "pretraining_tp", 1) > 1 and getattr(attn, "slow_but_exact", False):
         raise ValueError(f"parallelize: {name} slices dense by pretraining_tp (slow_but_exact); set it to False")
-    sp.shared_input_column(f"{name}.query_key_value", attn.query_key_value)
-    sp.row(f"{name}.dense", attn.dense)
+    sp.shared_input_column(f"{name}.query_key_value", attn.query_key_value, split_unit=3 * head_dim, split_sizes=split)
+    sp.row(f"{name}.dense", attn.dense, split_unit=head_dim, split_sizes=split)
     if "alibi" in inspect.signature(type(attn).forward).parameters:
-        _local_head_bias(sp, attn, "alibi", heads)
-    _finish_attention(sp, name, attn, _heads_and_widths(attn, heads, head_dim, sp.n))
+        _local_head_bias(sp, attn, "alibi", heads, start, local)
+    _finish_attention(sp, name, attn, _heads_and_widths(attn, heads, head_dim, local))
 
 
 def falcon_attention(sp: ShardingPass, name, attn):
     """Falcon's query_key_value in its three layouts: the new decoder architecture's key/value
-    groups ([q x heads/groups, k, v] group by group: split by groups), multi-query ([q; k; v] with
-    one key/value head: the queries split, k and v whole on every rank), and per-head [q, k, v]
-    (split by heads). dense row-parallel; ALiBi sliced to each rank's heads."""
-    heads, head_dim = attn.num_heads, attn.head_dim
-    _divide(heads, sp.n, f"{name}: attention heads")
-    if attn.new_decoder_architecture:
-        _divide(attn.num_kv_heads, sp.n, f"{name}: key/value groups (Falcon's fused query_key_value)")
-        sp.shared_input_column(f"{name}.query_key_value", attn.query_key_value)
-        kv_heads = attn.num_kv_heads
+    groups ([q x heads/groups, k, v] group by group: split by whole groups, or with fewer groups
+    than ranks by query heads, see `_falcon_grouped_by_heads`), multi-query ([q; k; v] with one
+    key/value head: the queries split, k and v whole on every rank), and per-head [q, k, v] (split
+    by heads). dense row-parallel; ALiBi sliced to each rank's heads."""
+    heads, head_dim, qkv = attn.num_heads, attn.head_dim, f"{name}.query_key_value"
+    if attn.new_decoder_architecture and attn.num_kv_heads >= sp.n:
+        groups = attn.num_kv_heads
+        per_group = heads // groups
+        group_split = even_sizes(groups, sp.n)
+        sp.shared_input_column(qkv, attn.query_key_value, split_unit=(per_group + 2) * head_dim, split_sizes=group_split)
+        split = [g * per_group for g in group_split]
+        start, local = shard_range(heads, sp.n, dist.get_rank(sp.group), split)
+        local_kv = local // per_group
+    elif attn.new_decoder_architecture:
+        split, start, local = _falcon_grouped_by_heads(sp, qkv, attn)
+        local_kv = local
     elif attn.multi_query:
-        multi_query_column(sp, f"{name}.query_key_value", attn.query_key_value, heads * head_dim)
-        kv_heads = 1  # the one key/value head, on every rank
+        split, start, local = _local_heads(name, heads, sp)
+        multi_query_column(sp, qkv, attn.query_key_value, heads * head_dim, head_dim=head_dim, split=split)
+        local_kv = 1  # the one key/value head, on every rank
     else:
-        sp.shared_input_column(f"{name}.query_key_value", attn.query_key_value)
-        kv_heads = attn.num_kv_heads
-    sp.row(f"{name}.dense", attn.dense)
-    _local_head_bias(sp, attn, "alibi", heads)
-    _finish_attention(sp, name, attn, _heads_and_widths(attn, heads, head_dim, sp.n, kv_heads))
+        split, start, local = _local_heads(name, heads, sp)
+        sp.shared_input_column(qkv, attn.query_key_value, split_unit=3 * head_dim, split_sizes=split)
+        local_kv = local
+    sp.row(f"{name}.dense", attn.dense, split_unit=head_dim, split_sizes=split)
+    _local_head_bias(sp, attn, "alibi", heads, start, local)
+    _finish_attention(sp, name, attn, _heads_and_widths(attn, heads, head_dim, local, local_kv))
+
+
+def _falcon_grouped_by_heads(sp: ShardingPass, name, attn):
+    """Falcon's grouped query_key_value with fewer key/value groups than ranks: the query heads
+    split whole (`head_split`), the key / value rows whole on every rank (gradients summed), and
+    each rank lays out, for each of its query heads, [q, k, v] of that head's group: the model's
+    own forward then reads its local heads as groups of one."""
+    heads, head_dim, groups = attn.num_heads, attn.head_dim, attn.num_kv_heads
+    per_group = heads // groups
+    split, start, local = _local_heads(name, heads, sp)
+    block = torch.arange(head_dim)
+
+    def hf_rows(group, slot):  # slot j < per_group: query head j of the group; per_group: k; +1: v
+        return (group * (per_group + 2) + slot) * head_dim + block
+
+    queries = [hf_rows(*divmod(h, per_group)) for h in range(heads)]
+    keys_values = [hf_rows(g, per_group + i) for g in range(groups) for i in (0, 1)]  # [k0; v0; k1; v1; ...]
+    order = torch.cat(queries + keys_values)
+    own_groups = torch.arange(start, start + local) // per_group
+    kv_rows = torch.cat([2 * g * head_dim + torch.arange(2 * head_dim) for g in own_groups.tolist()])
+    # local output [q_0 .. q_{L-1}; k_0, v_0, k_1, v_1, ...] -> [q_0, k_0, v_0, q_1, k_1, v_1, ...]
+    interleave = torch.cat(
+        [torch.cat([i * head_dim + block, (local + 2 * i) * head_dim + torch.arange(2 * head_dim)]) for i in range(local)]
+    )
+    multi_query_column(
+        sp, name, attn.query_key_value, heads * head_dim, head_dim=head_dim, kv_rows=kv_rows, split=split,
+        order=order, interleave=interleave,
+    )  # fmt: skip
+    return split, start, local
 
 
 def bigcode_attention(sp: ShardingPass, name, attn):
     """GPTBigCode: c_attn is [q; k; v] with one key/value head (multi_query) or per-head
     [q, k, v] interleaved; c_proj row-parallel."""
     heads, head_dim = attn.num_heads, attn.head_dim
-    _divide(heads, sp.n, f"{name}: attention heads")
     if getattr(attn, "is_cross_attention", False):
         raise ValueError(f"parallelize: {name} is a cross-attention; tplayers does not shard it")
+    split, _, local = _local_heads(name, heads, sp)
     if attn.multi_query:
-        multi_query_column(sp, f"{name}.c_attn", attn.c_attn, heads * head_dim)
-        attn.num_key_value_groups = heads // sp.n
+        multi_query_column(sp, f"{name}.c_attn", attn.c_attn, heads * head_dim, head_dim=head_dim, split=split)
+        attn.num_key_value_groups = local
     else:
-        sp.shared_input_column(f"{name}.c_attn", attn.c_attn)
-    sp.row(f"{name}.c_proj", attn.c_proj)
-    local = _heads_and_widths(attn, heads, head_dim, sp.n)
+        sp.shared_input_column(f"{name}.c_attn", attn.c_attn, split_unit=3 * head_dim, split_sizes=split)
+    sp.row(f"{name}.c_proj", attn.c_proj, split_unit=head_dim, split_sizes=split)
+    sizes = _heads_and_widths(attn, heads, head_dim, local)
     if not attn.multi_query:
-        local.update(kv_heads=heads // sp.n, kv_dim=heads // sp.n * head_dim, num_key_value_groups=1)
-    _finish_attention(sp, name, attn, local)
+        sizes.update(kv_heads=local, kv_dim=local * head_dim, num_key_value_groups=1)
+    _finish_attention(sp, name, attn, sizes)
 
 
 def codegen_attention(sp: ShardingPass, name, attn):
     """CodeGen: qkv_proj in the 4 blocks of [q; v; k] its forward hard-codes; each rank holds its
     heads in 4 local blocks of the same layout (`codegen_rows`); out_proj row-parallel."""
     heads, head_dim, blocks = attn.num_attention_heads, attn.head_dim, 4
-    if heads % (blocks * sp.n):
+    if heads // blocks < sp.n:
         raise ValueError(
-            f"parallelize: {name}: CodeGen's qkv_proj holds {blocks} blocks of heads, so its attention heads "
-            f"({heads}) must be divisible by {blocks} x the tensor-parallel size ({sp.n})"
+            f"parallelize: {name}: CodeGen's forward splits each rank's qkv_proj into {blocks} blocks of heads, so "
+            f"each rank needs {blocks} heads; {heads} heads go to at most {heads // blocks} ranks"
         )
-    fused_column(sp, f"{name}.qkv_proj", attn.qkv_proj, codegen_rows(heads, head_dim, sp.n, blocks))
-    sp.row(f"{name}.out_proj", attn.out_proj)
-    _finish_attention(sp, name, attn, _heads_and_widths(attn, heads, head_dim, sp.n))
+    per_block = even_sizes(heads // blocks, sp.n)  # each rank's heads in each of the 4 blocks
+    fused_column(sp, f"{name}.qkv_proj", attn.qkv_proj, codegen_rows(heads, head_dim, sp.n, blocks, per_block))
+    split = [blocks * s for s in per_block]
+    sp.row(f"{name}.out_proj", attn.out_proj, split_unit=head_dim, split_sizes=split)
+    local = split[dist.get_rank(sp.group)]
+    _finish_attention(sp, name, attn, _heads_and_widths(attn, heads, head_dim, local))
 
 
 def mpt_attention(sp: ShardingPass, name, attn):
     """MPT: Wqkv holding [q; k; v] (rank r holds [q_r; k_r; v_r]), out_proj row-parallel, the
     ALiBi position bias sliced to each rank's heads."""
     heads, head_dim = attn.n_heads, attn.head_dim
-    _divide(heads, sp.n, f"{name}: attention heads")
+    split, start, local = _local_heads(name, heads, sp)
     width = heads * head_dim
-    fused_column(sp, f"{name}.Wqkv", attn.Wqkv, part_rows([width] * 3, sp.n))
-    sp.row(f"{name}.out_proj", attn.out_proj)
-    _local_head_bias(sp, attn, "position_bias", heads)
-    _finish_attention(sp, name, attn, _heads_and_widths(attn, heads, head_dim, sp.n))
+    fused_column(sp, f"{name}.Wqkv", attn.Wqkv, part_rows([width] * 3, sp.n, head_dim, split))
+    sp.row(f"{name}.out_proj", attn.out_proj, split_unit=head_dim, split_sizes=split)
+    _local_head_bias(sp, attn, "position_bias", heads, start, local)
+    _finish_attention(sp, name, attn, _heads_and_widths(attn, heads, head_dim, local))

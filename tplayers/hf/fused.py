@@ -28,27 +28,35 @@ from tplayers.nn.linear import ColumnParallelLinear
 from tplayers.placement import shard_range
 
 
-def part_rows(sizes, n) -> list[torch.Tensor]:
-    """Parts of `sizes` rows stacked [a; b; ...]: rank r holds the r-th slice of each part."""
+def part_rows(sizes, n, unit=1, split=None) -> list[torch.Tensor]:
+    """Parts of `sizes` rows stacked [a; b; ...]: rank r holds its slice of each part, an even
+    1/n, or `split[r]` whole units of `unit` rows (attention heads) of each."""
     offsets = torch.tensor([0, *sizes[:-1]]).cumsum(0).tolist()
-    return [
-        torch.cat([torch.arange(o + r * (s // n), o + (r + 1) * (s // n)) for o, s in zip(offsets, sizes, strict=True)])
-        for r in range(n)
-    ]
-
-
-def codegen_rows(heads, head_dim, n, blocks=4) -> list[torch.Tensor]:
-    """CodeGen's qkv_proj: `blocks` blocks of [q; v; k], block b holding heads b*H/blocks onwards.
-    Rank r (heads r*H/n onwards) holds them in the same layout over its own heads: `blocks` local
-    blocks of [q; v; k], each of H/(n*blocks) heads."""
-    per_block, local_per_block = heads // blocks, heads // (n * blocks)
-    rows = []
+    out = []
     for r in range(n):
         index = []
+        for o, s in zip(offsets, sizes, strict=True):
+            start, size = (r * (s // n), s // n) if split is None else shard_range(s // unit, n, r, split)
+            start, size = (start, size) if split is None else (start * unit, size * unit)
+            index.append(torch.arange(o + start, o + start + size))
+        out.append(torch.cat(index))
+    return out
+
+
+def codegen_rows(heads, head_dim, n, blocks=4, split=None) -> list[torch.Tensor]:
+    """CodeGen's qkv_proj: `blocks` blocks of [q; v; k], block b holding heads b*H/blocks onwards.
+    Rank r holds its heads (`split[r]` x blocks of them, default H/n, contiguous from the previous
+    ranks' onwards) in the same layout over its own heads: `blocks` local blocks of [q; v; k],
+    each of split[r] heads."""
+    per_block = heads // blocks
+    split = [heads // (n * blocks)] * n if split is None else split
+    rows = []
+    for r in range(n):
+        index, first, local_per_block = [], blocks * sum(split[:r]), split[r]
         for b in range(blocks):
             for part in range(3):  # q, v, k
                 for j in range(local_per_block):
-                    global_block, within = divmod(r * heads // n + b * local_per_block + j, per_block)
+                    global_block, within = divmod(first + b * local_per_block + j, per_block)
                     start = ((global_block * 3 + part) * per_block + within) * head_dim
                     index.append(torch.arange(start, start + head_dim))
         rows.append(torch.cat(index))
@@ -74,6 +82,7 @@ def fused_column(sp: ShardingPass, name, linear, rows, *, shared_input=True):
     if full.bias is not None:
         fused.bias = nn.Parameter(full.bias.detach()[order], requires_grad=False)
     kwargs = dict(reduce_input_grad=False) if shared_input else dict(sequence_parallel=sp.sp)
+    kwargs["split_sizes"] = [len(r) for r in rows]  # what the map gives each rank, however uneven
     layer = on_device(ColumnParallelLinear.from_linear(fused, group=sp.group, **kwargs), linear.weight.device)
     sp.swap(name, layer)
     keys = ("weight", "bias") if layer.bias is not None else ("weight",)
@@ -124,12 +133,15 @@ class MultiQueryProjection(nn.Module):
     forward expects: [q_r; k; v]. The input is prepared once for the attention (its gradient
     summed, or the sequence gathered) by the hook parallelize puts before it."""
 
-    def __init__(self, query: ColumnParallelLinear, key_value: ReplicatedKVProjection):
+    def __init__(self, query: ColumnParallelLinear, key_value: ReplicatedKVProjection, interleave=None):
         super().__init__()
         self.query, self.key_value = query, key_value
+        # the output columns in the order the model's forward reads them (None: [q_r; k; v] as is)
+        self.register_buffer("interleave", interleave, persistent=False)
 
     def forward(self, x):
-        return torch.cat([self.query(x), self.key_value(x)], -1)
+        out = torch.cat([self.query(x), self.key_value(x)], -1)
+        return out if self.interleave is None else out.index_select(-1, self.interleave)
 
 
 def _linear_of(weight, bias) -> nn.Linear:
@@ -141,16 +153,24 @@ def _linear_of(weight, bias) -> nn.Linear:
     return linear
 
 
-def multi_query_column(sp: ShardingPass, name, linear, query_rows: int, *, head_dim=1, kv_rows=None):
+def multi_query_column(
+    sp: ShardingPass, name, linear, query_rows: int, *, head_dim=1, kv_rows=None, split=None, order=None,
+    interleave=None,
+):  # fmt: skip
     """Shard a multi-query [q; k; v] projection whose first `query_rows` rows are the queries: the
-    queries split in whole heads of `head_dim` rows, the key / value rows whole on every rank,
-    each rank computing `kv_rows` of them (default: all)."""
+    queries split in whole heads of `head_dim` rows (`split`: every rank's heads; default as
+    torch.chunk splits them), the key / value rows whole on every rank, each rank computing
+    `kv_rows` of them (default: all). `order`: the HF rows in that [queries; keys / values] order,
+    where the HF layout interleaves them (Falcon's groups); `interleave`: the local output columns
+    in the order the model's forward reads them."""
     full = as_linear(linear, name)
     device = linear.weight.device
     w, b = full.weight.detach(), (full.bias.detach() if full.bias is not None else None)
+    order = torch.arange(w.shape[0]) if order is None else order
+    w, b = w[order], (None if b is None else b[order])
     query = ColumnParallelLinear.from_linear(
         _linear_of(w[:query_rows], None if b is None else b[:query_rows]), group=sp.group, reduce_input_grad=False,
-        split_unit=head_dim,
+        split_unit=head_dim, split_sizes=split,
     )  # fmt: skip
     query = on_device(query, device)
     key_value = ReplicatedKVProjection.from_linear(
@@ -159,7 +179,7 @@ def multi_query_column(sp: ShardingPass, name, linear, query_rows: int, *, head_
     key_value = on_device(key_value, device)
     if kv_rows is not None:
         key_value.rows = kv_rows
-    sp.swap(name, MultiQueryProjection(query, key_value))
+    sp.swap(name, on_device(MultiQueryProjection(query, key_value, interleave), device))
     transpose = is_conv1d(linear)
     keys = ("weight", "bias") if b is not None else ("weight",)
 
@@ -169,13 +189,17 @@ def multi_query_column(sp: ShardingPass, name, linear, query_rows: int, *, head_
             q = gather(pick(getattr(query, key)), 0, group)
             kv = pick(getattr(key_value, key))
             if q is not None and kv is not None:
-                out[key] = _stored(torch.cat([q, kv], 0), key, transpose)
+                ordered = torch.cat([q, kv], 0)
+                hf = torch.empty_like(ordered)
+                hf[order.to(hf.device)] = ordered
+                out[key] = _stored(hf, key, transpose)
         return out
 
     def load(full_tensors):
         for key in keys:
             t = _stored(full_tensors[key], key, transpose)
-            copy_in(getattr(query, key), own_slice(t[:query_rows], 0, sp.group, head_dim))
+            t = t[order.to(t.device)]
+            copy_in(getattr(query, key), own_slice(t[:query_rows], 0, sp.group, head_dim, query.split_sizes))
             copy_in(getattr(key_value, key), t[query_rows:])
 
     total = w.shape[0]  # not `w` in the closure: it is the unsharded weight
@@ -185,10 +209,11 @@ def multi_query_column(sp: ShardingPass, name, linear, query_rows: int, *, head_
         for key in keys:
             t = key == "weight" and transpose
             q, kv = getattr(query, key), getattr(key_value, key)
-            start, size = (head_dim * v for v in shard_range(query_rows // head_dim, sp.n, dist.get_rank(sp.group)))
-            out.append(pieces.Piece(key, q, 0, torch.arange(size), torch.arange(start, start + size), total, t))
+            rank = dist.get_rank(sp.group)
+            start, size = (head_dim * v for v in shard_range(query_rows // head_dim, sp.n, rank, query.split_sizes))
+            out.append(pieces.Piece(key, q, 0, torch.arange(size), order[start : start + size], total, t))
             kv_rows = torch.arange(kv.shape[0])
-            out.append(pieces.Piece(key, kv, 0, kv_rows, query_rows + kv_rows, total, t))
+            out.append(pieces.Piece(key, kv, 0, kv_rows, order[query_rows + kv_rows], total, t))
         return out
 
     sp.exports.append((name, export, load, layout))

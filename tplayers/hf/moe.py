@@ -4,9 +4,9 @@ fused layout): every expert sharded like a dense MLP, the router replicated.
 transformers 5 keeps all experts of a layer in one module with two 3-D parameters:
 gate_up_proj (E, 2F, H) holding [gate; up] per expert, and down_proj (E, H, F); its forward
 sends each token to its top-k experts and sums act(gate) * up -> down, weighted by the
-router. Each expert's gate and up are split by columns (rank r keeps [gate_r; up_r], rows
-r*F/n onwards of each half, placement Shard(1)) and down by rows (its columns F, Shard(2)), so
-each rank holds 1/n of every expert and computes a partial sum of the block's output:
+router. Each expert's gate and up are split by columns (rank r keeps [gate_r; up_r], its rows
+of each half, F split in 16-byte-aligned blocks as evenly as they go, placement Shard(1)) and down by rows (its columns F, Shard(2)), so
+each rank holds its share of every expert and computes a partial sum of the block's output:
 
     no sequence parallelism   the tokens and routing weights enter through copy_to_tp_region
                               (their gradients, partial on each rank, are summed), the output
@@ -23,6 +23,7 @@ rank) is not done here.
 import inspect
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Shard
 
@@ -36,8 +37,7 @@ from tplayers.functional.collectives import (
 )
 from tplayers.hf import pieces
 from tplayers.hf.shard import ShardingPass, copy_in, gather
-from tplayers.nn.linear import _divide
-from tplayers.placement import set_placement
+from tplayers.placement import even_sizes, set_placement
 
 EXPERT_INPUTS = ("hidden_states", "top_k_index", "top_k_weights")
 # Flags HF's experts decorator sets; any other value is a layout or math this module does not know.
@@ -84,30 +84,40 @@ def _expert_hooks(module, group, sequence_parallel):
     module.register_forward_hook(lambda mod, args, out: finish(out))
 
 
+def aligned_unit(f, n) -> int:
+    """The unit F splits in: HF's grouped GEMM over the experts needs the rows of down_proj (E, H,
+    F) 16-byte aligned, so F splits in whole blocks of up to 16 entries (16 bytes in any dtype
+    from fp8 to fp32), the largest that divides F and leaves every rank a block."""
+    return next(u for u in (16, 8, 4, 2, 1) if f % u == 0 and f // u >= n or u == 1)
+
+
 def experts(sp: ShardingPass, name, module):
     """Shard every expert of `module` over the group (see the module docstring)."""
     _check(name, module)
-    f = module.gate_up_proj.shape[1] // 2
-    _divide(f, sp.n, f"{name}: expert intermediate size")
+    f = module.gate_up_proj.shape[1] // 2  # any size: its aligned blocks as evenly as they go
+    unit = aligned_unit(f, sp.n)
+    blocks = even_sizes(f // unit, sp.n)
+    sizes = [unit * s for s in blocks]
+
+    def own(t, dim):
+        return own_slice(t, dim, sp.group, unit, blocks)
+
     with torch.no_grad():
         gate, up = module.gate_up_proj.detach().chunk(2, 1)
-        local = {
-            "gate_up_proj": torch.cat([own_slice(gate, 1, sp.group), own_slice(up, 1, sp.group)], 1),
-            "down_proj": own_slice(module.down_proj.detach(), 2, sp.group),
-        }
+        local = {"gate_up_proj": torch.cat([own(gate, 1), own(up, 1)], 1), "down_proj": own(module.down_proj.detach(), 2)}
     for key, dim in (("gate_up_proj", 1), ("down_proj", 2)):
         param = nn.Parameter(local[key].clone(), requires_grad=getattr(module, key).requires_grad)
         setattr(module, key, param)
         set_placement(param, sp.group, Shard(dim))
     if isinstance(getattr(module, "intermediate_dim", None), int):
-        module.intermediate_dim = f // sp.n
+        module.intermediate_dim = sizes[dist.get_rank(sp.group)]
     _expert_hooks(module, sp.group, sp.sp)
 
     def export(pick, group):
         out = {}
         gate_up = gather(pick(module.gate_up_proj), 1, group)
         if gate_up is not None:  # [gate_0; up_0; gate_1; up_1; ...] -> [gate; up]
-            halves = [rank.chunk(2, 1) for rank in gate_up.chunk(sp.n, 1)]
+            halves = [rank.chunk(2, 1) for rank in gate_up.split([2 * s for s in sizes], 1)]
             out["gate_up_proj"] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], 1)
         down = gather(pick(module.down_proj), 2, group)
         if down is not None:
@@ -116,12 +126,12 @@ def experts(sp: ShardingPass, name, module):
 
     def load(full):
         gate, up = full["gate_up_proj"].chunk(2, 1)
-        copy_in(module.gate_up_proj, torch.cat([own_slice(gate, 1, sp.group), own_slice(up, 1, sp.group)], 1))
-        copy_in(module.down_proj, own_slice(full["down_proj"], 2, sp.group))
+        copy_in(module.gate_up_proj, torch.cat([own(gate, 1), own(up, 1)], 1))
+        copy_in(module.down_proj, own(full["down_proj"], 2))
 
     def layout():  # gate_up holds [gate_r | up_r] along dim 1: this rank's 1/n of each half
-        return [*pieces.halves("gate_up_proj", module.gate_up_proj, 1, sp.group),
-                pieces.split("down_proj", module.down_proj, 2, sp.group)]  # fmt: skip
+        return [*pieces.halves("gate_up_proj", module.gate_up_proj, 1, sp.group, f, unit=unit, sizes=blocks),
+                pieces.split("down_proj", module.down_proj, 2, sp.group, total=f, unit=unit, sizes=blocks)]  # fmt: skip
 
     sp.exports.append((name, export, load, layout))
     sp.done.add(name)

@@ -40,13 +40,14 @@ def whole(key, param, transpose=False) -> Piece:
     return Piece(key, param, transpose=transpose)
 
 
-def split(key, param, dim, group, transpose=False, total=None, unit=1) -> Piece:
+def split(key, param, dim, group, transpose=False, total=None, unit=1, sizes=None) -> Piece:
     """This rank's contiguous slice of the HF tensor along `dim` (`param.shape` is the TP-local
-    shape, also for a ZeRO 2-3 DTensor): of `total` as torch.chunk splits it, in whole units of
-    `unit` (attention heads: head_dim); None: an even 1/n, n times the local size."""
+    shape, also for a ZeRO 2-3 DTensor): of `total` as torch.chunk splits it (or as the explicit
+    per-rank `sizes` say), in whole units of `unit` (attention heads: head_dim); None: an even
+    1/n, n times the local size."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
     total = param.shape[dim] * n if total is None else total
-    start, size = (unit * v for v in shard_range(total // unit, n, r))
+    start, size = (unit * v for v in shard_range(total // unit, n, r, sizes))
     return Piece(key, param, dim, torch.arange(size), torch.arange(start, start + size), total, transpose)
 
 
@@ -55,16 +56,14 @@ def rows(key, param, own: torch.Tensor, total: int, transpose=False) -> Piece:
     return Piece(key, param, 0, torch.arange(own.numel()), own, total, transpose)
 
 
-def halves(key, param, dim, group, transpose=False) -> list[Piece]:
-    """A tensor holding [first_r; second_r] along `dim`: this rank's 1/n of each half of the HF
-    tensor [first; second]."""
+def halves(key, param, dim, group, total, transpose=False, unit=1, sizes=None) -> list[Piece]:
+    """A tensor holding [first_r; second_r] along `dim`: this rank's slice (as torch.chunk splits
+    `total`, the size of each half, or as the per-rank `sizes` say, in whole units of `unit`) of
+    each half of the HF tensor [first; second]."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
-    half = param.shape[dim] // 2
-    return [
-        Piece(key, param, dim, torch.arange(i * half, (i + 1) * half), r * half + i * half * n + torch.arange(half),
-              2 * half * n, transpose)
-        for i in range(2)
-    ]  # fmt: skip
+    start, size = (unit * v for v in shard_range(total // unit, n, r, sizes))
+    own = torch.arange(start, start + size)
+    return [Piece(key, param, dim, torch.arange(size) + i * size, own + i * total, 2 * total, transpose) for i in range(2)]
 
 
 def interleaved(keys, param, group, total, *, stacked=False) -> list[Piece]:
@@ -84,14 +83,17 @@ def linear(layer, dim, transpose, group) -> list[Piece]:
     weight, bias = layer.weight, getattr(layer, "bias", None)
     if dim is None:
         return [whole("weight", weight, transpose)] + ([whole("bias", bias)] if bias is not None else [])
-    total, unit = _full_size(layer, dim), getattr(layer, "split_unit", 1)
-    pieces = [split("weight", weight, dim, group, transpose, total, unit)]
+    total, unit, sizes = _full_size(layer, dim), getattr(layer, "split_unit", 1), getattr(layer, "split_sizes", None)
+    pieces = [split("weight", weight, dim, group, transpose, total, unit, sizes)]
     if bias is not None:
-        pieces.append(split("bias", bias, 0, group, total=total, unit=unit) if dim == 0 else whole("bias", bias))
+        pieces.append(split("bias", bias, 0, group, total=total, unit=unit, sizes=sizes) if dim == 0 else whole("bias", bias))
     return pieces
 
 
 def _full_size(layer, dim) -> int | None:
     """The unsharded size of a tplayers layer's split dim (None: not a tplayers layer: even)."""
-    names = ("out_features", "in_features") if hasattr(layer, "out_features") else ("num_embeddings", None)
-    return getattr(layer, names[dim], None) if names[dim] else None
+    if hasattr(layer, "out_features"):
+        return getattr(layer, ("out_features", "in_features")[dim])
+    if dim == 0:  # an embedding, a norm over a split projection
+        return getattr(layer, "num_embeddings", None) or getattr(layer, "hidden_size", None)
+    return None

@@ -90,11 +90,14 @@ def linear_export(layer, dim, transpose) -> Export:
 def linear_load(layer, dim, transpose, group) -> Load:
     """The inverse of `linear_export`: this rank's slice of the full weight / bias, copied in."""
 
+    unit, sizes = getattr(layer, "split_unit", 1), getattr(layer, "split_sizes", None)
+
     def load(full):
         weight = full["weight"].t() if transpose else full["weight"]
-        copy_in(layer.weight, own_slice(weight, dim, group) if dim is not None else weight)
+        copy_in(layer.weight, own_slice(weight, dim, group, unit, sizes) if dim is not None else weight)
         if getattr(layer, "bias", None) is not None:
-            copy_in(layer.bias, own_slice(full["bias"], 0, group) if dim == 0 else full["bias"])
+            bias = full["bias"]
+            copy_in(layer.bias, own_slice(bias, 0, group, unit, sizes) if dim == 0 else bias)
 
     return load
 

@@ -31,7 +31,7 @@ from tplayers.functional.auto_overlap import check_overlap
 from tplayers.functional.collectives import copy_to_tp_region
 from tplayers.functional.linear import column_parallel_linear
 from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear, _ParallelLinear
-from tplayers.placement import shard_range
+from tplayers.placement import even_sizes, shard_range
 
 
 class ReplicatedLinear(_ParallelLinear):
@@ -146,10 +146,12 @@ class ParallelAttention(nn.Module):
         self.overlap = check_overlap(overlap, "ParallelAttention")
         self.by_whole_heads = not _splits_evenly(num_heads, num_kv_heads, self.tp_size)
         if self.by_whole_heads:
-            # Heads split as torch.chunk splits them (9 over 2: 5, 4; 4 over 3: 2, 2 and none);
-            # each local query head gets its own copy of the kv head it reads (the kv weights
-            # whole on every rank, as below), also where the heads straddle two kv groups.
-            start, self.local_heads = shard_range(num_heads, self.tp_size, rank)
+            # Whole heads as evenly as they go (9 over 2: 5, 4; 14 over 4: 4, 4, 3, 3; a rank holds
+            # none only with fewer heads than ranks); each local query head gets its own copy of
+            # the kv head it reads (the kv weights whole on every rank, as below), also where the
+            # heads straddle two kv groups.
+            self.head_split = even_sizes(num_heads, self.tp_size)
+            start, self.local_heads = shard_range(num_heads, self.tp_size, rank, self.head_split)
             per_group = num_heads // num_kv_heads
             self.kv_replicated, self.local_kv_heads, self.kv_head_start = True, self.local_heads, start // per_group
             kv_heads = [h // per_group for h in range(start, start + self.local_heads)]
@@ -157,6 +159,7 @@ class ParallelAttention(nn.Module):
                 torch.arange(head_dim) + torch.tensor(kv_heads, dtype=torch.long)[:, None] * head_dim
             ).flatten()
         else:
+            self.head_split = None  # torch.chunk's split: even here
             self.local_heads = num_heads // self.tp_size
             self.kv_replicated = num_kv_heads < self.tp_size
             self.local_kv_heads = 1 if self.kv_replicated else num_kv_heads // self.tp_size
@@ -168,12 +171,13 @@ class ParallelAttention(nn.Module):
         qkv_bias = bias if qkv_bias is None else qkv_bias
         kw = dict(group=self.group, device=device, dtype=dtype)
         kv_cls = ReplicatedLinear if self.kv_replicated else ColumnParallelLinear
-        self.q_proj = ColumnParallelLinear(hidden_size, num_heads * head_dim, qkv_bias, split_unit=head_dim, **kw)
+        split = dict(split_unit=head_dim, split_sizes=self.head_split)
+        self.q_proj = ColumnParallelLinear(hidden_size, num_heads * head_dim, qkv_bias, **split, **kw)
         self.k_proj = kv_cls(hidden_size, num_kv_heads * head_dim, qkv_bias, **kw)
         self.v_proj = kv_cls(hidden_size, num_kv_heads * head_dim, qkv_bias, **kw)
         self.o_proj = RowParallelLinear(
             num_heads * head_dim, hidden_size, bias, sequence_parallel=sequence_parallel, overlap=overlap,
-            split_unit=head_dim, **kw,
+            **split, **kw,
         )  # fmt: skip
         self.rope_theta = rope_theta
         buffer_device = "cpu" if device is None or torch.device(device).type == "meta" else device

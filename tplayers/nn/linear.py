@@ -22,7 +22,7 @@ from tplayers.distributed import resolve_group
 from tplayers.functional.auto_overlap import check_overlap
 from tplayers.functional.collectives import gather_from_tp_region, own_slice, scatter_to_tp_region
 from tplayers.functional.linear import column_parallel_linear, row_parallel_linear
-from tplayers.placement import PlacedModule, shard_sizes
+from tplayers.placement import PlacedModule, check_sizes, shard_sizes
 
 
 def _divide(total: int, n: int, what: str) -> int:
@@ -31,9 +31,13 @@ def _divide(total: int, n: int, what: str) -> int:
     return total // n
 
 
-def _share(total: int, group) -> int:
-    """This rank's share of a dimension of `total` (uneven sizes as torch.chunk splits them)."""
-    return shard_sizes(total, dist.get_world_size(group))[dist.get_rank(group)]
+def _split(total: int, unit: int, sizes, group, what: str) -> tuple[int, ...]:
+    """Every rank's share of a dimension of `total`, in whole units of `unit`: the explicit
+    `sizes` (checked), else as torch.chunk splits the units."""
+    n = dist.get_world_size(group)
+    if sizes is None:
+        return tuple(shard_sizes(total // unit, n))
+    return check_sizes(sizes, total // unit, n, what)
 
 
 def refuse_own_forward(module, base, what):
@@ -135,16 +139,18 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def __init__(
         self, in_features, out_features, bias=True, *, group=None, gather_output=False,
-        sequence_parallel=False, overlap="auto", reduce_input_grad=True, split_unit=1, device=None, dtype=None,
+        sequence_parallel=False, overlap="auto", reduce_input_grad=True, split_unit=1, split_sizes=None,
+        device=None, dtype=None,
     ):  # fmt: skip
         super().__init__(in_features, out_features, group=group, sequence_parallel=sequence_parallel, overlap=overlap)
-        if out_features % split_unit or (split_unit > 1 and gather_output):
-            raise ValueError(
-                f"ColumnParallelLinear: split_unit {split_unit} needs out_features ({out_features}) in whole units "
-                "and no gather_output"
-            )
+        if out_features % split_unit:
+            raise ValueError(f"ColumnParallelLinear: split_unit {split_unit} needs out_features ({out_features}) in whole units")
+        if (split_unit > 1 or split_sizes is not None) and gather_output:
+            raise ValueError("ColumnParallelLinear: split_unit / split_sizes need gather_output=False")
         self.split_unit = split_unit  # rows split in whole units (ParallelMLP's gate / up pairs: 2)
-        self.out_features_per_rank = _share(out_features // split_unit, self.group) * split_unit
+        # units per rank: torch.chunk's split unless given (attention heads: as even as they go)
+        self.split_sizes = _split(out_features, split_unit, split_sizes, self.group, "ColumnParallelLinear")
+        self.out_features_per_rank = self.split_sizes[dist.get_rank(self.group)] * split_unit
         if sequence_parallel and not reduce_input_grad:
             raise ValueError("ColumnParallelLinear: reduce_input_grad=False applies only without sequence_parallel")
         self.gather_output, self.reduce_input_grad = gather_output, reduce_input_grad
@@ -154,9 +160,10 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def _set_shards(self, weight, bias, device):
         """Keep this rank's rows of the full weight / bias."""
-        unit = self.split_unit
-        self.weight = nn.Parameter(own_slice(weight, 0, self.group, unit).to(device=device, copy=True))
-        bias = None if bias is None else nn.Parameter(own_slice(bias, 0, self.group, unit).to(device=device, copy=True))
+        unit, sizes = self.split_unit, self.split_sizes
+        self.weight = nn.Parameter(own_slice(weight, 0, self.group, unit, sizes).to(device=device, copy=True))
+        if bias is not None:
+            bias = nn.Parameter(own_slice(bias, 0, self.group, unit, sizes).to(device=device, copy=True))
         self.register_parameter("bias", bias)
         self._tag_parameters()
 
@@ -172,7 +179,7 @@ class ColumnParallelLinear(_ParallelLinear):
     @property
     def widest(self) -> int:
         """The largest rank's output features (the overlap choice is asked about it on every rank)."""
-        return -(-self.out_features // (self.split_unit * self.tp_size)) * self.split_unit
+        return max(self.split_sizes) * self.split_unit
 
     def extra_repr(self):
         return (
@@ -193,16 +200,16 @@ class RowParallelLinear(_ParallelLinear):
 
     def __init__(
         self, in_features, out_features, bias=True, *, group=None, input_is_parallel=True,
-        sequence_parallel=False, overlap="auto", split_unit=1, device=None, dtype=None,
+        sequence_parallel=False, overlap="auto", split_unit=1, split_sizes=None, device=None, dtype=None,
     ):  # fmt: skip
         super().__init__(in_features, out_features, group=group, sequence_parallel=sequence_parallel, overlap=overlap)
-        if in_features % split_unit or (split_unit > 1 and not input_is_parallel):
-            raise ValueError(
-                f"RowParallelLinear: split_unit {split_unit} needs in_features ({in_features}) in whole units "
-                "and input_is_parallel"
-            )
+        if in_features % split_unit:
+            raise ValueError(f"RowParallelLinear: split_unit {split_unit} needs in_features ({in_features}) in whole units")
+        if (split_unit > 1 or split_sizes is not None) and not input_is_parallel:
+            raise ValueError("RowParallelLinear: split_unit / split_sizes need input_is_parallel=True")
         self.split_unit = split_unit  # columns split in whole units (attention's heads: head_dim)
-        self.in_features_per_rank = _share(in_features // split_unit, self.group) * split_unit
+        self.split_sizes = _split(in_features, split_unit, split_sizes, self.group, "RowParallelLinear")
+        self.in_features_per_rank = self.split_sizes[dist.get_rank(self.group)] * split_unit
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
         self.input_is_parallel = input_is_parallel
@@ -212,7 +219,7 @@ class RowParallelLinear(_ParallelLinear):
 
     def _set_shards(self, weight, bias, device):
         """Keep this rank's columns of the full weight; the bias is whole on every rank."""
-        self.weight = nn.Parameter(own_slice(weight, 1, self.group, self.split_unit).to(device=device, copy=True))
+        self.weight = nn.Parameter(own_slice(weight, 1, self.group, self.split_unit, self.split_sizes).to(device=device, copy=True))
         self.register_parameter("bias", None if bias is None else nn.Parameter(bias.to(device=device, copy=True)))
         self._tag_parameters()
 
@@ -235,7 +242,7 @@ class RowParallelLinear(_ParallelLinear):
     @property
     def widest(self) -> int:
         """The largest rank's input features (the overlap choice is asked about it on every rank)."""
-        return -(-self.in_features // (self.split_unit * self.tp_size)) * self.split_unit
+        return max(self.split_sizes) * self.split_unit
 
     def extra_repr(self):
         return (

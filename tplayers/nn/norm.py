@@ -13,35 +13,45 @@ backward equal the unsharded norm's up to the order of that sum.
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from tplayers.distributed import resolve_group
-from tplayers.functional.collectives import own_slice, sum_over_tp_region
-from tplayers.nn.linear import _divide
+from tplayers.functional.collectives import copy_to_tp_region, own_slice, sum_over_tp_region
+from tplayers.nn.linear import _split
 from tplayers.placement import PlacedModule
 
 
 class ParallelRMSNorm(PlacedModule):
     """RMSNorm of `hidden_size` features, of which this rank holds the r-th contiguous slice.
 
-    Input (..., hidden_size / n), the rank's slice of the features; output likewise."""
+    Input (..., local), the rank's slice of the features; output likewise. The slices are as
+    torch.chunk splits hidden_size, or `split_sizes` whole units of `split_unit` features per rank
+    (OLMo2's norms follow their projection's heads: units of head_dim)."""
 
     _placements = {"weight": Shard(0)}
 
-    def __init__(self, hidden_size, eps=1e-6, *, group=None, device=None, dtype=None):
+    def __init__(
+        self, hidden_size, eps=1e-6, *, group=None, split_unit=1, split_sizes=None, device=None, dtype=None
+    ):
         super().__init__()
         self.group = resolve_group(group)
         self.tp_size = dist.get_world_size(self.group)
         self.hidden_size, self.eps = hidden_size, eps
-        local = _divide(hidden_size, self.tp_size, "ParallelRMSNorm hidden_size")
+        if hidden_size % split_unit:
+            raise ValueError(f"ParallelRMSNorm: hidden_size {hidden_size} is not in whole units of {split_unit}")
+        self.split_unit = split_unit
+        self.split_sizes = _split(hidden_size, split_unit, split_sizes, self.group, "ParallelRMSNorm")
+        local = self.split_sizes[dist.get_rank(self.group)] * split_unit
         self.weight = nn.Parameter(torch.ones(local, device=device, dtype=dtype))
         self._keep_placements()
 
     @classmethod
-    def from_weight(cls, weight, eps, *, group=None):
-        """The layer holding this rank's slice of the unsharded norm `weight` (left unchanged)."""
-        layer = cls(weight.shape[0], eps, group=group, device="meta", dtype=weight.dtype)
-        layer.weight = nn.Parameter(own_slice(weight.detach(), 0, layer.group).to(weight.device, copy=True))
+    def from_weight(cls, weight, eps, *, group=None, **split):
+        """The layer holding this rank's slice of the unsharded norm `weight` (left unchanged);
+        `split`: split_unit / split_sizes as the constructor takes them."""
+        layer = cls(weight.shape[0], eps, group=group, device="meta", dtype=weight.dtype, **split)
+        local = own_slice(weight.detach(), 0, layer.group, layer.split_unit, layer.split_sizes)
+        layer.weight = nn.Parameter(local.to(weight.device, copy=True))
         layer._tag_parameters()
         return layer
 
@@ -58,3 +68,45 @@ class ParallelRMSNorm(PlacedModule):
 
     def extra_repr(self):
         return f"{self.hidden_size} ({self.weight.shape[0]} per rank of {self.tp_size}), eps={self.eps}"
+
+
+class ComputedRowsRMSNorm(PlacedModule):
+    """RMSNorm of `hidden_size` features of which each rank computes given rows, some on several
+    ranks or more than once on one (OLMo2's k_norm where each rank computes the keys its query
+    heads read: fewer key/value heads than ranks, or query heads straddling key/value groups).
+
+    `rows[r]`: the features rank r's input holds, in order. The weight is whole on every rank
+    (placement Replicate()), read at this rank's rows through `copy_to_tp_region`, whose backward
+    sums its gradient over the group (each copy of a feature received its part). The sum of
+    squares counts each feature once over the group: the first copy of it, in rank order, adds it,
+    the others multiply it by zero. The input gradients of the copies add up, through the
+    projection that computed them, to the unsharded one."""
+
+    _placements = {"weight": Replicate()}
+
+    def __init__(self, weight, eps, rows: list[torch.Tensor], *, group=None):
+        super().__init__()
+        self.group = resolve_group(group)
+        rank = dist.get_rank(self.group)
+        self.hidden_size, self.eps = weight.shape[0], eps
+        self.weight = nn.Parameter(weight.detach().clone())
+        seen, counted = set(), []
+        for r, own in enumerate(rows):
+            for row in own.tolist():
+                if r == rank:
+                    counted.append(row not in seen)
+                seen.add(row)
+        self.register_buffer("rows", rows[rank].clone(), persistent=False)
+        self.register_buffer("counted", torch.tensor(counted, dtype=torch.float32), persistent=False)
+        self._keep_placements()
+
+    def forward(self, x):
+        if x.shape[-1] != self.rows.numel():
+            raise ValueError(f"ComputedRowsRMSNorm: input last dim {x.shape[-1]} is not this rank's {self.rows.numel()}")
+        h = x.float()
+        squares = sum_over_tp_region((h.pow(2) * self.counted).sum(-1, keepdim=True), self.group)
+        h = h * torch.rsqrt(squares / self.hidden_size + self.eps)
+        return (copy_to_tp_region(self.weight, self.group)[self.rows] * h).to(x.dtype)
+
+    def extra_repr(self):
+        return f"{self.hidden_size} (whole on every rank, {self.rows.numel()} rows computed here), eps={self.eps}"

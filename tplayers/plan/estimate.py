@@ -37,7 +37,9 @@ from tplayers.plan.specs import (
     _kv_sharded,
     _layer_params,
     _norm_params,
+    ceil_share,
     padded_vocab,
+    tp_imbalance,
 )
 
 # Megatron-Core DDP's default gradient bucket: max(40M, 1M * dp) parameters.
@@ -119,6 +121,8 @@ class Estimate:
     mfu: float | None = None
     tokens_per_step: int | None = None
     notes: tuple[str, ...] = ()
+    # the most loaded TP rank's layer parameters over the mean rank's (1.0: every split divides)
+    tp_imbalance: float | None = None
 
     @property
     def fits(self) -> bool:
@@ -139,9 +143,14 @@ class _Context:
     layout: Layout
     precision: Precision
     assumptions: Assumptions
+    tp_rank: int = 0  # whose share of uneven splits: 0, the most loaded, unless asked per rank
 
     @property
     def vocab(self) -> int:
+        """The rows the vocabulary-parallel layers split: Megatron pads them to a multiple,
+        tplayers splits the vocabulary as it is (uneven rows)."""
+        if self.assumptions.implementation == "tplayers":
+            return self.model.vocab
         return padded_vocab(self.model.vocab, self.layout.tp, self.assumptions.vocab_divisible_by)
 
 
@@ -153,7 +162,7 @@ def _stage_params(ctx: _Context, stage: int) -> float:
     if not model.has_dims:
         return model.num_params / (layout.tp * layout.pp)
     tp, pp = layout.tp, layout.pp
-    word = ctx.vocab * model.hidden / tp
+    word = ceil_share(ctx.vocab, tp) * model.hidden
     params = model.layers // pp * _layer_params(model, tp)
     if stage == 0:
         params += word + (model.max_positions * model.hidden if model.position_embedding == "learned" else 0)
@@ -174,7 +183,7 @@ def _zero3_buffer(ctx: _Context, stage: int) -> float:
         return gathered_param_bytes(_stage_tensors(ctx, stage), ctx.precision, dp=layout.dp)
     units = [_layer_params(model, layout.tp)]
     if stage in (0, layout.pp - 1):
-        units.append(ctx.vocab * model.hidden / layout.tp)
+        units.append(ceil_share(ctx.vocab, layout.tp) * model.hidden)
     return max(units) * ctx.precision.param_bytes
 
 
@@ -193,6 +202,7 @@ def _stage_activations(ctx: _Context, stage: int) -> float | None:
         sequence_parallel=layout.sequence_parallel,
         activation_bytes=precision.activation_bytes,
         implementation=ctx.assumptions.implementation,
+        tp_rank=ctx.tp_rank,
     )
     mb, tp, sp, pp, m = layout.micro_batch, layout.tp, layout.sequence_parallel, layout.pp, layout.num_microbatches
     per_layer = layer_activation_bytes(model, mb, recompute=layout.recompute, **kw)
@@ -205,7 +215,7 @@ def _stage_activations(ctx: _Context, stage: int) -> float | None:
         total += micro_batches_held * _embedding_activation_bytes(model, mb, tp, sp)
     if stage == pp - 1:
         out = _output_activation_bytes(
-            model, mb, tp, sp, precision.activation_bytes, ctx.vocab, ctx.assumptions.implementation
+            model, mb, tp, sp, precision.activation_bytes, ctx.vocab, ctx.assumptions.implementation, ctx.tp_rank
         )
         total += micro_batches_held * out
     return total
@@ -216,7 +226,7 @@ def _stage_tensors(ctx: _Context, stage: int) -> list:
     return stage_tensors(
         model, tp=layout.tp, vocab=ctx.vocab, layers=model.layers // layout.pp, first=stage == 0,
         last=stage == layout.pp - 1, lm_head=not model.tied_embeddings or layout.pp > 1,
-        sequence_parallel=layout.sequence_parallel,
+        sequence_parallel=layout.sequence_parallel, tp_rank=ctx.tp_rank,
     )  # fmt: skip
 
 
@@ -236,25 +246,37 @@ def _stage_memory(ctx: _Context, stage: int, params: float) -> MemoryBreakdown:
 
 
 def model_state_bytes_per_rank(
-    model: ModelSpec, layout: Layout, precision: Precision | None = None, *, assumptions=None, stage: int = 0
-) -> list[tuple]:
-    """(params, grads, optimizer) bytes of each data-parallel replica of pipeline `stage` (per TP
-    rank), tensor by tensor (`zero_state_bytes_per_rank`); needs the model's dimensions."""
-    ctx = _Context(model, None, layout, _resolve_precision(precision), assumptions or Assumptions())
+    model: ModelSpec, layout: Layout, precision: Precision | None = None, *, assumptions=None, stage: int = 0,
+    tp_rank: int = 0,
+) -> list[tuple]:  # fmt: skip
+    """(params, grads, optimizer) bytes of each data-parallel replica of pipeline `stage` on TP rank
+    `tp_rank` (0: the most loaded where splits are uneven), tensor by tensor
+    (`zero_state_bytes_per_rank`); needs the model's dimensions."""
+    ctx = _Context(model, None, layout, _resolve_precision(precision), assumptions or Assumptions(), tp_rank)
     return zero_state_bytes_per_rank(
         _stage_tensors(ctx, stage), ctx.precision, zero_stage=layout.zero_stage, dp=layout.dp
     )
 
 
+def activation_bytes_per_rank(
+    model: ModelSpec, layout: Layout, precision: Precision | None = None, *, assumptions=None, stage: int = 0,
+    tp_rank: int = 0,
+) -> float | None:  # fmt: skip
+    """Peak activation bytes of pipeline `stage` on TP rank `tp_rank` (`estimate(...).memory.
+    activations` is the most loaded stage's rank 0); needs the model's dimensions."""
+    ctx = _Context(model, None, layout, _resolve_precision(precision), assumptions or Assumptions(), tp_rank)
+    return _stage_activations(ctx, stage)
+
+
 def _stage_flops_per_microbatch(ctx: _Context, stage: int) -> float:
     """Hardware matmul FLOPs of one GPU of `stage` for one micro-batch (fwd + bwd + recompute)."""
     model, layout = ctx.model, ctx.layout
-    per_token = _forward_flops_per_token(model, ctx.vocab)
+    per_token = _forward_flops_per_token(model, ctx.vocab, layout.tp)  # the most loaded rank's
     layer = 3 * per_token.layer + _recompute_flops_per_token(per_token, layout.recompute)
     flops = model.layers // layout.pp * layer
     if stage == layout.pp - 1:
         flops += 3 * per_token.logits
-    return flops * model.seq_len * layout.micro_batch / layout.tp
+    return flops * model.seq_len * layout.micro_batch
 
 
 def _stage_tp_bytes_per_microbatch(ctx: _Context, stage: int) -> float:
@@ -409,6 +431,13 @@ def _estimate(model, cluster, layout, precision, assumptions) -> Estimate:
     critical = max(stages, key=lambda s: s.step_time_s) if timed else stages[0]
     if not timed:
         notes.append("model given by num_params only: activations, FLOPs, TP/PP traffic and time unknown")
+    imbalance = tp_imbalance(model, layout.tp) if timed else None
+    if imbalance is not None and imbalance > 1 + 1e-9:
+        notes.append(
+            f"uneven tensor-parallel split (heads {model.heads}, kv heads {model.kv_heads}, ffn {model.ffn_hidden} "
+            f"over tp {layout.tp}): the most loaded rank holds {imbalance:.3f}x the mean rank's share of each layer; "
+            "memory, FLOPs and time are that rank's"
+        )
     comm = _by_link(critical.comm_bytes_by_group, links)
     tokens = layout.global_batch * model.seq_len if timed else None
     model_flops = training_flops(model, layout.global_batch) if timed else None
@@ -433,6 +462,7 @@ def _estimate(model, cluster, layout, precision, assumptions) -> Estimate:
         mfu=mfu,
         tokens_per_step=tokens,
         notes=tuple(notes),
+        tp_imbalance=imbalance,
     )
 
 

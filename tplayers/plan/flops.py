@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tplayers.plan.specs import RECOMPUTE_CHOICES, ModelSpec, _choice
+from tplayers.plan.specs import RECOMPUTE_CHOICES, ModelSpec, _choice, ceil_share, local_dims
 
 
 @dataclass(frozen=True)
@@ -21,14 +21,18 @@ class _TokenFlops:
         return self.layer_dense + self.layer_attention
 
 
-def _forward_flops_per_token(model: ModelSpec, vocab: int | None = None) -> _TokenFlops:
+def _forward_flops_per_token(model: ModelSpec, vocab: int | None = None, tp: int = 1) -> _TokenFlops:
     """2 FLOPs per multiply-add. Per layer: QKV 2*h*(q + 2k), attention scores and
     attention over values 2*s*q each (no causal discount, as Narayanan eq. 3), output 2*q*h,
-    MLP 2*h*f*(3 gated | 2). Logits 2*h*V. GPT (q = k = h, f = 4h): 24h^2 + 4sh per layer."""
-    h, q = model.hidden, model.q_dim
-    dense = 2 * h * (q + 2 * model.kv_dim) + 2 * q * h + 2 * h * model.ffn_hidden * (3 if model.gated_mlp else 2)
+    MLP 2*h*f*(3 gated | 2). Logits 2*h*V. GPT (q = k = h, f = 4h): 24h^2 + 4sh per layer.
+    `tp` > 1: the most loaded TP rank's share (`local_dims`: its query heads, the key/value heads
+    it computes, its ffn columns and vocabulary rows), which the step waits for."""
+    h, vocab = model.hidden, model.vocab if vocab is None else vocab
+    local = local_dims(model, tp)
+    q, kv = local.q, (model.kv_dim if tp == 1 else local.kv_heads_computed * model.head_dim)
+    dense = 2 * h * (q + 2 * kv) + 2 * q * h + 2 * h * local.ffn * (3 if model.gated_mlp else 2)
     attention = 4 * model.seq_len * q
-    return _TokenFlops(dense, attention, 2 * h * (model.vocab if vocab is None else vocab))
+    return _TokenFlops(dense, attention, 2 * h * ceil_share(vocab, tp))
 
 
 def _recompute_flops_per_token(flops: _TokenFlops, recompute: str) -> float:

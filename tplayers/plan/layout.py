@@ -83,7 +83,8 @@ class Assumptions:
         micro-batch (ZeRO 0/1) or behind all compute (ZeRO 2/3, reduced every micro-batch).
     hbm_reserve_fraction: HBM kept out of reach for the CUDA context, NCCL buffers and
         allocator fragmentation; `fits` means total <= hbm_bytes * (1 - reserve).
-    vocab_divisible_by: Megatron's vocabulary padding multiple (times tp).
+    vocab_divisible_by: Megatron's vocabulary padding multiple (times tp); implementation
+        "tplayers" pads nothing (it splits the vocabulary unevenly).
     implementation: whose layers the model's edges follow; the transformer layers are priced
         alike. "megatron" (Megatron-LM, the published accounting): the cross-entropy
         all-reduces three s*b fp32 vectors and keeps fp32 logits; under sequence parallelism the

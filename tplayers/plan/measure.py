@@ -7,12 +7,11 @@ import time
 from dataclasses import dataclass, replace
 
 from tplayers.plan.layout import Assumptions, Layout
-from tplayers.plan.specs import ModelSpec, Precision, padded_vocab
+from tplayers.plan.specs import ModelSpec, Precision
 
 # The model every default case trains: Llama-style (RMSNorm, SwiGLU, RoPE, no biases, no
 # dropout), grouped-query attention with 2 kv heads, so tp = 4 replicates each kv head on two
-# ranks. A true vocabulary of 250 padded to 256 = a multiple of 64 * tp for tp in 1, 2, 4: the
-# HF model is built with the padded size, the targets stay in [0, 250).
+# ranks. A vocabulary of 250, split unevenly at TP 4 (63, 63, 63, 61): tplayers pads nothing.
 VALIDATION_MODEL = ModelSpec(
     layers=2,
     hidden=64,
@@ -25,7 +24,7 @@ VALIDATION_MODEL = ModelSpec(
     dropout=False,
     name="tiny-llama",
 )
-VALIDATION_ASSUMPTIONS = Assumptions(vocab_divisible_by=64, implementation="tplayers")
+VALIDATION_ASSUMPTIONS = Assumptions(implementation="tplayers")
 MICRO_BATCH = 2
 
 # Bytes per parameter of what tplayers keeps, per training dtype (see the module docstring).
@@ -258,7 +257,7 @@ def _measure_step(case: ValidationCase, spec: ModelSpec, assumptions: Assumption
     from tplayers.functional import comm
 
     layout = case.layout
-    vocab = padded_vocab(spec.vocab, layout.tp, assumptions.vocab_divisible_by)
+    vocab = spec.vocab  # as it is: tplayers splits it unevenly
     torch.manual_seed(seed)  # the same weights on every rank
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[case.dtype]
     model = _hf_llama(spec, vocab).to(dtype)
@@ -281,7 +280,7 @@ def _measure_step(case: ValidationCase, spec: ModelSpec, assumptions: Assumption
             saved = _SavedStorages(model)
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                 logits = model(batch[:, :-1]).logits  # (b, s, V/tp)
-                loss = tplayers.vocab_parallel_cross_entropy(logits, batch[:, 1:], group=tp_group)
+                loss = tplayers.vocab_parallel_cross_entropy(logits, batch[:, 1:], group=tp_group, vocab_size=vocab)
             activations = max(activations, saved.total)
             (loss / layout.num_microbatches).backward()
         stepped = [p for group in opt.param_groups for p in group["params"]]  # the masters, if any
@@ -321,7 +320,7 @@ def _measure_pipeline_step(case: ValidationCase, spec: ModelSpec, assumptions, s
 
     layout = case.layout
     torch.manual_seed(seed)
-    model = _hf_llama(spec, padded_vocab(spec.vocab, layout.tp, assumptions.vocab_divisible_by))
+    model = _hf_llama(spec, spec.vocab)
     if layout.tp > 1:
         tplayers.parallelize(model, group=tp_group, sequence_parallel=layout.sequence_parallel, verify=False)
     v = layout.virtual_stages if layout.schedule == "interleaved" else 1

@@ -10,8 +10,9 @@ from tplayers.plan.specs import (
     ModelSpec,
     Precision,
     _choice,
-    _kv_sharded,
     _positive_int,
+    ceil_share,
+    local_dims,
 )
 
 # Dropout masks are stored as 1 byte per element (Korthikanti et al. 2022, Sec. 4.1).
@@ -43,33 +44,34 @@ def model_state_bytes(num_params: float, precision: Precision | None = None, *, 
 
 def stage_tensors(
     model: ModelSpec, *, tp: int, vocab: int, layers: int, first: bool, last: bool, lm_head: bool,
-    sequence_parallel: bool = False,
+    sequence_parallel: bool = False, tp_rank: int = 0,
 ) -> list[tuple[int, int, bool]]:  # fmt: skip
-    """(rows, columns, summed) of every parameter tensor one TP rank of a stage holds, as tplayers
+    """(rows, columns, summed) of every parameter tensor TP rank `tp_rank` (0: the most loaded) of
+    a stage holds, as tplayers
     lays out a Llama-style model: q, k, v, o; the MLP's gate|up fused into one (2f/t, h) tensor;
     norms (h, 1); biases (n, 1). `summed`: a replicated weight in the blocks that sees part of the
     sequence (a norm under sequence parallelism), which tplayers keeps whole under ZeRO 2-3.
     ZeRO's engines shard along the rows."""
-    h, f = model.hidden, model.ffn_hidden
-    q, kv = model.q_dim // tp, (model.kv_dim // tp if _kv_sharded(model, tp) else model.kv_dim)
+    h, local = model.hidden, local_dims(model, tp, tp_rank)
+    q, kv, f, v = local.q, local.kv, local.ffn, ceil_share(vocab, tp, tp_rank)
     norm = [(h, 1, sequence_parallel)] * (2 if model.norm == "layernorm" else 1)
     block = [(q, h, False), (kv, h, False), (kv, h, False), (h, q, False)]
     if model.linear_bias:
         block += [(q, 1, False), (kv, 1, False), (kv, 1, False), (h, 1, False)]
-    block += [((2 if model.gated_mlp else 1) * f // tp, h, False), (h, f // tp, False)]
+    block += [((2 if model.gated_mlp else 1) * f, h, False), (h, f, False)]
     if model.linear_bias:
-        block += [((2 if model.gated_mlp else 1) * f // tp, 1, False), (h, 1, False)]
+        block += [((2 if model.gated_mlp else 1) * f, 1, False), (h, 1, False)]
     block += 2 * norm
     tensors = []
     if first:
-        tensors.append((vocab // tp, h, False))
+        tensors.append((v, h, False))
         if model.position_embedding == "learned":
             tensors.append((model.max_positions, h, False))
     tensors += layers * block
     if last:
         tensors += [(r, c, False) for r, c, _ in norm]  # the final norm sees the whole sequence
         if lm_head:
-            tensors.append((vocab // tp, h, False))
+            tensors.append((v, h, False))
     return tensors
 
 
@@ -118,8 +120,6 @@ def gathered_param_bytes(tensors, precision: Precision, *, dp: int) -> float:
     return sum(-(-r // dp) * dp * c for r, c, summed in tensors if not summed) * precision.param_bytes
 
 
-def _local_kv_heads(model: ModelSpec, tp: int) -> float:
-    return model.kv_heads / tp if _kv_sharded(model, tp) else 1
 
 
 def layer_activation_bytes(
@@ -131,8 +131,10 @@ def layer_activation_bytes(
     recompute: str = "none",
     activation_bytes: float = 2,
     implementation: str = "megatron",
+    tp_rank: int = 0,
 ) -> float:
-    """Activation bytes one transformer layer stores per micro-batch on one TP rank.
+    """Activation bytes one transformer layer stores per micro-batch on TP rank `tp_rank` (0: the
+    most loaded).
 
     Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
     Sec. 4 and Table 2 (s = seq_len, b = micro_batch, h = hidden, a = heads, t = tp; 16-bit
@@ -169,12 +171,13 @@ def layer_activation_bytes(
     if implementation == "tplayers" and sequence_parallel:  # the gathered QKV and MLP inputs
         outside += 2 * d * s * b * h * (1 - 1 / sp_div)
     mlp_tensors = 3 if model.gated_mlp else 2
-    inside = d * s * b * (2 * model.q_dim / tp + 2 * _local_kv_heads(model, tp) * model.head_dim)
-    inside += d * s * b * mlp_tensors * model.ffn_hidden / tp
+    local = local_dims(model, tp, tp_rank)
+    inside = d * s * b * (2 * local.q + 2 * local.kv_heads_computed * model.head_dim)
+    inside += d * s * b * mlp_tensors * local.ffn
     if recompute == "selective":
         return outside + inside
     core_bytes = d + (mask + d if model.dropout else 0)
-    core = core_bytes * (model.heads / tp) * s * s * b
+    core = core_bytes * local.heads * s * s * b
     return outside + inside + core
 
 
@@ -186,12 +189,13 @@ def _embedding_activation_bytes(model: ModelSpec, micro_batch: int, tp: int, sp:
 
 
 def _output_activation_bytes(
-    model: ModelSpec, micro_batch: int, tp: int, sp: bool, d: float, vocab: int, implementation: str = "megatron"
+    model: ModelSpec, micro_batch: int, tp: int, sp: bool, d: float, vocab: int, implementation: str = "megatron",
+    tp_rank: int = 0,
 ) -> float:
     """Output layer: final-norm input and projection input (2*d*s*b*h, /t with SP) and the fp32
     logits 4*s*b*V/t kept by the cross-entropy: Korthikanti Sec. 4.3, 4*s*b*h/t*(1 + V/h).
     tplayers: the final norm and LM head see the whole sequence, the logits are kept in d bytes."""
     s, b = model.seq_len, micro_batch
     if implementation == "tplayers":
-        return 2 * d * s * b * model.hidden + d * s * b * vocab / tp
-    return 2 * d * s * b * model.hidden / (tp if sp else 1) + LOGITS_BYTES * s * b * vocab / tp
+        return 2 * d * s * b * model.hidden + d * s * b * ceil_share(vocab, tp, tp_rank)
+    return 2 * d * s * b * model.hidden / (tp if sp else 1) + LOGITS_BYTES * s * b * ceil_share(vocab, tp, tp_rank)

@@ -12,10 +12,11 @@ def validate_layout(
 ) -> list[str]:
     """Reasons `layout` cannot run `model` on `cluster` (empty when it can).
 
-    Checks the GPU count, TP within a node, head / kv-head / ffn / layer divisibility, the
+    Checks the GPU count, TP within a node, a head per TP rank, layer divisibility, the
     interleaved schedule's requirements, sequence parallelism's seq_len % tp, and (with
-    `global_batch`) dp * micro_batch * num_microbatches == global_batch. Vocabulary size is
-    never a reason: it is padded (see the `tplayers.plan` docstring).
+    `global_batch`) dp * micro_batch * num_microbatches == global_batch. Widths never are:
+    Megatron pads the vocabulary, tplayers splits it, the heads and ffn unevenly (priced at the
+    most loaded rank).
     """
     reasons = []
     tp, pp, dp = layout.tp, layout.pp, layout.dp
@@ -53,15 +54,10 @@ def validate_layout(
 def _model_reasons(model: ModelSpec, layout: Layout) -> list[str]:
     tp, pp, v = layout.tp, layout.pp, layout.virtual_stages
     reasons = []
-    if model.heads % tp:
-        reasons.append(f"heads ({model.heads}) not divisible by tp ({tp})")
-    if model.kv_heads % tp and tp % model.kv_heads:
-        reasons.append(
-            f"kv_heads ({model.kv_heads}) and tp ({tp}): one must divide the other "
-            "(kv heads split over the ranks, or each replicated on tp/kv_heads ranks)"
-        )
-    if model.ffn_hidden % tp:
-        reasons.append(f"ffn_hidden ({model.ffn_hidden}) not divisible by tp ({tp})")
+    # Heads, key/value heads, ffn and vocabulary need not divide tp (uneven splits, priced at the most
+    # loaded rank); a rank needs one query head for an HF attention forward to run.
+    if model.heads < tp:
+        reasons.append(f"heads ({model.heads}) < tp ({tp}): a rank would hold no attention head")
     if model.layers % pp:
         reasons.append(f"layers ({model.layers}) not divisible by pp ({pp})")
     elif layout.schedule == "interleaved" and model.layers % (pp * v):

@@ -314,27 +314,70 @@ def _norm_params(model: ModelSpec) -> int:
 
 
 def _kv_sharded(model: ModelSpec, tp: int) -> bool:
-    """kv heads split over TP (kv_heads % tp == 0), else replicated (tp % kv_heads == 0)."""
-    return model.kv_heads % tp == 0
+    """kv heads split over TP with the query heads (both divisible), else whole on every rank."""
+    return model.kv_heads % tp == 0 and model.heads % tp == 0
 
 
-def _layer_params(model: ModelSpec, tp: int = 1) -> float:
-    """Parameters of one transformer layer held by one TP rank (tp=1: the whole layer).
+def ceil_share(total: int, tp: int, rank: int = 0) -> int:
+    """TP rank `rank`'s share of a width or vocabulary of `total`, split as torch.chunk splits it
+    (rank 0, the default: the largest share, ceil(total / tp))."""
+    size = -(-total // tp)
+    return max(0, min(size, total - rank * size))
+
+
+def head_share(heads: int, tp: int, rank: int = 0) -> int:
+    """TP rank `rank`'s whole query heads, split as evenly as they go (rank 0: the most)."""
+    return heads // tp + (rank < heads % tp)
+
+
+@dataclass(frozen=True)
+class LocalDims:
+    """What one TP rank holds of one layer (tplayers' splits: whole heads as evenly as they go,
+    widths as torch.chunk splits them; nothing needs to divide). Both give the first ranks the
+    larger shares: rank 0 is the most loaded, whose step the others wait for."""
+
+    heads: int  # query heads
+    q: int  # query rows (heads * head_dim); o's columns alike
+    kv: int  # key (or value) rows held: its share when the kv heads split with the queries, else all
+    kv_heads_computed: int  # key/value heads computed per token (activations)
+    ffn: int  # ffn columns
+
+
+def local_dims(model: ModelSpec, tp: int, rank: int = 0) -> LocalDims:
+    heads = head_share(model.heads, tp, rank)
+    if _kv_sharded(model, tp):
+        kv, computed = model.kv_dim // tp, model.kv_heads // tp
+    elif model.heads % tp == 0 and tp % model.kv_heads == 0:
+        kv, computed = model.kv_dim, 1  # the one kv head its queries read
+    else:  # whole heads per rank: one kv head computed per local query head
+        kv, computed = model.kv_dim, heads
+    return LocalDims(heads, heads * model.head_dim, kv, computed, ceil_share(model.ffn_hidden, tp, rank))
+
+
+def tp_imbalance(model: ModelSpec, tp: int) -> float:
+    """The most loaded TP rank's layer parameters over the mean of the ranks' (1.0: even splits)."""
+    per_rank = [_layer_params(model, tp, r) for r in range(tp)]
+    return max(per_rank) * tp / sum(per_rank)
+
+
+def _layer_params(model: ModelSpec, tp: int = 1, rank: int = 0) -> float:
+    """Parameters of one transformer layer held by TP rank `rank` (0: the most loaded; tp=1: the
+    whole layer).
 
     Attention: q and o are h x (heads*head_dim) each, k and v h x (kv_heads*head_dim) each,
-    column-parallel (q, k, v) / row-parallel (o), k / v whole when kv heads are replicated.
-    MLP: 3 h x ffn matrices gated (gate, up, down), 2 non-gated. Biases: the column-parallel
-    ones are sharded, the row-parallel ones (o, down) replicated. Two norms, replicated.
+    column-parallel (q, k, v) / row-parallel (o), k / v whole when kv heads are not split with the
+    queries (`local_dims`). MLP: 3 h x ffn matrices gated (gate, up, down), 2 non-gated. Biases:
+    the column-parallel ones are sharded, the row-parallel ones (o, down) replicated. Two norms,
+    replicated.
     """
-    h, f = model.hidden, model.ffn_hidden
-    kv_div = tp if _kv_sharded(model, tp) else 1
-    attention = 2 * h * model.q_dim / tp + 2 * h * model.kv_dim / kv_div
+    h, local = model.hidden, local_dims(model, tp, rank)
+    attention = 2 * h * local.q + 2 * h * local.kv
     mlp_mats = 3 if model.gated_mlp else 2
-    mlp = mlp_mats * h * f / tp
+    mlp = mlp_mats * h * local.ffn
     bias = 0.0
     if model.linear_bias:
         column_mats = 2 if model.gated_mlp else 1  # gate and up, or fc1
-        bias = model.q_dim / tp + 2 * model.kv_dim / kv_div + h + column_mats * f / tp + h
+        bias = local.q + 2 * local.kv + h + column_mats * local.ffn + h
     return attention + mlp + bias + 2 * _norm_params(model)
 
 

@@ -23,19 +23,20 @@ def assert_close(actual, expected, *, exact=False, msg=None):
     torch.testing.assert_close(actual, expected, **tolerance(expected.dtype, exact=exact), msg=msg)
 
 
-def shard_of(full, dim: int, rank: int, num_shards: int, unit: int = 1):
+def shard_of(full, dim: int, rank: int, num_shards: int, unit: int = 1, sizes=None):
     """Rank `rank`'s contiguous slice of `full` along `dim` (the layout of every tplayers shard:
-    uneven sizes as torch.chunk splits them, `tplayers.placement.shard_sizes`, in whole units of
-    `unit`: attention heads split by head_dim)."""
+    uneven sizes as torch.chunk splits them, `tplayers.placement.shard_sizes`, or the explicit
+    per-rank `sizes` a layer was given, in whole units of `unit`: attention heads split by
+    head_dim, as evenly as they go, `tplayers.placement.even_sizes`)."""
     from tplayers.placement import shard_range
 
-    start, size = shard_range(full.shape[dim] // unit, num_shards, rank)
+    start, size = shard_range(full.shape[dim] // unit, num_shards, rank, sizes)
     return full.narrow(dim, start * unit, size * unit)
 
 
-def assert_shard_close(local, full, *, dim, rank, num_shards, exact=False, msg=None, unit=1):
+def assert_shard_close(local, full, *, dim, rank, num_shards, exact=False, msg=None, unit=1, sizes=None):
     """`local` equals rank `rank`'s slice of the unsharded `full` along `dim` (dim=None: all of it)."""
-    expected = full if dim is None else shard_of(full, dim, rank, num_shards, unit)
+    expected = full if dim is None else shard_of(full, dim, rank, num_shards, unit, sizes)
     assert_close(local, expected, exact=exact, msg=msg)
 
 

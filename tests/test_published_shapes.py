@@ -1,0 +1,131 @@
+"""The published shapes of 15 popular checkpoints (vocabulary, attention heads, key/value heads,
+tied embeddings as their config.json gives them; 2 layers and heads 8 wide so they fit a CPU)
+through `parallelize` at TP 2, 3, 4 and 8: logits, loss, every parameter after an SGD step,
+greedy `generate()` and the state-dict round trip equal the unsharded model's. None of them
+divides evenly everywhere: GPT-2's 50257, SmolLM2's 9 heads, Falcon-7B's 71, Qwen2's 14 and 28,
+12 heads at TP 8 (2, 2, 2, 2, 1, 1, 1, 1)."""
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import tplayers
+from tplayers.testing import assert_close
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_families import tiny_model  # noqa: E402
+
+pytestmark = [pytest.mark.multirank, pytest.mark.tplayers]
+
+# name: (family, vocabulary, heads, key/value heads, tied), from each checkpoint's config.json
+PUBLISHED = {
+    "gpt2": ("gpt2", 50257, 12, 12, True),
+    "SmolLM2-135M": ("llama", 49152, 9, 3, True),
+    "falcon-7b": ("falcon", 65024, 71, 1, True),
+    "Qwen2.5-0.5B": ("qwen2", 151936, 14, 2, True),
+    "opt-125m": ("opt", 50272, 12, 12, True),
+    "pythia-160m": ("gpt_neox", 50304, 12, 12, False),
+    "Qwen2-7B": ("qwen2", 152064, 28, 4, False),
+    "Llama-2-7b": ("llama", 32000, 32, 32, False),
+    "Meta-Llama-3-8B": ("llama", 128256, 32, 8, False),
+    "Mistral-7B-v0.1": ("mistral", 32000, 32, 8, False),
+    "TinyLlama-1.1B": ("llama", 32000, 32, 4, False),
+    "phi-2": ("phi", 51200, 32, 32, False),
+    "gemma-2b": ("gemma", 256000, 8, 1, True),
+    "Phi-3-mini-4k": ("phi3", 32064, 32, 32, False),
+    "bloom-560m": ("bloom", 250880, 16, 16, True),
+}
+HEAD_DIM = 8
+
+
+def published_model(name):
+    family, vocab, heads, kv_heads, tied = PUBLISHED[name]
+    config = dict(num_attention_heads=heads, num_key_value_heads=kv_heads, hidden_size=HEAD_DIM * heads,
+                  head_dim=HEAD_DIM, tie_word_embeddings=tied, intermediate_size=4 * HEAD_DIM * heads)  # fmt: skip
+    if family == "falcon":
+        config.update(multi_query=kv_heads == 1, num_kv_heads=kv_heads)
+    if family in ("phi", "gpt_neox"):
+        config.update(partial_rotary_factor=0.5, rotary_pct=0.5)
+    model = tiny_model(family, vocab=vocab, **config)
+    assert model.config.vocab_size == vocab and model.get_input_embeddings().weight.shape[0] == vocab
+    head = model.get_output_embeddings()
+    assert (head.weight is model.get_input_embeddings().weight) == tied, name
+    return model
+
+
+def matches_unsharded(rank, tp, group, name):
+    model = published_model(name)
+    reference = copy.deepcopy(model)
+    tplayers.parallelize(model, group=group)  # its self-check on
+    full = tplayers.gather_state_dict(model, group=group)
+    assert list(full) == list(reference.state_dict())
+    for key, value in reference.state_dict().items():
+        assert_close(full[key], value, exact=True, msg=lambda m, k=key: f"{name} {k}: {m}")
+
+    vocab = PUBLISHED[name][1]
+    ids = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(1))
+    ids[0, :4] = torch.tensor([vocab - 1, vocab - 2, 0, 1])  # the first and the last rank's rows
+    out, out_ref = model(ids, labels=ids), reference(ids, labels=ids)
+    assert out.logits.shape[-1] == vocab  # no padded column leaks out
+    assert_close(out.logits, out_ref.logits, msg=lambda m: f"{name} logits: {m}")
+    assert_close(out.loss, out_ref.loss, msg=lambda m: f"{name} loss: {m}")
+    for m, loss in ((model, out.loss), (reference, out_ref.loss)):
+        loss.backward()
+        torch.optim.SGD(m.parameters(), lr=0.5).step()
+    after = tplayers.gather_state_dict(model, group=group)
+    for key, value in reference.state_dict().items():  # every parameter after the step: every gradient
+        assert_close(after[key], value, msg=lambda m, k=key: f"{name} {k} after one step: {m}")
+    tplayers.load_full_state_dict(model, reference.state_dict())  # and back in: the same shards
+    for key, value in tplayers.gather_state_dict(model, group=group).items():
+        assert torch.equal(value, reference.state_dict()[key]), f"{name} {key} round trip"
+    with torch.no_grad():
+        prompt = ids[:, :3]
+        tokens = model.generate(prompt, max_new_tokens=4, do_sample=False)
+        assert torch.equal(tokens, reference.generate(prompt, max_new_tokens=4, do_sample=False)), name
+
+
+@pytest.mark.parametrize("tp", [2, 3, 4, 8])
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_published_shapes(tplayers_pool, name, tp):
+    tplayers_pool.run(matches_unsharded, tp, name)
+
+
+# -- memory: what each rank holds against the planner's most loaded rank ------------------------
+UNEVEN_LLAMA = dict(vocab=97, ffn=67, num_attention_heads=9, num_key_value_heads=3, head_dim=8, hidden_size=72,
+                    tie_word_embeddings=False)  # fmt: skip
+
+
+def held_elements(rank, tp, group):
+    model = tiny_model("llama", **UNEVEN_LLAMA)
+    full = {n: p.numel() for n, p in model.named_parameters()}
+    tplayers.parallelize(model, group=group)
+    return sum(p.numel() for p in model.parameters()), full
+
+
+@pytest.mark.parametrize("tp", [2, 3, 4])
+def test_per_rank_parameters_are_the_planners_most_loaded_rank(pool, tp):
+    """9 heads / 3 key/value heads, ffn 67, vocabulary 97: each rank holds at most its ceil-share
+    of every split tensor plus what it replicates, and the most loaded rank holds exactly what the
+    planner prices (`tplayers.plan`, implementation "tplayers")."""
+    from tplayers.plan import Assumptions, Layout, ModelSpec, Precision
+    from tplayers.plan.estimate import model_state_bytes_per_rank
+
+    replies = pool.run(held_elements, tp)
+    full = replies[0][1]
+    spec = ModelSpec(layers=2, hidden=72, heads=9, kv_heads=3, head_dim=8, ffn_hidden=67, vocab=97, seq_len=8,
+                     max_positions=64)  # fmt: skip
+    precision = Precision.preset("fp32-adam")
+    planned = model_state_bytes_per_rank(
+        spec, Layout(tp=tp), precision, assumptions=Assumptions(implementation="tplayers")
+    )[0][0] / precision.param_bytes
+    held = [n for n, _ in replies]
+    assert max(held) == planned, (held, planned)
+    ceil = lambda n: -(-n // tp)  # noqa: E731
+    hd, heads = 8, 9
+    bound = 2 * ceil(97) * 72  # embedding and LM head rows
+    bound += 2 * (2 * ceil(heads) * hd * 72 + 2 * full["model.layers.0.self_attn.k_proj.weight"])  # q, o; k, v whole
+    bound += 2 * (3 * ceil(67) * 72 + 2 * 72) + 72  # gate, up, down; the norms
+    assert max(held) <= bound and sum(held) >= sum(full.values()), (held, bound)
