@@ -11,13 +11,12 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 import tplayers
 from tplayers.hf import attention, families
-from tplayers.placement import shard_sizes
 from tplayers.plan import Layout
 from tplayers.testing import RemoteError, assert_close, check_parallel, examples
 from tplayers.testing import strategies as tst
@@ -363,18 +362,22 @@ def parallelize_any(model, mesh, layout):
 @given(data=st.data())
 def test_drawn_uneven_llamas_through_check_parallel(data):
     """Heads (kv groups x group size, head width 4), vocabulary and MLP width drawn without regard
-    to the TP size, over drawn layouts (TP 2-4, SP, ZeRO, pipeline stages)."""
-    layout = data.draw(tst.layouts(max_world=8, tp=(2, 3, 4), pp=(1, 2), dp=(1, 2), zero_stages=(0, 3),
+    to the TP size, over drawn layouts (TP 1-8, SP, ZeRO, pipeline stages); at least a head per
+    rank (fewer are refused, tested above)."""
+    layout = data.draw(tst.layouts(max_world=8, tp=(1, 2, 3, 4, 5, 6, 7, 8), pp=(1, 2), dp=(1, 2), zero_stages=(0, 3),
                                    sequence_parallel=(False, True), seq_len=8, layers=2), label="layout")  # fmt: skip
     kv = data.draw(st.integers(1, 3), label="kv_heads")
-    heads = kv * data.draw(st.integers(1, 3), label="group")
-    assume(0 not in shard_sizes(heads, layout.tp))  # a rank without a head is refused (tested above)
+    group = data.draw(st.integers(-(-layout.tp // kv), -(-layout.tp // kv) + 2), label="group")
+    heads = kv * group
     vocab = data.draw(st.integers(8, 101), label="vocab")
     ffn = data.draw(st.integers(1, 40), label="ffn")  # under tp: ranks with none of it
     build = functools.partial(tiny_model, "llama", vocab=vocab, ffn=ffn, num_attention_heads=heads,
                               num_key_value_heads=kv, head_dim=4, hidden_size=4 * heads)  # fmt: skip
     ids = torch.randint(3, min(vocab, VOCAB), (4, 8), generator=torch.Generator().manual_seed(vocab))
-    check_parallel(build, parallelize_any, ids, layouts=[layout], steps=2)
+    # TP 1 reduces nothing, but its gate|up is one fused GEMM where HF runs two: CPU BLAS may sum
+    # in another order (1e-13 apart), so it is held to the tolerance table, not bit for bit
+    exact = None if layout.tp > 1 else False
+    check_parallel(build, parallelize_any, ids, layouts=[layout], steps=2, exact=exact)
 
 
 def llama_with_one_mlp_column():

@@ -405,7 +405,6 @@ def test_from_hf_config_errors(tmp_path):
 
 def test_invalid_layouts_rejected_with_reason():
     model = ModelSpec.preset("llama3-70b")  # 64 heads, 8 kv heads, 80 layers
-    c24 = ClusterSpec.preset("h100", num_gpus=24)
     reasons = validate_layout(model, ClusterSpec.preset("h100", num_gpus=3), Layout(tp=3))
     assert not any("heads" in r for r in reasons), reasons  # heads need not divide (uneven splits)
     few_heads = ModelSpec(layers=2, hidden=64, heads=4, vocab=100, seq_len=16)

@@ -6,6 +6,7 @@ divides evenly everywhere: GPT-2's 50257, SmolLM2's 9 heads, Falcon-7B's 71, Qwe
 12 heads at TP 8 (2, 2, 2, 2, 1, 1, 1, 1)."""
 
 import copy
+import functools
 import sys
 from pathlib import Path
 
@@ -13,7 +14,8 @@ import pytest
 import torch
 
 import tplayers
-from tplayers.testing import assert_close
+import tplayers.placement
+from tplayers.testing import RemoteError, assert_close
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_families import tiny_model  # noqa: E402
@@ -41,7 +43,10 @@ PUBLISHED = {
 HEAD_DIM = 8
 
 
+@functools.lru_cache(maxsize=1)
 def published_model(name):
+    """The model of checkpoint `name` (built once per rank and reused for every TP size: the
+    tests run the sizes of one shape in a row; callers deep-copy it)."""
     family, vocab, heads, kv_heads, tied = PUBLISHED[name]
     config = dict(num_attention_heads=heads, num_key_value_heads=kv_heads, hidden_size=HEAD_DIM * heads,
                   head_dim=HEAD_DIM, tie_word_embeddings=tied, intermediate_size=4 * HEAD_DIM * heads)  # fmt: skip
@@ -56,35 +61,57 @@ def published_model(name):
     return model
 
 
-def matches_unsharded(rank, tp, group, name):
-    model = published_model(name)
-    reference = copy.deepcopy(model)
-    tplayers.parallelize(model, group=group)  # its self-check on
-    full = tplayers.gather_state_dict(model, group=group)
-    assert list(full) == list(reference.state_dict())
-    for key, value in reference.state_dict().items():
-        assert_close(full[key], value, exact=True, msg=lambda m, k=key: f"{name} {k}: {m}")
-
+def matches_unsharded(rank, tp, group, name, shifted=False):
+    """Every rank trains the sharded model; rank 0 also the unsharded one and compares (the
+    ranks' logits are one replicated tensor; each rank's shards come back through the gather).
+    `shifted`: the negative control, rank 1's query rows taken one row further on."""
+    model = copy.deepcopy(published_model(name))
+    reference = copy.deepcopy(model) if rank == 0 else None
+    full_q = model.model.layers[0].self_attn.q_proj.weight.detach().clone() if shifted else None
+    tplayers.parallelize(model, group=group, verify=False)  # compared below, forward and backward
+    if shifted and rank == 1:
+        q = model.model.layers[0].self_attn.q_proj.weight
+        start = tplayers.placement.shard_range(full_q.shape[0] // HEAD_DIM, tp, 1, q_split(name, tp))[0] * HEAD_DIM
+        with torch.no_grad():
+            q.copy_(full_q[start + 1 : start + 1 + q.shape[0]])
     vocab = PUBLISHED[name][1]
     ids = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(1))
     ids[0, :4] = torch.tensor([vocab - 1, vocab - 2, 0, 1])  # the first and the last rank's rows
-    out, out_ref = model(ids, labels=ids), reference(ids, labels=ids)
+    out = model(ids, labels=ids)
     assert out.logits.shape[-1] == vocab  # no padded column leaks out
+    out.loss.backward()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    after = tplayers.gather_state_dict(model, group=group)
+    mine = {n: p.detach().clone() for n, p in model.named_parameters()}
+    tplayers.load_full_state_dict(model, after)  # the state dict round trip: the same shards back
+    for n, p in model.named_parameters():
+        assert torch.equal(p, mine[n]), f"{name} {n} round trip"
+    with torch.no_grad():
+        tokens = model.generate(ids[:, :3], max_new_tokens=4, do_sample=False)
+    if reference is None:
+        return
+    out_ref = reference(ids, labels=ids)
     assert_close(out.logits, out_ref.logits, msg=lambda m: f"{name} logits: {m}")
     assert_close(out.loss, out_ref.loss, msg=lambda m: f"{name} loss: {m}")
-    for m, loss in ((model, out.loss), (reference, out_ref.loss)):
-        loss.backward()
-        torch.optim.SGD(m.parameters(), lr=0.5).step()
-    after = tplayers.gather_state_dict(model, group=group)
+    out_ref.loss.backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    assert list(after) == list(reference.state_dict())
     for key, value in reference.state_dict().items():  # every parameter after the step: every gradient
         assert_close(after[key], value, msg=lambda m, k=key: f"{name} {k} after one step: {m}")
-    tplayers.load_full_state_dict(model, reference.state_dict())  # and back in: the same shards
-    for key, value in tplayers.gather_state_dict(model, group=group).items():
-        assert torch.equal(value, reference.state_dict()[key]), f"{name} {key} round trip"
     with torch.no_grad():
-        prompt = ids[:, :3]
-        tokens = model.generate(prompt, max_new_tokens=4, do_sample=False)
-        assert torch.equal(tokens, reference.generate(prompt, max_new_tokens=4, do_sample=False)), name
+        assert torch.equal(tokens, reference.generate(ids[:, :3], max_new_tokens=4, do_sample=False)), name
+
+
+def q_split(name, tp):
+    return tplayers.placement.even_sizes(PUBLISHED[name][2], tp)
+
+
+def test_a_rank_one_row_off_fails_the_comparison(tplayers_pool):
+    """SmolLM2's 9 heads over 4 ranks (3, 2, 2, 2) with rank 1's query rows one row further on:
+    the comparison catches it (and the pool still serves)."""
+    replies = tplayers_pool.run(matches_unsharded, 4, "SmolLM2-135M", True, return_exceptions=True)
+    assert isinstance(replies[0], RemoteError) and "logits" in replies[0].message, replies[0]
+    tplayers_pool.run(matches_unsharded, 4, "SmolLM2-135M")
 
 
 @pytest.mark.parametrize("tp", [2, 3, 4, 8])
@@ -118,9 +145,12 @@ def test_per_rank_parameters_are_the_planners_most_loaded_rank(pool, tp):
     spec = ModelSpec(layers=2, hidden=72, heads=9, kv_heads=3, head_dim=8, ffn_hidden=67, vocab=97, seq_len=8,
                      max_positions=64)  # fmt: skip
     precision = Precision.preset("fp32-adam")
-    planned = model_state_bytes_per_rank(
-        spec, Layout(tp=tp), precision, assumptions=Assumptions(implementation="tplayers")
-    )[0][0] / precision.param_bytes
+    planned = (
+        model_state_bytes_per_rank(spec, Layout(tp=tp), precision, assumptions=Assumptions(implementation="tplayers"))[
+            0
+        ][0]
+        / precision.param_bytes
+    )
     held = [n for n, _ in replies]
     assert max(held) == planned, (held, planned)
     ceil = lambda n: -(-n // tp)  # noqa: E731

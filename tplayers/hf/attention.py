@@ -144,11 +144,11 @@ def _replicated_kv(sp: ShardingPass, name, attn, rows: list[torch.Tensor]):
 
 
 def _qkvo_by_whole_heads(sp: ShardingPass, name, attn, out, head_dim, heads, kv_heads):
-    """Heads that do not split evenly (9 over 2: 5 and 4; 14 over 4: 4, 4, 4, 2), or key/value
-    groups that do not follow the query heads: the query heads split whole (`head_split`); each rank computes, for each of its query heads, the key / value head it reads
-    (rows of the key / value weights kept whole on every rank, their gradients summed over the
-    group), so its heads pair one to one (num_key_value_groups 1) even where its queries
-    straddle two key/value groups. The output projection splits its input by the same heads."""
+    """Heads that do not split evenly (9 over 2: 5 and 4; 14 over 4: 4, 4, 3, 3), or key/value
+    groups that do not follow the query heads: the query heads split whole (`head_split`); each
+    rank computes, for each of its query heads, the key / value head it reads (rows of the key /
+    value weights kept whole on every rank, their gradients summed over the group), so its heads
+    pair one to one (num_key_value_groups 1) even where its queries straddle two key/value groups. The output projection splits its input by the same heads."""
     sizes, local, rows = _heads_and_kv_rows(name, heads, kv_heads, head_dim, sp)
     sp.shared_input_column(f"{name}.q_proj", attn.q_proj, split_unit=head_dim, split_sizes=sizes)
     _replicated_kv(sp, name, attn, rows)
@@ -197,7 +197,9 @@ def _norm_over_projection(sp: ShardingPass, name, norm, projection):
         )
     source = getattr(sp.model.get_submodule(name.rpartition(".")[0]), projection)
     if isinstance(source, ReplicatedKVProjection):
-        layer = on_device(ComputedRowsRMSNorm(norm.weight, eps, source.rows_of_ranks, group=sp.group), norm.weight.device)
+        layer = on_device(
+            ComputedRowsRMSNorm(norm.weight, eps, source.rows_of_ranks, group=sp.group), norm.weight.device
+        )
         dim = None
     else:
         layer = ParallelRMSNorm.from_weight(
@@ -211,9 +213,10 @@ def _norm_over_projection(sp: ShardingPass, name, norm, projection):
 def _per_head_weights(sp: ShardingPass, name, attn, head_dim, projections):
     """Other weights inside the attention. Acting on each head alike (Qwen3's q_norm / k_norm):
     replicated, but each rank's heads give only part of their gradient, so it is summed. An
-    RMSNorm over a whole projection (OLMo2): split with it (`_norm_over_projection`). Any other weight spanning all heads, or one module per head (StableLM's per-head
-    norms: each rank would apply the first heads' norms to its own heads), cannot be split by
-    this pass: an error naming it."""
+    RMSNorm over a whole projection (OLMo2): split with it (`_norm_over_projection`). Any other
+    weight spanning all heads, or one module per head (StableLM's per-head norms: each rank would
+    apply the first heads' norms to its own heads), cannot be split by this pass: an error naming
+    it."""
     for child_name, child in attn.named_children():
         if child_name in projections:
             continue
@@ -372,7 +375,9 @@ def falcon_attention(sp: ShardingPass, name, attn):
         groups = attn.num_kv_heads
         per_group = heads // groups
         group_split = even_sizes(groups, sp.n)
-        sp.shared_input_column(qkv, attn.query_key_value, split_unit=(per_group + 2) * head_dim, split_sizes=group_split)
+        sp.shared_input_column(
+            qkv, attn.query_key_value, split_unit=(per_group + 2) * head_dim, split_sizes=group_split
+        )
         split = [g * per_group for g in group_split]
         start, local = shard_range(heads, sp.n, dist.get_rank(sp.group), split)
         local_kv = local // per_group
@@ -412,7 +417,10 @@ def _falcon_grouped_by_heads(sp: ShardingPass, name, attn):
     kv_rows = torch.cat([2 * g * head_dim + torch.arange(2 * head_dim) for g in own_groups.tolist()])
     # local output [q_0 .. q_{L-1}; k_0, v_0, k_1, v_1, ...] -> [q_0, k_0, v_0, q_1, k_1, v_1, ...]
     interleave = torch.cat(
-        [torch.cat([i * head_dim + block, (local + 2 * i) * head_dim + torch.arange(2 * head_dim)]) for i in range(local)]
+        [
+            torch.cat([i * head_dim + block, (local + 2 * i) * head_dim + torch.arange(2 * head_dim)])
+            for i in range(local)
+        ]
     )
     multi_query_column(
         sp, name, attn.query_key_value, heads * head_dim, head_dim=head_dim, kv_rows=kv_rows, split=split,

@@ -5,8 +5,9 @@ transformers 5 keeps all experts of a layer in one module with two 3-D parameter
 gate_up_proj (E, 2F, H) holding [gate; up] per expert, and down_proj (E, H, F); its forward
 sends each token to its top-k experts and sums act(gate) * up -> down, weighted by the
 router. Each expert's gate and up are split by columns (rank r keeps [gate_r; up_r], its rows
-of each half, F split in 16-byte-aligned blocks as evenly as they go, placement Shard(1)) and down by rows (its columns F, Shard(2)), so
-each rank holds its share of every expert and computes a partial sum of the block's output:
+of each half, F split in 16-byte-aligned blocks as evenly as they go, placement Shard(1)) and
+down by rows (its columns F, Shard(2)), so each rank holds its share of every expert and
+computes a partial sum of the block's output:
 
     no sequence parallelism   the tokens and routing weights enter through copy_to_tp_region
                               (their gradients, partial on each rank, are summed), the output
@@ -104,7 +105,10 @@ def experts(sp: ShardingPass, name, module):
 
     with torch.no_grad():
         gate, up = module.gate_up_proj.detach().chunk(2, 1)
-        local = {"gate_up_proj": torch.cat([own(gate, 1), own(up, 1)], 1), "down_proj": own(module.down_proj.detach(), 2)}
+        local = {
+            "gate_up_proj": torch.cat([own(gate, 1), own(up, 1)], 1),
+            "down_proj": own(module.down_proj.detach(), 2),
+        }
     for key, dim in (("gate_up_proj", 1), ("down_proj", 2)):
         param = nn.Parameter(local[key].clone(), requires_grad=getattr(module, key).requires_grad)
         setattr(module, key, param)

@@ -63,7 +63,9 @@ def halves(key, param, dim, group, total, transpose=False, unit=1, sizes=None) -
     n, r = dist.get_world_size(group), dist.get_rank(group)
     start, size = (unit * v for v in shard_range(total // unit, n, r, sizes))
     own = torch.arange(start, start + size)
-    return [Piece(key, param, dim, torch.arange(size) + i * size, own + i * total, 2 * total, transpose) for i in range(2)]
+    return [
+        Piece(key, param, dim, torch.arange(size) + i * size, own + i * total, 2 * total, transpose) for i in range(2)
+    ]
 
 
 def interleaved(keys, param, group, total, *, stacked=False) -> list[Piece]:
@@ -86,7 +88,9 @@ def linear(layer, dim, transpose, group) -> list[Piece]:
     total, unit, sizes = _full_size(layer, dim), getattr(layer, "split_unit", 1), getattr(layer, "split_sizes", None)
     pieces = [split("weight", weight, dim, group, transpose, total, unit, sizes)]
     if bias is not None:
-        pieces.append(split("bias", bias, 0, group, total=total, unit=unit, sizes=sizes) if dim == 0 else whole("bias", bias))
+        pieces.append(
+            split("bias", bias, 0, group, total=total, unit=unit, sizes=sizes) if dim == 0 else whole("bias", bias)
+        )
     return pieces
 
 

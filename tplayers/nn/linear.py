@@ -144,7 +144,9 @@ class ColumnParallelLinear(_ParallelLinear):
     ):  # fmt: skip
         super().__init__(in_features, out_features, group=group, sequence_parallel=sequence_parallel, overlap=overlap)
         if out_features % split_unit:
-            raise ValueError(f"ColumnParallelLinear: split_unit {split_unit} needs out_features ({out_features}) in whole units")
+            raise ValueError(
+                f"ColumnParallelLinear: split_unit {split_unit} needs out_features ({out_features}) in whole units"
+            )
         if (split_unit > 1 or split_sizes is not None) and gather_output:
             raise ValueError("ColumnParallelLinear: split_unit / split_sizes need gather_output=False")
         self.split_unit = split_unit  # rows split in whole units (ParallelMLP's gate / up pairs: 2)
@@ -204,7 +206,9 @@ class RowParallelLinear(_ParallelLinear):
     ):  # fmt: skip
         super().__init__(in_features, out_features, group=group, sequence_parallel=sequence_parallel, overlap=overlap)
         if in_features % split_unit:
-            raise ValueError(f"RowParallelLinear: split_unit {split_unit} needs in_features ({in_features}) in whole units")
+            raise ValueError(
+                f"RowParallelLinear: split_unit {split_unit} needs in_features ({in_features}) in whole units"
+            )
         if (split_unit > 1 or split_sizes is not None) and not input_is_parallel:
             raise ValueError("RowParallelLinear: split_unit / split_sizes need input_is_parallel=True")
         self.split_unit = split_unit  # columns split in whole units (attention's heads: head_dim)
@@ -219,7 +223,9 @@ class RowParallelLinear(_ParallelLinear):
 
     def _set_shards(self, weight, bias, device):
         """Keep this rank's columns of the full weight; the bias is whole on every rank."""
-        self.weight = nn.Parameter(own_slice(weight, 1, self.group, self.split_unit, self.split_sizes).to(device=device, copy=True))
+        self.weight = nn.Parameter(
+            own_slice(weight, 1, self.group, self.split_unit, self.split_sizes).to(device=device, copy=True)
+        )
         self.register_parameter("bias", None if bias is None else nn.Parameter(bias.to(device=device, copy=True)))
         self._tag_parameters()
 

@@ -30,9 +30,7 @@ class ParallelRMSNorm(PlacedModule):
 
     _placements = {"weight": Shard(0)}
 
-    def __init__(
-        self, hidden_size, eps=1e-6, *, group=None, split_unit=1, split_sizes=None, device=None, dtype=None
-    ):
+    def __init__(self, hidden_size, eps=1e-6, *, group=None, split_unit=1, split_sizes=None, device=None, dtype=None):
         super().__init__()
         self.group = resolve_group(group)
         self.tp_size = dist.get_world_size(self.group)
@@ -102,7 +100,9 @@ class ComputedRowsRMSNorm(PlacedModule):
 
     def forward(self, x):
         if x.shape[-1] != self.rows.numel():
-            raise ValueError(f"ComputedRowsRMSNorm: input last dim {x.shape[-1]} is not this rank's {self.rows.numel()}")
+            raise ValueError(
+                f"ComputedRowsRMSNorm: input last dim {x.shape[-1]} is not this rank's {self.rows.numel()}"
+            )
         h = x.float()
         squares = sum_over_tp_region((h.pow(2) * self.counted).sum(-1, keepdim=True), self.group)
         h = h * torch.rsqrt(squares / self.hidden_size + self.eps)

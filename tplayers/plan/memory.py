@@ -120,8 +120,6 @@ def gathered_param_bytes(tensors, precision: Precision, *, dp: int) -> float:
     return sum(-(-r // dp) * dp * c for r, c, summed in tensors if not summed) * precision.param_bytes
 
 
-
-
 def layer_activation_bytes(
     model: ModelSpec,
     micro_batch: int = 1,
@@ -189,7 +187,13 @@ def _embedding_activation_bytes(model: ModelSpec, micro_batch: int, tp: int, sp:
 
 
 def _output_activation_bytes(
-    model: ModelSpec, micro_batch: int, tp: int, sp: bool, d: float, vocab: int, implementation: str = "megatron",
+    model: ModelSpec,
+    micro_batch: int,
+    tp: int,
+    sp: bool,
+    d: float,
+    vocab: int,
+    implementation: str = "megatron",
     tp_rank: int = 0,
 ) -> float:
     """Output layer: final-norm input and projection input (2*d*s*b*h, /t with SP) and the fp32
