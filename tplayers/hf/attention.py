@@ -148,7 +148,8 @@ def _qkvo_by_whole_heads(sp: ShardingPass, name, attn, out, head_dim, heads, kv_
     groups that do not follow the query heads: the query heads split whole (`head_split`); each
     rank computes, for each of its query heads, the key / value head it reads (rows of the key /
     value weights kept whole on every rank, their gradients summed over the group), so its heads
-    pair one to one (num_key_value_groups 1) even where its queries straddle two key/value groups. The output projection splits its input by the same heads."""
+    pair one to one (num_key_value_groups 1) even where its queries straddle two key/value groups.
+    The output projection splits its input by the same heads."""
     sizes, local, rows = _heads_and_kv_rows(name, heads, kv_heads, head_dim, sp)
     sp.shared_input_column(f"{name}.q_proj", attn.q_proj, split_unit=head_dim, split_sizes=sizes)
     _replicated_kv(sp, name, attn, rows)
