@@ -21,6 +21,8 @@ def build_and_call(rank, tp, group, case):
         tplayers.RowParallelLinear(10, 8, group=group, split_unit=4)
     elif case == "split_sizes":  # an explicit split must cover the units once, one size per rank
         tplayers.ColumnParallelLinear(8, 12, group=group, split_unit=4, split_sizes=[2, 1, 1])
+    elif case == "split_sizes_differ":  # each rank's split is valid, but not its peers'
+        tplayers.RowParallelLinear(12, 8, group=group, split_unit=4, split_sizes=[1, 1, 1] if rank else [2, 1, 0])
     elif case == "split_sizes_gathered":
         tplayers.ColumnParallelLinear(8, 12, group=group, split_sizes=[4, 4, 4], gather_output=True)
     col = tplayers.ColumnParallelLinear(8, 6 * tp, group=group, sequence_parallel=case.startswith("sp"))
@@ -40,6 +42,10 @@ CASES = {
     "out_not_in_units": (ValueError, r"split_unit 4 needs out_features \(10\) in whole units"),
     "in_not_in_units": (ValueError, r"split_unit 4 needs in_features \(10\) in whole units"),
     "split_sizes": (ValueError, r"split sizes \[2, 1, 1\] are not 3 non-negative sizes summing to 3"),
+    "split_sizes_differ": (
+        ValueError,
+        r"the ranks were told different splits \(rank by rank: \[\[2, 1, 0\], \[1, 1, 1\]",
+    ),
     "split_sizes_gathered": (ValueError, r"split_unit / split_sizes need gather_output=False"),
     "last_dim": (ValueError, r"input last dim \(7,\) does not match the layer's 8"),
     "dtype": (TypeError, "input dtype torch.float16 does not match the weight dtype torch.float32"),

@@ -54,6 +54,13 @@ def all_reduce(t, group, *, async_op=False):
     return dist.all_reduce(t, group=group, async_op=async_op)
 
 
+def control_device(group) -> torch.device:
+    """Where a small control message for `group` lives: NCCL moves only CUDA tensors."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def all_gather_into(out, t, group, *, async_op=False, record=True):
     """Gather `t` from every rank into `out` (n * t.numel() elements, rank-major). record=False:
     not counted (control messages, not the model's data)."""

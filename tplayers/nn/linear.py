@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from tplayers.distributed import resolve_group
+from tplayers.functional import comm
 from tplayers.functional.auto_overlap import check_overlap
 from tplayers.functional.collectives import gather_from_tp_region, own_slice, scatter_to_tp_region
 from tplayers.functional.linear import column_parallel_linear, row_parallel_linear
@@ -33,11 +34,20 @@ def _divide(total: int, n: int, what: str) -> int:
 
 def _split(total: int, unit: int, sizes, group, what: str) -> tuple[int, ...]:
     """Every rank's share of a dimension of `total`, in whole units of `unit`: the explicit
-    `sizes` (checked), else as torch.chunk splits the units."""
+    `sizes` (checked here, and against the other ranks': one tiny all-gather at construction, so a
+    rank told another split than its peers fails on every rank, not silently in the reductions),
+    else as torch.chunk splits the units."""
     n = dist.get_world_size(group)
     if sizes is None:
         return tuple(shard_sizes(total // unit, n))
-    return check_sizes(sizes, total // unit, n, what)
+    sizes = check_sizes(sizes, total // unit, n, what)
+    if n > 1:
+        device = comm.control_device(group)
+        told = torch.empty(n, n, dtype=torch.int64, device=device)
+        comm.all_gather_into(told, torch.tensor([sizes], device=device), group, record=False)
+        if any(row != list(sizes) for row in told.tolist()):
+            raise ValueError(f"{what}: the ranks were told different splits (rank by rank: {told.tolist()})")
+    return sizes
 
 
 def refuse_own_forward(module, base, what):
