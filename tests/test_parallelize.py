@@ -34,6 +34,8 @@ def tiny_model(family):
         return tf.LlamaForCausalLM(cfg)
     if family == "mistral":
         return tf.MistralForCausalLM(tf.MistralConfig(**common, num_attention_heads=4, num_key_value_heads=4))
+    if family == "two_heads":
+        return tf.MistralForCausalLM(tf.MistralConfig(**common, num_attention_heads=2, num_key_value_heads=1))
     if family == "gpt2":  # Conv1D, fused c_attn, tied embeddings
         cfg = tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64)
         cfg.resid_pdrop = cfg.embd_pdrop = cfg.attn_pdrop = 0.0
@@ -129,8 +131,7 @@ def bad_input(rank, tp, group, case):
     if case == "unrecognised":
         tplayers.parallelize(Custom(), group=group)
     elif case == "heads":
-        tplayers.parallelize(tiny_model("mistral", num_attention_heads=2, num_key_value_heads=1, hidden_size=16),
-                             group=group)  # 2 heads on 3 ranks: one would hold none  # fmt: skip
+        tplayers.parallelize(tiny_model("two_heads"), group=group)  # 2 heads on 3 ranks: one would hold none
     elif case == "bad_plan":
         tplayers.parallelize(Custom(), group=group, plan={"up": "diagonal"})
     elif case == "too_long":
