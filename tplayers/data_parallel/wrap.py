@@ -34,11 +34,17 @@ from dataclasses import fields
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+# FSDP2's custom-collective interface (`set_custom_all_gather` / `set_custom_reduce_scatter` are
+# public; the base classes they take are not exported elsewhere in torch 2.13)
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tplayers.distributed import resolve_group
+from tplayers.functional import comm
 from tplayers.placement import TIED_ACROSS_STAGES, get_placement, refuse_overlap, update_placement
 
 STAGES = (0, 1, 2, 3)
@@ -102,17 +108,64 @@ def sharding_units(module) -> list[nn.Module]:
     return list(max(lists, key=len)) if lists else []
 
 
-def _average_over(group):
-    """The mean over the replicas, as the engines take it for every other gradient (and, like
-    theirs, outside `tplayers.count_bytes`, which counts the tensor-parallel layers' traffic)."""
+def _average_after_reduce(params, group):
+    """FSDP2's hook after a unit's gradient reduction: the mean over the replicas of the
+    gradients of `params`, the unit's weights kept out of FSDP2 (summed over TP by their own
+    hook). It runs when the engine reduces, once per step under accumulation (train_step's
+    `set_requires_gradient_sync`) and in pipeline schedules (which reduce after the last
+    micro-batch), with the micro-batches' gradients accumulated."""
     n = dist.get_world_size(group)
 
-    def hook(grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=group)
-        return grad.div_(n)
+    def hook(_reduce_output):
+        for p in params:
+            if p.grad is not None:
+                comm.all_reduce(p.grad, group, axis="dp")
+                p.grad.div_(n)
 
     return hook
+
+
+def _keep_whole_while_accumulating(module):
+    """ZeRO-2 (parameters whole from forward until after backward): while `train_step`
+    accumulates micro-batches without a reduction, the parameters stay whole from the first
+    micro-batch's gather to the last one's backward: one gather per step, in the memory ZeRO-2
+    already holds (ZeRO-3 gathers per micro-batch, its point)."""
+    engine = module.set_requires_gradient_sync
+
+    def set_requires_gradient_sync(requires_gradient_sync: bool, *args, **kwargs):
+        module.set_reshard_after_backward(bool(requires_gradient_sync))
+        return engine(requires_gradient_sync, *args, **kwargs)
+
+    set_requires_gradient_sync.__doc__ = engine.__doc__
+    module.set_requires_gradient_sync = set_requires_gradient_sync
+
+
+def _counted_all_reduce(group, bucket):
+    """DDP's own all-reduce of a gradient bucket (the mean), counted as data-parallel bytes."""
+    comm.record("all_reduce", bucket.buffer(), group, "dp")
+    return default_hooks.allreduce_hook(group, bucket)
+
+
+class _CountedAllGather(AllGather):
+    """FSDP2's all-gather of parameters, counted as data-parallel bytes."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        comm.record("all_gather", output_tensor, group, "dp")
+        return comm.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class _CountedReduceScatter(ReduceScatter):
+    """FSDP2's reduce-scatter of gradients, counted as data-parallel bytes."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        comm.record("reduce_scatter", input_tensor, group, "dp")
+        return comm.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
 def _refuse_stale_optimizer(optimizer, args, kwargs):
@@ -152,6 +205,7 @@ def data_parallel(
         from torch.distributed._composable import replicate  # torch's composable DDP, in place
 
         replicate(module, process_group=pg, bucket_cap_mb=bucket_cap_mb)
+        module.register_comm_hook(pg, _counted_all_reduce)
         for p in module.parameters():
             update_placement(p, dp_group=pg)
     else:
@@ -166,6 +220,10 @@ def data_parallel(
         for unit in sharding_units(module):
             fully_shard(unit, **kwargs)
         fully_shard(module, **kwargs)
+        for unit in module.modules():  # the root and every block: their collectives counted
+            if isinstance(unit, FSDPModule):
+                unit.set_custom_all_gather(_CountedAllGather())
+                unit.set_custom_reduce_scatter(_CountedReduceScatter())
         for name, p in module.named_parameters():
             if p is not old[name]:  # FSDP2's DTensor over the replicas: the record goes with it
                 setattr(old[name], _REPLACED, name)
@@ -174,9 +232,19 @@ def data_parallel(
                 update_placement(p, dp_group=pg, dp_sharded=True)
         for p in empty:
             update_placement(p, dp_group=pg)
-        for p in summed:  # after the hook that sums them over TP: the mean over the replicas
+        units = [*sharding_units(module), module]
+        owner = {}
+        for unit in units:  # each summed weight to the innermost unit holding it
+            for p in unit.parameters():
+                owner.setdefault(p, unit)
+        for unit in units:  # after the hook that sums them over TP: the mean over the replicas
+            own = [p for p in summed if owner[p] is unit]
+            if own:
+                unit.set_all_reduce_hook(_average_after_reduce(own, pg))
+        for p in summed:
             update_placement(p, dp_group=pg)
-            p.register_hook(_average_over(pg))
+        if zero_stage == 2:
+            _keep_whole_while_accumulating(module)
         if _stale_hook is None:
             _stale_hook = register_optimizer_step_pre_hook(_refuse_stale_optimizer)
     setattr(module, _WRAPPED, (pg, zero_stage))
@@ -197,7 +265,11 @@ def data_parallel_optimizer(module: nn.Module, optimizer_class, **kwargs):
     if wrapped is not None and wrapped[1] == 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return ZeroRedundancyOptimizer(
-            list(module.parameters()), optimizer_class=optimizer_class, process_group=wrapped[0], **kwargs
-        )
+        params = list(module.parameters())
+        optimizer = ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, process_group=wrapped[0], **kwargs)
+        # each rank's updated partition goes to every replica after the step (torch's broadcasts,
+        # counted as the all-gather of the parameters they amount to)
+        nbytes = sum(p.numel() * p.element_size() for p in params)
+        optimizer.register_step_post_hook(lambda *_: comm.record("all_gather", nbytes, wrapped[0], "dp"))
+        return optimizer
     return optimizer_class(module.parameters(), **kwargs)

@@ -2,7 +2,10 @@
 
 Each call records the bytes this rank puts on the wire: exact bytes for point-to-point sends,
 and the ring algorithm's cost for collectives ((n-1)/n of the gathered / reduced buffer per
-AllGather or ReduceScatter, 2(n-1)/n per AllReduce) — the minimum any algorithm needs.
+AllGather or ReduceScatter, 2(n-1)/n per AllReduce) — the minimum any algorithm needs — by op
+kind and by parallelism axis ("tp", "dp", "pp"). The engines tplayers drives record theirs too:
+DDP's buckets through a comm hook, FSDP2's gathers and reduce-scatters through its custom
+collectives, the pipeline's sends through the stage (`tplayers.data_parallel`, `tplayers.pipeline`).
 `count_bytes()` collects them; `tplayers demo`, the benchmarks and the tests read it.
 """
 
@@ -12,16 +15,33 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-_counters: list[Counter] = []
+AXES = ("tp", "dp", "pp")
+
+
+class ByteCount(Counter):
+    """Bytes this rank sent inside a `count_bytes()` block: by op kind (the Counter's keys:
+    "all_reduce", "all_gather", "reduce_scatter", "send") and by parallelism axis (`by_axis()`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.axes = Counter()
+
+    def by_axis(self) -> dict[str, int]:
+        """{"tp": ..., "dp": ..., "pp": ...}: bytes sent over each axis (0 where none)."""
+        return {axis: self.axes[axis] for axis in AXES}
+
+
+_counters: list[ByteCount] = []
 # torch >= 2.13 renamed the single-tensor collectives; older releases only have the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @contextlib.contextmanager
 def count_bytes():
-    """Count bytes this rank sends inside the block, by op kind: `with count_bytes() as c: ...; c.total()`."""
-    counter = Counter()
+    """Count bytes this rank sends inside the block, by op kind and by axis:
+    `with count_bytes() as c: ...; c.total(), c["all_reduce"], c.by_axis()["dp"]`."""
+    counter = ByteCount()
     _counters.append(counter)
     try:
         yield counter
@@ -29,9 +49,21 @@ def count_bytes():
         _counters.remove(counter)
 
 
-def _record(kind: str, nbytes: float) -> None:
+def _record(kind: str, nbytes: float, axis: str = "tp") -> None:
     for counter in _counters:
         counter[kind] += int(round(nbytes))
+        counter.axes[axis] += int(round(nbytes))
+
+
+def record(kind: str, t: torch.Tensor | int, group, axis: str) -> None:
+    """Count a collective an engine runs on `t` (or that many bytes) over `group`: its input for
+    an all-reduce or a reduce-scatter, its output for an all-gather, the tensor for a send; as the
+    calls here count theirs."""
+    n, nbytes = dist.get_world_size(group), t if isinstance(t, int) else _nbytes(t)
+    if kind == "send":
+        _record(kind, nbytes, axis)
+    elif n > 1:
+        _record(kind, (2 if kind == "all_reduce" else 1) * (n - 1) / n * nbytes, axis)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -45,12 +77,12 @@ class _Done:
         return True
 
 
-def all_reduce(t, group, *, async_op=False):
+def all_reduce(t, group, *, async_op=False, axis="tp"):
     """Sum `t` in place over `group`."""
     n = dist.get_world_size(group)
     if n == 1:
         return _Done() if async_op else None
-    _record("all_reduce", 2 * (n - 1) / n * _nbytes(t))
+    _record("all_reduce", 2 * (n - 1) / n * _nbytes(t), axis)
     return dist.all_reduce(t, group=group, async_op=async_op)
 
 
@@ -61,7 +93,7 @@ def control_device(group) -> torch.device:
     return torch.device("cpu")
 
 
-def all_gather_into(out, t, group, *, async_op=False, record=True):
+def all_gather_into(out, t, group, *, async_op=False, record=True, axis="tp"):
     """Gather `t` from every rank into `out` (n * t.numel() elements, rank-major). record=False:
     not counted (control messages, not the model's data)."""
     n = dist.get_world_size(group)
@@ -69,21 +101,21 @@ def all_gather_into(out, t, group, *, async_op=False, record=True):
         out.copy_(t.reshape(out.shape))
         return _Done() if async_op else None
     if record:
-        _record("all_gather", (n - 1) / n * _nbytes(out))
+        _record("all_gather", (n - 1) / n * _nbytes(out), axis)
     # gloo wants the gathered buffer shaped (n * t.shape[0], *t.shape[1:])
     flat_out = out.view(-1, *t.shape[1:])
-    return _all_gather_single(flat_out, t, group=group, async_op=async_op)
+    return all_gather_single(flat_out, t, group=group, async_op=async_op)
 
 
-def reduce_scatter_into(out, t, group, *, async_op=False):
+def reduce_scatter_into(out, t, group, *, async_op=False, axis="tp"):
     """Sum `t` (rank-major, n * out.numel() elements) over `group`; this rank's block into `out`."""
     n = dist.get_world_size(group)
     if n == 1:
         out.copy_(t.reshape(out.shape))
         return _Done() if async_op else None
-    _record("reduce_scatter", (n - 1) / n * _nbytes(t))
+    _record("reduce_scatter", (n - 1) / n * _nbytes(t), axis)
     flat_in = t.view(-1, *out.shape[1:])
-    return _reduce_scatter_single(out, flat_in, group=group, async_op=async_op)
+    return reduce_scatter_single(out, flat_in, group=group, async_op=async_op)
 
 
 def exchange(send_buf, group_dst: int, recv_buf, group_src: int, group):

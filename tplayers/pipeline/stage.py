@@ -11,7 +11,22 @@ import torch.distributed as dist
 from torch import nn
 
 from tplayers.distributed import resolve_group
+from tplayers.functional import comm
 from tplayers.placement import TIED_ACROSS_STAGES, get_placement, refuse_overlap, update_placement
+
+
+def _counted_sends(get_ops, group):
+    """torch's stage method returning a micro-batch's send ops, their tensors counted as pipeline
+    bytes (`tplayers.count_bytes`)."""
+
+    def counted(chunk_id):
+        ops = get_ops(chunk_id)
+        for op in ops:
+            if op.op is dist.isend:
+                comm.record("send", op.tensor, group, "pp")
+        return ops
+
+    return counted
 
 
 class PipelineStage:
@@ -70,6 +85,8 @@ class PipelineStage:
         self.torch_stage = TorchPipelineStage(
             self.module, self.stage_index, self.num_stages, self.device, group=self.group
         )
+        for name in ("get_fwd_send_ops", "get_bwd_send_ops"):  # activations and their gradients
+            setattr(self.torch_stage, name, _counted_sends(getattr(self.torch_stage, name), self.group))
 
     @property
     def is_first(self) -> bool:

@@ -25,23 +25,51 @@ def reduce_scatter_bytes(size: float, n: int) -> float:
 
 
 def dp_bytes_per_step(params: float, dp: int, zero_stage: int, num_microbatches: int, precision: Precision) -> float:
-    """Data-parallel bytes sent per GPU per step for `params` local parameters.
+    """Data-parallel bytes sent per GPU per step for `params` local parameters, as tplayers'
+    engines run a step of m = num_microbatches (`train_step` reduces once, in the last
+    micro-batch's backward; the others accumulate locally):
 
-    ZeRO paper Sec. 7: stage 0 all-reduces the gradients once per step (2*psi); stages 1-2
-    reduce-scatter gradients and all-gather parameters (same 2*psi); stage 3 all-gathers the
-    parameters in forward and again in backward (3*psi, 1.5x). Sharded gradients cannot be
-    accumulated locally, so stage 2 reduce-scatters every micro-batch and stage 3 gathers and
-    reduces every micro-batch (m = num_microbatches; with m = 1 these are the paper's ratios).
-    """
+        stage 0  one all-reduce of the gradients (2*psi, ZeRO paper Sec. 7)
+        stage 1  the same all-reduce (torch's ZeroRedundancyOptimizer on DDP), then each
+                 replica's updated partition to the others: an all-gather of the parameters (3*psi)
+        stage 2  one reduce-scatter of the gradients, one all-gather of the parameters, held
+                 whole through the accumulation (2*psi)
+        stage 3  one reduce-scatter; the parameters gathered for every micro-batch's forward and
+                 again for its backward (psi + 2*m*psi)
+
+    With the model's tensors, `dp_bytes_from_tensors` adds FSDP2's padding and the weights it
+    leaves to tplayers."""
     grads, weights = params * precision.grad_bytes, params * precision.param_bytes
     m = num_microbatches
     if zero_stage == 0:
         return all_reduce_bytes(grads, dp)
     if zero_stage == 1:
-        return reduce_scatter_bytes(grads, dp) + all_gather_bytes(weights, dp)
+        return all_reduce_bytes(grads, dp) + all_gather_bytes(weights, dp)
     if zero_stage == 2:
-        return m * reduce_scatter_bytes(grads, dp) + all_gather_bytes(weights, dp)
-    return m * (reduce_scatter_bytes(grads, dp) + 2 * all_gather_bytes(weights, dp))
+        return reduce_scatter_bytes(grads, dp) + all_gather_bytes(weights, dp)
+    return reduce_scatter_bytes(grads, dp) + 2 * m * all_gather_bytes(weights, dp)
+
+
+def dp_bytes_from_tensors(
+    tensors: list, dp: int, zero_stage: int, num_microbatches: int, precision: Precision
+) -> float:
+    """`dp_bytes_per_step` exactly, tensor by tensor ((rows, columns, summed), as `stage_tensors`
+    lists them): FSDP2 pads each tensor's rows to a multiple of dp; the weights kept out of it
+    (summed, `tplayers.data_parallel`) are all-reduced; stage 3 gathers every unit, the root
+    included, for each micro-batch's forward and again for its backward."""
+    pb, gb, m = precision.param_bytes, precision.grad_bytes, num_microbatches
+    every = sum(r * c for r, c, _ in tensors)
+    if zero_stage == 0:
+        return all_reduce_bytes(every * gb, dp)
+    if zero_stage == 1:
+        return all_reduce_bytes(every * gb, dp) + all_gather_bytes(every * pb, dp)
+
+    summed = sum(r * c for r, c, s in tensors if s)
+    sharded = sum(-(-r // dp) * dp * c for r, c, s in tensors if not s)
+    out = reduce_scatter_bytes(sharded * gb, dp) + all_reduce_bytes(summed * gb, dp)
+    if zero_stage == 2:
+        return out + all_gather_bytes(sharded * pb, dp)
+    return out + 2 * m * all_gather_bytes(sharded * pb, dp)
 
 
 def tp_bytes_per_layer(model: ModelSpec, micro_batch: int, tp: int, recompute: str, activation_bytes: float) -> float:

@@ -9,6 +9,7 @@ from tplayers.plan.comm import (
     _link_bandwidth,
     all_gather_bytes,
     all_reduce_bytes,
+    dp_bytes_from_tensors,
     dp_bytes_per_step,
     group_link,
     tp_bytes_per_layer,
@@ -322,13 +323,16 @@ def _stage_tp_bytes_per_microbatch(ctx: _Context, stage: int) -> float:
 
 def _stage_pp_bytes_per_microbatch(ctx: _Context, stage: int) -> float:
     """Point-to-point bytes one GPU sends per micro-batch: the s*b*h activation to the next
-    stage and its gradient to the previous, split over the TP ranks (Narayanan et al. 2021
-    Sec. 4.1, scatter/gather optimisation); v sends each way per micro-batch when interleaved."""
+    stage and its gradient to the previous; v sends each way per micro-batch when interleaved.
+    Megatron splits them over the TP ranks (Narayanan et al. 2021 Sec. 4.1, scatter/gather
+    optimisation); tplayers' stages (torch's) send the whole activation from every TP rank,
+    sequence-sharded under sequence parallelism."""
     model, layout = ctx.model, ctx.layout
     pp, v = layout.pp, layout.virtual_stages
     if pp == 1:
         return 0.0
-    size = model.seq_len * layout.micro_batch * model.hidden * ctx.precision.activation_bytes / layout.tp
+    split = layout.tp if ctx.assumptions.implementation != "tplayers" or layout.sequence_parallel else 1
+    size = model.seq_len * layout.micro_batch * model.hidden * ctx.precision.activation_bytes / split
     forward_sends = v - (1 if stage == pp - 1 else 0)
     backward_sends = v - (1 if stage == 0 else 0)
     return (forward_sends + backward_sends) * size
@@ -361,8 +365,11 @@ def _stage_estimate(ctx: _Context, stage: int, links: dict[str, str], bubble: fl
     model, layout, cluster = ctx.model, ctx.layout, ctx.cluster
     params = _stage_params(ctx, stage)
     memory = _stage_memory(ctx, stage, params)
-    dp_bytes = dp_bytes_per_step(params, layout.dp, layout.zero_stage, layout.num_microbatches, ctx.precision)
     m = layout.num_microbatches
+    if model.has_dims:
+        dp_bytes = dp_bytes_from_tensors(_stage_tensors(ctx, stage), layout.dp, layout.zero_stage, m, ctx.precision)
+    else:
+        dp_bytes = dp_bytes_per_step(params, layout.dp, layout.zero_stage, m, ctx.precision)
     if not model.has_dims:
         comm = {"tp": None, "pp": None, "dp": dp_bytes}
         return StageEstimate(stage, params, memory, None, comm, None)

@@ -141,7 +141,7 @@ class RankMeasurement:
     """What one rank measured in one training step, in bytes."""
 
     comm: int  # sent in the whole step
-    comm_dp: int  # sent by the data-parallel gradient all-reduce
+    comm_dp: int  # sent over the data-parallel axis (the gradient reduction, ZeRO's gathers)
     comm_by_kind: dict[str, int]  # all_reduce / all_gather / reduce_scatter / send
     params: int
     grads: int
@@ -263,7 +263,7 @@ def _measure_step(case: ValidationCase, spec: ModelSpec, assumptions: Assumption
     model = _hf_llama(spec, vocab).to(dtype)
     tplayers.parallelize(model, group=tp_group, sequence_parallel=layout.sequence_parallel, vocab_parallel_logits=True)
     zero = layout.zero_stage
-    if zero:  # the engines reduce the gradients themselves, outside tplayers.count_bytes
+    if zero:  # the engines reduce the gradients themselves (counted: tplayers.count_bytes' "dp")
         tplayers.data_parallel(model, group=dp_group, zero_stage=zero)
     params = list(model.parameters())
     opt = tplayers.data_parallel_optimizer(model, torch.optim.Adam, lr=1e-3)
@@ -284,15 +284,14 @@ def _measure_step(case: ValidationCase, spec: ModelSpec, assumptions: Assumption
             activations = max(activations, saved.total)
             (loss / layout.num_microbatches).backward()
         stepped = [p for group in opt.param_groups for p in group["params"]]  # the masters, if any
-        with tplayers.count_bytes() as sent_dp:  # plain DDP: one all-reduce of every gradient
-            for p in stepped if layout.dp > 1 and not zero else ():
-                if p.grad is not None:
-                    comm.all_reduce(p.grad, dp_group)
-                    p.grad.div_(layout.dp)
+        for p in stepped if layout.dp > 1 and not zero else ():  # plain DDP: one all-reduce of every gradient
+            if p.grad is not None:
+                comm.all_reduce(p.grad, dp_group, axis="dp")
+                p.grad.div_(layout.dp)
         held = {id(p): p for p in [*params, *stepped]}.values()
         grads = _held_bytes([p.grad for p in held if p.grad is not None], padded=zero >= 2)
         params_bytes = _held_bytes(params, padded=zero >= 2)
-        opt.step()
+        opt.step()  # ZeRO-1's partitions sent to every replica
     model_ids = {id(p) for p in params}
     owned = sum(_nbytes(p) for p in stepped if id(p) not in model_ids)  # fp32 masters
     inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer: this replica's own optimizer
@@ -301,7 +300,7 @@ def _measure_step(case: ValidationCase, spec: ModelSpec, assumptions: Assumption
     opt.zero_grad(set_to_none=True)
     return RankMeasurement(
         comm=sent.total(),
-        comm_dp=sent_dp.total(),
+        comm_dp=sent.by_axis()["dp"],
         comm_by_kind=dict(sent),
         params=params_bytes,
         grads=grads,

@@ -62,17 +62,16 @@ def stage_tensors(
     if model.linear_bias:
         block += [((2 if model.gated_mlp else 1) * f, 1, False), (h, 1, False)]
     block += 2 * norm
-    tensors = []
+    front, back = [], []
     if first:
-        tensors.append((v, h, False))
+        front.append((v, h, False))
         if model.position_embedding == "learned":
-            tensors.append((model.max_positions, h, False))
-    tensors += layers * block
+            front.append((model.max_positions, h, False))
     if last:
-        tensors += [(r, c, False) for r, c, _ in norm]  # the final norm sees the whole sequence
+        back += [(r, c, False) for r, c, _ in norm]  # the final norm sees the whole sequence
         if lm_head:
-            tensors.append((v, h, False))
-    return tensors
+            back.append((v, h, False))
+    return front + layers * block + back
 
 
 def zero_state_bytes_per_rank(tensors, precision: Precision, *, zero_stage: int, dp: int) -> list[tuple]:

@@ -259,12 +259,11 @@ def compare(
         + hf_llama_extra_activations(spec, layout, precision, r % layout.tp)
         for r in range(len(ranks))
     )
-    comm = [Check("comm tp", measured["comm_tp"], by_group["tp"])]
-    if not layout.zero_stage:  # ZeRO's engines send outside tplayers.count_bytes: not measured
-        comm += [
-            Check("comm dp", measured["comm_dp"], by_group["dp"]),
-            Check("comm total", measured["comm"], sum(by_group.values())),
-        ]
+    comm = [
+        Check("comm tp", measured["comm_tp"], by_group["tp"]),
+        Check("comm dp", measured["comm_dp"], by_group["dp"]),
+        Check("comm total", measured["comm"], sum(by_group.values())),
+    ]
     checks = (
         *comm,
         Check("params", measured["params"], mem.params, predicted_per_rank=states[0]),

@@ -8,9 +8,12 @@ gradient clipping and (optionally) fp32 master weights, in the order that keeps 
 
 The order, and why:
 1. each micro-batch's loss is divided by their number (the step sees the mean) and scaled
-   before `backward()`; the gradients accumulate (in fp32 with master weights);
-   with `dp_group`, they are then averaged over the data-parallel replicas (one all-reduce per
-   dtype, on the master gradients), before anything reads them;
+   before `backward()`; the gradients accumulate (in fp32 with master weights). On a
+   data-parallel model (`tplayers.data_parallel`, or any module with torch's
+   `set_requires_gradient_sync`: DDP, FSDP2) the replicas reduce once, in the last micro-batch's
+   backward: the others accumulate locally. With `dp_group`, the gradients are averaged over
+   the replicas after the last backward (one all-reduce per dtype, on the master gradients),
+   before anything reads them;
 2. `scaler.unscale_` divides the gradients by the scale and agrees on overflow across every rank
    holding part of the model; clipping must come after it, or it would clip scaled gradients;
 3. `clip_grad_norm_` over the optimizer's parameters: the norm of the full unsharded gradient
@@ -92,13 +95,20 @@ def train_step(
             )
         total = model.forward_backward(*batches[0], loss_scale=scale)  # scale: 1.0 unless a scaler is on
         batches = [None]  # one mean loss, already over the micro-batches
-    for batch in batches if total is None else ():
-        loss = loss_fn(model, batch)
-        if not (torch.is_tensor(loss) and loss.numel() == 1):
-            raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
-        total = loss.detach().float() if total is None else total + loss.detach().float()
-        loss = loss / len(batches)
-        (scaler.scale(loss) if scaler is not None else loss).backward()
+    syncing = _gradient_syncing(model) if total is None else []
+    try:
+        for i, batch in enumerate(batches if total is None else ()):
+            for module in syncing:  # one reduction over the replicas per step: in the last backward
+                module.set_requires_gradient_sync(i == len(batches) - 1)
+            loss = loss_fn(model, batch)
+            if not (torch.is_tensor(loss) and loss.numel() == 1):
+                raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
+            total = loss.detach().float() if total is None else total + loss.detach().float()
+            loss = loss / len(batches)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+    finally:
+        for module in syncing:
+            module.set_requires_gradient_sync(True)
 
     if dp_group is not None:
         _average_gradients(_optimizer_parameters(optimizer), resolve_group(dp_group))
@@ -124,6 +134,14 @@ def train_step(
     )
 
 
+def _gradient_syncing(model) -> list:
+    """The data-parallel engines' modules in `model` that take torch's gradient-sync switch
+    (composable DDP's root, FSDP2's root and units: the root's call covers its units)."""
+    if not isinstance(model, torch.nn.Module):
+        return []
+    return [m for m in model.modules() if callable(getattr(m, "set_requires_gradient_sync", None))]
+
+
 @torch.no_grad()
 def _average_gradients(params: list, group) -> None:
     """Mean of every gradient over `group`: one flat all-reduce per (device, dtype)."""
@@ -136,7 +154,7 @@ def _average_gradients(params: list, group) -> None:
             buckets.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
     for grads in buckets.values():  # the same keys in the same order on every replica
         flat = torch.cat([g.reshape(-1) for g in grads])
-        comm.all_reduce(flat, group)
+        comm.all_reduce(flat, group, axis="dp")
         flat.div_(n)
         offset = 0
         for g in grads:

@@ -1,0 +1,123 @@
+"""Data-parallel communication: `train_step` reduces the gradients over the replicas once per
+step whatever the micro-batches (every ZeRO stage), the result equals the unsharded model trained
+on the whole batch, and `count_bytes().by_axis()` sees the tensor-, data- and pipeline-parallel
+traffic, each exactly as the planner prices it."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import tplayers
+from tplayers.plan import Assumptions, ClusterSpec, Layout, ModelSpec, Precision, estimate
+from tplayers.testing import assert_close
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_families import tiny_model  # noqa: E402
+
+pytestmark = pytest.mark.multirank
+
+MICRO_BATCHES, TOKENS = 4, 8
+# tiny_model("llama"): hidden 32, 4 heads of 8, 2 key/value heads, MLP 64, vocabulary 96, 2 layers
+SPEC = ModelSpec(layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8, ffn_hidden=64, vocab=96, seq_len=TOKENS,
+                 max_positions=64)  # fmt: skip
+FP32 = Precision.preset("fp32-adam")
+
+
+def batches(replica, micro_batches):
+    return torch.randint(3, 96, (micro_batches, 2, TOKENS), generator=torch.Generator().manual_seed(10 + replica))
+
+
+def loss_fn(model, ids):
+    return model(ids, labels=ids).loss
+
+
+def accumulate(rank, world, group, zero_stage, micro_batches, through_train_step=True):
+    """TP 2 x DP 2: one warm-up step, then one counted step of `micro_batches`; returns the
+    counted bytes by axis and kind, and the full state dict after both steps."""
+    mesh = tplayers.init_mesh(dp=2, tp=2)
+    model = tiny_model("llama")
+    tplayers.parallelize(model, group=mesh["tp"], sequence_parallel=True, verify=False)
+    tplayers.data_parallel(model, group=mesh["dp"], zero_stage=zero_stage)
+    opt = tplayers.data_parallel_optimizer(model, torch.optim.SGD, lr=0.5)
+    ids = batches(mesh["dp"].get_local_rank(), micro_batches)
+    tplayers.train_step(model, opt, list(ids), loss_fn)
+    with tplayers.count_bytes() as sent:
+        if through_train_step:
+            tplayers.train_step(model, opt, list(ids), loss_fn)
+        else:  # the negative control: every micro-batch's backward reduces
+            for batch in ids:
+                (loss_fn(model, batch) / micro_batches).backward()
+            opt.step()
+            opt.zero_grad()
+    return sent.by_axis(), dict(sent), tplayers.gather_state_dict(model)
+
+
+def planned_dp_bytes(zero_stage, micro_batches):
+    layout = Layout(tp=2, dp=2, zero_stage=zero_stage, num_microbatches=micro_batches, sequence_parallel=True)
+    est = estimate(SPEC, ClusterSpec.preset("h100", num_gpus=4), layout, FP32,
+                   assumptions=Assumptions(implementation="tplayers"))  # fmt: skip
+    return est.comm_bytes_by_group["dp"]
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+def test_one_reduction_per_step_at_every_zero_stage(pool, zero_stage):
+    """4 micro-batches send over the replicas what the planner prices for one step (stages 0-2:
+    what one micro-batch would; stage 3 gathers the parameters per micro-batch but reduces once);
+    the weights after two steps equal the unsharded model trained on both replicas' batches."""
+    replies = pool.run(accumulate, 4, zero_stage, MICRO_BATCHES)
+    single = pool.run(accumulate, 4, zero_stage, 1)
+    for (axes, kinds, _), (one_axes, _, _) in zip(replies, single, strict=True):
+        assert axes["dp"] == planned_dp_bytes(zero_stage, MICRO_BATCHES), (axes, kinds)
+        assert axes["pp"] == 0 and axes["tp"] == MICRO_BATCHES * one_axes["tp"]
+        if zero_stage < 3:
+            assert axes["dp"] == one_axes["dp"], (axes, one_axes)
+        else:  # the gathers per micro-batch, the reduce-scatter once (the planner's split of it)
+            assert one_axes["dp"] < axes["dp"] < MICRO_BATCHES * one_axes["dp"], (axes, one_axes)
+    reference = tiny_model("llama")
+    opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for _ in range(2):  # the mean over the 2 replicas x 4 micro-batches
+        both = torch.cat([batches(r, MICRO_BATCHES) for r in range(2)])
+        (sum(loss_fn(reference, b) for b in both) / len(both)).backward()
+        opt.step()
+        opt.zero_grad()
+    for key, value in reference.state_dict().items():
+        assert_close(replies[0][2][key], value, msg=lambda m, k=key: f"{k} after 2 steps: {m}")
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_reducing_every_micro_batch_is_what_train_step_saves(pool, zero_stage):
+    """The negative control: backward per micro-batch without train_step reduces each time."""
+    plain = pool.run(accumulate, 4, zero_stage, MICRO_BATCHES, False)[0][0]["dp"]
+    once = planned_dp_bytes(zero_stage, MICRO_BATCHES)
+    assert plain > once, (plain, once)
+    if zero_stage == 0:  # one all-reduce per micro-batch
+        assert plain == MICRO_BATCHES * once
+
+
+def pipeline_bytes(rank, world, group):
+    """PP 2 x TP 2, 4 micro-batches of 2 x 8 tokens: what each rank sends, by axis."""
+    mesh = tplayers.init_mesh(pp=2, tp=2)
+    model = tiny_model("llama")
+    tplayers.parallelize(model, group=mesh["tp"], verify=False)
+    stages = tplayers.pipeline_split(model, group=mesh["pp"])
+    schedule = tplayers.Schedule1F1B(stages[0], MICRO_BATCHES, lambda logits, ids: logits.float().mean())
+    ids = torch.randint(3, 96, (2 * MICRO_BATCHES, TOKENS), generator=torch.Generator().manual_seed(0))
+    schedule.step(ids, target=ids)
+    with tplayers.count_bytes() as sent:
+        schedule.step(ids, target=ids)
+    return mesh["pp"].get_local_rank(), sent.by_axis()
+
+
+def test_pipeline_bytes_by_axis(pool):
+    """Each stage sends its activations forward (the first) or their gradients back (the last),
+    2 x 8 x 32 fp32 per micro-batch, as the planner prices a stage's pipeline traffic (every TP
+    rank sends the whole activation: tplayers does not split it over them)."""
+    layout = Layout(tp=2, pp=2, num_microbatches=MICRO_BATCHES, micro_batch=2)
+    est = estimate(SPEC, ClusterSpec.preset("h100", num_gpus=4), layout, FP32,
+                   assumptions=Assumptions(implementation="tplayers"))  # fmt: skip
+    for stage, axes in pool.run(pipeline_bytes, 4):
+        assert axes["pp"] == MICRO_BATCHES * 2 * TOKENS * 32 * 4, axes
+        assert axes["dp"] == 0 and axes["tp"] > 0
+        assert est.stages[stage].comm_bytes_by_group["pp"] == axes["pp"], (est.stages[stage], axes)
