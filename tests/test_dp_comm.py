@@ -12,6 +12,7 @@ import torch
 import tplayers
 from tplayers.plan import Assumptions, ClusterSpec, Layout, ModelSpec, Precision, estimate
 from tplayers.testing import assert_close
+from tplayers.tolerances import tolerance
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_families import tiny_model  # noqa: E402
@@ -121,3 +122,49 @@ def test_pipeline_bytes_by_axis(pool):
         assert axes["pp"] == MICRO_BATCHES * 2 * TOKENS * 32 * 4, axes
         assert axes["dp"] == 0 and axes["tp"] > 0
         assert est.stages[stage].comm_bytes_by_group["pp"] == axes["pp"], (est.stages[stage], axes)
+
+
+def compressed(rank, world, group, zero_stage, compress):
+    """TP 2 x DP 2, two steps of 2 micro-batches: dp bytes of the second, the full state dict."""
+    mesh = tplayers.init_mesh(dp=2, tp=2)
+    model = tiny_model("llama")
+    tplayers.parallelize(model, group=mesh["tp"], verify=False)
+    tplayers.data_parallel(model, group=mesh["dp"], zero_stage=zero_stage, compress=compress)
+    opt = tplayers.data_parallel_optimizer(model, torch.optim.SGD, lr=0.5)
+    ids = batches(mesh["dp"].get_local_rank(), 2)
+    tplayers.train_step(model, opt, list(ids), loss_fn)
+    with tplayers.count_bytes() as sent:
+        tplayers.train_step(model, opt, list(ids), loss_fn)
+    return sent.by_axis()["dp"], dict(sent), tplayers.gather_state_dict(model)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+def test_bf16_compression_halves_the_gradient_bytes(pool, zero_stage):
+    """compress="bf16": the gradients' reduction moves half the bytes (stages 0-1: the whole
+    reduction; 2-3: the reduce-scatter, the parameters still gathered in fp32); every replica and
+    every TP rank holds the same weights, bit for bit; they stay within bf16's tolerance of the
+    uncompressed run."""
+    plain = pool.run(compressed, 4, zero_stage, None)
+    bf16 = pool.run(compressed, 4, zero_stage, "bf16")
+    reduction = planned_dp_bytes(0, 1)  # the fp32 all-reduce of every gradient
+    for (dp, kinds, _), (dp_plain, kinds_plain, _) in zip(bf16, plain, strict=True):
+        if zero_stage < 2:  # 12448 gradients in one bucket, split evenly over 2 replicas: exactly half
+            assert dp_plain - dp == reduction / 2 and kinds["all_to_all"] == reduction / 4, (kinds, kinds_plain)
+        else:  # (no sequence parallelism: every reduce-scatter is FSDP2's)
+            assert kinds["reduce_scatter"] == kinds_plain["reduce_scatter"] / 2, (kinds, kinds_plain)
+    for reply in bf16[1:]:  # replicas (ranks 0 / 2) and TP ranks (0 / 1) alike
+        for key, value in reply[2].items():
+            assert torch.equal(value, bf16[0][2][key]), key
+    for key, value in plain[0][2].items():
+        torch.testing.assert_close(
+            bf16[0][2][key], value, **tolerance(torch.bfloat16), msg=lambda m, k=key: f"{k}: {m}"
+        )
+
+
+def refused_compression(rank, world, group, compress, zero_stage):
+    tplayers.data_parallel(tiny_model("llama"), group=group, zero_stage=zero_stage, compress=compress)
+
+
+def test_an_unknown_compression_is_refused_on_every_rank(pool):
+    for reply in pool.run(refused_compression, 2, "int4", 0, return_exceptions=True):
+        assert "compress must be one of (None, 'bf16'), got 'int4'" in str(reply), reply

@@ -140,6 +140,32 @@ def _keep_whole_while_accumulating(module):
     module.set_requires_gradient_sync = set_requires_gradient_sync
 
 
+COMPRESSIONS = (None, "bf16")
+
+
+def _bf16_mean(group, bucket):
+    """DDP's gradient mean with bf16 on the wire and the sum held in fp32: each replica sends
+    chunk j of its bucket, cast to bf16, to replica j (an all-to-all), which sums the chunks in
+    fp32, divides and sends the mean back in bf16 (an all-gather): half the bytes of the fp32
+    all-reduce. Elementwise, so a weight replicated over the tensor-parallel ranks gets the same
+    mean on each of them; every replica gets the same bits."""
+    n, flat = dist.get_world_size(group), bucket.buffer()
+    chunk = -(-flat.numel() // n)
+    send = flat.new_zeros(n * chunk, dtype=torch.bfloat16)
+    send[: flat.numel()] = flat
+    received = torch.empty_like(send)
+    comm.record("all_to_all", send, group, "dp")
+    dist.all_to_all_single(received, send, group=group)
+    mean = (received.view(n, chunk).float().sum(0) / n).to(torch.bfloat16)
+    gathered = torch.empty_like(send)
+    comm.record("all_gather", gathered, group, "dp")
+    comm.all_gather_single(gathered, mean, group=group)
+    flat.copy_(gathered[: flat.numel()])
+    done = torch.futures.Future()
+    done.set_result(flat)
+    return done
+
+
 def _counted_all_reduce(group, bucket):
     """DDP's own all-reduce of a gradient bucket (the mean), counted as data-parallel bytes."""
     comm.record("all_reduce", bucket.buffer(), group, "dp")
@@ -185,8 +211,9 @@ _stale_hook = None
 
 
 def data_parallel(
-    module: nn.Module, *, group=None, zero_stage: int = 0, param_dtype=None, bucket_cap_mb: float = 25.0
-) -> nn.Module:
+    module: nn.Module, *, group=None, zero_stage: int = 0, param_dtype=None, bucket_cap_mb: float = 25.0,
+    compress=None,
+) -> nn.Module:  # fmt: skip
     """Make `module` data-parallel over `group` (ProcessGroup or 1-D DeviceMesh, e.g.
     `init_mesh(dp=2, tp=2)["dp"]`; None: every rank) at `zero_stage` 0-3 (module docstring), in
     place; returns it. Build the optimizer afterwards, with `data_parallel_optimizer`.
@@ -194,9 +221,15 @@ def data_parallel(
     16-bit training (ZeRO 2-3): keep the model in fp32 and pass `param_dtype=torch.bfloat16` (or
     fp16): FSDP2 computes forward and backward with 16-bit copies of the parameters it gathers,
     reduces gradients in fp32, and the fp32 shards it keeps are the master weights (each replica
-    holds 1/dp of them). `MixedPrecisionOptimizer` on a data-parallel model is refused."""
+    holds 1/dp of them). `MixedPrecisionOptimizer` on a data-parallel model is refused.
+
+    `compress="bf16"`: gradients cross the replicas in bf16, summed in fp32 (stages 0-1: an
+    all-to-all and an all-gather in DDP's comm hook; stages 2-3: FSDP2's reduce dtype), half the
+    bytes of the fp32 reduction; parameters are still gathered in their own dtype."""
     global _stale_hook
     mesh, pg = _mesh_and_group(group)
+    if compress not in COMPRESSIONS:
+        raise ValueError(f"data_parallel: compress must be one of {COMPRESSIONS}, got {compress!r}")
     _check(module, pg, zero_stage)
     if param_dtype is not None:
         _check_mixed_precision(module, zero_stage, param_dtype)
@@ -205,7 +238,7 @@ def data_parallel(
         from torch.distributed._composable import replicate  # torch's composable DDP, in place
 
         replicate(module, process_group=pg, bucket_cap_mb=bucket_cap_mb)
-        module.register_comm_hook(pg, _counted_all_reduce)
+        module.register_comm_hook(pg, _bf16_mean if compress == "bf16" else _counted_all_reduce)
         for p in module.parameters():
             update_placement(p, dp_group=pg)
     else:
@@ -215,8 +248,9 @@ def data_parallel(
         empty = {p for p in module.parameters() if p.numel() == 0}
         old = dict(module.named_parameters())
         kwargs = dict(mesh=mesh, reshard_after_forward=zero_stage == 3, ignored_params=set(summed) | empty)
-        if param_dtype is not None:
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        reduce_dtype = torch.bfloat16 if compress == "bf16" else torch.float32
+        if param_dtype is not None or compress is not None:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         for unit in sharding_units(module):
             fully_shard(unit, **kwargs)
         fully_shard(module, **kwargs)
