@@ -3,6 +3,8 @@ step whatever the micro-batches (every ZeRO stage), the result equals the unshar
 on the whole batch, and `count_bytes().by_axis()` sees the tensor-, data- and pipeline-parallel
 traffic, each exactly as the planner prices it."""
 
+import copy
+import math
 import sys
 from pathlib import Path
 
@@ -10,6 +12,7 @@ import pytest
 import torch
 
 import tplayers
+from tplayers.data_parallel import compress
 from tplayers.plan import Assumptions, ClusterSpec, Layout, ModelSpec, Precision, estimate
 from tplayers.testing import assert_close
 from tplayers.tolerances import tolerance
@@ -167,4 +170,129 @@ def refused_compression(rank, world, group, compress, zero_stage):
 
 def test_an_unknown_compression_is_refused_on_every_rank(pool):
     for reply in pool.run(refused_compression, 2, "int4", 0, return_exceptions=True):
-        assert "compress must be one of (None, 'bf16'), got 'int4'" in str(reply), reply
+        assert "compress must be one of 'bf16', 'int8', 'topk:<fraction>', got 'int4'" in str(reply), reply
+
+
+# -- int8 and top-k with error feedback (stages 0-1) ----------------------------------------------
+def compressed_bytes(spec, sizes, n=2):
+    """The dp bytes one step of one bucket sends: int8 an all-to-all and an all-gather of whole
+    blocks and their scales; top-k an all-gather of every replica's values and int32 indices."""
+    compression = tplayers.Compression.parse(spec)
+    if compression.kind == "int8":
+        _, chunk = compress.blocked(sizes, n)
+        return 2 * (n - 1) / n * n * chunk * (compress.BLOCK + 4)
+    k = sum(min(s, max(1, math.ceil(compression.fraction * s))) for s in sizes)
+    return (n - 1) * k * 8
+
+
+def local_sizes(rank, world, group):
+    mesh = tplayers.init_mesh(dp=2, tp=2)
+    model = tiny_model("llama")
+    tplayers.parallelize(model, group=mesh["tp"], verify=False)
+    return [p.numel() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("spec", ["int8", "topk:0.05"])
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_int8_and_topk_bytes_and_identical_replicas(pool, spec, zero_stage):
+    """TP 2 x DP 2: the dp bytes of a step are the compressor's formula exactly (one bucket;
+    ZeRO-1 adds its partitions' gather, uncompressed); every replica and TP rank holds the same
+    weights, bit for bit, after two steps."""
+    replies = pool.run(compressed, 4, zero_stage, spec)
+    plain = pool.run(compressed, 4, zero_stage, None)
+    sizes = pool.run(local_sizes, 4)
+    for (dp, _, _), (dp_plain, _, _), size in zip(replies, plain, sizes, strict=True):
+        params = 4 * sum(size) / 2 if zero_stage == 1 else 0  # ZeRO-1: (n-1)/n of the fp32 parameters
+        assert dp == compressed_bytes(spec, size) + params, (dp, compressed_bytes(spec, size), params)
+        assert dp - params < (dp_plain - params) / 3
+    for reply in replies[1:]:
+        for key, value in reply[2].items():
+            assert torch.equal(value, replies[0][2][key]), key
+
+
+def one_layer_steps(rank, world, group, spec, steps):
+    """DP 2 over one nn.Linear (960 entries: 15 blocks): each step's DDP gradient, each replica's
+    own gradient (from a plain copy), and the residual after the step."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(24, 40, bias=False)
+    plain = copy.deepcopy(model)
+    tplayers.data_parallel(model, group=group, compress=spec)
+    out = []
+    for step in range(steps):
+        x = torch.randn(5, 24, generator=torch.Generator().manual_seed(100 * step + rank))
+        (model(x) ** 2).mean().backward()
+        plain.weight.grad = None
+        (plain(x) ** 2).mean().backward()
+        residual = model._tplayers_compressor.residuals.get(model.weight)
+        out.append(
+            (model.weight.grad.clone(), plain.weight.grad.clone(), None if residual is None else residual.clone())
+        )
+        model.weight.grad = None
+    return out
+
+
+def simulate(spec, grads, residuals):
+    """The compressor on one process: (the mean every replica gets, each replica's new residual)."""
+    compression, n, sizes = tplayers.Compression.parse(spec), len(grads), [grads[0].numel()]
+    values = [g.reshape(-1) + (0 if r is None else r) for g, r in zip(grads, residuals, strict=True)]
+    if compression.kind == "int8":
+        q = [compress.quantize(compress.to_blocks(v, sizes, n)) for v in values]
+        sent = [compress.from_blocks(compress.dequantize(*qs), sizes) for qs in q]
+        summed = torch.stack([compress.dequantize(*qs) for qs in q]).sum(0) / n
+        mean = compress.from_blocks(compress.dequantize(*compress.quantize(summed)), sizes)
+    else:
+        sent = []
+        for v in values:
+            index = compress.topk_indices(v, sizes, compression.fraction).long()
+            sent.append(torch.zeros_like(v).index_put_((index,), v[index]))
+        mean = torch.zeros_like(values[0])
+        for s in sent:
+            nonzero = s.nonzero().squeeze(-1)
+            mean.index_add_(0, nonzero, s[nonzero])
+        mean = mean / n
+    return mean, [v - s for v, s in zip(values, sent, strict=True)]
+
+
+@pytest.mark.parametrize("spec", ["int8", "topk:0.1"])
+def test_a_single_process_simulation_equals_the_distributed_result(pool, spec):
+    """Three steps: each replica's gradient through the simulation gives the mean DDP hands every
+    replica, bit for bit, and each replica's residual is gradient + old residual - sent."""
+    replies = pool.run(one_layer_steps, 2, spec, 3)
+    residuals = [None, None]
+    for step in range(3):
+        grads = [reply[step][1] for reply in replies]
+        mean, residuals = simulate(spec, grads, residuals)
+        for rank, reply in enumerate(replies):
+            got, _, residual = reply[step]
+            assert torch.equal(got.reshape(-1), mean), (spec, step, rank)
+            assert torch.equal(residual, residuals[rank]), (spec, step, rank)
+    assert not torch.equal(replies[0][0][0], replies[0][0][1] / 2 + replies[1][0][1] / 2)  # it did compress
+
+
+def regression_loss(rank, world, group, error_feedback, steps=40):
+    """DP 2 linear regression with top-k 2 %: the final loss over both replicas' data."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 8, bias=False)
+    tplayers.data_parallel(model, group=group, compress=tplayers.Compression("topk", 0.02, error_feedback))
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    target = torch.randn(8, 32, generator=torch.Generator().manual_seed(7))
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(rank))
+    for _ in range(steps):
+        ((model(x) - x @ target.T) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return float(((model.weight.detach() - target) ** 2).mean())
+
+
+def test_topk_without_error_feedback_does_worse(pool):
+    """What error feedback is for: with it, top-k 2 % recovers the weights much better."""
+    with_feedback = pool.run(regression_loss, 2, True)[0]
+    without = pool.run(regression_loss, 2, False)[0]
+    assert with_feedback < 0.5 * without, (with_feedback, without)
+
+
+def test_int8_and_topk_are_refused_at_zero_2_3_naming_the_way_out(pool):
+    for reply in pool.run(refused_compression, 2, "int8", 3, return_exceptions=True):
+        assert "compress 'int8' needs the whole gradient" in str(reply) and "zero_stage=1" in str(reply), reply
+    for reply in pool.run(refused_compression, 2, "topk:x", 0, return_exceptions=True):
+        assert "'topk:<fraction>' needs a number, got 'topk:x'" in str(reply), reply

@@ -26,7 +26,7 @@ from tplayers.checkpoint import (
     save_checkpoint,
     save_pretrained,
 )
-from tplayers.data_parallel import ZeRO3, data_parallel, data_parallel_optimizer
+from tplayers.data_parallel import Compression, ZeRO3, data_parallel, data_parallel_optimizer
 from tplayers.distributed import RankError, init_mesh, launch
 from tplayers.functional.comm import count_bytes
 from tplayers.functional.cross_entropy import vocab_parallel_cross_entropy
@@ -68,6 +68,7 @@ __all__ = [
     "StepResult",
     "VocabParallelEmbedding",
     "ZeRO3",
+    "Compression",
     "clip_grad_norm_",
     "count_bytes",
     "data_parallel",

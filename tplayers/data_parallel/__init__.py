@@ -2,12 +2,14 @@
 tensor-parallel layers, on torch.distributed's own engines (composable DDP, ZeroRedundancyOptimizer,
 FSDP2).
 
-    wrap.py   data_parallel, ZeRO3, data_parallel_optimizer
+    wrap.py       data_parallel, ZeRO3, data_parallel_optimizer
+    compress.py   Compression: bf16, int8 and top-k gradients with error feedback
 
 May import: tplayers.nn, tplayers.functional and the foundations (backend, distributed,
 placement); never tplayers.hf or anything above it.
 """
 
+from tplayers.data_parallel.compress import Compression
 from tplayers.data_parallel.wrap import ZeRO3, data_parallel, data_parallel_optimizer
 
-__all__ = ["ZeRO3", "data_parallel", "data_parallel_optimizer"]
+__all__ = ["Compression", "ZeRO3", "data_parallel", "data_parallel_optimizer"]

@@ -43,6 +43,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from tplayers.data_parallel.compress import Compression, Compressor, compressed_mean
 from tplayers.distributed import resolve_group
 from tplayers.functional import comm
 from tplayers.placement import TIED_ACROSS_STAGES, get_placement, refuse_overlap, update_placement
@@ -140,32 +141,6 @@ def _keep_whole_while_accumulating(module):
     module.set_requires_gradient_sync = set_requires_gradient_sync
 
 
-COMPRESSIONS = (None, "bf16")
-
-
-def _bf16_mean(group, bucket):
-    """DDP's gradient mean with bf16 on the wire and the sum held in fp32: each replica sends
-    chunk j of its bucket, cast to bf16, to replica j (an all-to-all), which sums the chunks in
-    fp32, divides and sends the mean back in bf16 (an all-gather): half the bytes of the fp32
-    all-reduce. Elementwise, so a weight replicated over the tensor-parallel ranks gets the same
-    mean on each of them; every replica gets the same bits."""
-    n, flat = dist.get_world_size(group), bucket.buffer()
-    chunk = -(-flat.numel() // n)
-    send = flat.new_zeros(n * chunk, dtype=torch.bfloat16)
-    send[: flat.numel()] = flat
-    received = torch.empty_like(send)
-    comm.record("all_to_all", send, group, "dp")
-    dist.all_to_all_single(received, send, group=group)
-    mean = (received.view(n, chunk).float().sum(0) / n).to(torch.bfloat16)
-    gathered = torch.empty_like(send)
-    comm.record("all_gather", gathered, group, "dp")
-    comm.all_gather_single(gathered, mean, group=group)
-    flat.copy_(gathered[: flat.numel()])
-    done = torch.futures.Future()
-    done.set_result(flat)
-    return done
-
-
 def _counted_all_reduce(group, bucket):
     """DDP's own all-reduce of a gradient bucket (the mean), counted as data-parallel bytes."""
     comm.record("all_reduce", bucket.buffer(), group, "dp")
@@ -223,13 +198,15 @@ def data_parallel(
     reduces gradients in fp32, and the fp32 shards it keeps are the master weights (each replica
     holds 1/dp of them). `MixedPrecisionOptimizer` on a data-parallel model is refused.
 
-    `compress="bf16"`: gradients cross the replicas in bf16, summed in fp32 (stages 0-1: an
-    all-to-all and an all-gather in DDP's comm hook; stages 2-3: FSDP2's reduce dtype), half the
-    bytes of the fp32 reduction; parameters are still gathered in their own dtype."""
+    `compress`: "bf16" (any stage; at 2-3 FSDP2's reduce dtype, parameters still gathered in
+    their own dtype), "int8" or "topk:<fraction>" (stages 0-1, with error feedback), or a
+    `Compression`; see `tplayers.data_parallel.compress`. The compressor is
+    `module._tplayers_compressor` (its residuals) at stages 0-1."""
     global _stale_hook
     mesh, pg = _mesh_and_group(group)
-    if compress not in COMPRESSIONS:
-        raise ValueError(f"data_parallel: compress must be one of {COMPRESSIONS}, got {compress!r}")
+    compression = Compression.parse(compress)
+    if compression is not None:
+        compression.check_stage(zero_stage)
     _check(module, pg, zero_stage)
     if param_dtype is not None:
         _check_mixed_precision(module, zero_stage, param_dtype)
@@ -238,7 +215,12 @@ def data_parallel(
         from torch.distributed._composable import replicate  # torch's composable DDP, in place
 
         replicate(module, process_group=pg, bucket_cap_mb=bucket_cap_mb)
-        module.register_comm_hook(pg, _bf16_mean if compress == "bf16" else _counted_all_reduce)
+        if compression is None:
+            module.register_comm_hook(pg, _counted_all_reduce)
+        else:
+            compressor = Compressor(compression, pg)
+            module.register_comm_hook(compressor, compressed_mean)
+            object.__setattr__(module, "_tplayers_compressor", compressor)
         for p in module.parameters():
             update_placement(p, dp_group=pg)
     else:
@@ -248,8 +230,8 @@ def data_parallel(
         empty = {p for p in module.parameters() if p.numel() == 0}
         old = dict(module.named_parameters())
         kwargs = dict(mesh=mesh, reshard_after_forward=zero_stage == 3, ignored_params=set(summed) | empty)
-        reduce_dtype = torch.bfloat16 if compress == "bf16" else torch.float32
-        if param_dtype is not None or compress is not None:
+        reduce_dtype = torch.bfloat16 if compression is not None else torch.float32  # bf16: the only one here
+        if param_dtype is not None or compression is not None:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         for unit in sharding_units(module):
             fully_shard(unit, **kwargs)
