@@ -296,3 +296,69 @@ def test_int8_and_topk_are_refused_at_zero_2_3_naming_the_way_out(pool):
         assert "compress 'int8' needs the whole gradient" in str(reply) and "zero_stage=1" in str(reply), reply
     for reply in pool.run(refused_compression, 2, "topk:x", 0, return_exceptions=True):
         assert "'topk:<fraction>' needs a number, got 'topk:x'" in str(reply), reply
+
+
+def residuals_through_an_overflow(rank, world, group, spec):
+    """A step whose gradient is inf on replica 1: every replica's residual stays as it was."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(24, 40, bias=False)
+    tplayers.data_parallel(model, group=group, compress=spec)
+    compressor = model._tplayers_compressor
+    kept = []
+    for step in range(3):
+        x = torch.randn(5, 24, generator=torch.Generator().manual_seed(100 * step + rank))
+        if step == 1 and rank == 1:
+            x[0, 0] = float("inf")
+        (model(x) ** 2).mean().backward()
+        kept.append(compressor.residuals[model.weight].clone())
+        model.weight.grad = None
+    return kept
+
+
+@pytest.mark.parametrize("spec", ["int8", "topk:0.1"])
+def test_an_overflow_leaves_every_residual_as_it_was(pool, spec):
+    for before, during, after in pool.run(residuals_through_an_overflow, 2, spec):
+        assert torch.equal(before, during) and not torch.equal(during, after)
+
+
+# -- convergence on a small language model --------------------------------------------------------
+CONVERGENCE_STEPS = 150
+
+
+def corpus(seed, steps, batch=4, length=12):
+    """Token sequences from a fixed random bigram table (a corpus a tiny model can learn)."""
+    g = torch.Generator().manual_seed(1234)
+    table = torch.softmax(3 * torch.randn(96, 96, generator=g), -1)
+    g.manual_seed(seed)
+    tokens = torch.empty(steps, batch, length, dtype=torch.long)
+    tokens[..., 0] = torch.randint(3, 96, (steps, batch), generator=g)
+    for i in range(1, length):
+        tokens[..., i] = torch.multinomial(table[tokens[..., i - 1].flatten()], 1, generator=g).view(steps, batch)
+    return tokens
+
+
+def train_compressed(rank, world, group, spec, seed):
+    """DP 2: the mean loss of the last 10 of CONVERGENCE_STEPS AdamW steps, each replica its half."""
+    torch.manual_seed(seed)
+    model = tiny_model("llama")
+    tplayers.data_parallel(model, group=group, compress=spec)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    data = corpus(seed, CONVERGENCE_STEPS)[:, rank::2]
+    losses = [tplayers.train_step(model, opt, [ids], loss_fn).loss for ids in data]
+    return sum(losses[-10:]) / 10
+
+
+# final loss over the uncompressed run's, mean of 3 seeds; measured 0.997 (bf16), 0.998 (int8),
+# 1.013 (top-k 10 %; 1 % gives 1.19), kept with about 1 % of room
+MARGINS = {"bf16": 1.01, "int8": 1.01, "topk:0.1": 1.03}
+
+
+def test_compressed_training_converges_like_uncompressed(pool):
+    """A tiny Llama over 150 steps of a bigram corpus, 3 seeds: each compressor's final loss within
+    its margin of the uncompressed run's (the mean over seeds), and every run learns."""
+    final = {spec: [pool.run(train_compressed, 2, spec, seed)[0] for seed in range(3)] for spec in [None, *MARGINS]}
+    base = sum(final[None]) / 3
+    start = float(torch.log(torch.tensor(96.0)))
+    assert base < 0.8 * start, final
+    for spec, margin in MARGINS.items():
+        assert sum(final[spec]) / 3 <= margin * base, (spec, final)
