@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPTS = ("linear", "overlap", "transformer", "amp", "zero", "pipeline", "checkpoint")
+SCRIPTS = ("linear", "overlap", "transformer", "amp", "zero", "pipeline", "checkpoint", "compress")
 FIELDS = (
     "op", "provider", "mode", "shape", "device", "version", "time_ms", "baseline", "ratio_to_baseline",
     "tflops_per_rank", "gbps", "overlap_pays_off", "auto_took", "auto_vs_faster", "script",
@@ -39,6 +39,7 @@ RATIO_OF = {
     "zero": ("ratio_to_torch", "torch recipe (DTensor TP + fully_shard)"),
     "pipeline": ("ratio_to_torch", "torch"),
     "checkpoint": ("ratio_to_single_writer", "single-writer"),
+    "compress": ("bytes_ratio", "fp32"),  # dp bytes over the uncompressed reduction's
 }
 
 
