@@ -58,22 +58,11 @@ def compression_seconds(spec, size, reps, n=2):
     """The compressor's own math for one bucket of `size` entries over n replicas (one process)."""
     if spec is None:
         return 0.0
-    c = tplayers.Compression.parse(spec)
+    compression = tplayers.Compression.parse(spec)
     values = [torch.randn(size, generator=torch.Generator().manual_seed(r)) for r in range(n)]
-    sizes = [size]
 
     def once():
-        if c.kind == "bf16":
-            return (torch.stack([v.to(torch.bfloat16) for v in values]).float().sum(0) / n).to(torch.bfloat16).float()
-        if c.kind == "int8":
-            q = [compress.quantize(compress.to_blocks(v, sizes, n)) for v in values]
-            summed = torch.stack([compress.dequantize(*qs) for qs in q]).sum(0) / n
-            return compress.from_blocks(compress.dequantize(*compress.quantize(summed)), sizes)
-        mean = torch.zeros(size)
-        for v in values:
-            index = compress.topk_indices(v, sizes, c.fraction).long()
-            mean.index_add_(0, index, v[index])
-        return mean / n
+        return compress.simulate(compression, values, [size])
 
     once()
     start = time.perf_counter()

@@ -233,23 +233,8 @@ def one_layer_steps(rank, world, group, spec, steps):
 
 def simulate(spec, grads, residuals):
     """The compressor on one process: (the mean every replica gets, each replica's new residual)."""
-    compression, n, sizes = tplayers.Compression.parse(spec), len(grads), [grads[0].numel()]
     values = [g.reshape(-1) + (0 if r is None else r) for g, r in zip(grads, residuals, strict=True)]
-    if compression.kind == "int8":
-        q = [compress.quantize(compress.to_blocks(v, sizes, n)) for v in values]
-        sent = [compress.from_blocks(compress.dequantize(*qs), sizes) for qs in q]
-        summed = torch.stack([compress.dequantize(*qs) for qs in q]).sum(0) / n
-        mean = compress.from_blocks(compress.dequantize(*compress.quantize(summed)), sizes)
-    else:
-        sent = []
-        for v in values:
-            index = compress.topk_indices(v, sizes, compression.fraction).long()
-            sent.append(torch.zeros_like(v).index_put_((index,), v[index]))
-        mean = torch.zeros_like(values[0])
-        for s in sent:
-            nonzero = s.nonzero().squeeze(-1)
-            mean.index_add_(0, nonzero, s[nonzero])
-        mean = mean / n
+    mean, sent = compress.simulate(tplayers.Compression.parse(spec), values, [values[0].numel()])
     return mean, [v - s for v, s in zip(values, sent, strict=True)]
 
 

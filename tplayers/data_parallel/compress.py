@@ -129,6 +129,27 @@ def topk_indices(x: torch.Tensor, sizes: list[int], fraction: float) -> torch.Te
     return torch.cat(out).to(torch.int32)
 
 
+def simulate(compression: Compression, values: list[torch.Tensor], sizes: list[int]):
+    """The compressor on one process, for checks and benchmarks: `values` each replica's flat
+    bucket (gradient + residual), parameters of `sizes`; returns (the mean every replica gets,
+    what each replica sent). Sums in the same order as the distributed path: bit for bit."""
+    n = len(values)
+    if compression.kind == "bf16":
+        mean = (torch.stack([v.to(torch.bfloat16) for v in values]).float().sum(0) / n).to(torch.bfloat16)
+        return mean.float(), [v.to(torch.bfloat16).float() for v in values]
+    if compression.kind == "int8":
+        q = [quantize(to_blocks(v, sizes, n)) for v in values]
+        summed = torch.stack([dequantize(*qs) for qs in q]).sum(0) / n
+        mean = from_blocks(dequantize(*quantize(summed)), sizes)
+        return mean, [from_blocks(dequantize(*qs), sizes) for qs in q]
+    mean, sent = torch.zeros_like(values[0]), []
+    for v in values:
+        index = topk_indices(v, sizes, compression.fraction).long()
+        sent.append(torch.zeros_like(v).index_put_((index,), v[index]))
+        mean.index_add_(0, index, v[index])
+    return mean / n, sent
+
+
 # -- the hook -----------------------------------------------------------------------------------
 def _layout(flat: torch.Tensor, params, grads) -> list[tuple]:
     """(offset, size, parameter) of each gradient in the order it lies in the bucket's buffer
