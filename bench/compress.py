@@ -2,7 +2,8 @@
 compressor and model size, side by side in one run: the data-parallel bytes one step sends
 (measured with `tplayers.count_bytes`, 2 local replicas at ZeRO stage 0), the time the
 compression itself adds per step ("time_ms") (the compressor's math on one process: quantize, sum,
-requantize, dequantize, or select and scatter; no communication), and the link bandwidth below
+requantize, dequantize; select and scatter; or PowerSGD's two products, QR and product back; no
+communication), and the link bandwidth below
 which it pays: bytes saved / time added. gloo's wall-clock times say nothing about a GPU link,
 so no speedup is claimed from them; the break-even bandwidth is what to compare with a link.
 
@@ -21,8 +22,8 @@ from linear import figure, save_figure, write_outputs  # bench/linear.py: shared
 import tplayers
 from tplayers.data_parallel import compress
 
-SPECS = (None, "bf16", "int8", "topk:0.1", "topk:0.01")
-SIZES = (2**16, 2**20, 2**22)  # parameters of one linear layer, one DDP bucket (under 25 MB)
+SPECS = (None, "bf16", "int8", "topk:0.1", "topk:0.01", "powersgd:rank=4")
+SIZES = (2**16, 2**20, 2**22)  # parameters of one (64, size / 64) weight, one DDP bucket
 QUICK_SIZES = (2**12, 2**16)
 FIELDS = ("op", "provider", "shape", "device", "params", "dp_bytes", "bytes_ratio", "time_ms", "break_even_GBps")
 
@@ -43,7 +44,7 @@ def measured_bytes(rank, world, sizes):
     for size in sizes:
         for spec in SPECS:
             torch.manual_seed(0)
-            model = torch.nn.Linear(size // 64, 64, bias=False)
+            model = torch.nn.Linear(size // 64, 64, bias=False)  # weight (64, size / 64)
             tplayers.data_parallel(model, compress=spec, bucket_cap_mb=1024)
             x = torch.randn(4, size // 64)
             for step in range(2):
@@ -62,7 +63,7 @@ def compression_seconds(spec, size, reps, n=2):
     values = [torch.randn(size, generator=torch.Generator().manual_seed(r)) for r in range(n)]
 
     def once():
-        return compress.simulate(compression, values, [size])
+        return compress.simulate(compression, values, [(64, size // 64)])
 
     once()
     start = time.perf_counter()

@@ -170,14 +170,22 @@ def refused_compression(rank, world, group, compress, zero_stage):
 
 def test_an_unknown_compression_is_refused_on_every_rank(pool):
     for reply in pool.run(refused_compression, 2, "int4", 0, return_exceptions=True):
-        assert "compress must be one of 'bf16', 'int8', 'topk:<fraction>', got 'int4'" in str(reply), reply
+        assert f"compress must be one of {compress.SPECS}, got 'int4'" in str(reply), reply
 
 
 # -- int8 and top-k with error feedback (stages 0-1) ----------------------------------------------
-def compressed_bytes(spec, sizes, n=2):
-    """The dp bytes one step of one bucket sends: int8 an all-to-all and an all-gather of whole
-    blocks and their scales; top-k an all-gather of every replica's values and int32 indices."""
+def compressed_bytes(spec, shapes, n=2, reduction=1):
+    """The dp bytes the `reduction`-th (from 0) step of one bucket sends: int8 an all-to-all and
+    an all-gather of whole blocks and their scales; top-k an all-gather of every replica's values
+    and int32 indices; PowerSGD two fp32 means (all-to-all + all-gather, padded to n chunks): the
+    P factors with the gradients sent whole, then the Q factors."""
     compression = tplayers.Compression.parse(spec)
+    sizes = [math.prod(shape) for shape in shapes]
+    if compression.kind == "powersgd":
+        factors = [compress.low_rank(s, compression.rank) if reduction >= compression.start else None for s in shapes]
+        first = sum(f[0] * f[2] if f else size for f, size in zip(factors, sizes, strict=True))
+        second = sum(f[1] * f[2] for f in factors if f)
+        return sum(2 * (n - 1) * math.ceil(length / n) * 4 for length in (first, second) if length)
     if compression.kind == "int8":
         _, chunk = compress.blocked(sizes, n)
         return 2 * (n - 1) / n * n * chunk * (compress.BLOCK + 4)
@@ -185,26 +193,33 @@ def compressed_bytes(spec, sizes, n=2):
     return (n - 1) * k * 8
 
 
-def local_sizes(rank, world, group):
+def local_shapes(rank, world, group):
     mesh = tplayers.init_mesh(dp=2, tp=2)
     model = tiny_model("llama")
     tplayers.parallelize(model, group=mesh["tp"], verify=False)
-    return [p.numel() for p in model.parameters()]
+    return [p.shape for p in model.parameters()]
 
 
-@pytest.mark.parametrize("spec", ["int8", "topk:0.05"])
-@pytest.mark.parametrize("zero_stage", [0, 1])
-def test_int8_and_topk_bytes_and_identical_replicas(pool, spec, zero_stage):
+@pytest.mark.parametrize(
+    ("spec", "zero_stage"),
+    [("int8", 0), ("int8", 1), ("topk:0.05", 0), ("topk:0.05", 1), ("powersgd:rank=2", 0), ("powersgd:rank=2", 1),
+     ("powersgd:rank=2,start=2", 0)],
+)  # fmt: skip
+def test_compressed_bytes_and_identical_replicas(pool, spec, zero_stage):
     """TP 2 x DP 2: the dp bytes of a step are the compressor's formula exactly (one bucket;
-    ZeRO-1 adds its partitions' gather, uncompressed); every replica and TP rank holds the same
-    weights, bit for bit, after two steps."""
+    ZeRO-1 adds its partitions' gather, uncompressed; PowerSGD's second step sends everything
+    whole when it starts at the third); every replica and TP rank holds the same weights, bit for
+    bit, after two steps."""
     replies = pool.run(compressed, 4, zero_stage, spec)
     plain = pool.run(compressed, 4, zero_stage, None)
-    sizes = pool.run(local_sizes, 4)
-    for (dp, _, _), (dp_plain, _, _), size in zip(replies, plain, sizes, strict=True):
-        params = 4 * sum(size) / 2 if zero_stage == 1 else 0  # ZeRO-1: (n-1)/n of the fp32 parameters
-        assert dp == compressed_bytes(spec, size) + params, (dp, compressed_bytes(spec, size), params)
-        assert dp - params < (dp_plain - params) / 3
+    shapes = pool.run(local_shapes, 4)
+    for (dp, _, _), (dp_plain, _, _), shape in zip(replies, plain, shapes, strict=True):
+        params = 4 * sum(math.prod(s) for s in shape) / 2 if zero_stage == 1 else 0  # ZeRO-1's gather
+        assert dp == compressed_bytes(spec, shape) + params, (dp, compressed_bytes(spec, shape), params)
+        if "start=2" in spec:
+            assert dp == dp_plain, (dp, dp_plain)
+        else:
+            assert dp - params < (dp_plain - params) / 3, (dp, dp_plain)
     for reply in replies[1:]:
         for key, value in reply[2].items():
             assert torch.equal(value, replies[0][2][key]), key
@@ -231,22 +246,23 @@ def one_layer_steps(rank, world, group, spec, steps):
     return out
 
 
-def simulate(spec, grads, residuals):
+def simulate(spec, grads, residuals, state):
     """The compressor on one process: (the mean every replica gets, each replica's new residual)."""
     values = [g.reshape(-1) + (0 if r is None else r) for g, r in zip(grads, residuals, strict=True)]
-    mean, sent = compress.simulate(tplayers.Compression.parse(spec), values, [values[0].numel()])
+    mean, sent = compress.simulate(tplayers.Compression.parse(spec), values, [grads[0].shape], state)
     return mean, [v - s for v, s in zip(values, sent, strict=True)]
 
 
-@pytest.mark.parametrize("spec", ["int8", "topk:0.1"])
+@pytest.mark.parametrize("spec", ["int8", "topk:0.1", "powersgd:rank=2"])
 def test_a_single_process_simulation_equals_the_distributed_result(pool, spec):
     """Three steps: each replica's gradient through the simulation gives the mean DDP hands every
-    replica, bit for bit, and each replica's residual is gradient + old residual - sent."""
+    replica, bit for bit, and each replica's residual is gradient + old residual - sent (PowerSGD:
+    its warm-started Q carried from step to step, as the hook carries it)."""
     replies = pool.run(one_layer_steps, 2, spec, 3)
-    residuals = [None, None]
+    residuals, state = [None, None], compress.PowerSGDState()
     for step in range(3):
         grads = [reply[step][1] for reply in replies]
-        mean, residuals = simulate(spec, grads, residuals)
+        mean, residuals = simulate(spec, grads, residuals, state)
         for rank, reply in enumerate(replies):
             got, _, residual = reply[step]
             assert torch.equal(got.reshape(-1), mean), (spec, step, rank)
@@ -276,15 +292,29 @@ def test_topk_without_error_feedback_does_worse(pool):
     assert with_feedback < 0.5 * without, (with_feedback, without)
 
 
-def test_int8_and_topk_are_refused_at_zero_2_3_naming_the_way_out(pool):
-    for reply in pool.run(refused_compression, 2, "int8", 3, return_exceptions=True):
-        assert "compress 'int8' needs the whole gradient" in str(reply) and "zero_stage=1" in str(reply), reply
-    for reply in pool.run(refused_compression, 2, "topk:x", 0, return_exceptions=True):
-        assert "'topk:<fraction>' needs a number, got 'topk:x'" in str(reply), reply
+@pytest.mark.parametrize("spec", ["int8", "topk:0.1", "powersgd:rank=4"])
+def test_compressors_but_bf16_are_refused_at_zero_2_3_naming_the_way_out(pool, spec):
+    kind = spec.partition(":")[0]
+    for reply in pool.run(refused_compression, 2, spec, 3, return_exceptions=True):
+        assert f"compress '{kind}' needs the whole gradient" in str(reply) and "zero_stage=1" in str(reply), reply
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [("topk:x", "'topk:<fraction>' needs a number, got 'topk:x'"),
+     ("powersgd", "'powersgd' needs rank=<r>, got 'powersgd'"),
+     ("powersgd:rank=0", "'powersgd' needs rank=<int >= 1>, got 0"),
+     ("powersgd:rank=2,begin=3", "takes integers rank and start, got 'powersgd:rank=2,begin=3'"),
+     ("powersgd:rank=2.5", "takes integers rank and start")],
+)  # fmt: skip
+def test_malformed_compressions_are_refused_on_every_rank(pool, spec, message):
+    for reply in pool.run(refused_compression, 2, spec, 0, return_exceptions=True):
+        assert message in str(reply), reply
 
 
 def residuals_through_an_overflow(rank, world, group, spec):
-    """A step whose gradient is inf on replica 1: every replica's residual stays as it was."""
+    """A step whose gradient is inf on replica 1: every replica's residual (and PowerSGD's Q)
+    stays as it was."""
     torch.manual_seed(0)
     model = torch.nn.Linear(24, 40, bias=False)
     tplayers.data_parallel(model, group=group, compress=spec)
@@ -295,15 +325,17 @@ def residuals_through_an_overflow(rank, world, group, spec):
         if step == 1 and rank == 1:
             x[0, 0] = float("inf")
         (model(x) ** 2).mean().backward()
-        kept.append(compressor.residuals[model.weight].clone())
+        q = compressor.powersgd.q.get(model.weight, torch.zeros(0))
+        kept.append(torch.cat([compressor.residuals[model.weight], q.reshape(-1)]))
         model.weight.grad = None
     return kept
 
 
-@pytest.mark.parametrize("spec", ["int8", "topk:0.1"])
+@pytest.mark.parametrize("spec", ["int8", "topk:0.1", "powersgd:rank=2"])
 def test_an_overflow_leaves_every_residual_as_it_was(pool, spec):
     for before, during, after in pool.run(residuals_through_an_overflow, 2, spec):
         assert torch.equal(before, during) and not torch.equal(during, after)
+        assert before.numel() == 960 + (24 * 2 if spec.startswith("powersgd") else 0)
 
 
 # -- convergence on a small language model --------------------------------------------------------
@@ -334,8 +366,9 @@ def train_compressed(rank, world, group, spec, seed):
 
 
 # final loss over the uncompressed run's, mean of 3 seeds; measured 0.997 (bf16), 0.998 (int8),
-# 1.013 (top-k 10 %; 1 % gives 1.19), kept with about 1 % of room
-MARGINS = {"bf16": 1.01, "int8": 1.01, "topk:0.1": 1.03}
+# 1.013 (top-k 10 %; 1 % gives 1.19), 1.021 (PowerSGD rank 4 after 10 whole steps; from the first
+# step: rank 4 1.029, rank 2 1.070, rank 1 1.137), kept with about 1-2 % of room
+MARGINS = {"bf16": 1.01, "int8": 1.01, "topk:0.1": 1.03, "powersgd:rank=4,start=10": 1.04}
 
 
 def test_compressed_training_converges_like_uncompressed(pool):

@@ -11,6 +11,13 @@ gives every replica the same bits.
     topk:<f>      each replica keeps the largest-magnitude fraction f of every parameter's
                   entries (values and int32 indices, all-gathered), the rest is zero; error
                   feedback
+    powersgd:rank=<r>[,start=<s>]
+                  PowerSGD (Vogels et al. 2019, torch's algorithm: one power iteration, warm-
+                  started, QR-orthogonalized): each matrix gradient M (rows, columns) is sent as
+                  the means of P = M Q (rows, r) and of Q = M^T P (columns, r), fp32; vectors and
+                  matrices the factors would not halve (torch's minimum compression rate 2) go
+                  whole in the first round; the first s reductions of a parameter go whole;
+                  error feedback
 
 Blocks and selections never span two parameters: a DDP bucket holds tensor-parallel shards and
 weights replicated over the TP ranks side by side, and a replicated weight must get the same
@@ -20,22 +27,35 @@ Error feedback: what a replica did not send (gradient + old residual - what it s
 its next gradient. It is kept only where the reduced bucket is finite (the same bucket on every
 replica): a step the loss scaler skips leaves every residual as it was. The residuals live in
 `Compressor.residuals`, one flat tensor per parameter (DDP regroups its buckets after the first
-step); checkpoints do not save them (a resumed run starts from zero residuals, which costs one
-step's worth of unsent gradient, not correctness).
+step); checkpoints do not save them, nor PowerSGD's warm-start Q: a residual is one replica's
+own (the replicas' residuals differ; only their sum means anything), so it has no place in a
+checkpoint that is resumed at another data-parallel size; a resumed run starts from zero
+residuals and a fresh Q, which costs one step's worth of unsent gradient, not correctness.
+
+PowerSGD is ours, not torch's `powerSGD_hook` around a guard, for three reasons found in its
+source (torch 2.13): it keys the residual and the warm-start memory by bucket index, which DDP's
+bucket rebuild after the first step reassigns (torch refuses `start_powerSGD_iter` < 2 for it);
+it draws the initial Q per bucket from one random stream, so the same replicated weight in
+differently bucketed TP ranks (uneven splits) gets different Qs and drifts apart; and its
+all-reduces run where `count_bytes()` cannot see them. Here the state is per parameter, the
+initial Q is seeded by the parameter's position in the module, and the means go through the
+same counted, rank-ordered fp32 sum as the other compressors.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from tplayers.functional import comm
 
-KINDS = ("bf16", "int8", "topk")
+KINDS = ("bf16", "int8", "topk", "powersgd")
 BLOCK = 64  # int8 entries per absmax scale
+SPECS = "'bf16', 'int8', 'topk:<fraction>', 'powersgd:rank=<r>[,start=<step>]'"
 
 
 @dataclass(frozen=True)
@@ -44,13 +64,20 @@ class Compression:
 
     kind: str
     fraction: float | None = None  # topk
-    error_feedback: bool = True  # int8, topk
+    error_feedback: bool = True  # int8, topk, powersgd
+    rank: int | None = None  # powersgd: the rank of the approximation
+    start: int = 0  # powersgd: a parameter's reductions sent whole before the first compressed one
 
     def __post_init__(self):
         if self.kind not in KINDS:
-            raise ValueError(f"data_parallel: compress must be one of 'bf16', 'int8', 'topk:<fraction>', got {self!r}")
+            raise ValueError(f"data_parallel: compress must be one of {SPECS}, got {self!r}")
         if self.kind == "topk" and not (isinstance(self.fraction, float) and 0 < self.fraction <= 1):
             raise ValueError(f"data_parallel: compress 'topk' needs a fraction in (0, 1], got {self.fraction!r}")
+        if self.kind == "powersgd":
+            if not (type(self.rank) is int and self.rank >= 1):
+                raise ValueError(f"data_parallel: compress 'powersgd' needs rank=<int >= 1>, got {self.rank!r}")
+            if not (type(self.start) is int and self.start >= 0):
+                raise ValueError(f"data_parallel: compress 'powersgd' needs start=<int >= 0>, got {self.start!r}")
 
     @classmethod
     def parse(cls, spec) -> Compression | None:
@@ -60,7 +87,9 @@ class Compression:
             raise ValueError(f"data_parallel: compress must be a string or a Compression, got {spec!r}")
         kind, _, arg = spec.partition(":")
         if kind not in KINDS:
-            raise ValueError(f"data_parallel: compress must be one of 'bf16', 'int8', 'topk:<fraction>', got {spec!r}")
+            raise ValueError(f"data_parallel: compress must be one of {SPECS}, got {spec!r}")
+        if kind == "powersgd":
+            return cls._parse_powersgd(spec, arg)
         if kind == "topk":
             try:
                 return cls("topk", float(arg))
@@ -69,6 +98,21 @@ class Compression:
         if arg:
             raise ValueError(f"data_parallel: compress {kind!r} takes no argument, got {spec!r}")
         return cls(kind)
+
+    @classmethod
+    def _parse_powersgd(cls, spec: str, arg: str) -> Compression:
+        fields = {}
+        for item in arg.split(",") if arg else ():
+            key, _, value = item.partition("=")
+            if key not in ("rank", "start") or key in fields or not value.strip().isdigit():
+                raise ValueError(
+                    f"data_parallel: compress 'powersgd:rank=<r>[,start=<step>]' takes integers rank and start, "
+                    f"got {spec!r}"
+                )
+            fields[key] = int(value)
+        if "rank" not in fields:
+            raise ValueError(f"data_parallel: compress 'powersgd' needs rank=<r>, got {spec!r}")
+        return cls("powersgd", **fields)
 
     def check_stage(self, zero_stage: int) -> None:
         if self.kind != "bf16" and zero_stage >= 2:
@@ -129,11 +173,55 @@ def topk_indices(x: torch.Tensor, sizes: list[int], fraction: float) -> torch.Te
     return torch.cat(out).to(torch.int32)
 
 
-def simulate(compression: Compression, values: list[torch.Tensor], sizes: list[int]):
+MIN_COMPRESSION_RATE = 2  # torch's default: factors at most half the matrix's entries
+
+
+def low_rank(shape, rank: int) -> tuple[int, int, int] | None:
+    """(rows, columns, r) of a gradient of `shape` that PowerSGD sends as rank-r factors (rows
+    the first dimension, columns the others), or None for one it sends whole."""
+    if len(shape) < 2:
+        return None
+    rows, columns = shape[0], math.prod(shape[1:])
+    r = min(rank, rows, columns)
+    return (rows, columns, r) if MIN_COMPRESSION_RATE * (rows + columns) * r <= rows * columns else None
+
+
+def orthonormal(x: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.qr(x).Q
+
+
+def initial_q(index: int, columns: int, r: int) -> torch.Tensor:
+    """The first Q of the module's `index`-th parameter: the same on every replica and TP rank."""
+    return orthonormal(torch.randn(columns, r, generator=torch.Generator().manual_seed(index)))
+
+
+@dataclass
+class PowerSGDState:
+    """Per parameter (or, in `simulate`, per position): the last mean Q (the warm start) and the
+    reductions seen (against `start`)."""
+
+    q: dict = field(default_factory=dict)
+    reductions: dict = field(default_factory=dict)
+
+    def plan(self, key, shape, compression: Compression):
+        """The parameter's factor shape this reduction (None: sent whole), counting it."""
+        seen = self.reductions.get(key, 0)
+        self.reductions[key] = seen + 1
+        return low_rank(shape, compression.rank) if seen >= compression.start else None
+
+
+def _split(flat: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
+    return [part.view(shape) for part, shape in zip(flat.split([a * b for a, b in shapes]), shapes, strict=True)]
+
+
+def simulate(compression: Compression, values: list[torch.Tensor], shapes: list, state: PowerSGDState | None = None):
     """The compressor on one process, for checks and benchmarks: `values` each replica's flat
-    bucket (gradient + residual), parameters of `sizes`; returns (the mean every replica gets,
-    what each replica sent). Sums in the same order as the distributed path: bit for bit."""
+    bucket (gradient + residual) of parameters of `shapes` (an int: a vector of that many);
+    `state` PowerSGD's across calls (updated). Returns (the mean every replica gets, what each
+    replica sent). Sums in the same order as the distributed path: bit for bit."""
     n = len(values)
+    shapes = [(s,) if isinstance(s, int) else tuple(s) for s in shapes]
+    sizes = [math.prod(s) for s in shapes]
     if compression.kind == "bf16":
         mean = (torch.stack([v.to(torch.bfloat16) for v in values]).float().sum(0) / n).to(torch.bfloat16)
         return mean.float(), [v.to(torch.bfloat16).float() for v in values]
@@ -142,12 +230,54 @@ def simulate(compression: Compression, values: list[torch.Tensor], sizes: list[i
         summed = torch.stack([dequantize(*qs) for qs in q]).sum(0) / n
         mean = from_blocks(dequantize(*quantize(summed)), sizes)
         return mean, [from_blocks(dequantize(*qs), sizes) for qs in q]
+    if compression.kind == "powersgd":
+        return _simulate_powersgd(compression, values, shapes, state if state is not None else PowerSGDState())
     mean, sent = torch.zeros_like(values[0]), []
     for v in values:
         index = topk_indices(v, sizes, compression.fraction).long()
         sent.append(torch.zeros_like(v).index_put_((index,), v[index]))
         mean.index_add_(0, index, v[index])
     return mean / n, sent
+
+
+def _simulate_powersgd(compression, values, shapes, state):
+    n, offsets = len(values), [0, *itertools.accumulate(math.prod(s) for s in shapes)]
+    low = {i: f for i, s in enumerate(shapes) if (f := state.plan(i, s, compression))}
+    whole = [i for i in range(len(shapes)) if i not in low]
+
+    def mean_of(parts):  # each replica's concatenation, summed in rank order
+        return torch.stack([torch.cat(p) if p else values[0].new_zeros(0) for p in parts]).sum(0) / n
+
+    def part(v, i):
+        return v[offsets[i] : offsets[i + 1]]
+
+    ms = [{i: part(v, i).view(rows, cols) for i, (rows, cols, _) in low.items()} for v in values]
+    qs = {i: state.q.get(i, initial_q(i, cols, r)) for i, (_, cols, r) in low.items()}
+    first = mean_of([[(m[i] @ qs[i]).reshape(-1) for i in low] + [part(v, i) for i in whole]
+                     for m, v in zip(ms, values, strict=True)])  # fmt: skip
+    p_sizes = [(rows, r) for rows, _, r in low.values()]
+    ps = dict(zip(low, (orthonormal(p) for p in _split(first[: sum(a * b for a, b in p_sizes)], p_sizes)),
+                  strict=True))  # fmt: skip
+    q_mean = mean_of([[(m[i].T @ ps[i]).reshape(-1) for i in low] for m in ms])
+    new_q = dict(zip(low, _split(q_mean, [(cols, r) for _, cols, r in low.values()]), strict=True))
+    mean = torch.empty_like(values[0])
+    for i in low:
+        part(mean, i).copy_((ps[i] @ new_q[i].T).reshape(-1))
+    whole_mean = first[sum(a * b for a, b in p_sizes) :]
+    start = 0
+    for i in whole:
+        size = offsets[i + 1] - offsets[i]
+        part(mean, i).copy_(whole_mean[start : start + size])
+        start += size
+    if bool(torch.isfinite(mean).all()):
+        state.q.update(new_q)
+    sent = []
+    for v in values:
+        s = mean.clone()
+        for i in whole:
+            part(s, i).copy_(part(v, i))
+        sent.append(s)
+    return mean, sent
 
 
 # -- the hook -----------------------------------------------------------------------------------
@@ -168,13 +298,16 @@ def _layout(flat: torch.Tensor, params, grads) -> list[tuple]:
 
 
 class Compressor:
-    """DDP's comm hook for one `Compression` over `group` (see the module docstring)."""
+    """DDP's comm hook for one `Compression` over `group` (see the module docstring);
+    `parameters` the module's, in order (PowerSGD's initial Q is seeded by the position)."""
 
-    def __init__(self, compression: Compression, group):
+    def __init__(self, compression: Compression, group, parameters=()):
         self.compression, self.group = compression, group
         # per parameter (DDP regroups its buckets after the first step: a residual follows its
         # parameter, not a bucket's position)
         self.residuals: dict[torch.nn.Parameter, torch.Tensor] = {}
+        self.powersgd = PowerSGDState()
+        self.index = {p: i for i, p in enumerate(parameters)}
 
     def reduce(self, bucket):
         """The mean of a DDP bucket over the replicas, compressed; a completed future of it."""
@@ -187,29 +320,67 @@ class Compressor:
         for offset, numel, param in spans if feedback else ():
             if param in self.residuals:
                 value[offset : offset + numel] += self.residuals[param]
+        new_q = {}
         if c.kind == "bf16":
-            mean, sent = self._bf16(value), None
+            mean, sent = self._mean(value, torch.bfloat16), None
         elif c.kind == "int8":
             mean, sent = self._int8(value, sizes)
-        else:
+        elif c.kind == "topk":
             mean, sent = self._topk(value, sizes)
-        if feedback and bool(torch.isfinite(mean).all()):
-            unsent = value - sent
-            for offset, numel, param in spans:
-                self.residuals[param] = unsent[offset : offset + numel].clone()
+        else:
+            mean, sent, new_q = self._powersgd(value, spans)
+        if bool(torch.isfinite(mean).all()):  # the same on every replica: the reduced bucket
+            self.powersgd.q.update(new_q)
+            if feedback:
+                unsent = value - sent
+                for offset, numel, param in spans:
+                    self.residuals[param] = unsent[offset : offset + numel].clone()
         flat.copy_(mean)
         done = torch.futures.Future()
         done.set_result(flat)
         return done
 
-    def _bf16(self, value):
+    def _mean(self, value, dtype):
+        """The mean over the replicas, summed in fp32 in rank order (bit for bit what `simulate`
+        computes): chunk j of every replica's `value`, in `dtype`, to replica j (an all-to-all),
+        which sums them and sends the mean back (an all-gather): an all-reduce's bytes."""
         n = dist.get_world_size(self.group)
         chunk = math.ceil(value.numel() / n)
-        send = value.new_zeros(n * chunk, dtype=torch.bfloat16)
+        send = value.new_zeros(n * chunk, dtype=dtype)
         send[: value.numel()] = value
         received = self._all_to_all(send)
-        mean = (received.view(n, chunk).float().sum(0) / n).to(torch.bfloat16)
+        mean = (received.view(n, chunk).float().sum(0) / n).to(dtype)
         return self._all_gather(mean)[: value.numel()].float()
+
+    def _powersgd(self, value, spans):
+        """(mean, sent, the new Qs): two rounds, [P of every factored matrix, every whole
+        gradient] then [Q of every factored matrix]; what a replica sent is the mean's
+        approximation where factored, its own gradient where whole."""
+        low, whole = [], []
+        for offset, numel, param in spans:
+            factors = self.powersgd.plan(param, param.shape, self.compression)
+            (low if factors else whole).append((offset, numel, param, factors))
+        ms = [value[o : o + n].view(rows, cols) for o, n, _, (rows, cols, _) in low]
+        qs = [self.powersgd.q.get(p) for _, _, p, _ in low]
+        qs = [initial_q(self.index.get(p, 0), cols, r) if q is None else q
+              for q, (_, _, p, (_, cols, r)) in zip(qs, low, strict=True)]  # fmt: skip
+        p_sizes = [(rows, r) for _, _, _, (rows, _, r) in low]
+        first = self._mean(torch.cat([(m @ q).reshape(-1) for m, q in zip(ms, qs, strict=True)]
+                                     + [value[o : o + n] for o, n, _, _ in whole]), torch.float32)  # fmt: skip
+        p_numel = sum(a * b for a, b in p_sizes)
+        ps = [orthonormal(p) for p in _split(first[:p_numel], p_sizes)]
+        mean, sent, new_q = value.clone(), value.clone(), {}
+        if low:
+            q_mean = self._mean(torch.cat([(m.T @ p).reshape(-1) for m, p in zip(ms, ps, strict=True)]), torch.float32)
+            q_sizes = [(cols, r) for _, _, _, (_, cols, r) in low]
+            for (o, n, param, _), p, q in zip(low, ps, _split(q_mean, q_sizes), strict=True):
+                mean[o : o + n] = sent[o : o + n] = (p @ q.T).reshape(-1)
+                new_q[param] = q
+        start = p_numel
+        for o, n, _, _ in whole:
+            mean[o : o + n] = first[start : start + n]
+            start += n
+        return mean, sent, new_q
 
     def _int8(self, value, sizes):
         n = dist.get_world_size(self.group)

@@ -199,9 +199,9 @@ def data_parallel(
     holds 1/dp of them). `MixedPrecisionOptimizer` on a data-parallel model is refused.
 
     `compress`: "bf16" (any stage; at 2-3 FSDP2's reduce dtype, parameters still gathered in
-    their own dtype), "int8" or "topk:<fraction>" (stages 0-1, with error feedback), or a
-    `Compression`; see `tplayers.data_parallel.compress`. The compressor is
-    `module._tplayers_compressor` (its residuals) at stages 0-1."""
+    their own dtype), "int8", "topk:<fraction>" or "powersgd:rank=<r>[,start=<step>]" (stages
+    0-1, with error feedback), or a `Compression`; see `tplayers.data_parallel.compress`. The
+    compressor is `module._tplayers_compressor` (its residuals, PowerSGD's state) at stages 0-1."""
     global _stale_hook
     mesh, pg = _mesh_and_group(group)
     compression = Compression.parse(compress)
@@ -218,7 +218,7 @@ def data_parallel(
         if compression is None:
             module.register_comm_hook(pg, _counted_all_reduce)
         else:
-            compressor = Compressor(compression, pg)
+            compressor = Compressor(compression, pg, list(module.parameters()))
             module.register_comm_hook(compressor, compressed_mean)
             object.__setattr__(module, "_tplayers_compressor", compressor)
         for p in module.parameters():
