@@ -58,8 +58,9 @@ def accumulate(rank, world, group, zero_stage, micro_batches, through_train_step
     return sent.by_axis(), dict(sent), tplayers.gather_state_dict(model)
 
 
-def planned_dp_bytes(zero_stage, micro_batches):
-    layout = Layout(tp=2, dp=2, zero_stage=zero_stage, num_microbatches=micro_batches, sequence_parallel=True)
+def planned_dp_bytes(zero_stage, micro_batches, compress=None, sequence_parallel=True):
+    layout = Layout(tp=2, dp=2, zero_stage=zero_stage, num_microbatches=micro_batches,
+                    sequence_parallel=sequence_parallel, compress=compress)  # fmt: skip
     est = estimate(SPEC, ClusterSpec.preset("h100", num_gpus=4), layout, FP32,
                    assumptions=Assumptions(implementation="tplayers"))  # fmt: skip
     return est.comm_bytes_by_group["dp"]
@@ -155,6 +156,7 @@ def test_bf16_compression_halves_the_gradient_bytes(pool, zero_stage):
             assert dp_plain - dp == reduction / 2 and kinds["all_to_all"] == reduction / 4, (kinds, kinds_plain)
         else:  # (no sequence parallelism: every reduce-scatter is FSDP2's)
             assert kinds["reduce_scatter"] == kinds_plain["reduce_scatter"] / 2, (kinds, kinds_plain)
+        assert dp == planned_dp_bytes(zero_stage, 2, "bf16", sequence_parallel=False), (dp, kinds)
     for reply in bf16[1:]:  # replicas (ranks 0 / 2) and TP ranks (0 / 1) alike
         for key, value in reply[2].items():
             assert torch.equal(value, bf16[0][2][key]), key
@@ -216,6 +218,8 @@ def test_compressed_bytes_and_identical_replicas(pool, spec, zero_stage):
     for (dp, _, _), (dp_plain, _, _), shape in zip(replies, plain, shapes, strict=True):
         params = 4 * sum(math.prod(s) for s in shape) / 2 if zero_stage == 1 else 0  # ZeRO-1's gather
         assert dp == compressed_bytes(spec, shape) + params, (dp, compressed_bytes(spec, shape), params)
+        if "start=2" not in spec:  # the planner prices compressed steps
+            assert dp == planned_dp_bytes(zero_stage, 2, spec, sequence_parallel=False), dp
         if "start=2" in spec:
             assert dp == dp_plain, (dp, dp_plain)
         else:

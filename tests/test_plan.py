@@ -37,6 +37,8 @@ from tplayers.plan import (
     training_flops,
     validate_layout,
 )
+from tplayers.data_parallel.compress import Compression
+from tplayers.plan.comm import compressed_mean_bytes
 from tplayers.testing.numerics import examples
 
 GB = 1e9
@@ -767,3 +769,37 @@ def test_uneven_splits_are_priced_at_the_most_loaded_rank():
     assert any("uneven tensor-parallel split" in note for note in est.notes)
     divisible = estimate(replace(model, heads=32, kv_heads=8, head_dim=112, num_params=None), cluster, Layout(tp=8))
     assert divisible.tp_imbalance == pytest.approx(1.0) and not any("uneven" in n for n in divisible.notes)
+
+
+# -- gradient compression (data_parallel(compress=...)) -------------------------------------------
+def test_compressed_gradient_bytes_by_hand():
+    """One (1024, 512) weight and a 512 vector over 4 replicas: bf16 half the fp32 all-reduce;
+    int8 1 + 4/64 bytes per entry (whole blocks); top-k 1 % (n-1) x 8 bytes per kept entry, at
+    least one per tensor; PowerSGD rank 4: P (1024 x 4) with the vector whole, then Q (512 x 4)."""
+    shapes, n = [(1024, 512), (512, 1)], 4
+    entries = 1024 * 512 + 512
+    fp32 = 2 * 3 / 4 * entries * 4
+    assert compressed_mean_bytes(shapes, n, Compression.parse("bf16")) == fp32 / 2
+    assert compressed_mean_bytes(shapes, n, Compression.parse("int8")) == 2 * 3 / 4 * entries * (1 + 4 / 64)
+    assert compressed_mean_bytes(shapes, n, Compression.parse("topk:0.01")) == 3 * 8 * (5243 + 6)
+    powersgd = 2 * 3 * 4 * (math.ceil((1024 * 4 + 512) / 4) + 512 * 4 / 4)
+    assert compressed_mean_bytes(shapes, n, Compression.parse("powersgd:rank=4")) == powersgd
+
+
+def test_compression_in_a_layout_is_checked_and_priced():
+    model, cluster = ModelSpec.preset("llama2-7b"), ClusterSpec.preset("h100", num_gpus=128)
+    plain = estimate(model, cluster, Layout(tp=8, dp=16, zero_stage=1), Precision.preset("fp32-adam"))
+    int8 = estimate(model, cluster, Layout(tp=8, dp=16, zero_stage=1, compress="int8"), Precision.preset("fp32-adam"))
+    ratio = (int8.comm_bytes_by_group["dp"] - plain.comm_bytes_by_group["dp"] / 3) / (
+        plain.comm_bytes_by_group["dp"] * 2 / 3
+    )  # ZeRO-1: the all-reduce (2 psi) compressed, the parameters' gather (psi) not
+    assert ratio == pytest.approx((1 + 4 / 64) / 4, rel=1e-3)
+    with pytest.raises(ValueError, match="compress 'int8' needs the whole gradient"):
+        Layout(dp=2, zero_stage=3, compress="int8")
+    with pytest.raises(ValueError, match="compress must be one of"):
+        Layout(dp=2, compress="fp8")
+    with pytest.raises(ValueError, match="PowerSGD's bytes depend on every weight's shape"):
+        dp_bytes_per_step(1e9, 8, 0, 1, Precision.preset("fp32-adam"), Compression.parse("powersgd:rank=4"))
+    ranked = search(model, cluster, 128, compress=("int8",), tp_sizes=(8,), pp_sizes=(1,), micro_batches=(1,))
+    assert ranked and {layout.zero_stage for layout, _ in ranked} == {0, 1}
+    assert all(layout.compress == "int8" for layout, _ in ranked)

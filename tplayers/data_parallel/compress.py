@@ -114,6 +114,14 @@ class Compression:
             raise ValueError(f"data_parallel: compress 'powersgd' needs rank=<r>, got {spec!r}")
         return cls("powersgd", **fields)
 
+    def spec(self) -> str:
+        """The string `parse` reads back (error_feedback=False has none: kept only on the object)."""
+        if self.kind == "topk":
+            return f"topk:{self.fraction}"
+        if self.kind == "powersgd":
+            return f"powersgd:rank={self.rank}" + (f",start={self.start}" if self.start else "")
+        return self.kind
+
     def check_stage(self, zero_stage: int) -> None:
         if self.kind != "bf16" and zero_stage >= 2:
             raise ValueError(

@@ -39,6 +39,10 @@ def add_arguments(parser) -> None:
     layout.add_argument("--pp", type=int, default=None, help="default 1; with --search: only this size")
     layout.add_argument("--dp", type=int, default=None, help="default 1; with --search: only this size")
     layout.add_argument("--zero", type=int, default=None, dest="zero_stage", help="ZeRO stage 0-3 (default 0)")
+    layout.add_argument(
+        "--compress", default=None,
+        help="gradient compression over the replicas: bf16 | int8 | topk:<fraction> | powersgd:rank=<r>[,start=<s>]",
+    )  # fmt: skip
     layout.add_argument("--micro-batch", type=int, default=1)
     layout.add_argument("--num-microbatches", type=int, default=1)
     layout.add_argument("--sequence-parallel", action="store_true")
@@ -85,6 +89,7 @@ def _layout(args) -> plan.Layout:
         micro_batch=args.micro_batch,
         num_microbatches=args.num_microbatches, sequence_parallel=args.sequence_parallel,
         recompute=args.recompute, schedule=args.schedule, virtual_stages=args.virtual_stages,
+        compress=args.compress,
     )  # fmt: skip
 
 
@@ -127,6 +132,7 @@ def run(args) -> int:
             tp_sizes=(args.tp,) if args.tp else None,
             pp_sizes=(args.pp,) if args.pp else None,
             **({"zero_stages": (args.zero_stage,)} if args.zero_stage is not None else {}),
+            **({"compress": (args.compress,)} if args.compress is not None else {}),
         )
         ranked = plan.search(
             model, cluster, args.global_batch, precision,

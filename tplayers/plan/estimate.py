@@ -367,9 +367,11 @@ def _stage_estimate(ctx: _Context, stage: int, links: dict[str, str], bubble: fl
     memory = _stage_memory(ctx, stage, params)
     m = layout.num_microbatches
     if model.has_dims:
-        dp_bytes = dp_bytes_from_tensors(_stage_tensors(ctx, stage), layout.dp, layout.zero_stage, m, ctx.precision)
+        dp_bytes = dp_bytes_from_tensors(
+            _stage_tensors(ctx, stage), layout.dp, layout.zero_stage, m, ctx.precision, layout.compression
+        )
     else:
-        dp_bytes = dp_bytes_per_step(params, layout.dp, layout.zero_stage, m, ctx.precision)
+        dp_bytes = dp_bytes_per_step(params, layout.dp, layout.zero_stage, m, ctx.precision, layout.compression)
     if not model.has_dims:
         comm = {"tp": None, "pp": None, "dp": dp_bytes}
         return StageEstimate(stage, params, memory, None, comm, None)

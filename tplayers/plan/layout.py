@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tplayers.data_parallel.compress import Compression
 from tplayers.plan.specs import (
     IMPLEMENTATION_CHOICES,
     RANK_ORDER_CHOICES,
@@ -39,6 +40,7 @@ class Layout:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     rank_order: str = "tp-dp-pp"
+    compress: str | None = None  # data_parallel(compress=...): "bf16", "int8", "topk:<f>", "powersgd:rank=<r>"
 
     def __post_init__(self):
         for name in ("tp", "pp", "dp", "micro_batch", "num_microbatches", "virtual_stages"):
@@ -48,6 +50,15 @@ class Layout:
         _choice(self.recompute, RECOMPUTE_CHOICES, "recompute")
         _choice(self.schedule, SCHEDULE_CHOICES, "schedule")
         _choice(self.rank_order, RANK_ORDER_CHOICES, "rank_order")
+        if self.compress is not None:
+            compression = Compression.parse(self.compress)  # a clear error for a bad spec
+            compression.check_stage(self.zero_stage)
+            if isinstance(self.compress, Compression):  # kept as its spec: reports, CSV
+                object.__setattr__(self, "compress", compression.spec())
+
+    @property
+    def compression(self) -> Compression | None:
+        return Compression.parse(self.compress)
 
     @property
     def num_gpus(self) -> int:
@@ -64,6 +75,8 @@ class Layout:
         if self.sequence_parallel:
             parts.append("sp")
         parts.append(f"recompute={self.recompute}")
+        if self.compress:
+            parts.append(f"compress={self.compress}")
         if self.pp > 1:
             v = f"(v={self.virtual_stages})" if self.schedule == "interleaved" else ""
             parts.append(f"{self.schedule}{v}")

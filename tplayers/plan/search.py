@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
+
+from tplayers.data_parallel.compress import Compression
 
 from tplayers.plan.estimate import Estimate, _estimate
 from tplayers.plan.layout import Assumptions, Layout
@@ -47,7 +50,10 @@ def _variants(tp, pp, dp, mb, m, options):
     ]
     if pp == 1:
         schedules = [("1f1b", 1)]
-    for zero in zero_stages:
+    compressions = options["compress"] if dp > 1 else (None,)
+    for zero, compress in itertools.product(zero_stages, compressions):
+        if compress is not None and zero >= 2 and Compression.parse(compress).kind != "bf16":
+            continue  # refused by data_parallel (only bf16 at ZeRO 2-3)
         for recompute in options["recompute"]:
             for sp in sps:
                 for schedule, v in schedules:
@@ -64,6 +70,7 @@ def _variants(tp, pp, dp, mb, m, options):
                             schedule=schedule,
                             virtual_stages=v,
                             rank_order=order,
+                            compress=compress,
                         )
 
 
@@ -82,6 +89,7 @@ def search(
     tp_sizes=None,
     pp_sizes=None,
     rank_orders=("tp-dp-pp",),
+    compress=(None,),
     include_invalid: bool = False,
     assumptions: Assumptions | None = None,
 ) -> list[tuple[Layout, Estimate]]:
@@ -89,7 +97,8 @@ def search(
 
     tp runs over the divisors of num_gpus up to gpus_per_node (or `tp_sizes`), pp over the
     divisors of num_gpus / tp (or `pp_sizes`), dp = num_gpus / (tp*pp), and num_microbatches =
-    global_batch / (dp * micro_batch). Returns (layout, estimate) pairs, fitting layouts first
+    global_batch / (dp * micro_batch); `compress` the gradient compressions to try where dp > 1
+    (each at the ZeRO stages that take it). Returns (layout, estimate) pairs, fitting layouts first
     by step time (fastest first). With `include_invalid`, the invalid and non-fitting ones
     follow (global batches that do not divide included), each with its `reasons`.
     """
@@ -107,7 +116,10 @@ def search(
         _choice(value, RECOMPUTE_CHOICES, "recompute")
     for value in schedules:
         _choice(value, SCHEDULE_CHOICES, "schedule")
+    for value in compress:
+        Compression.parse(value)  # a clear error for a bad spec
     options = dict(
+        compress=tuple(compress),
         zero_stages=tuple(zero_stages),
         recompute=tuple(recompute),
         micro_batches=tuple(micro_batches),
