@@ -112,9 +112,9 @@ def plot(rows, path):
 
 
 def print_table(rows):
-    print(f"{'compressor':>10} {'params':>9} {'dp bytes':>11} {'ratio':>6} {'math ms':>8} {'pays below GB/s':>16}")
+    print(f"{'compressor':>16} {'params':>9} {'dp bytes':>11} {'ratio':>6} {'math ms':>8} {'pays below GB/s':>16}")
     for r in rows:
-        print(f"{r['provider']:>10} {r['params']:>9} {r['dp_bytes']:>11} {r['bytes_ratio']:>6.3f} "
+        print(f"{r['provider']:>16} {r['params']:>9} {r['dp_bytes']:>11} {r['bytes_ratio']:>6.3f} "
               f"{r['time_ms']:>8.2f} {r['break_even_GBps']:>16.2f}")  # fmt: skip
 
 
