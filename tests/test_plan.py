@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tplayers.data_parallel.compress import Compression
 from tplayers.plan import (
     ESTIMATE_FIELDS,
     Assumptions,
@@ -37,7 +38,6 @@ from tplayers.plan import (
     training_flops,
     validate_layout,
 )
-from tplayers.data_parallel.compress import Compression
 from tplayers.plan.comm import compressed_mean_bytes
 from tplayers.testing.numerics import examples
 

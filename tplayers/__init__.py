@@ -31,6 +31,7 @@ from tplayers.distributed import RankError, init_mesh, launch
 from tplayers.functional.comm import count_bytes
 from tplayers.functional.cross_entropy import vocab_parallel_cross_entropy
 from tplayers.hf import gather_state_dict, load_full_state_dict, parallelize, pipeline_split
+from tplayers.hf.lora import get_peft_model
 from tplayers.nn import (
     ColumnParallelLinear,
     ParallelAttention,
@@ -86,6 +87,7 @@ __all__ = [
     "pipeline_split",
     "save_checkpoint",
     "save_pretrained",
+    "get_peft_model",
     "set_backend",
     "train_step",
     "vocab_parallel_cross_entropy",

@@ -19,7 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from tplayers.hf.pieces import Piece, split, whole
-from tplayers.hf.state_dict import EXPORTS
+from tplayers.hf.state_dict import export_records
 from tplayers.placement import get_placement, local_tensor
 
 
@@ -125,7 +125,7 @@ def model_pieces(model) -> dict[str, list[Piece]]:
     `tplayers.PipelineStage`s of a model split by `pipeline_split` (the model itself may be gone)."""
     stages = _stages(model)
     if stages is None:
-        return _pieces(model, getattr(model, EXPORTS, []), lambda name: name, _held_here(model))
+        return _pieces(model, export_records(model), lambda name: name, _held_here(model))
     out = {}
     for module in stages:
         out.update(_pieces(module, module.hf_records, module.hf_name, None))

@@ -26,7 +26,8 @@ from torch import nn
 
 from tplayers.checkpoint.chunks import chunked, model_pieces, parameters
 from tplayers.checkpoint.planners import CheckpointError
-from tplayers.hf.state_dict import EXPORTS
+from tplayers.hf import lora
+from tplayers.hf.state_dict import export_records
 from tplayers.placement import covering_group, full_tensor, tensor_parallel_group
 
 SAFE_INDEX, SAFE_SINGLE = "model.safetensors.index.json", "model.safetensors"
@@ -187,9 +188,13 @@ def save_pretrained(model, path, *, group=None) -> None:
     """Write `model` as a HF directory (config, safetensors shards, index) that
     `from_pretrained` loads: each tensor gathered whole once (over TP, and ZeRO's replicas) and
     written by one rank holding it, into that rank's own file; on every rank of `group` (as
-    `load_pretrained`'s)."""
+    `load_pretrained`'s). A peft model: its adapters as peft writes them (adapter_config.json,
+    adapter_model.safetensors, whole tensors), which `peft.PeftModel.from_pretrained` loads on the
+    unsharded base; `model.merge_and_unload()` first gives the merged HF checkpoint instead."""
     from safetensors.torch import save_file
 
+    if lora.is_peft_model(model):
+        return lora.save_adapter(model, path, group=group)
     pg = covering_group(parameters(model), group, "save_pretrained")
     tp_group = tensor_parallel_group(parameters(model), None, "save_pretrained")
     path = Path(path)
@@ -237,7 +242,7 @@ def _full_tensors(model, names, tp_group):
     """(name, full tensor) for every state-dict tensor this rank holds, one record at a time
     (the TP gathers are collectives over each record's group, in the same order on every rank)."""
     sharded = []
-    for prefix, export, _, _ in getattr(model, EXPORTS, []):
+    for prefix, export, _, _ in export_records(model):
         sharded.append(prefix + ".")
         for key, tensor in export(lambda p: full_tensor(p.detach()), tp_group).items():
             yield f"{prefix}.{key}", tensor

@@ -15,8 +15,10 @@ from torch import nn
 
 from tplayers.functional.collectives import own_slice
 from tplayers.hf import pieces
+from tplayers.hf.fused import fused_column, part_rows
 from tplayers.hf.shard import ShardingPass, as_linear, copy_in, gather, has_linears, on_device
 from tplayers.nn.mlp import ParallelMLP, fuse_gate_up, unfuse_gate_up
+from tplayers.placement import shard_sizes
 
 
 def is_silu(act) -> bool:
@@ -36,6 +38,15 @@ def fused_gate_up(sp: ShardingPass, name, mlp):
     act = getattr(mlp, "activation_fn", None)
     if not is_silu(act):
         raise ValueError(f"parallelize: {name} gates with {type(act).__name__}, not SiLU; pass a plan for this model")
+    if sp.keeps(name, ("gate_up_proj",)):  # a LoRA target: one column layer holding [gate_r; up_r]
+        ffn = mlp.gate_up_proj.out_features // 2
+        fused_column(
+            sp, f"{name}.gate_up_proj", mlp.gate_up_proj, part_rows([ffn, ffn], sp.n, split=shard_sizes(ffn, sp.n))
+        )
+        sp.row(f"{name}.down_proj", mlp.down_proj)
+        sp.shared_input.append(mlp)
+        sp.done.add(name)
+        return
     fused = as_linear(mlp.gate_up_proj, f"{name}.gate_up_proj")
     halves = []
     for part in fused.weight.detach().chunk(2, 0):
@@ -76,7 +87,7 @@ def fused_gate_up(sp: ShardingPass, name, mlp):
 
 
 def gated_mlp(sp: ShardingPass, name, mlp):
-    if not is_silu(getattr(mlp, "act_fn", None)):
+    if not is_silu(getattr(mlp, "act_fn", None)) or sp.keeps(name, ("gate_proj", "up_proj")):
         sp.shared_input_column(f"{name}.gate_proj", mlp.gate_proj)
         sp.shared_input_column(f"{name}.up_proj", mlp.up_proj)
         sp.row(f"{name}.down_proj", mlp.down_proj)

@@ -32,7 +32,7 @@ from tplayers.functional.collectives import (
     gather_from_tp_region,
     scatter_to_tp_region,
 )
-from tplayers.hf import families
+from tplayers.hf import families, lora
 from tplayers.hf import verify as verification
 from tplayers.hf.pipeline_split import SEQUENCE_PARALLEL
 from tplayers.hf.shard import ShardingPass
@@ -151,6 +151,9 @@ def parallelize(
 ):
     """Shard `model` in place over `group` (see the module docstring); returns it.
 
+    A peft model (LoRA adapters made by `peft.get_peft_model`) is sharded with its adapters, each
+    like its base layer (`tplayers.hf.lora`); peft's API keeps working on the result.
+
     After it, `model(ids).logits` are the full-vocabulary logits of the unsharded model
     (`vocab_parallel_logits=True` leaves them split along the vocabulary) and `backward()`
     leaves on each rank its slice of the unsharded gradients.
@@ -166,10 +169,24 @@ def parallelize(
     """
     check_overlap(overlap, "parallelize")
     group = resolve_group(group)
+    kwargs = dict(sequence_parallel=sequence_parallel, plan=plan, vocab_parallel_logits=vocab_parallel_logits,
+                  overlap=overlap)  # fmt: skip
+    layers = lora.lora_layers(model)
+    if layers:
+        return lora.parallelize_peft(model, layers, _parallelize, group=group, verify=verify, **kwargs)
+    return _parallelize(model, group=group, verify=verify, **kwargs)
+
+
+def _parallelize(
+    model, *, group, sequence_parallel=False, plan=None, vocab_parallel_logits=False, verify=None, overlap="auto",
+    keep=frozenset(),
+):  # fmt: skip
+    """`parallelize` of a model without adapters; `keep`: modules no sharding layout may fuse
+    with another (they carry LoRA adapters)."""
     probe = verification.probe_input(model, verify, dist.get_world_size(group))
     reference = verification.logits(model, probe) if probe is not None else None
     keys = list(model.state_dict().keys())
-    parallelizer = ShardingPass(model, group, sequence_parallel, plan, vocab_parallel_logits, overlap)
+    parallelizer = ShardingPass(model, group, sequence_parallel, plan, vocab_parallel_logits, overlap, keep)
     parallelizer.run(families.ADAPTERS, families.EMBEDDINGS, families.LINEAR_EQUIVALENTS)  # read per call: patchable
     if sequence_parallel:
         blocks = _decoder_blocks(model, parallelizer.shared_input)
@@ -192,6 +209,7 @@ def parallelize(
     setattr(model, EXPORTS, parallelizer.exports)
     setattr(model, ORIGINAL_KEYS, keys)
     setattr(model, TIED, parallelizer.tied)
+    lora.record_weight_maps(model, parallelizer.exports)  # what adapters added later follow
     parallelizer.release()  # the export records outlive the pass: they must not hold the model
     if probe is not None:
         sharded = verification.logits(model, probe)

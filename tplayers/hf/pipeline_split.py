@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tplayers.distributed import resolve_group
-from tplayers.hf.state_dict import EXPORTS
+from tplayers.hf.state_dict import export_records
 from tplayers.pipeline import PipelineStage
 from tplayers.placement import refuse_overlap
 
@@ -55,9 +55,7 @@ class DecoderStage(nn.Module):
         self.hf_prefixes = {part: names[id(m)] for part, m in parts.items() if m is not None and id(m) in names}
         own = [self.hf_prefixes[p] for p in ("embed_tokens", "norm", "lm_head") if p in self.hf_prefixes]
         own += [f"{self.hf_prefixes['layers']}.{i}" for i in self.layer_indices]
-        self.hf_records = [
-            r for r in getattr(model, EXPORTS, []) if any(r[0] == p or r[0].startswith(p + ".") for p in own)
-        ]
+        self.hf_records = [r for r in export_records(model) if any(r[0] == p or r[0].startswith(p + ".") for p in own)]
 
     def hf_name(self, name: str) -> str:
         """The model's name for `name` of this stage's state dict."""

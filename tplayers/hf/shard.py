@@ -122,8 +122,9 @@ class ShardingPass:
     tensor-parallel form; what the adapters need (column / row swaps, export records, inputs
     shared by several column layers, weights whose gradient each rank holds only part of) is here."""
 
-    def __init__(self, model, group, sequence_parallel, plan, vocab_parallel_logits, overlap="auto"):
+    def __init__(self, model, group, sequence_parallel, plan, vocab_parallel_logits, overlap="auto", keep=frozenset()):
         self.model, self.group, self.sp, self.overlap = model, group, sequence_parallel, overlap
+        self.keep = keep  # modules that must stay one layer each (they carry LoRA adapters)
         self.n = dist.get_world_size(group)
         self.plan = dict(plan or {})
         self.vocab_parallel_logits = vocab_parallel_logits
@@ -146,6 +147,10 @@ class ShardingPass:
         self.model, self.shared_input, self.partial_grads, self.done = None, [], [], set()
 
     # -- what adapters call -----------------------------------------------------------------
+    def keeps(self, name, children) -> bool:
+        """Whether any of `name`'s `children` must stay a layer of its own (no fused layout)."""
+        return any(f"{name}.{child}" in self.keep for child in children)
+
     def swap(self, name, new):
         for layer in new.modules():  # every tensor-parallel linear the adapter built, however nested
             if isinstance(layer, _ParallelLinear):

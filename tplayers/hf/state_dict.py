@@ -4,22 +4,29 @@ swapped module, how to export and load it (`EXPORTS`); nothing else is needed.""
 
 from tplayers.placement import copy_into, full_tensor, tensor_parallel_group
 
-EXPORTS = "_tplayers_exports"  # [(prefix, export, load, pieces)] on the model (pieces: tplayers.hf.pieces)
+EXPORTS = "_tplayers_exports"  # [(prefix, export, load, pieces)] on the model (pieces: tplayers.hf.pieces),
+# or a function returning them as the model is now (a peft model: tplayers.hf.lora.live_records)
 ORIGINAL_KEYS = "_tplayers_original_keys"  # model.state_dict() keys before parallelize
 TIED = "_tplayers_tied"  # {LM head name: embedding name} where they share one Parameter
+
+
+def export_records(model) -> list:
+    """The model's export records (`EXPORTS`): [] for a model parallelize did not shard."""
+    records = getattr(model, EXPORTS, [])
+    return records() if callable(records) else records
 
 
 def _gathered(model, group, pick):
     """{original name: full tensor} for every sharded module; a collective on every rank."""
     full = {}
-    for prefix, export, *_ in getattr(model, EXPORTS, []):
+    for prefix, export, *_ in export_records(model):
         for key, tensor in export(pick, group).items():
             full[f"{prefix}.{key}"] = tensor
     return full
 
 
 def _sharded_prefixes(model) -> tuple[str, ...]:
-    return tuple(record[0] + "." for record in getattr(model, EXPORTS, []))
+    return tuple(record[0] + "." for record in export_records(model))
 
 
 def gather_state_dict(model, *, group=None) -> dict:
@@ -32,8 +39,8 @@ def gather_state_dict(model, *, group=None) -> dict:
     for key, value in model.state_dict().items():
         if not key.startswith(sharded):
             full[key] = full_tensor(value)
-    order = getattr(model, ORIGINAL_KEYS, list(full))
-    return {key: full[key] for key in order if key in full}
+    order = getattr(model, ORIGINAL_KEYS, [])  # then what was added since (a peft adapter)
+    return {key: full[key] for key in dict.fromkeys([*order, *full]) if key in full}
 
 
 def gather_grads(model, *, group=None) -> dict:
@@ -53,7 +60,7 @@ def load_full_state_dict(model, state_dict, *, group=None) -> None:
     parallelized model: each rank copies in its shards. No communication; strict like
     `load_state_dict`. An explicit `group` must be the records' tensor-parallel group."""
     tensor_parallel_group(model.parameters(), group, "load_full_state_dict")
-    records = getattr(model, EXPORTS, [])
+    records = export_records(model)
     state_dict = dict(state_dict)
     supplied = set(state_dict)
     for prefix, _, load, _ in records:

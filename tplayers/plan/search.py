@@ -6,7 +6,6 @@ import itertools
 from dataclasses import replace
 
 from tplayers.data_parallel.compress import Compression
-
 from tplayers.plan.estimate import Estimate, _estimate
 from tplayers.plan.layout import Assumptions, Layout
 from tplayers.plan.rules import validate_layout

@@ -1,0 +1,472 @@
+"""LoRA adapters (peft) on tensor-parallel models, in either order:
+
+    peft.get_peft_model(model, config); tplayers.parallelize(peft_model, group=...)   (order 1)
+    tplayers.parallelize(model, group=...); tplayers.get_peft_model(model, config)   (order 2)
+
+peft's own `lora.Linear` stays in the model, its forward, `set_adapter`, `merge_and_unload`,
+`disable_adapter` unchanged; its base layer is the tplayers layer and each adapter's two factors
+are tplayers layers sharded the way that base is, so peft's plain `lora_B(lora_A(dropout(x)))`
+computes exactly the unsharded adapter's contribution to this rank's part of the output:
+
+    column-parallel base (rows of W, in the base's row map: c_attn's [q_r; k_r; v_r], ...)
+        lora_A  whole (r, in), replicated
+        lora_B  a ColumnParallelLinear (r -> out) holding the base's rows of B, in its mode:
+                - inside attention / MLP (the input prepared once for the module, its gradient
+                  summed by the hook before it): no collective; the adapter's input gradient
+                  joins the base's in that one reduction. lora_A's gradient is each rank's part
+                  (its rows of B): summed over the group, one (r x in) all-reduce per backward.
+                - sequence parallel (the input gathered inside the GEMM): lora_B gathers its
+                  (tokens x r) input and reduce-scatters its gradient; lora_A's gradient summed.
+                - plain: lora_B all-reduces its (tokens x r) input gradient; no sum needed.
+    row-parallel base (columns of W)
+        lora_A  a RowParallelLinear (in -> r) holding the base's columns of A: its (tokens x r)
+                output all-reduced (reduce-scattered along the sequence under SP)
+        lora_B  whole (out, r), replicated; under SP its gradient (this rank's tokens) summed
+    key / value rows whole on every rank (`ReplicatedKVProjection`, more ranks than kv heads)
+        lora_A  whole, its gradient summed; lora_B whole, the same rows read, its gradient summed
+
+The extra collectives are (tokens x r) or (r x in) wide: r / in of the base's. Each factor's
+initial values are broadcast from the group's first rank before slicing (peft draws lora_A at
+random on every rank). Exports name the factors as peft does, whole: `gather_state_dict`,
+checkpoints and `tplayers.save_pretrained` (peft's adapter directory) read them.
+
+Refused, naming the module: LoRA on what tplayers does not shard as a column / row layer (an
+embedding, a module kept whole, experts, a multi-query projection), peft's variants (DoRA, ...),
+initializations that read the whole base weight (PiSSA, OLoRA, ...: initialize before
+parallelize), merged adapters.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import Replicate
+
+from tplayers.functional.collectives import all_gather_any
+from tplayers.hf import pieces
+from tplayers.hf.fused import MultiQueryProjection, ReplicatedKVProjection
+from tplayers.hf.shard import copy_in, on_device
+from tplayers.hf.state_dict import EXPORTS, ORIGINAL_KEYS, TIED, export_records
+from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear
+from tplayers.placement import get_placement, set_placement
+
+WEIGHT_MAP = "_tplayers_weight_map"  # on a swapped layer: (dim, the HF rows / columns it holds)
+SIMPLE_INITS = (True, False, "gaussian")  # the ones that do not read the base weight
+# the tplayers layers an adapter can sit on (ReplicatedKVProjection before RowParallelLinear
+# does not matter: neither subclasses the other)
+SUPPORTED = (ColumnParallelLinear, RowParallelLinear, ReplicatedKVProjection, MultiQueryProjection)
+
+
+def lora_layers(model) -> dict[str, nn.Module]:
+    """peft's LoRA layers in `model`, by name ({} where peft is not installed)."""
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:
+        return {}
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+
+def _refuse(name, why):
+    raise ValueError(f"tplayers LoRA: {name}: {why}")
+
+
+@functools.cache
+def lora_class():
+    """`TensorParallelLoraLinear`: peft's lora.Linear whose adapters are sharded as they are made."""
+    from peft.tuners.lora.layer import Linear
+
+    class TensorParallelLoraLinear(Linear):
+        """peft's LoRA Linear over a tplayers layer: every adapter's factors sharded as its base is
+        (`tplayers.hf.lora`), as soon as peft makes them (`get_peft_model`, `add_adapter`,
+        `load_adapter` all go through `update_layer`)."""
+
+        def __init__(self, base_layer, adapter_name, config, **kwargs):
+            super().__init__(base_layer, adapter_name, config, **kwargs)
+            self.fan_in_fan_out = False  # the base is a tplayers layer: (out, in) like nn.Linear
+
+        @property
+        def lora_variants(self):
+            return {(): None}
+
+        def _get_in_out_features(self, module):
+            return base_features(module)  # the unsharded sizes
+
+        def update_layer(self, adapter_name, r, lora_alpha, config, **kwargs):
+            check_config(config, type(self.get_base_layer()).__name__)
+            super().update_layer(adapter_name, r, lora_alpha, config, **kwargs)
+            shard_adapter(self, adapter_name)
+
+    return TensorParallelLoraLinear
+
+
+def check_config(config, where):
+    """Refuse what the sharded factors cannot compute exactly (on every rank alike)."""
+    variants = [f for f in ("use_dora", "use_bdlora", "alora_invocation_tokens", "arrow_config")
+                if getattr(config, f, None)]  # fmt: skip
+    if variants:
+        _refuse(where, f"peft's LoRA variant {variants[0]} is not supported on tensor-parallel layers")
+    if config.init_lora_weights not in SIMPLE_INITS:
+        _refuse(
+            where,
+            f"init_lora_weights={config.init_lora_weights!r} reads the whole base weight; initialize the adapter "
+            "on the unsharded model (peft.get_peft_model before tplayers.parallelize)",
+        )
+
+
+# -- the factors, sharded like their base ---------------------------------------------------------
+def _broadcast(tensors, group):
+    src = dist.get_global_rank(group, 0)
+    for t in tensors:
+        dist.broadcast(t.data, src=src, group=group)
+
+
+def _whole(param, group, partial: bool):
+    """A factor kept whole: Replicate; summed over the group where each rank computes part of its
+    gradient (the hook parallelize gives such weights)."""
+    from tplayers.hf.parallelize import _summed_grads
+
+    if partial:
+        _summed_grads([param], group)
+    elif get_placement(param) is None:
+        set_placement(param, group, Replicate())
+
+
+def _column_like(base: ColumnParallelLinear, b: nn.Linear, rows) -> ColumnParallelLinear:
+    layer = ColumnParallelLinear(
+        b.in_features, base.out_features, b.bias is not None, group=base.group, gather_output=base.gather_output,
+        sequence_parallel=base.sequence_parallel, overlap=base.overlap, reduce_input_grad=base.reduce_input_grad,
+        split_unit=base.split_unit, split_sizes=None if base.gather_output else base.split_sizes,
+        device="meta", dtype=b.weight.dtype,
+    )  # fmt: skip
+    device = b.weight.device
+    layer.weight = nn.Parameter(b.weight.detach()[rows.to(device)].clone())
+    if b.bias is not None:
+        layer.bias = nn.Parameter(b.bias.detach()[rows.to(device)].clone())
+    layer._tag_parameters()
+    return on_device(layer, device)
+
+
+def _row_like(base: RowParallelLinear, a: nn.Linear, columns) -> RowParallelLinear:
+    layer = RowParallelLinear(
+        base.in_features, a.out_features, False, group=base.group, input_is_parallel=base.input_is_parallel,
+        sequence_parallel=base.sequence_parallel, overlap=base.overlap, split_unit=base.split_unit,
+        split_sizes=base.split_sizes if base.input_is_parallel else None, device="meta", dtype=a.weight.dtype,
+    )  # fmt: skip
+    layer.weight = nn.Parameter(a.weight.detach()[:, columns.to(a.weight.device)].clone())
+    layer._tag_parameters()
+    return on_device(layer, a.weight.device)
+
+
+def _replicated_like(base: ReplicatedKVProjection, b: nn.Linear) -> ReplicatedKVProjection:
+    """B's rows of the HF weight `base` holds whole (all, or the key / value block of a
+    multi-query [q; k; v]), the same rows of them computed."""
+    recorded = getattr(base, WEIGHT_MAP, None)
+    rows = slice(None) if recorded is None else recorded[1].to(b.weight.device)
+    whole = nn.Linear(b.in_features, base.out_features, bias=b.bias is not None, device="meta")
+    whole.weight = nn.Parameter(b.weight.detach()[rows].clone())
+    if b.bias is not None:
+        whole.bias = nn.Parameter(b.bias.detach()[rows].clone())
+    layer = on_device(ReplicatedKVProjection.from_linear(whole, group=base.group), b.weight.device)
+    layer.rows, layer.rows_of_ranks = base.rows, getattr(base, "rows_of_ranks", None)
+    return layer
+
+
+def base_group(base):
+    return base.query.group if isinstance(base, MultiQueryProjection) else base.group
+
+
+def base_features(base) -> tuple[int, int]:
+    """The unsharded (in, out) features of a tplayers base layer."""
+    if isinstance(base, MultiQueryProjection):
+        return base.query.in_features, base.query.out_features + base.key_value.out_features
+    return base.in_features, base.out_features
+
+
+def shard_adapter(layer, adapter):
+    """Replace `adapter`'s whole factors in `layer` (a TensorParallelLoraLinear) by their sharded
+    forms (module docstring), with export records for them."""
+    base = layer.get_base_layer()
+    a, b = layer.lora_A[adapter], layer.lora_B[adapter]
+    grads = {id(p): p.requires_grad for p in (*a.parameters(), *b.parameters())}
+    group = base_group(base)
+    _broadcast([*a.parameters(), *b.parameters()], group)
+    if isinstance(base, MultiQueryProjection):  # [q_r; k; v]: B's query rows split, its kv rows whole
+        query = _column_like(base.query, b, _map(base.query, 0))
+        new_a, new_b = a, MultiQueryProjection(query, _replicated_like(base.key_value, b), base.interleave)
+        _whole(a.weight, group, partial=True)
+    elif isinstance(base, ReplicatedKVProjection):
+        new_a, new_b = a, _replicated_like(base, b)
+        _whole(a.weight, group, partial=True)
+    elif isinstance(base, ColumnParallelLinear):
+        new_a, new_b = a, _column_like(base, b, _map(base, 0))
+        _whole(a.weight, group, partial=base.sequence_parallel or not base.reduce_input_grad)
+    elif isinstance(base, RowParallelLinear):
+        new_a, new_b = _row_like(base, a, _map(base, 1)), b
+        for p in b.parameters():
+            _whole(p, group, partial=base.sequence_parallel)
+    else:
+        _refuse(type(base).__name__, "not a column / row layer tplayers knows")
+    for old, new in ((a, new_a), (b, new_b)):  # trainable as peft made them (inference_mode: not)
+        trainable = any(grads[id(p)] for p in old.parameters())
+        for p in new.parameters():
+            p.requires_grad_(trainable)
+    layer.lora_A[adapter], layer.lora_B[adapter] = new_a, new_b
+
+
+def _map(base, dim):
+    """The HF rows (dim 0) or columns (dim 1) `base` holds, in its local order."""
+    recorded = getattr(base, WEIGHT_MAP, None)
+    if recorded is None or recorded[0] != dim:
+        _refuse(type(base).__name__, "its layout was not recorded by tplayers.parallelize")
+    return recorded[1]
+
+
+def record_weight_maps(model, records):
+    """After the sharding pass: on each swapped layer (and the layers inside it: a multi-query
+    projection's), the HF rows / columns its weight holds, from its record's pieces of the HF
+    `weight`, which its adapters' factors follow."""
+    for prefix, _, _, layout in records:
+        try:
+            module = model.get_submodule(prefix)
+        except AttributeError:
+            continue
+        layers = {id(m.weight): m for m in module.modules() if isinstance(getattr(m, "weight", None), torch.Tensor)}
+        for piece in layout():
+            if piece.key == "weight" and piece.dim is not None and id(piece.param) in layers:
+                setattr(layers[id(piece.param)], WEIGHT_MAP, (piece.dim, piece.glob))
+
+
+# -- export records of the factors ----------------------------------------------------------------
+def _factor_record(prefix, parts, total, group):
+    """(prefix, export, load, pieces) of a factor as `tplayers.hf.state_dict.EXPORTS` lists them:
+    `parts` [(module, dim, index, split)], each module holding `index` of the HF tensor's `total`
+    along `dim` (None: the whole factor), split over `group` (each rank its own) or the same
+    on every rank."""
+    keys = [k for k in ("weight", "bias") if getattr(parts[0][0], k, None) is not None]
+
+    def dim_of(key, dim):
+        return None if dim is None or (key == "bias" and dim == 1) else dim
+
+    def export(pick, group_):
+        out = {}
+        for key in keys:
+            full = None
+            for module, dim, index, split in parts:
+                t, d = pick(getattr(module, key)), dim_of(key, dim)
+                if t is None:
+                    continue
+                if d is None:
+                    full = t
+                    continue
+                where = index.to(t.device)
+                if split:
+                    t, where = all_gather_any(t.contiguous(), d, group), all_gather_any(where, 0, group)
+                if full is None:
+                    full = t.new_zeros(t.shape[:d] + (total,) + t.shape[d + 1 :])
+                full.index_copy_(d, where, t)
+            if full is not None:
+                out[key] = full
+        return out
+
+    def load(full):
+        for key in keys:
+            for module, dim, index, _ in parts:
+                t, d = full[key], dim_of(key, dim)
+                copy_in(getattr(module, key), t if d is None else t.index_select(d, index.to(t.device)))
+
+    def layout():
+        return [
+            pieces.whole(key, getattr(m, key)) if dim_of(key, dim) is None
+            else pieces.Piece(key, getattr(m, key), dim_of(key, dim), torch.arange(index.numel()), index, total)
+            for key in keys for m, dim, index, _ in parts
+        ]  # fmt: skip
+
+    return prefix, export, load, layout
+
+
+def adapter_records(name, layer) -> list:
+    """The records of every adapter's two factors in `layer` (a TensorParallelLoraLinear) under
+    `name`, named as peft names them (`<name>.lora_A.<adapter>`)."""
+    base = layer.get_base_layer()
+    group, (n_in, n_out) = base_group(base), base_features(base)
+    out = []
+    for adapter in layer.lora_A:
+        a, b = layer.lora_A[adapter], layer.lora_B[adapter]
+        a_parts, b_parts = [(a, None, None, False)], [(b, None, None, False)]
+        if isinstance(base, RowParallelLinear):
+            a_parts = [(a, 1, _map(base, 1), True)]
+        elif isinstance(base, ColumnParallelLinear):
+            b_parts = [(b, 0, _map(base, 0), True)]
+        elif isinstance(base, MultiQueryProjection):
+            kv = getattr(base.key_value, WEIGHT_MAP)[1]
+            b_parts = [(b.query, 0, _map(base.query, 0), True), (b.key_value, 0, kv, False)]
+        out.append(_factor_record(f"{name}.lora_A.{adapter}", a_parts, n_in, group))
+        out.append(_factor_record(f"{name}.lora_B.{adapter}", b_parts, n_out, group))
+    return out
+
+
+def live_records(root, hf_prefix: str, hf_records: list):
+    """The records of `root` as it is now: the sharding pass's (of the HF model under
+    `hf_prefix`), a LoRA-wrapped layer's under `<name>.base_layer`, and every adapter present
+    (adapters added, deleted, merged and unloaded after parallelize included)."""
+
+    def records():
+        wrapped = {n: m for n, m in root.named_modules() if isinstance(m, lora_class())}
+        out = []
+        for prefix, *rest in hf_records:
+            full = hf_prefix + prefix
+            out.append((f"{full}.base_layer" if full in wrapped else full, *rest))
+        for name, layer in wrapped.items():
+            out += adapter_records(name, layer)
+        return out
+
+    return records
+
+
+# -- order 1: parallelize a peft model -----------------------------------------------------------
+def _inner_model(model):
+    """(the HF model peft wraps, its name under `model` with a trailing dot)."""
+    try:
+        from peft import PeftModel
+        from peft.tuners.lora import LoraModel
+    except ImportError:
+        return model, ""
+    if isinstance(model, PeftModel):
+        return model.base_model.model, "base_model.model."
+    if isinstance(model, LoraModel):
+        return model.model, "model."
+    return model, ""
+
+
+def _check_layer(name, layer):
+    from peft.tuners.lora.layer import Linear
+
+    if type(layer) is lora_class():
+        _refuse(name, "already tensor-parallel (tplayers.parallelize was called twice)")
+    if type(layer) is not Linear:
+        _refuse(name, f"peft's {type(layer).__name__} is not supported; target linear projections only")
+    if layer.merged:
+        _refuse(name, "has merged adapters; unmerge them (model.unmerge_adapter()) before parallelize")
+    if layer.lora_variant:
+        _refuse(name, f"peft's LoRA variant {type(next(iter(layer.lora_variant.values()))).__name__} is not supported")
+
+
+def _set_child(root, name, module):
+    parent, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, module)
+
+
+def parallelize_peft(model, layers: dict, shard, *, group, verify, **kwargs):
+    """`parallelize` of a model holding peft LoRA layers (`layers`, by name): the HF model is
+    sharded as it would be without them (only no two adapted projections fused into one, e.g.
+    a gated MLP's gate / up keep their own layers), then each LoRA layer is put back around its
+    tplayers base with its adapters sharded. `shard(hf_model, keep=names, verify=False, ...)`
+    is parallelize's own pass."""
+    from tplayers.hf import verify as verification
+
+    for name, layer in layers.items():
+        _check_layer(name, layer)
+    n = dist.get_world_size(group)
+    probe = verification.probe_input(model, verify, n)
+    reference = verification.logits(model, probe) if probe is not None else None
+    hf, hf_prefix = _inner_model(model)
+    root_keys = list(model.state_dict().keys())
+    for name, layer in layers.items():  # the plain HF model the sharding pass knows
+        _set_child(model, name, layer.get_base_layer())
+    frozen = {k for k, p in hf.named_parameters() if not p.requires_grad}
+    relative = {name[len(hf_prefix) :]: name for name in layers}
+    shard(hf, keep=frozenset(relative), verify=False, group=group, **kwargs)
+    records = getattr(hf, EXPORTS)
+    for prefix, _, _, layout in records:  # the base stays as frozen as peft left it
+        for piece in layout():
+            if f"{prefix}.{piece.key}" in frozen:
+                piece.param.requires_grad_(False)
+    record_weight_maps(hf, records)
+    cls = lora_class()
+    for rel, name in relative.items():
+        layer = layers[name]
+        try:
+            base = hf.get_submodule(rel)
+        except AttributeError:
+            _refuse(name, "tplayers fused it into another module; it cannot carry an adapter")
+        if not isinstance(base, SUPPORTED):
+            _refuse(name, f"tplayers holds it as {type(base).__name__}, not a column / row layer; drop it from "
+                          "target_modules")  # fmt: skip
+        layer.base_layer = base
+        layer.__class__ = cls  # peft's layer, its adapters sharded now and whenever added later
+        layer.fan_in_fan_out = False  # the base is (out, in) now, whatever HF stored
+        layer.in_features, layer.out_features = base_features(base)
+        for adapter in list(layer.lora_A):
+            shard_adapter(layer, adapter)
+        _set_child(model, name, layer)
+    setattr(model, EXPORTS, live_records(model, hf_prefix, records))
+    setattr(model, ORIGINAL_KEYS, root_keys)
+    setattr(model, TIED, {hf_prefix + k: hf_prefix + v for k, v in getattr(hf, TIED, {}).items()})
+    if probe is not None:
+        verification.check(reference, verification.logits(model, probe), group=group, vocab_parallel=False)
+    return model
+
+
+# -- order 2: adapters on a parallelized model ---------------------------------------------------
+def get_peft_model(model, config, adapter_name: str = "default", **kwargs):
+    """`peft.get_peft_model` on a model `tplayers.parallelize` already sharded: peft's own call,
+    with tplayers' column / row layers registered as LoRA targets (peft's custom-module
+    registration), each adapter sharded like its base as peft makes it. A target the sharding
+    fused away (a gated MLP's gate_proj / up_proj inside ParallelMLP) is refused on every rank,
+    naming it: add LoRA before parallelize for those (order 1)."""
+    import peft
+
+    records = export_records(model)
+    if not records:
+        raise ValueError("tplayers.get_peft_model: the model is not parallelized (call tplayers.parallelize first)")
+    _refuse_fused_targets(model, config)
+    cls = lora_class()
+    config._register_custom_module(dict.fromkeys(SUPPORTED, cls))
+    peft_model = peft.get_peft_model(model, config, adapter_name=adapter_name, **kwargs)
+    hf, hf_prefix = _inner_model(peft_model)
+    setattr(peft_model, EXPORTS, live_records(peft_model, hf_prefix, getattr(hf, EXPORTS)))
+    setattr(peft_model, ORIGINAL_KEYS, list(peft_model.state_dict().keys()))
+    setattr(peft_model, TIED, {hf_prefix + k: hf_prefix + v for k, v in getattr(hf, TIED, {}).items()})
+    return peft_model
+
+
+def _refuse_fused_targets(model, config):
+    """A target name that matched a module of the HF model (its original state-dict keys) but
+    matches none now: tplayers fused it, and peft would silently skip it."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    original = {k.rpartition(".")[0] for k in getattr(model, ORIGINAL_KEYS, [])}
+    present = {name for name, _ in model.named_modules()}
+    lost = sorted(n for n in original - present if check_target_module_exists(config, n))
+    if lost:
+        raise ValueError(
+            f"tplayers.get_peft_model: {lost[0]} (a LoRA target) is fused into another module by tplayers.parallelize; "
+            "add the adapters before parallelizing (peft.get_peft_model, then tplayers.parallelize)"
+        )
+
+
+# -- export ---------------------------------------------------------------------------------------
+def save_adapter(model, path, *, group=None, **kwargs) -> None:
+    """peft's adapter directory (adapter_config.json + adapter_model.safetensors, whole tensors)
+    of a parallelized peft model, written by global rank 0 through peft's own `save_pretrained`;
+    a collective over the model's groups on every rank."""
+    from tplayers.hf.state_dict import gather_state_dict
+
+    full = gather_state_dict(model, group=group)
+    if dist.get_rank() == 0:
+        model.save_pretrained(path, state_dict=full, **kwargs)
+    dist.barrier()
+
+
+def is_peft_model(model) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+__all__ = ["get_peft_model", "lora_layers", "parallelize_peft", "save_adapter"]
