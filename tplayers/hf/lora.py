@@ -185,6 +185,45 @@ def base_features(base) -> tuple[int, int]:
     return base.in_features, base.out_features
 
 
+class ShardedDropout(nn.Module):
+    """peft's lora_dropout on an input this rank holds part of: the mask is drawn for the whole
+    (unsharded) input, as the unsharded model's nn.Dropout draws it, and this rank's part taken
+    (`dim` of `index`), so every element is dropped independently and the ranks' generators
+    stay in step (each draws the same, whatever it holds)."""
+
+    def __init__(self, p: float, dim: int, index: torch.Tensor | None, total: int | None, group=None):
+        super().__init__()
+        self.p, self.dim, self.total, self.group = p, dim, total, group
+        self.register_buffer("index", index, persistent=False)
+
+    def forward(self, x):
+        if not self.training or self.p == 0:
+            return x
+        dim, index, shape = self.dim, self.index, list(x.shape)
+        if index is None:  # this rank's even part of the sequence (dim 1), or of the tokens of a 2-D input
+            dim, n, r = (1 if x.dim() == 3 else 0), dist.get_world_size(self.group), dist.get_rank(self.group)
+            index = torch.arange(r * shape[dim], (r + 1) * shape[dim])
+            shape[dim] *= n
+        else:
+            shape[dim] = self.total
+        mask = nn.functional.dropout(x.new_ones(shape), self.p, True)
+        return x * mask.index_select(dim, index.to(x.device))
+
+    def extra_repr(self):
+        return f"p={self.p}, " + ("this rank's part of the sequence" if self.index is None else f"dim={self.dim}")
+
+
+def _dropout(layer, adapter, base):
+    """The adapter's dropout over what this rank holds of the base's input (module docstring)."""
+    dropout = layer.lora_dropout[adapter]
+    if not isinstance(dropout, nn.Dropout) or dropout.p == 0:
+        return
+    if isinstance(base, RowParallelLinear) and base.input_is_parallel:  # this rank's input columns
+        layer.lora_dropout[adapter] = ShardedDropout(dropout.p, -1, _map(base, 1), base.in_features)
+    elif getattr(base, "sequence_parallel", False):  # this rank's part of the sequence
+        layer.lora_dropout[adapter] = ShardedDropout(dropout.p, 1, None, None, base.group)
+
+
 def shard_adapter(layer, adapter):
     """Replace `adapter`'s whole factors in `layer` (a TensorParallelLoraLinear) by their sharded
     forms (module docstring), with export records for them."""
@@ -214,6 +253,7 @@ def shard_adapter(layer, adapter):
         for p in new.parameters():
             p.requires_grad_(trainable)
     layer.lora_A[adapter], layer.lora_B[adapter] = new_a, new_b
+    _dropout(layer, adapter, base)
 
 
 def _map(base, dim):
@@ -561,14 +601,16 @@ def _refuse_fused_targets(model, config):
 # -- export ---------------------------------------------------------------------------------------
 def save_adapter(model, path, *, group=None, **kwargs) -> None:
     """peft's adapter directory (adapter_config.json + adapter_model.safetensors, whole tensors)
-    of a parallelized peft model, written by global rank 0 through peft's own `save_pretrained`;
-    a collective over the model's groups on every rank."""
+    of a parallelized peft model, written by the first rank of the model's groups through peft's
+    own `save_pretrained`; a collective on every rank of them (`group`: as `save_pretrained`'s)."""
     from tplayers.hf.state_dict import gather_state_dict
+    from tplayers.placement import covering_group
 
-    full = gather_state_dict(model, group=group)
-    if dist.get_rank() == 0:
+    pg = covering_group(list(model.parameters()), group, "save_pretrained")
+    full = gather_state_dict(model)
+    if dist.get_rank(pg) == 0:
         model.save_pretrained(path, state_dict=full, **kwargs)
-    dist.barrier()
+    dist.barrier(group=pg)
 
 
 def is_peft_model(model) -> bool:
