@@ -21,8 +21,9 @@ from test_families import VOCAB, tiny_model  # noqa: E402
 peft = pytest.importorskip("peft", reason="peft is a test dependency (pip install -e '.[test]')")
 pytestmark = pytest.mark.multirank
 
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TARGETS = {
-    "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "llama": "all-linear",  # peft's shorthand (order 1: on the HF model, where it finds the nn.Linears)
     "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     "gpt2": ["c_attn", "c_proj", "c_fc"],  # c_attn: [q; k; v] in one Conv1D
     "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],  # both fused
@@ -54,7 +55,8 @@ def sharded(family, order, group, sequence_parallel, overlap="auto", **kwargs):
         return tplayers.parallelize(peft_model(family, **kwargs), **options)
     model = tplayers.parallelize(tiny_model(family), **options)
     torch.manual_seed(1)
-    out = tplayers.get_peft_model(model, lora_config(family, **kwargs))
+    named = dict(target_modules=PROJECTIONS) if TARGETS[family] == "all-linear" else {}
+    out = tplayers.get_peft_model(model, lora_config(family, **named, **kwargs))
     reference = peft_model(family, **kwargs)  # the same B values, loaded through the export path
     full = {k: v for k, v in reference.state_dict().items() if "lora_" in k}
     current = tplayers.gather_state_dict(out, group=group)
@@ -185,6 +187,7 @@ def zero3_state(rank, world, group):
     tplayers.data_parallel(model, group=mesh["dp"], zero_stage=3)
     opt = tplayers.data_parallel_optimizer(model, torch.optim.AdamW, lr=1e-3)
     tplayers.train_step(model, opt, [IDS], lambda m, ids: m(input_ids=ids, labels=ids).loss)
+
     def local(t):  # FSDP2's parameters and their optimizer state are DTensors over the replicas
         return t.to_local() if hasattr(t, "to_local") else t
 
@@ -231,8 +234,10 @@ def several_adapters(rank, world, group, sequence_parallel):
         loss.backward()
         losses.append(loss)
     assert_close(losses[0], losses[1])
-    norms = [float(tplayers.clip_grad_norm_(model.parameters(), 1.0)),
-             float(torch.nn.utils.clip_grad_norm_([p for p in reference.parameters() if p.grad is not None], 1.0))]
+    norms = [
+        float(tplayers.clip_grad_norm_(model.parameters(), 1.0)),
+        float(torch.nn.utils.clip_grad_norm_([p for p in reference.parameters() if p.grad is not None], 1.0)),
+    ]
     grads, expected = gather_grads(model, group=group), {k: p.grad for k, p in reference.named_parameters()
                                                           if p.grad is not None}  # fmt: skip
     assert set(grads) == set(expected)
@@ -302,3 +307,39 @@ def test_an_initialization_reading_the_whole_weight_is_refused_after_parallelize
     for reply in pool.run(refused_after, 2, return_exceptions=True):
         assert "init_lora_weights='pissa' reads the whole base weight" in str(reply), reply
 
+
+# -- check_parallel -------------------------------------------------------------------------------
+def llama_with_adapters():
+    return peft_model("llama")
+
+
+def parallelize_with_adapters(model, mesh, layout):
+    tplayers.parallelize(model, group=mesh["tp"], sequence_parallel=layout.sequence_parallel, verify=False)
+    return tplayers.data_parallel(model, group=mesh["dp"], zero_stage=layout.zero_stage)
+
+
+@pytest.mark.tplayers
+def test_check_parallel_takes_a_peft_model():
+    """Logits, loss, every gradient and parameter (the frozen base's included) after two SGD steps
+    at TP 2 + SP x DP 2 with ZeRO-3 and at TP 4 x DP 2 ZeRO-1, against the unsharded peft model."""
+    from tplayers.plan import Layout
+
+    tplayers.testing.check_parallel(
+        llama_with_adapters, parallelize_with_adapters, IDS, steps=2,
+        layouts=[Layout(tp=2, dp=2, zero_stage=3, sequence_parallel=True), Layout(tp=4, dp=2, zero_stage=1)],
+    )  # fmt: skip
+
+
+def refused_names(rank, world, group, targets):
+    model = tplayers.parallelize(tiny_model("llama"), group=group)
+    tplayers.get_peft_model(model, peft.LoraConfig(r=4, target_modules=targets))
+
+
+@pytest.mark.parametrize(
+    ("targets", "message"),
+    [(["in_proj"], "mlp.in_proj is tplayers' fused MLP layer; target the model's own projections"),
+     ("all-linear", "target_modules='all-linear' looks for nn.Linear modules, which parallelize replaced")],
+)  # fmt: skip
+def test_order_two_refuses_names_it_cannot_honour(pool, targets, message):
+    for reply in pool.run(refused_names, 2, targets, return_exceptions=True):
+        assert message in str(reply), reply

@@ -273,19 +273,20 @@ def ZeRO3(module: nn.Module, *, group=None, **kwargs) -> nn.Module:  # noqa: N80
 
 
 def data_parallel_optimizer(module: nn.Module, optimizer_class, **kwargs):
-    """The optimizer for a (data-parallel) module, the same call at every stage: stage 1 shards
+    """The optimizer for a (data-parallel) module's trainable parameters (a frozen base under
+    LoRA adapters holds no state and is not moved), the same call at every stage: stage 1 shards
     its state over the replicas (ZeroRedundancyOptimizer around `optimizer_class`); the other
-    stages build `optimizer_class(module.parameters(), **kwargs)` (ZeRO 2-3 parameters are
+    stages build `optimizer_class(trainable parameters, **kwargs)` (ZeRO 2-3 parameters are
     already shards, so their state is too)."""
     wrapped = getattr(module, _WRAPPED, None)
+    params = [p for p in module.parameters() if p.requires_grad]
     if wrapped is not None and wrapped[1] == 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        params = list(module.parameters())
         optimizer = ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, process_group=wrapped[0], **kwargs)
         # each rank's updated partition goes to every replica after the step (torch's broadcasts,
         # counted as the all-gather of the parameters they amount to)
         nbytes = sum(p.numel() * p.element_size() for p in params)
         optimizer.register_step_post_hook(lambda *_: comm.record("all_gather", nbytes, wrapped[0], "dp"))
         return optimizer
-    return optimizer_class(module.parameters(), **kwargs)
+    return optimizer_class(params, **kwargs)

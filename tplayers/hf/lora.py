@@ -462,6 +462,13 @@ def get_peft_model(model, config, adapter_name: str = "default", **kwargs):
     records = export_records(model)
     if not records:
         raise ValueError("tplayers.get_peft_model: the model is not parallelized (call tplayers.parallelize first)")
+    if isinstance(config.target_modules, str) and config.target_modules == "all-linear":
+        raise ValueError(
+            "tplayers.get_peft_model: target_modules='all-linear' looks for nn.Linear modules, which parallelize "
+            "replaced; name the projections (e.g. ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', "
+            "'down_proj']) or add LoRA before parallelizing"
+        )
+    _refuse_internal_names(model, config)
     _unfuse_targeted_mlps(model, config)
     _refuse_fused_targets(model, config)
     cls = lora_class()
@@ -556,6 +563,24 @@ def _sizes(local: int, group) -> list[int]:
     told = [None] * dist.get_world_size(group)
     dist.all_gather_object(told, local, group=group)
     return told
+
+
+def _refuse_internal_names(model, config):
+    """ParallelMLP's in_proj (its fused gate|up, read by the SwiGLU kernel, not through its
+    forward: an adapter there would be skipped) and out_proj are tplayers' names, not the
+    model's: targets name the HF projections (gate_proj, up_proj, down_proj)."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    from tplayers.nn.mlp import ParallelMLP
+
+    for name, module in model.named_modules():
+        if isinstance(module, ParallelMLP):
+            for child in ("in_proj", "out_proj"):
+                if check_target_module_exists(config, f"{name}.{child}"):
+                    raise ValueError(
+                        f"tplayers.get_peft_model: {name}.{child} is tplayers' fused MLP layer; target the model's "
+                        "own projections (gate_proj, up_proj, down_proj, or gate_up_proj)"
+                    )
 
 
 def _peft_key_order(peft_model, hf_prefix, hf_keys) -> list[str]:
