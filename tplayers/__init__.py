@@ -31,7 +31,7 @@ from tplayers.distributed import RankError, init_mesh, launch
 from tplayers.functional.comm import count_bytes
 from tplayers.functional.cross_entropy import vocab_parallel_cross_entropy
 from tplayers.hf import gather_state_dict, load_full_state_dict, parallelize, pipeline_split
-from tplayers.hf.lora import get_peft_model
+from tplayers.hf.lora_targets import get_peft_model
 from tplayers.nn import (
     ColumnParallelLinear,
     ParallelAttention,

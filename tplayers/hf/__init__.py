@@ -12,6 +12,7 @@
     parallelize.py  the entry point: runs the pass, wires SP / shared-input hooks into the forward
     state_dict.py   full state dict / gradients under the original names, and loading them back
     lora.py         peft's LoRA adapters on the sharded layers, each factor sharded like its base
+    lora_targets.py tplayers.get_peft_model: adapters added to an already parallelized model
 
 May import: tplayers.nn, tplayers.functional, the foundations (backend, distributed, placement)
 and transformers; never tplayers.checkpoint, tplayers.plan or tplayers.tools.
