@@ -44,14 +44,20 @@ def _init_cpu_process_group(rank: int, world_size: int, port: int) -> None:
     )
 
 
-def init_mesh(*, dp: int = 1, pp: int = 1, tp: int = 1) -> DeviceMesh:
-    """A (dp, pp, tp) DeviceMesh; initialises torch.distributed from torchrun's env vars if needed."""
-    for name, size in (("dp", dp), ("pp", pp), ("tp", tp)):
+def init_mesh(*, dp: int = 1, pp: int = 1, tp: int | tuple[int, int] = 1) -> DeviceMesh:
+    """A (dp, pp, tp) DeviceMesh; initialises torch.distributed from torchrun's env vars if needed.
+    `tp=(r, c)`: a (dp, pp, tp_r, tp_c) mesh, whose `mesh["tp_r", "tp_c"]` is the 2-D
+    tensor-parallel grid (`tplayers.nn.GridLinear`)."""
+    grid = tp if isinstance(tp, tuple) else None
+    if grid is not None and len(grid) != 2:
+        raise ValueError(f"tp must be an int or a pair (r, c), got {tp!r}")
+    for name, size in (("dp", dp), ("pp", pp), *((("tp_r", grid[0]), ("tp_c", grid[1])) if grid else (("tp", tp),))):
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"{name} must be a positive int, got {size!r}")
+    tp_size = grid[0] * grid[1] if grid else tp
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size != dp * pp * tp:
-        raise ValueError(f"world size {world_size} != dp*pp*tp = {dp}*{pp}*{tp} = {dp * pp * tp}")
+    if world_size != dp * pp * tp_size:
+        raise ValueError(f"world size {world_size} != dp*pp*tp = {dp}*{pp}*{tp_size} = {dp * pp * tp_size}")
     # One GPU per local rank, or CPU ranks on gloo when there are not enough GPUs for that.
     if dist.is_initialized():
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -68,6 +74,8 @@ def init_mesh(*, dp: int = 1, pp: int = 1, tp: int = 1) -> DeviceMesh:
         else:  # a single process started by hand: a private one-rank world
             init = f"tcp://127.0.0.1:{free_port()}"
             dist.init_process_group(backend, init_method=init, rank=0, world_size=1, timeout=DEFAULT_TIMEOUT)
+    if grid:
+        return init_device_mesh(device_type, (dp, pp, *grid), mesh_dim_names=("dp", "pp", "tp_r", "tp_c"))
     return init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
 
 

@@ -75,6 +75,9 @@ class ParamPlacement:
     pp_group: dist.ProcessGroup | None = None
     # a weight shared by two stages (tied embeddings) is counted by the first stage's norm only
     counted_by_another_stage: bool = False
+    # 2-D tensor parallelism (tplayers.nn.grid): ((group, placement), ...) of the further sharded
+    # dimensions, `group` / `placement` being the first
+    grid: tuple = ()
 
     @property
     def is_sharded(self) -> bool:
@@ -82,7 +85,8 @@ class ParamPlacement:
 
     def reduce_groups(self) -> tuple:
         """The groups a per-rank partial norm of this parameter's gradient is summed over."""
-        return tuple(g for g, on in ((self.group, self.is_sharded), (self.dp_group, self.dp_sharded)) if on)
+        grid = tuple((g, isinstance(p, Shard)) for g, p in self.grid)
+        return tuple(g for g, on in ((self.group, self.is_sharded), *grid, (self.dp_group, self.dp_sharded)) if on)
 
     def __deepcopy__(self, memo):
         return self  # immutable, and a process group is shared, never copied

@@ -6,6 +6,7 @@ MQA), the gated MLP with its fused SwiGLU epilogue, and the vocabulary-parallel 
     mlp.py        ParallelMLP (one gate|up GEMM + SwiGLU), fuse / unfuse the gate|up layout
     embedding.py  VocabParallelEmbedding
     norm.py       ParallelRMSNorm (over a dimension split across the group)
+    grid.py       GridLinear: 2-D tensor parallelism, the weight split over a tp_r x tp_c grid
 
 May import: tplayers.functional and the foundations (backend, distributed, placement); never
 anything that composes modules (train, data_parallel, pipeline, hf, checkpoint, plan, tools).
@@ -13,12 +14,14 @@ anything that composes modules (train, data_parallel, pipeline, hf, checkpoint, 
 
 from tplayers.nn.attention import ParallelAttention
 from tplayers.nn.embedding import VocabParallelEmbedding
+from tplayers.nn.grid import GridLinear
 from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear
 from tplayers.nn.mlp import ParallelMLP
 from tplayers.nn.norm import ParallelRMSNorm
 
 __all__ = [
     "ColumnParallelLinear",
+    "GridLinear",
     "ParallelAttention",
     "ParallelMLP",
     "ParallelRMSNorm",

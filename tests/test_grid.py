@@ -1,0 +1,119 @@
+"""2-D tensor parallelism (tplayers.nn.GridLinear): a column-type / row-type pair over tp_r x tp_c
+grids (2, 2), (1, 4), (4, 1), with and without bias, square and not, sizes that do not divide,
+against the unsharded pair: output, every gradient, and every parameter after clipped steps;
+bytes per axis; negative controls."""
+
+import pytest
+import torch
+from torch import nn
+
+import tplayers
+from tplayers.functional.collectives import gather_from_tp_region, own_slice
+from tplayers.testing import RemoteError, assert_close
+
+pytestmark = pytest.mark.multirank
+
+GRIDS = [(2, 2), (1, 4), (4, 1)]
+
+
+def pair(hidden, ffn, bias):
+    torch.manual_seed(0)
+    return nn.Linear(hidden, ffn, bias=bias), nn.Linear(ffn, hidden, bias=bias)
+
+
+def block(first, second, x):
+    return second(nn.functional.gelu(first(x)))
+
+
+def grid_pair(rank, world, group, grid, hidden, ffn, bias, swap=False, steps=2):
+    """The pair over the grid: x split along the features over tp_c, the output gathered over
+    tp_c; `steps` SGD steps clipped at 0.5 on both sides. Returns nothing: compares here."""
+    mesh = tplayers.init_mesh(tp=grid)["tp_r", "tp_c"]
+    groups = {axis: mesh.get_group(axis) for axis in ("tp_r", "tp_c")}
+    ref_first, ref_second = pair(hidden, ffn, bias)
+    axes = ("tp_c", "tp_r") if swap else ("tp_r", "tp_c")  # the negative control swaps them
+    first = tplayers.nn.GridLinear.from_linear(ref_first, mesh=mesh, out_axis=axes[0])
+    second = tplayers.nn.GridLinear.from_linear(ref_second, mesh=mesh, out_axis=axes[1])
+    x = torch.randn(2, 5, hidden, generator=torch.Generator().manual_seed(1))
+    weights = torch.randn(2, 5, hidden, generator=torch.Generator().manual_seed(2))
+    params, ref_params = (
+        [*first.parameters(), *second.parameters()],
+        [*ref_first.parameters(), *ref_second.parameters()],
+    )
+    opt, ref_opt = torch.optim.SGD(params, lr=0.3), torch.optim.SGD(ref_params, lr=0.3)
+    for _ in range(steps):
+        x_local = own_slice(x, -1, groups["tp_c"]).detach().clone().requires_grad_()
+        ref_x = x.clone().requires_grad_()
+        out = gather_from_tp_region(block(first, second, x_local), groups["tp_c"], dim=-1, total=hidden)
+        ref_out = block(ref_first, ref_second, ref_x)
+        assert_close(out, ref_out, msg=lambda m: f"output: {m}")
+        (out * weights).sum().backward()
+        (ref_out * weights).sum().backward()
+        assert_close(x_local.grad, own_slice(ref_x.grad, -1, groups["tp_c"]), msg=lambda m: f"input grad: {m}")
+        for layer, ref, out_axis in ((first, ref_first, "tp_r"), (second, ref_second, "tp_c")):
+            in_axis = "tp_c" if out_axis == "tp_r" else "tp_r"
+            expected = own_slice(own_slice(ref.weight.grad, 0, groups[out_axis]), 1, groups[in_axis])
+            assert_close(layer.weight.grad, expected, msg=lambda m: f"weight grad: {m}")
+            if bias:
+                assert_close(layer.bias.grad, own_slice(ref.bias.grad, 0, groups[out_axis]), msg=lambda m: f"{m}")
+        norm = tplayers.clip_grad_norm_(params, 0.5)
+        ref_norm = nn.utils.clip_grad_norm_(ref_params, 0.5)
+        assert_close(norm, ref_norm, msg=lambda m: f"clipped norm: {m}")
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    for layer, ref, out_axis in ((first, ref_first, "tp_r"), (second, ref_second, "tp_c")):
+        in_axis = "tp_c" if out_axis == "tp_r" else "tp_r"
+        expected = own_slice(own_slice(ref.weight.detach(), 0, groups[out_axis]), 1, groups[in_axis])
+        assert_close(layer.weight.detach(), expected, msg=lambda m: f"weight after the steps: {m}")
+    return True
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=lambda g: f"{g[0]}x{g[1]}")
+@pytest.mark.parametrize(("hidden", "ffn", "bias"), [(8, 12, True), (12, 8, False), (10, 7, True)],
+                         ids=["wide", "narrow", "uneven"])  # fmt: skip
+def test_a_grid_pair_matches_the_unsharded_pair(pool, grid, hidden, ffn, bias):
+    """Column-type then row-type with a GeLU between, no re-layout: output, input / weight / bias
+    gradients, the clipped global norm and the weights after two clipped SGD steps."""
+    assert all(pool.run(grid_pair, 4, grid, hidden, ffn, bias))
+
+
+def test_swapping_the_axes_fails_the_comparison(pool):
+    """The negative control: the same shapes on a 2 x 2 grid, the two axes' groups swapped."""
+    for reply in pool.run(grid_pair, 4, (2, 2), 8, 8, True, True, return_exceptions=True):
+        assert isinstance(reply, RemoteError) and "output: Tensor-likes are not close" in str(reply), reply
+
+
+def grid_bytes(rank, world, group, grid, hidden, ffn, tokens):
+    mesh = tplayers.init_mesh(tp=grid)["tp_r", "tp_c"]
+    first, second = pair(hidden, ffn, False)
+    first = tplayers.nn.GridLinear.from_linear(first, mesh=mesh, out_axis="tp_r")
+    second = tplayers.nn.GridLinear.from_linear(second, mesh=mesh, out_axis="tp_c")
+    x = torch.randn(1, tokens, first.in_features_per_rank, requires_grad=True)
+    with tplayers.count_bytes() as sent:
+        block(first, second, x).sum().backward()
+    return sent.total()
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=lambda g: f"{g[0]}x{g[1]}")
+def test_bytes_per_axis_are_the_grid_formula(pool, grid):
+    """A pair of T tokens: forward all-reduces T x ffn / r over tp_c and T x hidden / c over
+    tp_r; backward the input gradients, T x hidden / c over tp_r (the first layer's) and
+    T x ffn / r over tp_c (the second's): 2 (n-1)/n x 4 bytes each."""
+    r, c = grid
+    hidden, ffn, tokens = 8, 16, 6
+    expected = 2 * (
+        2 * (c - 1) / c * tokens * ffn / r * 4  # first layer's output / second layer's input grad, over tp_c
+        + 2 * (r - 1) / r * tokens * hidden / c * 4  # second layer's output / first layer's input grad, over tp_r
+    )
+    for total in pool.run(grid_bytes, 4, grid, hidden, ffn, tokens):
+        assert total == expected, (total, expected)
+
+
+def grid_on_a_line(rank, world, group):
+    tplayers.nn.GridLinear(4, 4, mesh=tplayers.init_mesh(tp=4)["tp"])
+
+
+def test_a_mesh_that_is_not_a_grid_is_refused(pool):
+    for reply in pool.run(grid_on_a_line, 4, return_exceptions=True):
+        assert "a 2-D tensor-parallel mesh has dims ('tp_r', 'tp_c')" in str(reply), reply

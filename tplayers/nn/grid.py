@@ -1,0 +1,103 @@
+"""2-D tensor parallelism (AxoNN's grid): a linear layer's weight sharded along both dimensions
+over a tp_r x tp_c grid of ranks (`tplayers.init_mesh(tp=(r, c))["tp_r", "tp_c"]`).
+
+`GridLinear(in, out, mesh=..., out_axis=...)`: rank (i, j) holds block (i, j) of the (out, in)
+weight: the output features split over `out_axis`, the input features over the other axis. Its
+input is split along the features over the input axis (and whole over the output axis); its
+output along the features over the output axis (whole over the input axis):
+
+    column-type  out_axis "tp_r": x (..., in / c) -> y (..., out / r)
+    row-type     out_axis "tp_c": x (..., in / r) -> y (..., out / c)
+
+so a column-type layer feeds a row-type one directly (AxoNN's `transpose=True` pairing), and a
+row-type one the next column-type one: no re-layout between them, whatever elementwise function
+sits in between. Each layer is one partial GEMM whose output is all-reduced over the input axis
+(the overlap engine's matmul_all_reduce, `overlap` as for the 1-D layers), and its input gradient
+all-reduced over the output axis:
+
+    forward   y_i = sum_j x_j W_ij^T + b_i          all-reduce over the input axis
+    backward  dx_j = sum_i dy_i W_ij                  all-reduce over the output axis
+              dW_ij = dy_i^T x_j, db_i = sum dy_i    local, complete
+
+A layer of T tokens sends 2 (c-1)/c x T x out/r elements forward (column-type) and
+2 (r-1)/r x T x in/c backward: on a q x q grid about 1/q of a 1-D layer's per collective. Sizes
+that do not divide split as torch.chunk splits them along each axis.
+
+Each parameter's placement record holds one (group, placement) per sharded dimension: the
+weight Shard(0) over the output axis and Shard(1) over the input axis (`ParamPlacement.grid`),
+the bias Shard(0) over the output axis, whole over the input one; clipping sums partial norms
+over both.
+"""
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
+
+from tplayers.functional.auto_overlap import check_overlap
+from tplayers.functional.collectives import copy_to_tp_region, own_slice
+from tplayers.functional.linear import row_parallel_linear
+from tplayers.nn.linear import _full_linear_init, check_input
+from tplayers.placement import set_placement, shard_sizes
+
+AXES = ("tp_r", "tp_c")
+
+
+def grid_groups(mesh: DeviceMesh) -> dict:
+    """{"tp_r": group, "tp_c": group} of a 2-D tensor-parallel mesh, checked."""
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != AXES:
+        raise ValueError(
+            f"a 2-D tensor-parallel mesh has dims {AXES} (tplayers.init_mesh(tp=(r, c))['tp_r', 'tp_c']), got {mesh!r}"
+        )
+    return {axis: mesh.get_group(axis) for axis in AXES}
+
+
+class GridLinear(nn.Module):
+    """y = x W^T + b with W split over both axes of a 2-D mesh (module docstring)."""
+
+    def __init__(self, in_features, out_features, bias=True, *, mesh, out_axis="tp_r", overlap="auto",
+                 device=None, dtype=None):  # fmt: skip
+        super().__init__()
+        if out_axis not in AXES:
+            raise ValueError(f"GridLinear: out_axis must be one of {AXES}, got {out_axis!r}")
+        groups = grid_groups(mesh)
+        self.mesh, self.out_axis = mesh, out_axis
+        self.in_axis = AXES[1 - AXES.index(out_axis)]
+        self.out_group, self.in_group = groups[out_axis], groups[self.in_axis]
+        self.in_features, self.out_features = in_features, out_features
+        self.overlap = check_overlap(overlap, "GridLinear")
+        self.in_sizes = shard_sizes(in_features, dist.get_world_size(self.in_group))
+        self.in_features_per_rank = self.in_sizes[dist.get_rank(self.in_group)]
+        weight, full_bias = _full_linear_init(in_features, out_features, bias, device, dtype)
+        self._set_shards(weight, full_bias, device)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, mesh, out_axis="tp_r", **kwargs):
+        """The layer holding this rank's block of `linear` (left unchanged)."""
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, mesh=mesh, out_axis=out_axis,
+                    device="meta", dtype=linear.weight.dtype, **kwargs)  # fmt: skip
+        bias = linear.bias.detach() if linear.bias is not None else None
+        layer._set_shards(linear.weight.detach(), bias, linear.weight.device)
+        return layer
+
+    def _set_shards(self, weight, bias, device):
+        block = own_slice(own_slice(weight, 0, self.out_group), 1, self.in_group)
+        self.weight = nn.Parameter(block.to(device=device, copy=True))
+        set_placement(self.weight, self.out_group, Shard(0), grid=((self.in_group, Shard(1)),))
+        if bias is None:
+            self.register_parameter("bias", None)
+            return
+        self.bias = nn.Parameter(own_slice(bias, 0, self.out_group).to(device=device, copy=True))
+        set_placement(self.bias, self.out_group, Shard(0))
+
+    def forward(self, x):
+        check_input(self, x, self.in_features_per_rank, False)
+        x = copy_to_tp_region(x, self.out_group)  # whole over the output axis: its gradient summed there
+        y = row_parallel_linear(x, self.weight, None, self.in_group, overlap=self.overlap, widest=max(self.in_sizes))
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self):
+        return (
+            f"in_features={self.in_features} (split over {self.in_axis}), out_features={self.out_features} "
+            f"(split over {self.out_axis}), bias={self.bias is not None}, overlap={self.overlap}"
+        )
