@@ -117,3 +117,50 @@ def grid_on_a_line(rank, world, group):
 def test_a_mesh_that_is_not_a_grid_is_refused(pool):
     for reply in pool.run(grid_on_a_line, 4, return_exceptions=True):
         assert "a 2-D tensor-parallel mesh has dims ('tp_r', 'tp_c')" in str(reply), reply
+
+
+def mlp_on_grid(rank, world, group, grid, activation):
+    """ParallelMLP handed the 2-D mesh: a GridLinear pair (gate / up pairs kept together over
+    tp_r), equal to the unsharded MLP; and the 1-D classes handed the mesh build GridLinears."""
+    mesh = tplayers.init_mesh(tp=grid)["tp_r", "tp_c"]
+    col = mesh.get_group("tp_c")
+    torch.manual_seed(0)
+    gate, up, down = nn.Linear(8, 10, bias=False), nn.Linear(8, 10, bias=False), nn.Linear(10, 8, bias=False)
+    if activation == "swiglu":
+        mlp = tplayers.nn.ParallelMLP.from_modules(gate, up, down, group=mesh)
+        ref = down(nn.functional.silu(gate(X)) * up(X))
+    else:
+        mlp = tplayers.nn.ParallelMLP.from_linears(gate, down, activation="gelu", group=mesh)
+        ref = down(nn.functional.gelu(gate(X)))
+    x_local = own_slice(X, -1, col).detach().clone().requires_grad_()
+    out = gather_from_tp_region(mlp(x_local), col, dim=-1, total=8)
+    assert_close(out, ref)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    full = (
+        gate.weight.grad if activation != "swiglu" else torch.stack((gate.weight.grad, up.weight.grad), 1).flatten(0, 1)
+    )
+    expected = own_slice(own_slice(full, 0, mesh.get_group("tp_r"), 2 if activation == "swiglu" else 1), 1, col)
+    assert_close(mlp.in_proj.weight.grad, expected)
+    column = tplayers.ColumnParallelLinear(8, 6, group=mesh)
+    row = tplayers.RowParallelLinear.from_linear(nn.Linear(6, 8), group=mesh)
+    assert isinstance(column, tplayers.nn.GridLinear) and (column.out_axis, row.out_axis) == ("tp_r", "tp_c")
+    return True
+
+
+X = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(5))
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize("grid", GRIDS, ids=lambda g: f"{g[0]}x{g[1]}")
+def test_parallel_mlp_and_the_1d_classes_take_a_grid(pool, grid, activation):
+    assert all(pool.run(mlp_on_grid, 4, grid, activation))
+
+
+def sequence_parallel_on_a_grid(rank, world, group):
+    tplayers.ColumnParallelLinear(8, 8, group=tplayers.init_mesh(tp=(2, 2))["tp_r", "tp_c"], sequence_parallel=True)
+
+
+def test_options_a_grid_does_not_take_are_refused(pool):
+    for reply in pool.run(sequence_parallel_on_a_grid, 4, return_exceptions=True):
+        assert "ColumnParallelLinear on a 2-D tensor-parallel mesh does not take sequence_parallel=" in str(reply)

@@ -43,6 +43,25 @@ from tplayers.placement import set_placement, shard_sizes
 AXES = ("tp_r", "tp_c")
 
 
+def is_grid(group) -> bool:
+    """Whether `group` is a 2-D tensor-parallel mesh (the 1-D layers' `group=` takes one)."""
+    return isinstance(group, DeviceMesh) and group.ndim == 2
+
+
+def grid_layer(in_features, out_features, bias, mesh, out_axis, caller, unit=1, **kwargs):
+    """The `GridLinear` a 1-D layer class builds when handed a 2-D mesh as its group: its own
+    options that have no meaning on a grid (yet) refused by name, on every rank alike."""
+    defaults = dict(sequence_parallel=False, gather_output=False, input_is_parallel=True, reduce_input_grad=True,
+                    split_sizes=None)  # fmt: skip
+    unknown = sorted(k for k in kwargs if k not in (*defaults, "overlap", "device", "dtype"))
+    other = sorted(k for k, v in kwargs.items() if k in defaults and v != defaults[k])
+    if unknown or other:
+        raise ValueError(f"{caller} on a 2-D tensor-parallel mesh does not take {(unknown or other)[0]}=")
+    units = dict(out_unit=unit) if out_axis == "tp_r" else dict(in_unit=unit)
+    options = {k: kwargs[k] for k in ("overlap", "device", "dtype") if k in kwargs}
+    return GridLinear(in_features, out_features, bias, mesh=mesh, out_axis=out_axis, **units, **options)
+
+
 def grid_groups(mesh: DeviceMesh) -> dict:
     """{"tp_r": group, "tp_c": group} of a 2-D tensor-parallel mesh, checked."""
     if not isinstance(mesh, DeviceMesh) or mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != AXES:
@@ -56,7 +75,7 @@ class GridLinear(nn.Module):
     """y = x W^T + b with W split over both axes of a 2-D mesh (module docstring)."""
 
     def __init__(self, in_features, out_features, bias=True, *, mesh, out_axis="tp_r", overlap="auto",
-                 device=None, dtype=None):  # fmt: skip
+                 out_unit=1, in_unit=1, device=None, dtype=None):  # fmt: skip
         super().__init__()
         if out_axis not in AXES:
             raise ValueError(f"GridLinear: out_axis must be one of {AXES}, got {out_axis!r}")
@@ -65,8 +84,13 @@ class GridLinear(nn.Module):
         self.in_axis = AXES[1 - AXES.index(out_axis)]
         self.out_group, self.in_group = groups[out_axis], groups[self.in_axis]
         self.in_features, self.out_features = in_features, out_features
+        for what, size, unit in (("out_features", out_features, out_unit), ("in_features", in_features, in_unit)):
+            if size % unit:
+                raise ValueError(f"GridLinear: {what} ({size}) must be whole units of {unit}")
+        # units: whole groups of rows / columns that stay together (ParallelMLP's gate / up pairs)
+        self.out_unit, self.in_unit = out_unit, in_unit
         self.overlap = check_overlap(overlap, "GridLinear")
-        self.in_sizes = shard_sizes(in_features, dist.get_world_size(self.in_group))
+        self.in_sizes = [in_unit * s for s in shard_sizes(in_features // in_unit, dist.get_world_size(self.in_group))]
         self.in_features_per_rank = self.in_sizes[dist.get_rank(self.in_group)]
         weight, full_bias = _full_linear_init(in_features, out_features, bias, device, dtype)
         self._set_shards(weight, full_bias, device)
@@ -81,13 +105,13 @@ class GridLinear(nn.Module):
         return layer
 
     def _set_shards(self, weight, bias, device):
-        block = own_slice(own_slice(weight, 0, self.out_group), 1, self.in_group)
+        block = own_slice(own_slice(weight, 0, self.out_group, self.out_unit), 1, self.in_group, self.in_unit)
         self.weight = nn.Parameter(block.to(device=device, copy=True))
         set_placement(self.weight, self.out_group, Shard(0), grid=((self.in_group, Shard(1)),))
         if bias is None:
             self.register_parameter("bias", None)
             return
-        self.bias = nn.Parameter(own_slice(bias, 0, self.out_group).to(device=device, copy=True))
+        self.bias = nn.Parameter(own_slice(bias, 0, self.out_group, self.out_unit).to(device=device, copy=True))
         set_placement(self.bias, self.out_group, Shard(0))
 
     def forward(self, x):

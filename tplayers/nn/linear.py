@@ -170,6 +170,15 @@ class ColumnParallelLinear(_ParallelLinear):
 
     _placements = {"weight": Shard(0), "bias": Shard(0)}
 
+    def __new__(cls, in_features=None, out_features=None, bias=True, *, group=None, split_unit=1, **kwargs):
+        """group= a 2-D tensor-parallel mesh: a `tplayers.nn.GridLinear`, column-type (the output
+        features over tp_r, the input over tp_c), not an instance of this class."""
+        from tplayers.nn.grid import grid_layer, is_grid
+
+        if is_grid(group):
+            return grid_layer(in_features, out_features, bias, group, "tp_r", cls.__name__, split_unit, **kwargs)
+        return super().__new__(cls)
+
     def _set_shards(self, weight, bias, device):
         """Keep this rank's rows of the full weight / bias."""
         unit, sizes = self.split_unit, self.split_sizes
@@ -230,6 +239,15 @@ class RowParallelLinear(_ParallelLinear):
         self._init_parameters(bias, device, dtype)
 
     _placements = {"weight": Shard(1), "bias": Replicate()}
+
+    def __new__(cls, in_features=None, out_features=None, bias=True, *, group=None, split_unit=1, **kwargs):
+        """group= a 2-D tensor-parallel mesh: a `tplayers.nn.GridLinear`, row-type (the output
+        features over tp_c, the input over tp_r), not an instance of this class."""
+        from tplayers.nn.grid import grid_layer, is_grid
+
+        if is_grid(group):
+            return grid_layer(in_features, out_features, bias, group, "tp_c", cls.__name__, split_unit, **kwargs)
+        return super().__new__(cls)
 
     def _set_shards(self, weight, bias, device):
         """Keep this rank's columns of the full weight; the bias is whole on every rank."""

@@ -26,6 +26,7 @@ from torch.distributed.tensor import Replicate, Shard
 from tplayers.distributed import resolve_group
 from tplayers.functional.auto_overlap import check_overlap
 from tplayers.functional.swiglu import column_parallel_swiglu
+from tplayers.nn.grid import is_grid
 from tplayers.nn.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -75,8 +76,12 @@ class ParallelMLP(nn.Module):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"ParallelMLP: activation must be one of {ACTIVATIONS}, got {activation!r}")
-        self.group = resolve_group(group)
-        self.tp_size = torch.distributed.get_world_size(self.group)
+        # a 2-D mesh: in_proj / out_proj are a column-type / row-type GridLinear pair (tplayers.nn.grid)
+        self.grid = is_grid(group)
+        if self.grid and sequence_parallel:
+            raise ValueError("ParallelMLP: sequence_parallel is not supported on a 2-D tensor-parallel mesh")
+        self.group = group if self.grid else resolve_group(group)
+        self.tp_size = group.size() if self.grid else torch.distributed.get_world_size(self.group)
         self.hidden_size, self.ffn_hidden_size, self.activation = hidden_size, ffn_hidden_size, activation
         self.sequence_parallel = sequence_parallel
         gated = activation == "swiglu"
@@ -169,6 +174,13 @@ class ParallelMLP(nn.Module):
 
     @tokens_as_sequence
     def forward(self, x):
+        if self.grid:  # the gate / up pairs interleave in each rank's rows (tp_r's share of them)
+            h = self.in_proj(x)
+            if self.activation == "swiglu":
+                h = nn.functional.silu(h[..., 0::2]) * h[..., 1::2]
+            else:
+                h = nn.functional.gelu(h, approximate="tanh" if self.activation == "gelu_tanh" else "none")
+            return self.out_proj(h)
         if self.activation == "swiglu":  # the SwiGLU runs in the gate|up GEMM's epilogue
             layer = self.in_proj
             check_input(layer, x, layer.in_features, layer.sequence_parallel)  # before any collective
