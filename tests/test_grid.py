@@ -9,6 +9,7 @@ from torch import nn
 
 import tplayers
 from tplayers.functional.collectives import gather_from_tp_region, own_slice
+from tplayers.plan.comm import grid_mlp_bytes
 from tplayers.testing import RemoteError, assert_close
 
 pytestmark = pytest.mark.multirank
@@ -99,13 +100,16 @@ def grid_bytes(rank, world, group, grid, hidden, ffn, tokens):
 def test_bytes_per_axis_are_the_grid_formula(pool, grid):
     """A pair of T tokens: forward all-reduces T x ffn / r over tp_c and T x hidden / c over
     tp_r; backward the input gradients, T x hidden / c over tp_r (the first layer's) and
-    T x ffn / r over tp_c (the second's): 2 (n-1)/n x 4 bytes each."""
+    T x ffn / r over tp_c (the second's): 2 (n-1)/n x 4 bytes each; the planner's
+    `grid_mlp_bytes` gives the same."""
     r, c = grid
     hidden, ffn, tokens = 8, 16, 6
     expected = 2 * (
         2 * (c - 1) / c * tokens * ffn / r * 4  # first layer's output / second layer's input grad, over tp_c
         + 2 * (r - 1) / r * tokens * hidden / c * 4  # second layer's output / first layer's input grad, over tp_r
     )
+    planned = grid_mlp_bytes(tokens, hidden, ffn, r, c, 4, gated=False)
+    assert sum(planned.values()) == expected, planned
     for total in pool.run(grid_bytes, 4, grid, hidden, ffn, tokens):
         assert total == expected, (total, expected)
 

@@ -122,6 +122,31 @@ def dp_bytes_from_tensors(
     return out + 2 * m * all_gather_bytes(sharded * pb, dp)
 
 
+def grid_mlp_bytes(
+    tokens: int, hidden: int, ffn: int, r: int, c: int, activation_bytes: float, gated: bool = True
+) -> dict[str, float]:
+    """{"tp_r": ..., "tp_c": ...}: bytes each rank sends over each axis of an r x c grid for one
+    MLP forward and backward on `tokens` tokens, as tplayers runs it (`tplayers.nn.GridLinear`'s
+    column-type / row-type pair; ParallelMLP on a 2-D mesh):
+
+        tp_c  forward: the first layer's partial output, T x F_in / r (F_in = 2F gated) all-reduced;
+              backward: the second layer's input gradient, T x F / r
+        tp_r  forward: the second layer's partial output, T x H / c;
+              backward: the first layer's input gradient, T x H / c
+
+    Sizes that do not divide are priced at the largest share (ceil)."""
+    f_in = (2 if gated else 1) * ffn
+    over_c = tokens * (math.ceil(f_in / r) + math.ceil(ffn / r)) * activation_bytes
+    over_r = 2 * tokens * math.ceil(hidden / c) * activation_bytes
+    return {"tp_r": all_reduce_bytes(over_r, r), "tp_c": all_reduce_bytes(over_c, c)}
+
+
+def line_mlp_bytes(tokens: int, hidden: int, tp: int, activation_bytes: float) -> float:
+    """The same MLP on a 1-D group of `tp` (Megatron's pair): the output all-reduced forward, the
+    input gradient backward, T x H each."""
+    return 2 * all_reduce_bytes(tokens * hidden * activation_bytes, tp)
+
+
 def tp_bytes_per_layer(model: ModelSpec, micro_batch: int, tp: int, recompute: str, activation_bytes: float) -> float:
     """TP bytes sent per GPU per layer per micro-batch.
 

@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPTS = ("linear", "overlap", "transformer", "amp", "zero", "pipeline", "checkpoint", "compress")
+SCRIPTS = ("linear", "overlap", "transformer", "amp", "zero", "pipeline", "checkpoint", "compress", "grid")
 FIELDS = (
     "op", "provider", "mode", "shape", "device", "version", "time_ms", "baseline", "ratio_to_baseline",
     "tflops_per_rank", "gbps", "overlap_pays_off", "auto_took", "auto_vs_faster", "script",
@@ -40,6 +40,7 @@ RATIO_OF = {
     "pipeline": ("ratio_to_torch", "torch"),
     "checkpoint": ("ratio_to_single_writer", "single-writer"),
     "compress": ("bytes_ratio", "fp32"),  # dp bytes over the uncompressed reduction's
+    "grid": ("time_ratio", "1d tp4"),  # the 2 x 2 grid (and the planner's q x q) over 1-D TP
 }
 
 
