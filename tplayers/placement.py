@@ -78,6 +78,9 @@ class ParamPlacement:
     # 2-D tensor parallelism (tplayers.nn.grid): ((group, placement), ...) of the further sharded
     # dimensions, `group` / `placement` being the first
     grid: tuple = ()
+    # 2-D: the group of every tensor-parallel rank (the grid flattened), the model's one TP group
+    # for the calls that gather or check over it (gather_state_dict, save_pretrained, ...)
+    tp_all: dist.ProcessGroup | None = None
 
     @property
     def is_sharded(self) -> bool:
@@ -180,7 +183,10 @@ def recorded_groups(params, kind: str) -> list:
     attr = {"tp": "group", "dp": "dp_group", "pp": "pp_group"}[kind]
     found = {}
     for p in params:
-        pg = getattr(get_placement(p), attr, None)
+        record = get_placement(p)
+        pg = getattr(record, attr, None)
+        if kind == "tp" and getattr(record, "tp_all", None) is not None:
+            pg = record.tp_all
         if pg is not None:
             found.setdefault(ranks_of(pg), pg)
     return list(found.values())

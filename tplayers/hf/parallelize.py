@@ -34,9 +34,11 @@ from tplayers.functional.collectives import (
 )
 from tplayers.hf import families, lora
 from tplayers.hf import verify as verification
+from tplayers.hf.grid import parallelize_grid
 from tplayers.hf.pipeline_split import SEQUENCE_PARALLEL
 from tplayers.hf.shard import ShardingPass
 from tplayers.hf.state_dict import EXPORTS, ORIGINAL_KEYS, TIED
+from tplayers.nn.grid import is_grid
 from tplayers.placement import get_placement, set_placement
 
 
@@ -168,10 +170,14 @@ def parallelize(
     cost model expects to be faster; True / False force the ring / the plain collectives).
     """
     check_overlap(overlap, "parallelize")
-    group = resolve_group(group)
     kwargs = dict(sequence_parallel=sequence_parallel, plan=plan, vocab_parallel_logits=vocab_parallel_logits,
                   overlap=overlap)  # fmt: skip
     layers = lora.lora_layers(model)
+    if is_grid(group):  # a 2-D tensor-parallel mesh (tplayers.hf.grid)
+        if layers:
+            raise ValueError("parallelize: LoRA adapters on a 2-D tensor-parallel mesh are not supported yet")
+        return parallelize_grid(model, group, verify=verify, **kwargs)
+    group = resolve_group(group)
     if layers:
         return lora.parallelize_peft(model, layers, _parallelize, group=group, verify=verify, **kwargs)
     return _parallelize(model, group=group, verify=verify, **kwargs)

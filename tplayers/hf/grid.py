@@ -1,0 +1,230 @@
+"""`parallelize(model, group=mesh)` with a 2-D tensor-parallel mesh (`init_mesh(tp=(r, c))
+["tp_r", "tp_c"]`): a Llama-style decoder over a tp_r x tp_c grid (`tplayers.nn.grid`).
+
+Between the blocks' entry and exit the residual stream is split along the hidden features over
+tp_c (whole over tp_r), which is what a column-type GridLinear takes and a row-type one gives:
+
+    attention  q / k / v column-type (heads over tp_r, the input features over tp_c), o_proj
+               row-type; each rank computes its heads' attention over the whole sequence, the
+               c ranks of a row the same heads (no bytes; c times the attention core's compute:
+               splitting the batch over tp_c instead would need a re-layout each way)
+    MLP        ParallelMLP on the grid (gate / up column-type, down row-type)
+    norms      ParallelRMSNorm over tp_c (each rank its features, the sum of squares summed)
+    entry      the embedding output split along the features over tp_c (backward: gathered)
+    exit       the last block's output gathered over tp_c: the final norm and the LM head see
+               the whole hidden state, replicated (as the embedding is) on every rank
+
+Heads (and key/value heads) split over tp_r in whole heads, as torch.chunk splits them: a rank
+holding none is refused. What is not this layout (fused projections, other MLPs and norms,
+sequence parallelism, a plan) is refused, naming it. Sharded checkpoints (DCP chunks) of a 2-D
+layout are refused by name; `gather_state_dict`, `load_full_state_dict` and `save_pretrained`
+work.
+"""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import Replicate
+
+from tplayers.functional.collectives import all_gather_any, gather_from_tp_region, own_slice, scatter_to_tp_region
+from tplayers.hf import verify as verification
+from tplayers.hf.attention import HEAD_COUNTS, HIDDEN_WIDTHS, KV_HEAD_COUNTS, localize_attributes, rms_norm_eps
+from tplayers.hf.mlp import is_silu
+from tplayers.hf.shard import copy_in
+from tplayers.hf.state_dict import EXPORTS, ORIGINAL_KEYS, TIED
+from tplayers.nn.grid import GridLinear, grid_groups
+from tplayers.nn.mlp import ParallelMLP, fuse_gate_up, unfuse_gate_up
+from tplayers.nn.norm import ParallelRMSNorm
+from tplayers.placement import get_placement, set_placement, shard_sizes, update_placement
+
+
+def _refuse(name, why):
+    raise ValueError(f"parallelize on a 2-D tensor-parallel mesh: {name}: {why}")
+
+
+def _blocks(model):
+    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        _refuse(type(model).__name__, "no decoder blocks (an nn.ModuleList) found")
+    return max(lists, key=lambda item: len(item[1]))
+
+
+def _grid_export(layer: GridLinear, keys=("weight", "bias")):
+    """export / load of a GridLinear under the HF linear's names: gathered over the input axis
+    (dim 1), then the output axis (dim 0)."""
+
+    def export(pick, _group):
+        out = {}
+        for key in keys:
+            t = getattr(layer, key, None)
+            t = pick(t) if t is not None else None
+            if t is None:
+                continue
+            if key == "weight":
+                t = all_gather_any(t.contiguous(), 1, layer.in_group)
+            out[key] = all_gather_any(t.contiguous(), 0, layer.out_group)
+        return out
+
+    def load(full):
+        for key in keys:
+            if getattr(layer, key, None) is None:
+                continue
+            t = own_slice(full[key], 0, layer.out_group, layer.out_unit)
+            copy_in(getattr(layer, key), own_slice(t, 1, layer.in_group, layer.in_unit) if key == "weight" else t)
+
+    return export, load
+
+
+def _no_pieces(name):
+    def layout():
+        raise ValueError(
+            f"{name}: sharded checkpoints of a 2-D tensor-parallel layout are not supported yet; use "
+            "tplayers.save_pretrained / gather_state_dict"
+        )
+
+    return layout
+
+
+class _GridPass:
+    def __init__(self, model, mesh, overlap):
+        self.model, self.mesh, self.overlap = model, mesh, overlap
+        self.groups = grid_groups(mesh)
+        self.r, self.c = (dist.get_world_size(self.groups[a]) for a in ("tp_r", "tp_c"))
+        self.records = []
+
+    def swap(self, name, module):
+        parent, _, child = name.rpartition(".")
+        setattr(self.model.get_submodule(parent) if parent else self.model, child, module)
+
+    def linear(self, name, module, out_axis, unit):
+        if not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward:
+            _refuse(name, f"{type(module).__name__} is not an nn.Linear")
+        units = dict(out_unit=unit) if out_axis == "tp_r" else dict(in_unit=unit)
+        layer = GridLinear.from_linear(module, mesh=self.mesh, out_axis=out_axis, overlap=self.overlap, **units)
+        self.swap(name, layer)
+        self.records.append((name, *_grid_export(layer), _no_pieces(name)))
+
+    def attention(self, name, attn):
+        config = self.model.config
+        heads, kv = (
+            config.num_attention_heads,
+            getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        )
+        head_dim = getattr(attn, "head_dim", None) or config.hidden_size // heads
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            if not isinstance(getattr(attn, proj, None), nn.Linear):
+                _refuse(f"{name}.{proj}", "the 2-D layout takes attention with separate q / k / v / o projections")
+        for what, count in (("attention heads", heads), ("key/value heads", kv)):
+            if 0 in shard_sizes(count, self.r):
+                _refuse(name, f"{count} {what} over tp_r = {self.r} leave a rank none")
+        if heads // kv * kv != heads or shard_sizes(heads, self.r) != [
+            s * heads // kv for s in shard_sizes(kv, self.r)
+        ]:
+            _refuse(name, f"{heads} heads in {kv} key/value groups do not split over tp_r = {self.r} by whole groups")
+        rank = dist.get_rank(self.groups["tp_r"])
+        local, local_kv = shard_sizes(heads, self.r)[rank], shard_sizes(kv, self.r)[rank]
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            self.linear(f"{name}.{proj}", getattr(attn, proj), "tp_r", head_dim)
+        self.linear(f"{name}.o_proj", attn.o_proj, "tp_c", head_dim)
+        widths = {w: local * head_dim for w in HIDDEN_WIDTHS if getattr(attn, w, None) == heads * head_dim}
+        localize_attributes(
+            name, attn, {**dict.fromkeys(HEAD_COUNTS, local), **dict.fromkeys(KV_HEAD_COUNTS, local_kv), **widths}
+        )
+
+    def mlp(self, name, mlp):
+        parts = [getattr(mlp, p, None) for p in ("gate_proj", "up_proj", "down_proj")]
+        if not all(isinstance(p, nn.Linear) for p in parts) or not is_silu(getattr(mlp, "act_fn", None)):
+            _refuse(name, "the 2-D layout takes a gated SiLU MLP (gate_proj, up_proj, down_proj)")
+        layer = ParallelMLP.from_modules(*parts, group=self.mesh, overlap=self.overlap)
+        self.swap(name, layer)
+
+        def export(pick, _group):
+            fused = all_gather_any(all_gather_any(pick(layer.in_proj.weight).contiguous(), 1, layer.in_proj.in_group),
+                                   0, layer.in_proj.out_group)  # fmt: skip
+            gate, up = unfuse_gate_up(fused)
+            down = all_gather_any(pick(layer.out_proj.weight).contiguous(), 1, layer.out_proj.in_group)
+            return {"gate_proj.weight": gate, "up_proj.weight": up,
+                    "down_proj.weight": all_gather_any(down, 0, layer.out_proj.out_group)}  # fmt: skip
+
+        def load(full):
+            fused = fuse_gate_up(full["gate_proj.weight"], full["up_proj.weight"])
+            for proj, t in ((layer.in_proj, fused), (layer.out_proj, full["down_proj.weight"])):
+                t = own_slice(own_slice(t, 0, proj.out_group, proj.out_unit), 1, proj.in_group, proj.in_unit)
+                copy_in(proj.weight, t)
+
+        if any(p.bias is not None for p in parts):
+            _refuse(name, "the 2-D layout's gated MLP has no biases")
+        self.records.append((name, export, load, _no_pieces(name)))
+
+    def norm(self, name, norm):
+        eps = rms_norm_eps(norm)
+        if eps is None:
+            _refuse(name, f"{type(norm).__name__} is not an RMSNorm tplayers knows")
+        layer = ParallelRMSNorm.from_weight(norm.weight, eps, group=self.groups["tp_c"])
+        self.swap(name, layer)
+        group = self.groups["tp_c"]
+
+        def export(pick, _group):
+            return {"weight": all_gather_any(pick(layer.weight).contiguous(), 0, group)}
+
+        def load(full):
+            copy_in(layer.weight, own_slice(full["weight"], 0, group, layer.split_unit, layer.split_sizes))
+
+        self.records.append((name, export, load, _no_pieces(name)))
+
+
+def parallelize_grid(model, mesh, *, sequence_parallel=False, plan=None, vocab_parallel_logits=False, verify=None,
+                     overlap="auto"):  # fmt: skip
+    """`parallelize` over a 2-D mesh (module docstring)."""
+    for option, value in (("sequence_parallel", sequence_parallel), ("plan", plan),
+                          ("vocab_parallel_logits", vocab_parallel_logits)):  # fmt: skip
+        if value:
+            _refuse(type(model).__name__, f"{option}= is not supported on a grid yet")
+    groups = grid_groups(mesh)
+    whole = mesh._flatten("tp").get_group()  # every tensor-parallel rank: the records' one TP group
+    probe = verification.probe_input(model, verify, dist.get_world_size(whole))
+    reference = verification.logits(model, probe) if probe is not None else None
+    keys = list(model.state_dict().keys())
+    grid = _GridPass(model, mesh, overlap)
+    blocks_name, blocks = _blocks(model)
+    hidden = model.config.hidden_size
+    for i, block in enumerate(blocks):
+        name = f"{blocks_name}.{i}"
+        for child, module in block.named_children():
+            if child in ("self_attn", "attention", "attn"):
+                grid.attention(f"{name}.{child}", module)
+            elif child == "mlp":
+                grid.mlp(f"{name}.{child}", module)
+            elif isinstance(getattr(module, "weight", None), torch.Tensor) and module.weight.shape == (hidden,):
+                grid.norm(f"{name}.{child}", module)
+            elif any(True for _ in module.parameters()):
+                _refuse(f"{name}.{child}", f"{type(module).__name__} is not part of the 2-D layout")
+    col = groups["tp_c"]
+    blocks[0].register_forward_pre_hook(_split_features(col), with_kwargs=True)
+    blocks[-1].register_forward_hook(
+        lambda module, args, out: (
+            (gather_from_tp_region(out[0], col, dim=-1, total=hidden), *out[1:])
+            if isinstance(out, tuple)
+            else gather_from_tp_region(out, col, dim=-1, total=hidden)
+        )
+    )
+    for p in model.parameters():
+        if get_placement(p) is None:  # embeddings, final norm, LM head: whole on every rank
+            set_placement(p, whole, Replicate())
+        else:
+            update_placement(p, tp_all=whole)
+    setattr(model, EXPORTS, grid.records)
+    setattr(model, ORIGINAL_KEYS, keys)
+    setattr(model, TIED, {})
+    if probe is not None:
+        verification.check(reference, verification.logits(model, probe), group=whole, vocab_parallel=False)
+    return model
+
+
+def _split_features(group):
+    def hook(module, args, kwargs):
+        if args:
+            return (scatter_to_tp_region(args[0], group, dim=-1), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": scatter_to_tp_region(kwargs["hidden_states"], group, dim=-1)}
+
+    return hook
