@@ -207,7 +207,7 @@ def hf_on_grid(rank, world, group, family, grid, zero_stage=None):
         if zero_stage is None:
             grads, expected = tplayers.hf.gather_grads(model), {k: p.grad for k, p in reference.named_parameters()}
             for key, value in expected.items():
-                assert_close(grads[key], value, msg=lambda m, k=key: f"{k} grad, step {step}: {m}")
+                assert_close(grads[key], value, msg=lambda m, k=key, s=step: f"{k} grad, step {s}: {m}")
         norm = tplayers.clip_grad_norm_(model.parameters(), 0.5)
         ref_norm = nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
         assert_close(norm, ref_norm, msg=lambda m: f"clipped norm: {m}")
