@@ -231,3 +231,44 @@ def test_a_grid_with_zero3_over_the_replicas_matches_unsharded(tplayers_pool):
     """3-D: a 2 x 2 grid x DP 2 with ZeRO-3 over the replicas (8 ranks): loss, clipped norm and
     every parameter after two clipped steps equal to the unsharded model on the whole batch."""
     assert all(tplayers_pool.run(hf_on_grid, 8, "llama", (2, 2), 3))
+
+
+def checkpoints_across(rank, world, group, path):
+    """Model and AdamW state saved on the 2 x 2 grid load at 1-D TP 4 (and the reverse): the same
+    full state, and the next step equal on both sides."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_families import VOCAB, tiny_model
+
+    ids = torch.randint(3, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+
+    def loss_fn(model, batch):
+        return model(batch, labels=batch).loss
+
+    def build(layout):
+        model = tplayers.parallelize(tiny_model("llama"), group=layout)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+
+    grid = tplayers.init_mesh(tp=(2, 2))["tp_r", "tp_c"]
+    models = {"grid": build(grid), "line": build(group)}
+    for model, opt in models.values():
+        tplayers.train_step(model, opt, [ids], loss_fn)
+    for source, target in (("grid", "line"), ("line", "grid")):
+        tplayers.save_checkpoint(path / source, model=models[source][0], optimizer=models[source][1])
+        fresh = build(grid if target == "grid" else group)
+        tplayers.load_checkpoint(path / source, model=fresh[0], optimizer=fresh[1])
+        expected, got = tplayers.gather_state_dict(models[source][0]), tplayers.gather_state_dict(fresh[0])
+        for key, value in expected.items():
+            assert_close(got[key], value, exact=True, msg=lambda m, k=key: f"{source} -> {target} {k}: {m}")
+        for model, opt in (models[source], fresh):
+            tplayers.train_step(model, opt, [ids], loss_fn)
+        expected, got = tplayers.gather_state_dict(models[source][0]), tplayers.gather_state_dict(fresh[0])
+        for key, value in expected.items():
+            assert_close(got[key], value, msg=lambda m, k=key: f"{source} -> {target}, a step on, {k}: {m}")
+    return True
+
+
+def test_checkpoints_move_between_the_grid_and_1d(pool, tmp_path):
+    assert all(pool.run(checkpoints_across, 4, tmp_path))

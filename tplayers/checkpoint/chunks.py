@@ -89,10 +89,13 @@ def piece_chunks(piece: Piece, tensor) -> tuple[tuple[int, ...], list[Chunk]]:
     full = list(tensor.shape)  # TP-local, whole over ZeRO's replicas
     if piece.dim is not None:
         full[piece.dim] = piece.global_size
+    if piece.shape is not None:  # a 2-D layout's block of the unsharded tensor
+        full = list(piece.shape)
+    base = list(piece.offset) if piece.offset is not None else [0] * source.dim()
     a, b = _dp_rows(tensor)
     chunks = []
     if piece.dim is None:
-        offsets = [a] + [0] * (source.dim() - 1) if source.dim() else []
+        offsets = [base[0] + a, *base[1:]] if source.dim() else []
         chunks.append(Chunk(tuple(offsets), tuple(source.shape), source, None, None, piece.transpose))
     else:
         local, glob = piece.local, piece.glob
@@ -100,7 +103,7 @@ def piece_chunks(piece: Piece, tensor) -> tuple[tuple[int, ...], list[Chunk]]:
             keep = (local >= a) & (local < b)
             local, glob = local[keep] - a, glob[keep]
         for run in _runs(glob):
-            offsets = [a if piece.dim != 0 else 0] + [0] * (source.dim() - 1)
+            offsets = [base[0] + a if piece.dim != 0 else 0, *base[1:]]
             offsets[piece.dim] = int(glob[run[0]])
             sizes = list(source.shape)
             sizes[piece.dim] = run.numel()

@@ -16,9 +16,10 @@ tp_c (whole over tp_r), which is what a column-type GridLinear takes and a row-t
 
 Heads (and key/value heads) split over tp_r in whole heads, as torch.chunk splits them: a rank
 holding none is refused. What is not this layout (fused projections, other MLPs and norms,
-sequence parallelism, a plan) is refused, naming it. Sharded checkpoints (DCP chunks) of a 2-D
-layout are refused by name; `gather_state_dict`, `load_full_state_dict` and `save_pretrained`
-work.
+sequence parallelism, a plan) is refused, naming it. Every record lists its pieces as blocks of
+the unsharded HF tensors (`tplayers.hf.pieces.block`), so `gather_state_dict`,
+`load_full_state_dict`, `save_pretrained` and sharded checkpoints read and write it, and a
+checkpoint saved on a grid loads at any 1-D layout and back.
 """
 
 import torch
@@ -27,6 +28,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate
 
 from tplayers.functional.collectives import all_gather_any, gather_from_tp_region, own_slice, scatter_to_tp_region
+from tplayers.hf import pieces
 from tplayers.hf import verify as verification
 from tplayers.hf.attention import HEAD_COUNTS, HIDDEN_WIDTHS, KV_HEAD_COUNTS, localize_attributes, rms_norm_eps
 from tplayers.hf.mlp import is_silu
@@ -35,7 +37,7 @@ from tplayers.hf.state_dict import EXPORTS, ORIGINAL_KEYS, TIED
 from tplayers.nn.grid import GridLinear, grid_groups
 from tplayers.nn.mlp import ParallelMLP, fuse_gate_up, unfuse_gate_up
 from tplayers.nn.norm import ParallelRMSNorm
-from tplayers.placement import get_placement, set_placement, shard_sizes, update_placement
+from tplayers.placement import get_placement, set_placement, shard_range, shard_sizes, update_placement
 
 
 def _refuse(name, why):
@@ -75,12 +77,39 @@ def _grid_export(layer: GridLinear, keys=("weight", "bias")):
     return export, load
 
 
-def _no_pieces(name):
+def _start(layer: GridLinear, axis: str) -> int:
+    """Where this rank's block of `layer`'s weight starts along its output ("out") or input ("in")
+    features."""
+    group, total, unit = ((layer.out_group, layer.out_features, layer.out_unit) if axis == "out"
+                          else (layer.in_group, layer.in_features, layer.in_unit))  # fmt: skip
+    return unit * shard_range(total // unit, dist.get_world_size(group), dist.get_rank(group))[0]
+
+
+def _grid_layout(layer: GridLinear, prefix=""):
+    """The pieces of a GridLinear: its weight a block of the (out, in) weight, its bias of (out,)."""
+
     def layout():
-        raise ValueError(
-            f"{name}: sharded checkpoints of a 2-D tensor-parallel layout are not supported yet; use "
-            "tplayers.save_pretrained / gather_state_dict"
-        )
+        out = [pieces.block(f"{prefix}weight", layer.weight, (layer.out_features, layer.in_features),
+                            (_start(layer, "out"), _start(layer, "in")))]  # fmt: skip
+        if layer.bias is not None:
+            out.append(pieces.block(f"{prefix}bias", layer.bias, (layer.out_features,), (_start(layer, "out"),)))
+        return out
+
+    return layout
+
+
+def _mlp_layout(layer: ParallelMLP):
+    """in_proj's rows alternate gate, up over this rank's rows of each (over tp_r), its columns
+    a block over tp_c; out_proj a block of down_proj."""
+
+    def layout():
+        proj, ffn = layer.in_proj, layer.ffn_hidden_size
+        f = proj.weight.shape[0] // 2
+        first, column = _start(proj, "out") // 2, _start(proj, "in")
+        rows = torch.arange(f) * 2
+        out = [pieces.block(key, proj.weight, (ffn, proj.in_features), (0, column), 0, rows + i,
+                            torch.arange(first, first + f)) for i, key in enumerate(("gate_proj.weight", "up_proj.weight"))]  # fmt: skip
+        return out + _grid_layout(layer.out_proj, "down_proj.")()
 
     return layout
 
@@ -102,7 +131,7 @@ class _GridPass:
         units = dict(out_unit=unit) if out_axis == "tp_r" else dict(in_unit=unit)
         layer = GridLinear.from_linear(module, mesh=self.mesh, out_axis=out_axis, overlap=self.overlap, **units)
         self.swap(name, layer)
-        self.records.append((name, *_grid_export(layer), _no_pieces(name)))
+        self.records.append((name, *_grid_export(layer), _grid_layout(layer)))
 
     def attention(self, name, attn):
         config = self.model.config
@@ -154,7 +183,7 @@ class _GridPass:
 
         if any(p.bias is not None for p in parts):
             _refuse(name, "the 2-D layout's gated MLP has no biases")
-        self.records.append((name, export, load, _no_pieces(name)))
+        self.records.append((name, export, load, _mlp_layout(layer)))
 
     def norm(self, name, norm):
         eps = rms_norm_eps(norm)
@@ -170,7 +199,9 @@ class _GridPass:
         def load(full):
             copy_in(layer.weight, own_slice(full["weight"], 0, group, layer.split_unit, layer.split_sizes))
 
-        self.records.append((name, export, load, _no_pieces(name)))
+        self.records.append(
+            (name, export, load, lambda: [pieces.split("weight", layer.weight, 0, group, total=layer.hidden_size)])
+        )
 
 
 def parallelize_grid(model, mesh, *, sequence_parallel=False, plan=None, vocab_parallel_logits=False, verify=None,

@@ -28,6 +28,18 @@ class Piece:
     glob: torch.Tensor | None = None  # the unsharded indices they hold, same length
     global_size: int | None = None  # the unsharded size along dim
     transpose: bool = False
+    # 2-D tensor parallelism: the unsharded shape, and where this rank's tensor starts in it along
+    # the other dims (a block: dim None, the whole local tensor at `offset`)
+    shape: tuple[int, ...] | None = None
+    offset: tuple[int, ...] | None = None
+
+
+def block(key, param, shape, offset, dim=None, local=None, glob=None) -> Piece:
+    """A tensor of the unsharded `shape` of which this rank holds the block starting at `offset`
+    (2-D tensor parallelism: rows over one axis, columns over the other); with `dim`, only the
+    `local` indices along it, holding `glob` (interleaved rows inside the block)."""
+    size = shape[dim] if dim is not None else None
+    return Piece(key, param, dim, local, glob, size, shape=tuple(shape), offset=tuple(offset))
 
 
 def own_range(size: int, group) -> torch.Tensor:
