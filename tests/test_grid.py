@@ -261,12 +261,12 @@ def checkpoints_across(rank, world, group, path):
         tplayers.load_checkpoint(path / source, model=fresh[0], optimizer=fresh[1])
         expected, got = tplayers.gather_state_dict(models[source][0]), tplayers.gather_state_dict(fresh[0])
         for key, value in expected.items():
-            assert_close(got[key], value, exact=True, msg=lambda m, k=key: f"{source} -> {target} {k}: {m}")
+            assert_close(got[key], value, exact=True, msg=lambda m, k=key, s=source: f"from the {s} {k}: {m}")
         for model, opt in (models[source], fresh):
             tplayers.train_step(model, opt, [ids], loss_fn)
         expected, got = tplayers.gather_state_dict(models[source][0]), tplayers.gather_state_dict(fresh[0])
         for key, value in expected.items():
-            assert_close(got[key], value, msg=lambda m, k=key: f"{source} -> {target}, a step on, {k}: {m}")
+            assert_close(got[key], value, msg=lambda m, k=key, s=source: f"from the {s}, a step on, {k}: {m}")
     return True
 
 

@@ -107,8 +107,9 @@ def _mlp_layout(layer: ParallelMLP):
         f = proj.weight.shape[0] // 2
         first, column = _start(proj, "out") // 2, _start(proj, "in")
         rows = torch.arange(f) * 2
-        out = [pieces.block(key, proj.weight, (ffn, proj.in_features), (0, column), 0, rows + i,
-                            torch.arange(first, first + f)) for i, key in enumerate(("gate_proj.weight", "up_proj.weight"))]  # fmt: skip
+        shape, own = (ffn, proj.in_features), torch.arange(first, first + f)
+        keys = ("gate_proj.weight", "up_proj.weight")
+        out = [pieces.block(key, proj.weight, shape, (0, column), 0, rows + i, own) for i, key in enumerate(keys)]
         return out + _grid_layout(layer.out_proj, "down_proj.")()
 
     return layout
