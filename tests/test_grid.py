@@ -272,3 +272,19 @@ def checkpoints_across(rank, world, group, path):
 
 def test_checkpoints_move_between_the_grid_and_1d(pool, tmp_path):
     assert all(pool.run(checkpoints_across, 4, tmp_path))
+
+
+def split_grid_model(rank, world, group):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_families import tiny_model
+
+    model = tplayers.parallelize(tiny_model("llama"), group=tplayers.init_mesh(tp=(2, 2))["tp_r", "tp_c"])
+    tplayers.pipeline_split(model)
+
+
+def test_what_the_grid_does_not_do_yet_is_refused_by_name(pool):
+    for reply in pool.run(split_grid_model, 4, return_exceptions=True):
+        assert "a model parallelized on a 2-D tensor-parallel mesh cannot be split yet" in str(reply), reply
