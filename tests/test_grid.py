@@ -288,3 +288,34 @@ def split_grid_model(rank, world, group):
 def test_what_the_grid_does_not_do_yet_is_refused_by_name(pool):
     for reply in pool.run(split_grid_model, 4, return_exceptions=True):
         assert "a model parallelized on a 2-D tensor-parallel mesh cannot be split yet" in str(reply), reply
+
+
+def grid_model_bytes(rank, world, group, grid):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_families import VOCAB, tiny_model
+
+    config = dict(num_key_value_heads=4) if grid[0] == 4 else {}
+    model = tplayers.parallelize(tiny_model("llama", **config), group=tplayers.init_mesh(tp=grid)["tp_r", "tp_c"])
+    ids = torch.randint(3, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    with tplayers.count_bytes() as sent:
+        model(ids, labels=ids).loss.backward()
+    return sent.total()
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=lambda g: f"{g[0]}x{g[1]}")
+def test_the_planner_prices_a_grid_model_exactly(pool, grid):
+    """One forward + backward of the tiny Llama (2 layers, 2 x 8 tokens) on the grid sends what
+    `grid_tp_bytes_per_layer` (per layer, both axes) and the entry / exit gathers add up to."""
+    from tplayers.plan import ModelSpec
+    from tplayers.plan.comm import grid_tp_bytes_at_the_edges, grid_tp_bytes_per_layer
+
+    r, c = grid
+    spec = ModelSpec(layers=2, hidden=32, heads=4, kv_heads=4 if r == 4 else 2, head_dim=8, ffn_hidden=64, vocab=96,
+                     seq_len=8, max_positions=64)  # fmt: skip
+    per_layer = grid_tp_bytes_per_layer(spec, 2, r, c, 4)
+    planned = 2 * sum(per_layer.values()) + grid_tp_bytes_at_the_edges(spec, 2, c, 4)
+    for total in pool.run(grid_model_bytes, 4, grid):
+        assert total == planned, (total, planned, per_layer)

@@ -141,6 +141,33 @@ def grid_mlp_bytes(
     return {"tp_r": all_reduce_bytes(over_r, r), "tp_c": all_reduce_bytes(over_c, c)}
 
 
+def grid_tp_bytes_per_layer(
+    model: ModelSpec, micro_batch: int, r: int, c: int, activation_bytes: float, norm_bytes: float = 4
+) -> dict[str, float]:
+    """{"tp_r": ..., "tp_c": ...}: bytes each rank sends over each grid axis per transformer layer
+    per micro-batch (forward + backward), as `parallelize` on a 2-D mesh runs a Llama-style layer
+    (`tplayers.hf.grid`; T = seq_len x micro_batch tokens, widths at the largest share):
+
+        tp_c  forward: q, k, v and the MLP's gate|up partial outputs (T x width / r each) all-reduced;
+              backward: o_proj's and down_proj's input gradients (T x q / r, T x F / r); each of the
+              two RMSNorms' sums of squares forward and backward (T fp32 values)
+        tp_r  forward: o_proj's and down_proj's partial outputs (T x H / c);
+              backward: the input gradients of q, k, v and gate|up (T x H / c each)
+    """
+    t, d = model.seq_len * micro_batch, activation_bytes
+    q, kv = math.ceil(model.q_dim / r), math.ceil(model.kv_dim / r)
+    f = math.ceil(model.ffn_hidden / r) * (2 if model.gated_mlp else 1)
+    h = math.ceil(model.hidden / c)
+    over_c = t * (q + 2 * kv + f + q + math.ceil(model.ffn_hidden / r)) * d + 4 * t * norm_bytes
+    over_r = t * (2 * h + 4 * h) * d
+    return {"tp_r": all_reduce_bytes(over_r, r), "tp_c": all_reduce_bytes(over_c, c)}
+
+
+def grid_tp_bytes_at_the_edges(model: ModelSpec, micro_batch: int, c: int, activation_bytes: float) -> float:
+    """The blocks' entry (backward) and exit (forward) on a grid: T x H all-gathered over tp_c."""
+    return 2 * all_gather_bytes(model.seq_len * micro_batch * model.hidden * activation_bytes, c)
+
+
 def line_mlp_bytes(tokens: int, hidden: int, tp: int, activation_bytes: float) -> float:
     """The same MLP on a 1-D group of `tp` (Megatron's pair): the output all-reduced forward, the
     input gradient backward, T x H each."""
