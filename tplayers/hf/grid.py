@@ -4,7 +4,8 @@
 Between the blocks' entry and exit the residual stream is split along the hidden features over
 tp_c (whole over tp_r), which is what a column-type GridLinear takes and a row-type one gives:
 
-    attention  q / k / v column-type (heads over tp_r, the input features over tp_c), o_proj
+    attention  q / k / v column-type (heads over tp_r, the input features over tp_c; their input
+               gradient summed over tp_r once, by a hook before the attention), o_proj
                row-type; each rank computes its heads' attention over the whole sequence, the
                c ranks of a row the same heads (no bytes; c times the attention core's compute:
                splitting the batch over tp_c instead would need a re-layout each way)
@@ -27,7 +28,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate
 
-from tplayers.functional.collectives import all_gather_any, gather_from_tp_region, own_slice, scatter_to_tp_region
+from tplayers.functional.collectives import (
+    all_gather_any,
+    copy_to_tp_region,
+    gather_from_tp_region,
+    own_slice,
+    scatter_to_tp_region,
+)
 from tplayers.hf import pieces
 from tplayers.hf import verify as verification
 from tplayers.hf.attention import HEAD_COUNTS, HIDDEN_WIDTHS, KV_HEAD_COUNTS, localize_attributes, rms_norm_eps
@@ -126,11 +133,12 @@ class _GridPass:
         parent, _, child = name.rpartition(".")
         setattr(self.model.get_submodule(parent) if parent else self.model, child, module)
 
-    def linear(self, name, module, out_axis, unit):
+    def linear(self, name, module, out_axis, unit, **kwargs):
         if not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward:
             _refuse(name, f"{type(module).__name__} is not an nn.Linear")
         units = dict(out_unit=unit) if out_axis == "tp_r" else dict(in_unit=unit)
-        layer = GridLinear.from_linear(module, mesh=self.mesh, out_axis=out_axis, overlap=self.overlap, **units)
+        layer = GridLinear.from_linear(module, mesh=self.mesh, out_axis=out_axis, overlap=self.overlap, **units,
+                                       **kwargs)  # fmt: skip
         self.swap(name, layer)
         self.records.append((name, *_grid_export(layer), _grid_layout(layer)))
 
@@ -153,8 +161,9 @@ class _GridPass:
             _refuse(name, f"{heads} heads in {kv} key/value groups do not split over tp_r = {self.r} by whole groups")
         rank = dist.get_rank(self.groups["tp_r"])
         local, local_kv = shard_sizes(heads, self.r)[rank], shard_sizes(kv, self.r)[rank]
-        for proj in ("q_proj", "k_proj", "v_proj"):
-            self.linear(f"{name}.{proj}", getattr(attn, proj), "tp_r", head_dim)
+        for proj in ("q_proj", "k_proj", "v_proj"):  # one input: its gradient summed once, by the hook below
+            self.linear(f"{name}.{proj}", getattr(attn, proj), "tp_r", head_dim, reduce_input_grad=False)
+        attn.register_forward_pre_hook(_shared_input(self.groups["tp_r"]), with_kwargs=True)
         self.linear(f"{name}.o_proj", attn.o_proj, "tp_c", head_dim)
         widths = {w: local * head_dim for w in HIDDEN_WIDTHS if getattr(attn, w, None) == heads * head_dim}
         localize_attributes(
@@ -251,6 +260,18 @@ def parallelize_grid(model, mesh, *, sequence_parallel=False, plan=None, vocab_p
     if probe is not None:
         verification.check(reference, verification.logits(model, probe), group=whole, vocab_parallel=False)
     return model
+
+
+def _shared_input(group):
+    """Before an attention whose q / k / v take one input: copy_to_tp_region over tp_r (forward
+    identity, backward one all-reduce of the three layers' summed input gradients)."""
+
+    def hook(module, args, kwargs):
+        if args:
+            return (copy_to_tp_region(args[0], group), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": copy_to_tp_region(kwargs["hidden_states"], group)}
+
+    return hook
 
 
 def _split_features(group):

@@ -51,14 +51,13 @@ def is_grid(group) -> bool:
 def grid_layer(in_features, out_features, bias, mesh, out_axis, caller, unit=1, **kwargs):
     """The `GridLinear` a 1-D layer class builds when handed a 2-D mesh as its group: its own
     options that have no meaning on a grid (yet) refused by name, on every rank alike."""
-    defaults = dict(sequence_parallel=False, gather_output=False, input_is_parallel=True, reduce_input_grad=True,
-                    split_sizes=None)  # fmt: skip
-    unknown = sorted(k for k in kwargs if k not in (*defaults, "overlap", "device", "dtype"))
+    defaults = dict(sequence_parallel=False, gather_output=False, input_is_parallel=True, split_sizes=None)
+    unknown = sorted(k for k in kwargs if k not in (*defaults, "overlap", "device", "dtype", "reduce_input_grad"))
     other = sorted(k for k, v in kwargs.items() if k in defaults and v != defaults[k])
     if unknown or other:
         raise ValueError(f"{caller} on a 2-D tensor-parallel mesh does not take {(unknown or other)[0]}=")
     units = dict(out_unit=unit) if out_axis == "tp_r" else dict(in_unit=unit)
-    options = {k: kwargs[k] for k in ("overlap", "device", "dtype") if k in kwargs}
+    options = {k: kwargs[k] for k in ("overlap", "device", "dtype", "reduce_input_grad") if k in kwargs}
     return GridLinear(in_features, out_features, bias, mesh=mesh, out_axis=out_axis, **units, **options)
 
 
@@ -75,7 +74,7 @@ class GridLinear(nn.Module):
     """y = x W^T + b with W split over both axes of a 2-D mesh (module docstring)."""
 
     def __init__(self, in_features, out_features, bias=True, *, mesh, out_axis="tp_r", overlap="auto",
-                 out_unit=1, in_unit=1, device=None, dtype=None):  # fmt: skip
+                 out_unit=1, in_unit=1, reduce_input_grad=True, device=None, dtype=None):  # fmt: skip
         super().__init__()
         if out_axis not in AXES:
             raise ValueError(f"GridLinear: out_axis must be one of {AXES}, got {out_axis!r}")
@@ -89,6 +88,9 @@ class GridLinear(nn.Module):
                 raise ValueError(f"GridLinear: {what} ({size}) must be whole units of {unit}")
         # units: whole groups of rows / columns that stay together (ParallelMLP's gate / up pairs)
         self.out_unit, self.in_unit = out_unit, in_unit
+        # False: the input gradient is left this rank's part over the output axis, for layers that
+        # share one input whose gradient the caller sums once (q / k / v: one reduction, not three)
+        self.reduce_input_grad = reduce_input_grad
         self.overlap = check_overlap(overlap, "GridLinear")
         self.in_sizes = [in_unit * s for s in shard_sizes(in_features // in_unit, dist.get_world_size(self.in_group))]
         self.in_features_per_rank = self.in_sizes[dist.get_rank(self.in_group)]
@@ -116,7 +118,8 @@ class GridLinear(nn.Module):
 
     def forward(self, x):
         check_input(self, x, self.in_features_per_rank, False)
-        x = copy_to_tp_region(x, self.out_group)  # whole over the output axis: its gradient summed there
+        if self.reduce_input_grad:  # whole over the output axis: its gradient summed there
+            x = copy_to_tp_region(x, self.out_group)
         y = row_parallel_linear(x, self.weight, None, self.in_group, overlap=self.overlap, widest=max(self.in_sizes))
         return y + self.bias if self.bias is not None else y
 

@@ -152,14 +152,15 @@ def grid_tp_bytes_per_layer(
               backward: o_proj's and down_proj's input gradients (T x q / r, T x F / r); each of the
               two RMSNorms' sums of squares forward and backward (T fp32 values)
         tp_r  forward: o_proj's and down_proj's partial outputs (T x H / c);
-              backward: the input gradients of q, k, v and gate|up (T x H / c each)
+              backward: the attention's input gradient (q, k, v's summed once) and gate|up's
+              (T x H / c each)
     """
     t, d = model.seq_len * micro_batch, activation_bytes
     q, kv = math.ceil(model.q_dim / r), math.ceil(model.kv_dim / r)
     f = math.ceil(model.ffn_hidden / r) * (2 if model.gated_mlp else 1)
     h = math.ceil(model.hidden / c)
     over_c = t * (q + 2 * kv + f + q + math.ceil(model.ffn_hidden / r)) * d + 4 * t * norm_bytes
-    over_r = t * (2 * h + 4 * h) * d
+    over_r = t * (2 * h + 2 * h) * d
     return {"tp_r": all_reduce_bytes(over_r, r), "tp_c": all_reduce_bytes(over_c, c)}
 
 
