@@ -343,3 +343,38 @@ def refused_names(rank, world, group, targets):
 def test_order_two_refuses_names_it_cannot_honour(pool, targets, message):
     for reply in pool.run(refused_names, 2, targets, return_exceptions=True):
         assert message in str(reply), reply
+
+
+def scaled_and_clipped(rank, world, group):
+    """train_step with a DynamicLossScaler and a global clip on the adapters of a TP 2 + SP
+    model, two steps: the same weights as the unsharded peft model clipped alike (a power-of-two
+    scale unscales exactly); a third step whose gradient is inf on rank 1 only is skipped on
+    every rank, the adapters untouched."""
+    reference = peft_model("llama")
+    model = tplayers.parallelize(peft_model("llama"), group=group, sequence_parallel=True)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.5)
+    scaler = tplayers.DynamicLossScaler(init_scale=2.0**10, group=group)
+    for _ in range(2):
+        tplayers.train_step(model, opt, [IDS], lambda m, ids: m(input_ids=ids, labels=ids).loss, scaler=scaler,
+                            max_grad_norm=0.1)  # fmt: skip
+        reference(input_ids=IDS, labels=IDS).loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in reference.parameters() if p.grad is not None], 0.1)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    full = tplayers.gather_state_dict(model, group=group)
+    for key, value in reference.state_dict().items():
+        assert_close(full[key], value, msg=lambda m, k=key: f"{k}: {m}")
+
+    def poison(m, ids):
+        loss = m(input_ids=ids, labels=ids).loss
+        return loss * float("inf") if rank == 1 else loss
+
+    result = tplayers.train_step(model, opt, [IDS], poison, scaler=scaler, max_grad_norm=0.1)
+    after = tplayers.gather_state_dict(model, group=group)
+    assert all(torch.equal(after[k], full[k]) for k in full) and scaler.last_step_skipped, result
+    return True
+
+
+def test_loss_scaler_and_clipping_over_the_adapters(pool):
+    assert all(pool.run(scaled_and_clipped, 2))
