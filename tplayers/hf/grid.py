@@ -39,7 +39,7 @@ from tplayers.hf import pieces
 from tplayers.hf import verify as verification
 from tplayers.hf.attention import HEAD_COUNTS, HIDDEN_WIDTHS, KV_HEAD_COUNTS, localize_attributes, rms_norm_eps
 from tplayers.hf.mlp import is_silu
-from tplayers.hf.shard import copy_in
+from tplayers.hf.shard import copy_in, replace_hidden
 from tplayers.hf.state_dict import EXPORTS, ORIGINAL_KEYS, TIED
 from tplayers.nn.grid import GridLinear, grid_groups
 from tplayers.nn.mlp import ParallelMLP, fuse_gate_up, unfuse_gate_up
@@ -163,7 +163,9 @@ class _GridPass:
         local, local_kv = shard_sizes(heads, self.r)[rank], shard_sizes(kv, self.r)[rank]
         for proj in ("q_proj", "k_proj", "v_proj"):  # one input: its gradient summed once, by the hook below
             self.linear(f"{name}.{proj}", getattr(attn, proj), "tp_r", head_dim, reduce_input_grad=False)
-        attn.register_forward_pre_hook(_shared_input(self.groups["tp_r"]), with_kwargs=True)
+        # one input for q / k / v: copy_to_tp_region over tp_r sums their input gradients once
+        group = self.groups["tp_r"]
+        attn.register_forward_pre_hook(replace_hidden(lambda h: copy_to_tp_region(h, group)), with_kwargs=True)
         self.linear(f"{name}.o_proj", attn.o_proj, "tp_c", head_dim)
         widths = {w: local * head_dim for w in HIDDEN_WIDTHS if getattr(attn, w, None) == heads * head_dim}
         localize_attributes(
@@ -241,7 +243,9 @@ def parallelize_grid(model, mesh, *, sequence_parallel=False, plan=None, vocab_p
             elif any(True for _ in module.parameters()):
                 _refuse(f"{name}.{child}", f"{type(module).__name__} is not part of the 2-D layout")
     col = groups["tp_c"]
-    blocks[0].register_forward_pre_hook(_split_features(col), with_kwargs=True)
+    blocks[0].register_forward_pre_hook(
+        replace_hidden(lambda h: scatter_to_tp_region(h, col, dim=-1)), with_kwargs=True
+    )
     blocks[-1].register_forward_hook(
         lambda module, args, out: (
             (gather_from_tp_region(out[0], col, dim=-1, total=hidden), *out[1:])
@@ -260,24 +264,3 @@ def parallelize_grid(model, mesh, *, sequence_parallel=False, plan=None, vocab_p
     if probe is not None:
         verification.check(reference, verification.logits(model, probe), group=whole, vocab_parallel=False)
     return model
-
-
-def _shared_input(group):
-    """Before an attention whose q / k / v take one input: copy_to_tp_region over tp_r (forward
-    identity, backward one all-reduce of the three layers' summed input gradients)."""
-
-    def hook(module, args, kwargs):
-        if args:
-            return (copy_to_tp_region(args[0], group), *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": copy_to_tp_region(kwargs["hidden_states"], group)}
-
-    return hook
-
-
-def _split_features(group):
-    def hook(module, args, kwargs):
-        if args:
-            return (scatter_to_tp_region(args[0], group, dim=-1), *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": scatter_to_tp_region(kwargs["hidden_states"], group, dim=-1)}
-
-    return hook

@@ -36,21 +36,10 @@ from tplayers.hf import families, lora
 from tplayers.hf import verify as verification
 from tplayers.hf.grid import parallelize_grid
 from tplayers.hf.pipeline_split import SEQUENCE_PARALLEL
-from tplayers.hf.shard import ShardingPass
+from tplayers.hf.shard import ShardingPass, replace_hidden
 from tplayers.hf.state_dict import EXPORTS, ORIGINAL_KEYS, TIED
 from tplayers.nn.grid import is_grid
 from tplayers.placement import get_placement, set_placement
-
-
-def _replace_hidden(fn):
-    """A forward pre-hook applying `fn` to a module's hidden states, passed first or by keyword."""
-
-    def hook(module, args, kwargs):
-        if args:
-            return (fn(args[0]), *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
-
-    return hook
 
 
 def _check_sequence(hidden, n):
@@ -69,7 +58,7 @@ def _shared_input_hooks(modules, group, sequence_parallel):
     attention reshapes with its input's sequence length, so it must see the whole sequence."""
     prepare = all_gather_sequence if sequence_parallel else copy_to_tp_region
     for module in modules:
-        module.register_forward_pre_hook(_replace_hidden(lambda h: prepare(h, group)), with_kwargs=True)
+        module.register_forward_pre_hook(replace_hidden(lambda h: prepare(h, group)), with_kwargs=True)
 
 
 def _sequence_parallel_hooks(model, group, blocks):
@@ -81,7 +70,7 @@ def _sequence_parallel_hooks(model, group, blocks):
     n = dist.get_world_size(group)
     # Entry: keep this rank's part; backward all-gathers the parts (the embeddings are replicated).
     blocks[0].register_forward_pre_hook(
-        _replace_hidden(lambda h: scatter_to_tp_region(_check_sequence(h, n), group, dim=1)), with_kwargs=True
+        replace_hidden(lambda h: scatter_to_tp_region(_check_sequence(h, n), group, dim=1)), with_kwargs=True
     )
     # Exit: the whole sequence on every rank; backward keeps this rank's part of the (replicated) gradient.
     blocks[-1].register_forward_hook(

@@ -113,6 +113,17 @@ def hf_plan_hint(model, names) -> str:
     return f" (HF's base_model_tp_plan, a hint tplayers has not checked, says {said})"
 
 
+def replace_hidden(fn):
+    """A forward pre-hook applying `fn` to a module's hidden states, passed first or by keyword."""
+
+    def hook(module, args, kwargs):
+        if args:
+            return (fn(args[0]), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
+
+    return hook
+
+
 def _under(name, done) -> bool:
     return any(name == d or name.startswith(d + ".") for d in done)
 
