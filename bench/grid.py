@@ -23,7 +23,8 @@ from linear import figure, save_figure, time_round_robin, write_outputs
 import tplayers
 from tplayers.functional.collectives import own_slice
 from tplayers.plan import ClusterSpec
-from tplayers.plan.comm import grid_mlp_bytes, line_mlp_bytes
+from tplayers.plan.comm import line_mlp_bytes
+from tplayers.plan.grid import grid_mlp_bytes
 
 RANKS = 4
 SHAPE = dict(tokens=1024, hidden=512, ffn=1408)

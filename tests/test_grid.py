@@ -9,7 +9,7 @@ from torch import nn
 
 import tplayers
 from tplayers.functional.collectives import gather_from_tp_region, own_slice
-from tplayers.plan.comm import grid_mlp_bytes
+from tplayers.plan.grid import grid_mlp_bytes
 from tplayers.testing import RemoteError, assert_close
 
 pytestmark = pytest.mark.multirank
@@ -298,24 +298,30 @@ def grid_model_bytes(rank, world, group, grid):
     from test_families import VOCAB, tiny_model
 
     config = dict(num_key_value_heads=4) if grid[0] == 4 else {}
-    model = tplayers.parallelize(tiny_model("llama", **config), group=tplayers.init_mesh(tp=grid)["tp_r", "tp_c"])
-    ids = torch.randint(3, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    mesh = tplayers.init_mesh(tp=grid)["tp_r", "tp_c"]
+    model = tplayers.parallelize(tiny_model("llama", **config), group=mesh, vocab_parallel_logits=True)
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
     with tplayers.count_bytes() as sent:
-        model(ids, labels=ids).loss.backward()
-    return sent.total()
+        logits = model(ids[:, :-1]).logits
+        tplayers.vocab_parallel_cross_entropy(logits, ids[:, 1:], group=mesh, vocab_size=VOCAB).backward()
+    by_axis = sent.by_axis()
+    return sent.total(), by_axis["tp"]
 
 
 @pytest.mark.parametrize("grid", GRIDS, ids=lambda g: f"{g[0]}x{g[1]}")
 def test_the_planner_prices_a_grid_model_exactly(pool, grid):
-    """One forward + backward of the tiny Llama (2 layers, 2 x 8 tokens) on the grid sends what
-    `grid_tp_bytes_per_layer` (per layer, both axes) and the entry / exit gathers add up to."""
-    from tplayers.plan import ModelSpec
-    from tplayers.plan.comm import grid_tp_bytes_at_the_edges, grid_tp_bytes_per_layer
+    """One forward + backward of the tiny Llama (2 layers, 2 x 8 tokens, vocabulary-parallel
+    logits and loss) on the grid sends what `plan.estimate` says for Layout(tp=grid): the
+    blocks' bytes per axis (`grid_tp_bytes_per_layer`), the entry / exit gathers and the
+    vocabulary-parallel edges over the whole grid."""
+    from tplayers import plan
 
     r, c = grid
-    spec = ModelSpec(layers=2, hidden=32, heads=4, kv_heads=4 if r == 4 else 2, head_dim=8, ffn_hidden=64, vocab=96,
-                     seq_len=8, max_positions=64)  # fmt: skip
-    per_layer = grid_tp_bytes_per_layer(spec, 2, r, c, 4)
-    planned = 2 * sum(per_layer.values()) + grid_tp_bytes_at_the_edges(spec, 2, c, 4)
-    for total in pool.run(grid_model_bytes, 4, grid):
-        assert total == planned, (total, planned, per_layer)
+    spec = plan.ModelSpec(layers=2, hidden=32, heads=4, kv_heads=4 if r == 4 else 2, head_dim=8, ffn_hidden=64,
+                          vocab=96, seq_len=8, max_positions=64)  # fmt: skip
+    est = plan.estimate(spec, plan.ClusterSpec.preset("h100", num_gpus=4), plan.Layout(tp=grid, micro_batch=2),
+                        "fp32-adam", assumptions=plan.Assumptions(implementation="tplayers"))  # fmt: skip
+    planned = est.comm_bytes_by_group["tp"]
+    assert planned == sum(est.comm_bytes_by_axis.values())
+    for total, tp in pool.run(grid_model_bytes, 4, grid):
+        assert total == tp == planned, (total, planned, est.comm_bytes_by_axis)

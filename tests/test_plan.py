@@ -435,8 +435,10 @@ def test_tp_groups_must_not_span_nodes():
     single_node = ClusterSpec.preset("h100", num_gpus=6)
     assert estimate(model, single_node, Layout(tp=6)).valid  # within one node any tp <= 8 is fine
     ranked = search(model, cluster, global_batch=48)
-    assert ranked and all(cluster.gpus_per_node % layout.tp == 0 for layout, _ in ranked)
-    assert all(est.comm_links["tp"] == "intra_node" for _, est in ranked)
+    # a grid's tp_c rows stay in a node; its tp_r columns may cross nodes (priced on the network)
+    assert ranked and all(cluster.gpus_per_node % (layout.tp_grid or (0, layout.tp))[1] == 0 for layout, _ in ranked)
+    assert any(layout.tp_grid for layout, _ in ranked)
+    assert all(est.comm_links["tp"] == "intra_node" for layout, est in ranked if not layout.tp_grid)
     rejected = search(model, cluster, global_batch=48, include_invalid=True)
     assert any(layout.tp == 3 and not est.valid for layout, est in rejected)
     assert "INVALID" in format_estimate(next(est for layout, est in rejected if layout.tp == 3))

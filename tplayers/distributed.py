@@ -22,12 +22,16 @@ DEFAULT_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("TPLAYERS_TIMEOU
 
 
 def resolve_group(group) -> dist.ProcessGroup:
-    """A ProcessGroup from `group` (ProcessGroup, 1-D DeviceMesh or None for the default group)."""
+    """A ProcessGroup from `group` (ProcessGroup, 1-D DeviceMesh or None for the default group).
+    A 2-D tensor-parallel mesh (`init_mesh(tp=(r, c))["tp_r", "tp_c"]`) gives its every rank, the
+    grid flattened: the group a grid model's vocabulary-parallel edges and losses run over."""
     if group is None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: call tplayers.init_mesh() or launch()")
         return dist.group.WORLD
     if isinstance(group, DeviceMesh):
+        if group.ndim == 2 and tuple(group.mesh_dim_names or ()) == ("tp_r", "tp_c"):
+            return group._flatten("tp").get_group()  # created once, then looked up (torch caches it)
         if group.ndim != 1:
             raise ValueError(f"group must be a 1-D DeviceMesh, got {group.ndim} dims {group.mesh_dim_names}")
         return group.get_group()

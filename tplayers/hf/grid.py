@@ -12,8 +12,13 @@ tp_c (whole over tp_r), which is what a column-type GridLinear takes and a row-t
     MLP        ParallelMLP on the grid (gate / up column-type, down row-type)
     norms      ParallelRMSNorm over tp_c (each rank its features, the sum of squares summed)
     entry      the embedding output split along the features over tp_c (backward: gathered)
-    exit       the last block's output gathered over tp_c: the final norm and the LM head see
-               the whole hidden state, replicated (as the embedding is) on every rank
+    exit       the last block's output gathered over tp_c: the final norm (whole on every
+               rank) and the LM head see the whole hidden state
+    edges      the word embedding and the LM head vocabulary-parallel over every rank of the
+               grid (the grid flattened into one group of r x c), exactly as `parallelize`
+               shards them over a 1-D group: the embedding's output all-reduced, the logits
+               gathered (or left split with `vocab_parallel_logits=True`, for
+               `tplayers.vocab_parallel_cross_entropy(..., group=mesh)`, the grid as its group)
 
 Heads (and key/value heads) split over tp_r in whole heads, as torch.chunk splits them: a rank
 holding none is refused. What is not this layout (fused projections, other MLPs and norms,
@@ -28,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate
 
+from tplayers.distributed import resolve_group
 from tplayers.functional.collectives import (
     all_gather_any,
     copy_to_tp_region,
@@ -35,11 +41,11 @@ from tplayers.functional.collectives import (
     own_slice,
     scatter_to_tp_region,
 )
-from tplayers.hf import pieces
+from tplayers.hf import families, pieces
 from tplayers.hf import verify as verification
 from tplayers.hf.attention import HEAD_COUNTS, HIDDEN_WIDTHS, KV_HEAD_COUNTS, localize_attributes, rms_norm_eps
 from tplayers.hf.mlp import is_silu
-from tplayers.hf.shard import copy_in, replace_hidden
+from tplayers.hf.shard import ShardingPass, copy_in, replace_hidden
 from tplayers.hf.state_dict import EXPORTS, ORIGINAL_KEYS, TIED
 from tplayers.nn.grid import GridLinear, grid_groups
 from tplayers.nn.mlp import ParallelMLP, fuse_gate_up, unfuse_gate_up
@@ -219,16 +225,19 @@ class _GridPass:
 def parallelize_grid(model, mesh, *, sequence_parallel=False, plan=None, vocab_parallel_logits=False, verify=None,
                      overlap="auto"):  # fmt: skip
     """`parallelize` over a 2-D mesh (module docstring)."""
-    for option, value in (("sequence_parallel", sequence_parallel), ("plan", plan),
-                          ("vocab_parallel_logits", vocab_parallel_logits)):  # fmt: skip
+    for option, value in (("sequence_parallel", sequence_parallel), ("plan", plan)):
         if value:
             _refuse(type(model).__name__, f"{option}= is not supported on a grid yet")
     groups = grid_groups(mesh)
-    whole = mesh._flatten("tp").get_group()  # every tensor-parallel rank: the records' one TP group
+    whole = resolve_group(mesh)  # every tensor-parallel rank: the records' one TP group
     probe = verification.probe_input(model, verify, dist.get_world_size(whole))
     reference = verification.logits(model, probe) if probe is not None else None
     keys = list(model.state_dict().keys())
     grid = _GridPass(model, mesh, overlap)
+    # the edges as a 1-D pass over the flattened grid shards them: vocabulary-parallel
+    edges = ShardingPass(model, whole, False, None, vocab_parallel_logits, overlap)
+    edges.embedding_adapters = families.EMBEDDINGS
+    edges.embeddings()
     blocks_name, blocks = _blocks(model)
     hidden = model.config.hidden_size
     for i, block in enumerate(blocks):
@@ -258,9 +267,11 @@ def parallelize_grid(model, mesh, *, sequence_parallel=False, plan=None, vocab_p
             set_placement(p, whole, Replicate())
         else:
             update_placement(p, tp_all=whole)
-    setattr(model, EXPORTS, grid.records)
+    setattr(model, EXPORTS, edges.exports + grid.records)
     setattr(model, ORIGINAL_KEYS, keys)
-    setattr(model, TIED, {})
+    setattr(model, TIED, edges.tied)
+    edges.release()
     if probe is not None:
-        verification.check(reference, verification.logits(model, probe), group=whole, vocab_parallel=False)
+        verification.check(reference, verification.logits(model, probe), group=whole,
+                           vocab_parallel=vocab_parallel_logits)  # fmt: skip
     return model

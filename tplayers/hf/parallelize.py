@@ -165,6 +165,8 @@ def parallelize(
     if is_grid(group):  # a 2-D tensor-parallel mesh (tplayers.hf.grid)
         if layers:
             raise ValueError("parallelize: LoRA adapters on a 2-D tensor-parallel mesh are not supported yet")
+        if vocab_parallel_logits:
+            model.register_forward_pre_hook(_no_labels, with_kwargs=True)
         return parallelize_grid(model, group, verify=verify, **kwargs)
     group = resolve_group(group)
     if layers:

@@ -9,6 +9,7 @@ against measurements on local CPU ranks (`--validate`). Bad input exits with cod
     tplayers plan --validate
 """
 
+import argparse
 import csv
 from pathlib import Path
 
@@ -35,7 +36,10 @@ def add_arguments(parser) -> None:
     cluster.add_argument("--gpus", type=int, default=None, help="number of GPUs (default: tp*pp*dp)")
 
     layout = parser.add_argument_group("layout")
-    layout.add_argument("--tp", type=int, default=None, help="default 1; with --search: only this size")
+    layout.add_argument(
+        "--tp", type=tp_size, default=None,
+        help="default 1; RxC: a 2-D grid (tp_r x tp_c, e.g. 4x4); with --search: only this size or grid",
+    )  # fmt: skip
     layout.add_argument("--pp", type=int, default=None, help="default 1; with --search: only this size")
     layout.add_argument("--dp", type=int, default=None, help="default 1; with --search: only this size")
     layout.add_argument("--zero", type=int, default=None, dest="zero_stage", help="ZeRO stage 0-3 (default 0)")
@@ -64,6 +68,18 @@ def add_arguments(parser) -> None:
     mode.add_argument("--show-rejected", action="store_true", help="--search: also list rejected layouts and why")
     mode.add_argument("--validate", action="store_true", help="compare predictions with measurements on CPU ranks")
     mode.add_argument("--csv", help="write the estimate(s) as CSV rows here")
+
+
+def tp_size(text: str):
+    """--tp: an int, or RxC for a 2-D grid."""
+    parts = text.lower().split("x")
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        values = []
+    if len(values) not in (1, 2) or min(values, default=0) < 1:
+        raise argparse.ArgumentTypeError(f"--tp takes a size (8) or a grid RxC (4x4), got {text!r}")
+    return values[0] if len(values) == 1 else tuple(values)
 
 
 def _model(args) -> plan.ModelSpec:
@@ -129,7 +145,8 @@ def run(args) -> int:
         if args.gpus is None:
             raise ValueError("--search needs --gpus (the number of GPUs to lay out)")
         narrow = dict(
-            tp_sizes=(args.tp,) if args.tp else None,
+            tp_sizes=(() if isinstance(args.tp, tuple) else (args.tp,)) if args.tp else None,
+            tp_grids=(args.tp,) if isinstance(args.tp, tuple) else None,
             pp_sizes=(args.pp,) if args.pp else None,
             **({"zero_stages": (args.zero_stage,)} if args.zero_stage is not None else {}),
             **({"compress": (args.compress,)} if args.compress is not None else {}),

@@ -122,53 +122,6 @@ def dp_bytes_from_tensors(
     return out + 2 * m * all_gather_bytes(sharded * pb, dp)
 
 
-def grid_mlp_bytes(
-    tokens: int, hidden: int, ffn: int, r: int, c: int, activation_bytes: float, gated: bool = True
-) -> dict[str, float]:
-    """{"tp_r": ..., "tp_c": ...}: bytes each rank sends over each axis of an r x c grid for one
-    MLP forward and backward on `tokens` tokens, as tplayers runs it (`tplayers.nn.GridLinear`'s
-    column-type / row-type pair; ParallelMLP on a 2-D mesh):
-
-        tp_c  forward: the first layer's partial output, T x F_in / r (F_in = 2F gated) all-reduced;
-              backward: the second layer's input gradient, T x F / r
-        tp_r  forward: the second layer's partial output, T x H / c;
-              backward: the first layer's input gradient, T x H / c
-
-    Sizes that do not divide are priced at the largest share (ceil)."""
-    f_in = (2 if gated else 1) * ffn
-    over_c = tokens * (math.ceil(f_in / r) + math.ceil(ffn / r)) * activation_bytes
-    over_r = 2 * tokens * math.ceil(hidden / c) * activation_bytes
-    return {"tp_r": all_reduce_bytes(over_r, r), "tp_c": all_reduce_bytes(over_c, c)}
-
-
-def grid_tp_bytes_per_layer(
-    model: ModelSpec, micro_batch: int, r: int, c: int, activation_bytes: float, norm_bytes: float = 4
-) -> dict[str, float]:
-    """{"tp_r": ..., "tp_c": ...}: bytes each rank sends over each grid axis per transformer layer
-    per micro-batch (forward + backward), as `parallelize` on a 2-D mesh runs a Llama-style layer
-    (`tplayers.hf.grid`; T = seq_len x micro_batch tokens, widths at the largest share):
-
-        tp_c  forward: q, k, v and the MLP's gate|up partial outputs (T x width / r each) all-reduced;
-              backward: o_proj's and down_proj's input gradients (T x q / r, T x F / r); each of the
-              two RMSNorms' sums of squares forward and backward (T fp32 values)
-        tp_r  forward: o_proj's and down_proj's partial outputs (T x H / c);
-              backward: the attention's input gradient (q, k, v's summed once) and gate|up's
-              (T x H / c each)
-    """
-    t, d = model.seq_len * micro_batch, activation_bytes
-    q, kv = math.ceil(model.q_dim / r), math.ceil(model.kv_dim / r)
-    f = math.ceil(model.ffn_hidden / r) * (2 if model.gated_mlp else 1)
-    h = math.ceil(model.hidden / c)
-    over_c = t * (q + 2 * kv + f + q + math.ceil(model.ffn_hidden / r)) * d + 4 * t * norm_bytes
-    over_r = t * (2 * h + 2 * h) * d
-    return {"tp_r": all_reduce_bytes(over_r, r), "tp_c": all_reduce_bytes(over_c, c)}
-
-
-def grid_tp_bytes_at_the_edges(model: ModelSpec, micro_batch: int, c: int, activation_bytes: float) -> float:
-    """The blocks' entry (backward) and exit (forward) on a grid: T x H all-gathered over tp_c."""
-    return 2 * all_gather_bytes(model.seq_len * micro_batch * model.hidden * activation_bytes, c)
-
-
 def line_mlp_bytes(tokens: int, hidden: int, tp: int, activation_bytes: float) -> float:
     """The same MLP on a 1-D group of `tp` (Megatron's pair): the output all-reduced forward, the
     input gradient backward, T x H each."""
@@ -204,6 +157,19 @@ def group_link(cluster: ClusterSpec, layout: Layout, group: str) -> str:
     if n == 1 or cluster.num_gpus <= cluster.gpus_per_node:
         return "intra_node"
     return "intra_node" if cluster.gpus_per_node % (n * stride) == 0 else "inter_node"
+
+
+def grid_links(cluster: ClusterSpec, layout: Layout) -> dict[str, str]:
+    """{"tp_r": link, "tp_c": link} of a grid layout: tp_c is c consecutive ranks, tp_r r ranks
+    c apart (`init_mesh`'s order), so with tp_c inside a node tp_r crosses nodes once r x c
+    exceeds the node."""
+    r, c = layout.tp_grid
+    if cluster.num_gpus <= cluster.gpus_per_node:
+        return {"tp_r": "intra_node", "tp_c": "intra_node"}
+    links = {}
+    for axis, n, stride in (("tp_r", r, c), ("tp_c", c, 1)):
+        links[axis] = "intra_node" if n == 1 or cluster.gpus_per_node % (n * stride) == 0 else "inter_node"
+    return links
 
 
 def _link_bandwidth(cluster: ClusterSpec, link: str) -> float:

@@ -11,10 +11,19 @@ from tplayers.plan.comm import (
     all_reduce_bytes,
     dp_bytes_from_tensors,
     dp_bytes_per_step,
+    grid_links,
     group_link,
     tp_bytes_per_layer,
 )
-from tplayers.plan.flops import _forward_flops_per_token, _recompute_flops_per_token, training_flops
+from tplayers.plan.grid import (
+    grid_flops_per_token,
+    grid_imbalance,
+    grid_layer_activation_bytes,
+    grid_layer_params,
+    grid_stage_tensors,
+    grid_tp_bytes_per_microbatch,
+)
+from tplayers.plan.flops import _forward_flops_per_token, _TokenFlops, _recompute_flops_per_token, training_flops
 from tplayers.plan.layout import Assumptions, Layout
 from tplayers.plan.memory import (
     LOGITS_BYTES,
@@ -89,6 +98,7 @@ class StageEstimate:
     hardware_flops: float | None  # per GPU per step
     comm_bytes_by_group: dict[str, float | None]  # "tp" | "pp" | "dp" -> bytes per GPU per step
     time_breakdown: dict[str, float] | None  # seconds: compute, bubble, tp, pp, dp, optimizer
+    comm_bytes_by_axis: dict[str, float] | None = None  # a grid's "tp" bytes split: "tp_r", "tp_c"
 
     @property
     def step_time_s(self) -> float | None:
@@ -115,7 +125,8 @@ class Estimate:
     bubble_fraction: float | None = None  # bubble / ideal time
     comm_bytes: dict[str, float] | None = None  # link class -> bytes sent per GPU per step
     comm_bytes_by_group: dict[str, float | None] | None = None  # "tp" | "pp" | "dp" -> bytes
-    comm_links: dict[str, str] | None = None  # "tp" | "pp" | "dp" -> link class
+    comm_links: dict[str, str] | None = None  # "tp" | "pp" | "dp" (and a grid's "tp_r", "tp_c") -> link class
+    comm_bytes_by_axis: dict[str, float] | None = None  # a grid's "tp" bytes per axis: "tp_r", "tp_c"
     critical_stage: int | None = None
     time_breakdown: dict[str, float] | None = None
     step_time_s: float | None = None
@@ -150,7 +161,7 @@ class _Context:
     def vocab(self) -> int:
         """The rows the vocabulary-parallel layers split: Megatron pads them to a multiple,
         tplayers splits the vocabulary as it is (uneven rows)."""
-        if self.assumptions.implementation == "tplayers":
+        if self.assumptions.implementation == "tplayers" or self.layout.tp_grid:
             return self.model.vocab
         return padded_vocab(self.model.vocab, self.layout.tp, self.assumptions.vocab_divisible_by)
 
@@ -162,6 +173,8 @@ def _stage_params(ctx: _Context, stage: int) -> float:
     model, layout = ctx.model, ctx.layout
     if not model.has_dims:
         return model.num_params / (layout.tp * layout.pp)
+    if layout.tp_grid:
+        return sum(r * c for r, c, _ in _stage_tensors(ctx, stage))
     tp, pp = layout.tp, layout.pp
     word = ceil_share(ctx.vocab, tp) * model.hidden
     params = model.layers // pp * _layer_params(model, tp)
@@ -182,8 +195,11 @@ def _zero3_buffer(ctx: _Context, stage: int) -> float:
         return 0.0
     if layout.zero_stage == 2:
         return gathered_param_bytes(_stage_tensors(ctx, stage), ctx.precision, dp=layout.dp)
-    units = [_layer_params(model, layout.tp)]
-    if stage in (0, layout.pp - 1):
+    if layout.tp_grid:
+        units = [grid_layer_params(model, layout.tp_grid), ceil_share(ctx.vocab, layout.tp) * model.hidden]
+    else:
+        units = [_layer_params(model, layout.tp)]
+    if stage in (0, layout.pp - 1) and not layout.tp_grid:
         units.append(ceil_share(ctx.vocab, layout.tp) * model.hidden)
     return max(units) * ctx.precision.param_bytes
 
@@ -206,17 +222,23 @@ def _stage_activations(ctx: _Context, stage: int) -> float | None:
         tp_rank=ctx.tp_rank,
     )
     mb, tp, sp, pp, m = layout.micro_batch, layout.tp, layout.sequence_parallel, layout.pp, layout.num_microbatches
-    per_layer = layer_activation_bytes(model, mb, recompute=layout.recompute, **kw)
+    if layout.tp_grid:  # a grid's edges: tplayers' at tp = r x c, without sequence parallelism
+        kw = dict(grid=layout.tp_grid, activation_bytes=precision.activation_bytes, tp_rank=ctx.tp_rank)
+        layer_bytes = grid_layer_activation_bytes
+    else:
+        layer_bytes = layer_activation_bytes
+    per_layer = layer_bytes(model, mb, recompute=layout.recompute, **kw)
     layers_per_stage = model.layers // pp
     in_flight = microbatches_in_flight(layout.schedule, stage, pp, m, layout.virtual_stages)
     total = layers_per_stage * in_flight * per_layer
-    total += layer_activation_bytes(model, mb, recompute="none", **kw) - per_layer
+    total += layer_bytes(model, mb, recompute="none", **kw) - per_layer
     micro_batches_held = m if layout.schedule == "gpipe" else min(pp - stage, m)
     if stage == 0:
         total += micro_batches_held * _embedding_activation_bytes(model, mb, tp, sp)
     if stage == pp - 1:
+        implementation = "tplayers" if layout.tp_grid else ctx.assumptions.implementation
         out = _output_activation_bytes(
-            model, mb, tp, sp, precision.activation_bytes, ctx.vocab, ctx.assumptions.implementation, ctx.tp_rank
+            model, mb, tp, sp, precision.activation_bytes, ctx.vocab, implementation, ctx.tp_rank
         )
         total += micro_batches_held * out
     return total
@@ -224,6 +246,10 @@ def _stage_activations(ctx: _Context, stage: int) -> float | None:
 
 def _stage_tensors(ctx: _Context, stage: int) -> list:
     model, layout = ctx.model, ctx.layout
+    if layout.tp_grid:
+        lm_head = not model.tied_embeddings
+        return grid_stage_tensors(model, layout.tp_grid, vocab=ctx.vocab, layers=model.layers, lm_head=lm_head,
+                                  tp_rank=ctx.tp_rank)  # fmt: skip
     return stage_tensors(
         model, tp=layout.tp, vocab=ctx.vocab, layers=model.layers // layout.pp, first=stage == 0,
         last=stage == layout.pp - 1, lm_head=not model.tied_embeddings or layout.pp > 1,
@@ -272,7 +298,11 @@ def activation_bytes_per_rank(
 def _stage_flops_per_microbatch(ctx: _Context, stage: int) -> float:
     """Hardware matmul FLOPs of one GPU of `stage` for one micro-batch (fwd + bwd + recompute)."""
     model, layout = ctx.model, ctx.layout
-    per_token = _forward_flops_per_token(model, ctx.vocab, layout.tp)  # the most loaded rank's
+    if layout.tp_grid:
+        dense, attention, logits = grid_flops_per_token(model, layout.tp_grid, ctx.vocab)
+        per_token = _TokenFlops(dense, attention, logits)
+    else:
+        per_token = _forward_flops_per_token(model, ctx.vocab, layout.tp)  # the most loaded rank's
     layer = 3 * per_token.layer + _recompute_flops_per_token(per_token, layout.recompute)
     flops = model.layers // layout.pp * layer
     if stage == layout.pp - 1:
@@ -296,8 +326,9 @@ def _stage_tp_bytes_per_microbatch(ctx: _Context, stage: int) -> float:
     tp, mb, d = layout.tp, layout.micro_batch, ctx.precision.activation_bytes
     if tp == 1:
         return 0.0
+    if layout.tp_grid:
+        return sum(_grid_tp_bytes_per_microbatch(ctx, stage).values())
     tplayers = ctx.assumptions.implementation == "tplayers"
-    sbh = model.seq_len * mb * model.hidden * d
     per_layer = tp_bytes_per_layer(model, mb, tp, layout.recompute, d)
     grad_bytes = ctx.precision.param_bytes
     if not _kv_sharded(model, tp):
@@ -307,11 +338,20 @@ def _stage_tp_bytes_per_microbatch(ctx: _Context, stage: int) -> float:
         seq_sliced = 2 * _norm_params(model) + (2 * model.hidden if model.linear_bias and not tplayers else 0)
         per_layer += all_reduce_bytes(seq_sliced * grad_bytes, tp)
     total = model.layers // layout.pp * per_layer
-    sp_edge = all_gather_bytes(sbh, tp) if tplayers and layout.sequence_parallel else 0.0
-    rows = model.seq_len * mb
+    return total + _edge_bytes(ctx, stage, tp, tplayers, layout.sequence_parallel)
+
+
+def _edge_bytes(ctx: _Context, stage: int, tp: int, tplayers: bool, sequence_parallel: bool) -> float:
+    """The vocabulary-parallel edges over a group of `tp`: the embedding's forward all-reduce
+    (stage 0), the LM head's backward all-reduce and the cross-entropy (last stage); under
+    sequence parallelism (tplayers) the blocks' entry and exit all-gathers."""
+    model, mb, d = ctx.model, ctx.layout.micro_batch, ctx.precision.activation_bytes
+    sbh = model.seq_len * mb * model.hidden * d
+    sp_edge = all_gather_bytes(sbh, tp) if tplayers and sequence_parallel else 0.0
+    rows, total = model.seq_len * mb, 0.0
     if stage == 0:
         total += all_reduce_bytes(sbh, tp) + sp_edge
-    if stage == layout.pp - 1:
+    if stage == ctx.layout.pp - 1:
         if tplayers:
             # every rank's (rows + 1, 5) fp32: 4 statistics and the target per row, then its split
             cross_entropy = all_gather_bytes(tp * (rows + 1) * 5 * 4, tp)
@@ -319,6 +359,14 @@ def _stage_tp_bytes_per_microbatch(ctx: _Context, stage: int) -> float:
             cross_entropy = 3 * all_reduce_bytes(rows * LOGITS_BYTES, tp)
         total += all_reduce_bytes(sbh, tp) + sp_edge + cross_entropy
     return total
+
+
+def _grid_tp_bytes_per_microbatch(ctx: _Context, stage: int) -> dict[str, float]:
+    """A grid's TP bytes per micro-batch by the group they cross: "tp_r", "tp_c" (the blocks,
+    `grid_tp_bytes_per_microbatch`) and "tp_all", the vocabulary-parallel edges over every rank
+    of the grid (tplayers' edges at tp = r x c)."""
+    axes = grid_tp_bytes_per_microbatch(ctx.model, ctx.layout, ctx.precision.activation_bytes)
+    return {**axes, "tp_all": _edge_bytes(ctx, stage, ctx.layout.tp, True, False)}
 
 
 def _stage_pp_bytes_per_microbatch(ctx: _Context, stage: int) -> float:
@@ -381,7 +429,10 @@ def _stage_estimate(ctx: _Context, stage: int, links: dict[str, str], bubble: fl
     comm = {"tp": m * tp_mb, "pp": m * pp_mb, "dp": dp_bytes}
     assume = ctx.assumptions
     compute_mb = flops_mb / (cluster.peak_flops * assume.compute_efficiency)
-    tp_time_mb = tp_mb / _link_bandwidth(cluster, links["tp"]) * (1 - assume.tp_comm_overlap)
+    by_axis = {"tp": tp_mb}
+    if layout.tp_grid:  # each axis on its own link
+        by_axis = _grid_tp_bytes_per_microbatch(ctx, stage)
+    tp_time_mb = sum(b / _link_bandwidth(cluster, links[a]) for a, b in by_axis.items()) * (1 - assume.tp_comm_overlap)
     pp_time_mb = pp_mb / _link_bandwidth(cluster, links["pp"]) * (1 - assume.pp_comm_overlap)
     dp_time = dp_bytes / _link_bandwidth(cluster, links["dp"])
     times = {
@@ -392,7 +443,8 @@ def _stage_estimate(ctx: _Context, stage: int, links: dict[str, str], bubble: fl
         "dp": _dp_exposed_time(ctx, dp_time, params, compute_mb),
         "optimizer": _optimizer_time(ctx, params),
     }
-    return StageEstimate(stage, params, memory, m * flops_mb, comm, times)
+    axes = {a: m * b for a, b in by_axis.items()} if layout.tp_grid else None
+    return StageEstimate(stage, params, memory, m * flops_mb, comm, times, axes)
 
 
 def estimate(
@@ -427,6 +479,9 @@ def _estimate(model, cluster, layout, precision, assumptions) -> Estimate:
         return Estimate(**base, reasons=tuple(invalid), valid=False)
     ctx = _Context(model, cluster, layout, precision, assumptions)
     links = {g: group_link(cluster, layout, g) for g in GROUPS}
+    if layout.tp_grid:
+        links.update(grid_links(cluster, layout))
+        links["tp"] = links["tp_all"] = "inter_node" if "inter_node" in (links["tp_r"], links["tp_c"]) else "intra_node"
     bubble = bubble_fraction(layout.pp, layout.num_microbatches, layout.schedule, layout.virtual_stages)
     stages = tuple(_stage_estimate(ctx, i, links, bubble) for i in range(layout.pp))
     memory = max((s.memory for s in stages), key=lambda mem: mem.total)
@@ -440,14 +495,25 @@ def _estimate(model, cluster, layout, precision, assumptions) -> Estimate:
     critical = max(stages, key=lambda s: s.step_time_s) if timed else stages[0]
     if not timed:
         notes.append("model given by num_params only: activations, FLOPs, TP/PP traffic and time unknown")
-    imbalance = tp_imbalance(model, layout.tp) if timed else None
+    imbalance = None
+    if timed:
+        imbalance = grid_imbalance(model, layout.tp_grid) if layout.tp_grid else tp_imbalance(model, layout.tp)
     if imbalance is not None and imbalance > 1 + 1e-9:
         notes.append(
             f"uneven tensor-parallel split (heads {model.heads}, kv heads {model.kv_heads}, ffn {model.ffn_hidden} "
-            f"over tp {layout.tp}): the most loaded rank holds {imbalance:.3f}x the mean rank's share of each layer; "
+            f"over tp {layout.describe().split()[0][3:]}): the most loaded rank holds {imbalance:.3f}x the mean rank's share of each layer; "
             "memory, FLOPs and time are that rank's"
         )
-    comm = _by_link(critical.comm_bytes_by_group, links)
+    by_group = dict(critical.comm_bytes_by_group)
+    if critical.comm_bytes_by_axis:  # a grid's tp bytes on their axes' links
+        by_group = {**{g: b for g, b in by_group.items() if g != "tp"}, **critical.comm_bytes_by_axis}
+    comm = _by_link(by_group, links)
+    if layout.tp_grid and timed:
+        r, c = layout.tp_grid
+        notes.append(
+            f"2-D grid {r}x{c} (tplayers.hf.grid): each row's {c} ranks repeat its heads' attention core; "
+            f"tp_r over {links['tp_r']}, tp_c over {links['tp_c']}, the vocabulary-parallel edges over all {r * c}"
+        )
     tokens = layout.global_batch * model.seq_len if timed else None
     model_flops = training_flops(model, layout.global_batch) if timed else None
     hardware_flops = sum(s.hardware_flops for s in stages) * layout.dp * layout.tp if timed else None
@@ -465,6 +531,7 @@ def _estimate(model, cluster, layout, precision, assumptions) -> Estimate:
         comm_bytes=comm,
         comm_bytes_by_group=dict(critical.comm_bytes_by_group),
         comm_links=links,
+        comm_bytes_by_axis=critical.comm_bytes_by_axis,
         critical_stage=critical.stage,
         time_breakdown=critical.time_breakdown,
         step_time_s=step,

@@ -23,7 +23,9 @@ from tplayers.plan.specs import (
 class Layout:
     """One parallel layout: tp x pp x dp GPUs, ZeRO stage, micro-batching, recomputation.
 
-    `micro_batch` is sequences per micro-batch per DP replica; `num_microbatches` micro-batches
+    `tp` is the tensor-parallel degree, or an (r, c) grid (`tplayers.init_mesh(tp=(r, c))`, 2-D
+    tensor parallelism, `tplayers.plan.grid`): `Layout(tp=(4, 4))` keeps `tp` = 16 and
+    `tp_grid` = (4, 4). `micro_batch` is sequences per micro-batch per DP replica; `num_microbatches` micro-batches
     per step (gradient accumulation / pipeline), so the global batch is
     dp * micro_batch * num_microbatches sequences. `virtual_stages` (model chunks per GPU)
     only with `schedule="interleaved"`.
@@ -41,8 +43,24 @@ class Layout:
     virtual_stages: int = 1
     rank_order: str = "tp-dp-pp"
     compress: str | None = None  # data_parallel(compress=...): "bf16", "int8", "topk:<f>", "powersgd:rank=<r>"
+    tp_grid: tuple[int, int] | None = None  # (tp_r, tp_c) of a 2-D tensor-parallel grid; tp = r * c
 
     def __post_init__(self):
+        if isinstance(self.tp, (tuple, list)):
+            if self.tp_grid is not None and tuple(self.tp_grid) != tuple(self.tp):
+                raise ValueError(f"Layout: tp={self.tp!r} and tp_grid={self.tp_grid!r} disagree")
+            object.__setattr__(self, "tp_grid", self.tp)
+            object.__setattr__(self, "tp", None)
+        if self.tp_grid is not None:
+            grid = tuple(self.tp_grid)
+            if len(grid) != 2:
+                raise ValueError(f"Layout: a tensor-parallel grid is (tp_r, tp_c), got {self.tp_grid!r}")
+            for name, value in zip(("tp_r", "tp_c"), grid, strict=True):
+                _positive_int("Layout", name, value)
+            if self.tp not in (None, 1, grid[0] * grid[1]):
+                raise ValueError(f"Layout: tp={self.tp} is not tp_grid {grid[0]} x {grid[1]}")
+            object.__setattr__(self, "tp_grid", grid)
+            object.__setattr__(self, "tp", grid[0] * grid[1])
         for name in ("tp", "pp", "dp", "micro_batch", "num_microbatches", "virtual_stages"):
             _positive_int("Layout", name, getattr(self, name))
         if isinstance(self.zero_stage, bool) or self.zero_stage not in ZERO_STAGES:
@@ -70,7 +88,8 @@ class Layout:
         return self.dp * self.micro_batch * self.num_microbatches
 
     def describe(self) -> str:
-        parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}", f"zero={self.zero_stage}"]
+        tp = f"{self.tp_grid[0]}x{self.tp_grid[1]}" if self.tp_grid else self.tp
+        parts = [f"tp={tp}", f"pp={self.pp}", f"dp={self.dp}", f"zero={self.zero_stage}"]
         parts.append(f"mb={self.micro_batch}x{self.num_microbatches}")
         if self.sequence_parallel:
             parts.append("sp")

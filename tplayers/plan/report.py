@@ -32,6 +32,9 @@ ESTIMATE_FIELDS = (
     "comm_tp_bytes",
     "comm_pp_bytes",
     "comm_dp_bytes",
+    "comm_tp_r_bytes",
+    "comm_tp_c_bytes",
+    "comm_tp_all_bytes",
     "critical_stage",
     "time_compute_s",
     "time_bubble_s",
@@ -50,6 +53,8 @@ def estimate_to_dict(est: Estimate) -> dict[str, Any]:
     """One flat row (keys `ESTIMATE_FIELDS`, bytes and seconds unscaled) for CSV / JSON."""
     row: dict[str, Any] = dict.fromkeys(ESTIMATE_FIELDS)
     row.update(asdict(est.layout))
+    if est.layout.tp_grid:
+        row["tp_grid"] = "{}x{}".format(*est.layout.tp_grid)
     row.update(num_gpus=est.num_gpus, num_params=est.num_params, valid=est.valid, fits=est.fits)
     row.update(usable_hbm_bytes=est.usable_hbm_bytes, reasons="; ".join(est.reasons))
     if est.memory is not None:
@@ -64,6 +69,8 @@ def estimate_to_dict(est: Estimate) -> dict[str, Any]:
         row[f"comm_{link}_bytes"] = nbytes
     for group, nbytes in (est.comm_bytes_by_group or {}).items():
         row[f"comm_{group}_bytes"] = nbytes
+    for axis, nbytes in (est.comm_bytes_by_axis or {}).items():
+        row[f"comm_{axis}_bytes"] = nbytes
     for part, seconds in (est.time_breakdown or {}).items():
         row[f"time_{part}_s"] = seconds
     return row
@@ -97,6 +104,9 @@ def format_estimate(est: Estimate) -> str:
         f"comm per GPU per step GB  intra-node {_gb(est.comm_bytes['intra_node'])}  "
         f"inter-node {_gb(est.comm_bytes['inter_node'])}  [{groups}]"
     )
+    if est.comm_bytes_by_axis:
+        axes = "  ".join(f"{a} {_gb(b)} ({est.comm_links[a]})" for a, b in est.comm_bytes_by_axis.items())
+        lines.append(f"  tp on the grid's axes GB  {axes}")
     if est.step_time_s is not None:
         parts = "  ".join(f"{k} {v:.3f}" for k, v in est.time_breakdown.items())
         lines.append(f"step time {est.step_time_s:.3f} s (stage {est.critical_stage}: {parts})  MFU {est.mfu:.1%}")

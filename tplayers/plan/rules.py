@@ -3,6 +3,7 @@ on a `ClusterSpec` (GPU count, TP within a node, divisibility, schedule requirem
 
 from __future__ import annotations
 
+from tplayers.plan.grid import grid_refusals
 from tplayers.plan.layout import Layout
 from tplayers.plan.specs import ClusterSpec, ModelSpec
 
@@ -22,7 +23,9 @@ def validate_layout(
     tp, pp, dp = layout.tp, layout.pp, layout.dp
     if layout.num_gpus != cluster.num_gpus:
         reasons.append(f"tp*pp*dp = {tp}*{pp}*{dp} = {layout.num_gpus} != {cluster.num_gpus} GPUs in the cluster")
-    if tp > cluster.gpus_per_node:
+    if layout.tp_grid:
+        reasons += _grid_reasons(cluster, layout)
+    elif tp > cluster.gpus_per_node:
         reasons.append(f"tp={tp} > {cluster.gpus_per_node} GPUs per node: tensor parallelism must stay within a node")
     elif cluster.num_gpus > cluster.gpus_per_node and cluster.gpus_per_node % tp:
         reasons.append(
@@ -48,6 +51,22 @@ def validate_layout(
         reasons.append(f"virtual_stages={v} needs schedule='interleaved', got {layout.schedule!r}")
     if model.has_dims:
         reasons += _model_reasons(model, layout)
+        if layout.tp_grid:
+            reasons += grid_refusals(model, layout.tp_grid)
+    return reasons
+
+
+def _grid_reasons(cluster: ClusterSpec, layout: Layout) -> list[str]:
+    """A grid: its tp_c rows (consecutive ranks) within a node, its tp_r columns may span nodes;
+    what `tplayers.parallelize` on a grid does not run yet refused by name."""
+    r, c = layout.tp_grid
+    reasons = []
+    if c > cluster.gpus_per_node or (cluster.num_gpus > cluster.gpus_per_node and cluster.gpus_per_node % c):
+        reasons.append(f"tp_c={c} does not divide {cluster.gpus_per_node} GPUs per node: a grid row must stay in one")
+    if layout.pp > 1:
+        reasons.append(f"pp={layout.pp}: pipeline stages of a 2-D grid model are not built yet (pipeline_split refuses it)")
+    if layout.sequence_parallel:
+        reasons.append("sequence parallelism on a 2-D grid is not built yet (parallelize refuses it)")
     return reasons
 
 

@@ -29,11 +29,19 @@ def _candidate_layouts(cluster: ClusterSpec, global_batch: int, include_invalid:
     """Every layout of the option grid, skipping equivalent duplicates: ZeRO stages with dp = 1,
     schedules with pp = 1, sequence parallelism with tp = 1."""
     n = cluster.num_gpus
-    tps = options["tp_sizes"] or [d for d in _divisors(n) if d <= cluster.gpus_per_node]
-    for tp in tps:
-        pps = options["pp_sizes"] or _divisors(max(1, n // tp))
+    tps = options["tp_sizes"]
+    grids = options["tp_grids"]
+    if tps is None:
+        tps = [d for d in _divisors(n) if d <= cluster.gpus_per_node]
+    elif grids is None:  # sizes asked for: grids only where asked for too
+        grids = ()
+    for tp in [*tps, *_grids(cluster, grids)]:
+        size = tp[0] * tp[1] if isinstance(tp, tuple) else tp
+        pps = options["pp_sizes"] or _divisors(max(1, n // size))
+        if isinstance(tp, tuple) and not include_invalid:
+            pps = [1]  # a grid model has no pipeline stages yet (validate_layout says so)
         for pp in pps:
-            dp = max(1, n // (tp * pp))  # an explicit tp / pp that does not divide n stays invalid
+            dp = max(1, n // (size * pp))  # an explicit tp / pp that does not divide n stays invalid
             for mb in options["micro_batches"]:
                 if global_batch % (dp * mb) and not include_invalid:
                     continue
@@ -41,9 +49,19 @@ def _candidate_layouts(cluster: ClusterSpec, global_batch: int, include_invalid:
                 yield from _variants(tp, pp, dp, mb, m, options)
 
 
+def _grids(cluster: ClusterSpec, grids):
+    """The grids to try: `grids` as given, or every r x c with r, c >= 2 whose rows fit in a node
+    and whose size divides the cluster."""
+    if grids is not None:
+        return [tuple(g) for g in grids]
+    n, per_node = cluster.num_gpus, cluster.gpus_per_node
+    return [(size // c, c) for size in _divisors(n) for c in _divisors(size)
+            if c >= 2 and size // c >= 2 and c <= per_node and (n <= per_node or per_node % c == 0)]  # fmt: skip
+
+
 def _variants(tp, pp, dp, mb, m, options):
     zero_stages = options["zero_stages"] if dp > 1 else (0,)
-    sps = options["sequence_parallel"] if tp > 1 else (False,)
+    sps = options["sequence_parallel"] if tp != 1 and not isinstance(tp, tuple) else (False,)
     schedules = [
         (s, v) for s in options["schedules"] for v in (options["virtual_stages"] if s == "interleaved" else (1,))
     ]
@@ -86,6 +104,7 @@ def search(
     virtual_stages=(2, 4),
     sequence_parallel=(False, True),
     tp_sizes=None,
+    tp_grids=None,
     pp_sizes=None,
     rank_orders=("tp-dp-pp",),
     compress=(None,),
@@ -94,8 +113,9 @@ def search(
 ) -> list[tuple[Layout, Estimate]]:
     """All layouts of `cluster.num_gpus` GPUs for `global_batch` sequences per step, ranked.
 
-    tp runs over the divisors of num_gpus up to gpus_per_node (or `tp_sizes`), pp over the
-    divisors of num_gpus / tp (or `pp_sizes`), dp = num_gpus / (tp*pp), and num_microbatches =
+    tp runs over the divisors of num_gpus up to gpus_per_node (or `tp_sizes`), then the 2-D
+    grids (`tp_grids`: (r, c) pairs; default, when `tp_sizes` is not given, every r x c with
+    r, c >= 2 whose tp_c rows fit in a node; `()` for none), pp over the divisors of num_gpus / tp (or `pp_sizes`; 1 for grids), dp = num_gpus / (tp*pp), and num_microbatches =
     global_batch / (dp * micro_batch); `compress` the gradient compressions to try where dp > 1
     (each at the ZeRO stages that take it). Returns (layout, estimate) pairs, fitting layouts first
     by step time (fastest first). With `include_invalid`, the invalid and non-fitting ones
@@ -108,6 +128,8 @@ def search(
                          ("tp_sizes", tp_sizes or ()), ("pp_sizes", pp_sizes or ())):  # fmt: skip
         for value in values:
             _positive_int("search", name, value)
+    for grid in tp_grids or ():
+        Layout(tp=tuple(grid))  # a clear error for a bad grid
     for value in zero_stages:
         if value not in ZERO_STAGES:
             raise ValueError(f"unknown zero_stage {value!r}; valid: 0, 1, 2, 3")
@@ -126,6 +148,7 @@ def search(
         virtual_stages=tuple(virtual_stages),
         sequence_parallel=tuple(sequence_parallel),
         tp_sizes=tp_sizes,
+        tp_grids=tp_grids,
         pp_sizes=pp_sizes,
         rank_orders=tuple(rank_orders),
     )
