@@ -132,7 +132,8 @@ def test_megatron_edges_fail_the_tp_bytes(measured):
     are its fp32 logits what tplayers keeps of a bf16 model."""
     # Megatron pads the vocabulary (here to a multiple of tp only): not the 250 rows tplayers splits
     megatron = replace(measured[0].assumptions, implementation="megatron", vocab_divisible_by=1)
-    for name, failed in _failures(measured, assumptions=megatron).items():
+    line = [m for m in measured if not m.case.layout.tp_grid]  # a grid's edges are tplayers' whatever is assumed
+    for name, failed in _failures(line, assumptions=megatron).items():
         # its fp32 logits are not what tplayers keeps of a bf16 model, nor its SP edges what tplayers stores
         padded = VALIDATION_MODEL.vocab % int(name.split()[0].split("tp")[1])
         assert ("activations+hf" in failed) == (name.endswith("bf16") or " sp " in name or bool(padded)), name
@@ -164,7 +165,7 @@ def test_zero_states_per_replica_are_exact_and_a_wrong_stage_fails(measured):
 
 @pytest.mark.multirank
 def test_wrong_vocab_padding_or_model_fails(measured):
-    tp4 = [m for m in measured if m.case.layout.tp == 4]
+    tp4 = [m for m in measured if m.case.layout.tp == 4 and not m.case.layout.tp_grid]
     # Megatron's padding (a multiple of 128 * 4 = 512) instead of the 250 rows the model was built with
     padded = replace(measured[0].assumptions, implementation="megatron", vocab_divisible_by=128)
     assert all("params" in failed for failed in _failures(tp4, assumptions=padded).values())
@@ -185,6 +186,29 @@ def test_perturbed_measurement_fails(measured):
         assert quantity in row.failures and not row.ok
         assert "FAIL" in format_validation([row]) and "0/1 layouts agree" in format_validation([row])
     assert "activations" in compare(m, activation_rtol=0.2).failures
+
+
+@pytest.mark.multirank
+def test_grids_are_priced_exactly_and_not_as_a_line(measured):
+    """2 x 2, 1 x 2 with two micro-batches, and 1 x 2 x DP 2 ZeRO-3: every byte sent per axis and
+    held per rank as the plan says; priced as the 1-D layout of the same size, they fail."""
+    grids = [m for m in measured if m.case.layout.tp_grid]
+    assert {m.case.name for m in grids} == {"tp2x2 bf16", "tp1x2 m2 fp32", "tp1x2 dp2 zero3 fp32"}
+    for m in grids:
+        row = compare(m)
+        assert row.ok, format_validation([row])
+        line = ValidationCase(replace(m.case.layout, tp_grid=None), m.case.dtype)
+        assert {"comm tp", "params"} <= set(compare(replace(m, case=line)).failures), m.case.name
+
+
+@pytest.mark.tplayers
+def test_a_2x2_grid_with_zero3_over_2_replicas_is_priced_exactly(tplayers_pool):
+    """3-D on 8 ranks: the (2, 2) grid's blocks and FSDP2's shards of them over the replicas."""
+    from tplayers.plan.measure import GRID_CASES_8
+
+    rows = validate(GRID_CASES_8, nprocs_max=8, pool=tplayers_pool)
+    assert_agrees(rows)
+    assert rows[0].check("comm dp").measured > 0
 
 
 # ---------------------------------------------------------------------------- the comparison, alone

@@ -31,7 +31,8 @@ def resolve_group(group) -> dist.ProcessGroup:
         return dist.group.WORLD
     if isinstance(group, DeviceMesh):
         if group.ndim == 2 and tuple(group.mesh_dim_names or ()) == ("tp_r", "tp_c"):
-            return group._flatten("tp").get_group()  # created once, then looked up (torch caches it)
+            # made by init_mesh on every rank (a mesh of one's own: its first call, on every rank)
+            return group._flatten("tp").get_group()
         if group.ndim != 1:
             raise ValueError(f"group must be a 1-D DeviceMesh, got {group.ndim} dims {group.mesh_dim_names}")
         return group.get_group()
@@ -79,7 +80,10 @@ def init_mesh(*, dp: int = 1, pp: int = 1, tp: int | tuple[int, int] = 1) -> Dev
             init = f"tcp://127.0.0.1:{free_port()}"
             dist.init_process_group(backend, init_method=init, rank=0, world_size=1, timeout=DEFAULT_TIMEOUT)
     if grid:
-        return init_device_mesh(device_type, (dp, pp, *grid), mesh_dim_names=("dp", "pp", "tp_r", "tp_c"))
+        mesh = init_device_mesh(device_type, (dp, pp, *grid), mesh_dim_names=("dp", "pp", "tp_r", "tp_c"))
+        # the grid's flattened group (resolve_group) is made by every rank of the world: now, while all are here
+        mesh["tp_r", "tp_c"]._flatten("tp")
+        return mesh
     return init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
 
 

@@ -285,6 +285,17 @@ def model_state_bytes_per_rank(
     )
 
 
+def dp_bytes_per_rank(
+    model: ModelSpec, layout: Layout, precision: Precision | None = None, *, assumptions=None, stage: int = 0,
+    tp_rank: int = 0,
+) -> float:  # fmt: skip
+    """Data-parallel bytes per step of pipeline `stage` on TP rank `tp_rank` (its tensors' padding:
+    `dp_bytes_from_tensors`); needs the model's dimensions."""
+    ctx = _Context(model, None, layout, _resolve_precision(precision), assumptions or Assumptions(), tp_rank)
+    return dp_bytes_from_tensors(_stage_tensors(ctx, stage), layout.dp, layout.zero_stage, layout.num_microbatches,
+                                 ctx.precision, layout.compression)  # fmt: skip
+
+
 def activation_bytes_per_rank(
     model: ModelSpec, layout: Layout, precision: Precision | None = None, *, assumptions=None, stage: int = 0,
     tp_rank: int = 0,

@@ -84,7 +84,7 @@ class ValidationCase:
     @property
     def name(self) -> str:
         lay = self.layout
-        parts = [f"tp{lay.tp}"] + ([f"dp{lay.dp}"] if lay.dp > 1 else []) + (["sp"] if lay.sequence_parallel else [])
+        parts = [f"tp{lay.tp_grid[0]}x{lay.tp_grid[1]}" if lay.tp_grid else f"tp{lay.tp}"] + ([f"dp{lay.dp}"] if lay.dp > 1 else []) + (["sp"] if lay.sequence_parallel else [])
         if lay.pp > 1:
             v = f"v{lay.virtual_stages}" if lay.schedule == "interleaved" else ""
             parts.insert(0, f"pp{lay.pp} {lay.schedule}{v}")
@@ -118,7 +118,13 @@ STEP_CASES = (
     # 3 replicas: FSDP2 pads 64 rows to 66, ZeRO-1 partitions whole tensors unevenly
     _case("fp32", tp=1, dp=3, zero_stage=1),
     _case("fp32", tp=1, dp=3, zero_stage=3),
+    # 2-D grids (tplayers.hf.grid): bytes per axis, the blocks' shares of both weight dims
+    _case(tp=(2, 2)),
+    _case("fp32", tp=(1, 2), num_microbatches=2),
+    _case("fp32", tp=(1, 2), dp=2, zero_stage=3),  # 3-D: ZeRO-3 over the replicas of a grid
 )
+# 8 ranks: `validate(GRID_CASES_8, nprocs_max=8)`
+GRID_CASES_8 = (_case("fp32", tp=(2, 2), dp=2, zero_stage=3),)
 # pipelines: the bubble and the micro-batches in flight per stage (GPipe m, 1F1B min(pp - i, m))
 PIPELINE_CASES = (
     _pipeline_case(pp=2, num_microbatches=2, schedule="gpipe"),
@@ -240,6 +246,14 @@ def _new_groups(rank: int, layout: Layout):
     import torch.distributed as dist
 
     tp, dp = layout.tp, layout.dp * layout.pp
+    if layout.tp_grid:  # a (dp, tp_r, tp_c) DeviceMesh: its groups, made by every rank of the world
+        import torch
+        from torch.distributed.device_mesh import DeviceMesh
+
+        ranks = torch.arange(tp * dp).view(dp, *layout.tp_grid)
+        mesh = DeviceMesh("cpu", ranks, mesh_dim_names=("dp", "tp_r", "tp_c"))
+        mesh["tp_r", "tp_c"]._flatten("tp")  # new groups: every rank of the world makes them
+        return (mesh["tp_r", "tp_c"], mesh["dp"].get_group()) if rank < tp * dp else (None, None)
     mine = None, None
     tp_groups = [dist.new_group([d * tp + i for i in range(tp)]) for d in range(dp)]
     dp_groups = [dist.new_group([d * tp + i for d in range(dp)]) for i in range(tp)]
@@ -384,7 +398,7 @@ def _measure_cases(rank, world_size, cases, spec, assumptions, seed):
             step = _measure_pipeline_step if case.layout.pp > 1 else _measure_step
             result = (step(case, case.model or spec, assumptions, seed, *groups), time.perf_counter() - start)
         dist.barrier()  # every rank is done with this case's groups before any is destroyed
-        if result is not None:
+        if result is not None and not case.layout.tp_grid:  # a mesh keeps its groups
             for g in {id(g): g for g in groups}.values():
                 dist.destroy_process_group(g)
         out.append(result)

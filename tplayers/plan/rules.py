@@ -75,7 +75,7 @@ def _model_reasons(model: ModelSpec, layout: Layout) -> list[str]:
     reasons = []
     # Heads, key/value heads, ffn and vocabulary need not divide tp (uneven splits, priced at the most
     # loaded rank); a rank needs one query head for an HF attention forward to run.
-    if model.heads < tp:
+    if model.heads < tp and not layout.tp_grid:  # a grid splits its heads over tp_r only
         reasons.append(f"heads ({model.heads}) < tp ({tp}): a rank would hold no attention head")
     if model.layers % pp:
         reasons.append(f"layers ({model.layers}) not divisible by pp ({pp})")
