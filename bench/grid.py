@@ -4,7 +4,10 @@ side in one run: bytes each rank sends (`tplayers.count_bytes`, equal to the pla
 `grid_mlp_bytes` / `line_mlp_bytes`) and time (round robin, slowest rank, median); then the
 planner's table of the bytes per rank of a Llama-7B MLP on q x q grids against 1-D TP of the
 same size, 4 to 256 GPUs per tensor-parallel group, and the time on an H100 cluster with the
-grid's tp_c axis inside a node (NVLink) and tp_r across nodes, against 1-D spanning nodes.
+grid's tp_c axis inside a node (NVLink) and tp_r across nodes, against 1-D spanning nodes;
+last, for whole models, the planner's search at 16-512 H100s: the fastest layout with a grid
+against the fastest 1-D one (TP x PP x DP x ZeRO, every micro-batching the search tries), which
+says where a grid wins.
 
 gloo's wall-clock times on a CPU say nothing about GPU links: compare the ratios of one run, and
 read the planner's table for clusters.
@@ -22,7 +25,7 @@ from linear import figure, save_figure, time_round_robin, write_outputs
 
 import tplayers
 from tplayers.functional.collectives import own_slice
-from tplayers.plan import ClusterSpec
+from tplayers.plan import ClusterSpec, ModelSpec, search
 from tplayers.plan.comm import line_mlp_bytes
 from tplayers.plan.grid import grid_mlp_bytes
 
@@ -31,7 +34,10 @@ SHAPE = dict(tokens=1024, hidden=512, ffn=1408)
 QUICK = dict(tokens=64, hidden=64, ffn=176)
 LLAMA_7B = dict(tokens=4096, hidden=4096, ffn=11008)  # one sequence of 4096 tokens
 FIELDS = ("op", "provider", "shape", "device", "tp", "grid", "gpus", "bytes", "bytes_ratio", "time_ms",
-          "time_ratio", "source")  # fmt: skip
+          "time_ratio", "source", "layout")  # fmt: skip
+# (model preset, seq_len override or None): whole models for the planner's search
+SEARCHED = (("llama3-8b", None), ("llama3-70b", 1024), ("llama3-70b", None), ("llama3-405b", None))
+SEARCHED_GPUS = (16, 64, 256, 512)
 
 
 def parse_args(argv=None):
@@ -91,6 +97,27 @@ def planner_rows(shape, bytes_per=2):
     return rows
 
 
+def search_rows(models, gpu_counts):
+    """The planner's fastest grid layout against its fastest 1-D layout, global batch = GPUs."""
+    rows = []
+    for name, seq_len in models:
+        model = ModelSpec.preset(name, **({"seq_len": seq_len} if seq_len else {}))
+        for gpus in gpu_counts:
+            ranked = search(model, ClusterSpec.preset("h100-80gb", num_gpus=gpus), gpus, "bf16-adam",
+                            micro_batches=(1, 2, 4))  # fmt: skip
+            line = next((est for layout, est in ranked if not layout.tp_grid), None)
+            grid = next((est for layout, est in ranked if layout.tp_grid), None)
+            if line is None or grid is None:
+                continue
+            common = dict(op="train_step", shape=f"{name} s{model.seq_len}", device="h100-80gb (planner)", gpus=gpus,
+                          source="planner search", bytes=float("nan"), bytes_ratio=float("nan"))  # fmt: skip
+            for provider, est in (("best 1d", line), ("best grid", grid)):
+                rows.append(dict(common, provider=provider, tp=est.layout.tp, layout=est.layout.describe(),
+                                 grid="{}x{}".format(*est.layout.tp_grid) if est.layout.tp_grid else "",
+                                 time_ms=1e3 * est.step_time_s, time_ratio=est.step_time_s / line.step_time_s))  # fmt: skip
+    return rows
+
+
 def run(args):
     shape = QUICK if args.quick else SHAPE
     measured = tplayers.launch(measure, RANKS, shape, args.reps)[0]
@@ -105,11 +132,12 @@ def run(args):
                          device="cpu (gloo)", tp=RANKS, grid="2x2" if "grid" in name else "", gpus=RANKS, bytes=sent,
                          bytes_ratio=sent / base_bytes, time_ms=1e3 * seconds, time_ratio=seconds / base_time,
                          source="measured"))  # fmt: skip
-    return rows + planner_rows(LLAMA_7B)
+    searched = search_rows(SEARCHED[:1], SEARCHED_GPUS[:1]) if args.quick else search_rows(SEARCHED, SEARCHED_GPUS)
+    return rows + planner_rows(LLAMA_7B) + searched
 
 
 def plot(rows, path):
-    fig, (left, right) = figure(1, 2, figsize=(11, 4))
+    fig, (left, right, third) = figure(1, 3, figsize=(16, 4))
     measured = [r for r in rows if r["source"] == "measured"]
     left.bar([r["provider"] for r in measured], [r["bytes_ratio"] for r in measured], label="bytes")
     left.plot([r["provider"] for r in measured], [r["time_ratio"] for r in measured], "ko", label="time (gloo)")
@@ -122,14 +150,33 @@ def plot(rows, path):
     right.set(xscale="log", xlabel="GPUs in the tensor-parallel group (q x q)", ylabel="grid / 1-D",
               title="planner: Llama-7B MLP, 4096 tokens")  # fmt: skip
     right.legend()
+    searched = [r for r in rows if r["source"] == "planner search" and r["provider"] == "best grid"]
+    for shape in dict.fromkeys(r["shape"] for r in searched):
+        mine = [r for r in searched if r["shape"] == shape]
+        third.plot([r["gpus"] for r in mine], [r["time_ratio"] for r in mine], "o-", label=shape)
+    third.axhline(1.0, color="grey", lw=0.8)
+    gpus = sorted({r["gpus"] for r in searched})
+    third.set_xscale("log")
+    third.set_xticks(gpus, [str(g) for g in gpus])
+    third.minorticks_off()
+    third.set(xlabel="GPUs", ylabel="step time, best grid / best 1-D",
+              title="planner search, H100 80GB, batch = GPUs")  # fmt: skip
+    third.legend()
     save_figure(fig, path)
 
 
 def print_table(rows):
     print(f"{'source':>9} {'provider':>9} {'gpus':>5} {'grid':>5} {'bytes':>13} {'ratio':>6} {'ms':>9} {'ratio':>6}")
+    searched = [r for r in rows if r["source"] == "planner search"]
     for r in rows:
+        if r in searched:
+            continue
         print(f"{r['source']:>9} {r['provider']:>9} {r['gpus']:>5} {r['grid']:>5} {r['bytes']:>13.0f} "
               f"{r['bytes_ratio']:>6.3f} {r['time_ms']:>9.3f} {r['time_ratio']:>6.3f}")  # fmt: skip
+    print(f"\n{'model':<18} {'gpus':>5} {'provider':>10} {'step s':>9} {'/1-D':>6}  layout")
+    for r in searched:
+        print(f"{r['shape']:<18} {r['gpus']:>5} {r['provider']:>10} {r['time_ms'] / 1e3:>9.3f} {r['time_ratio']:>6.3f}  "
+              f"{r['layout']}")  # fmt: skip
 
 
 def main(argv=None):
