@@ -214,8 +214,13 @@ def tiny_llama():
     return LlamaForCausalLM(cfg)
 
 
+def tp_of(mesh):
+    """The tensor-parallel part of a harness mesh: "tp", or the grid ("tp_r", "tp_c")."""
+    return mesh["tp_r", "tp_c"] if "tp_r" in mesh.mesh_dim_names else mesh["tp"]
+
+
 def hf_parallelize(model, mesh, layout):
-    tplayers.parallelize(model, group=mesh["tp"], sequence_parallel=layout.sequence_parallel, verify=False)
+    tplayers.parallelize(model, group=tp_of(mesh), sequence_parallel=layout.sequence_parallel, verify=False)
     if layout.pp > 1:
         stages = tplayers.pipeline_split(model, group=mesh["pp"])
         if layout.dp > 1:
@@ -244,6 +249,31 @@ IDS = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))
 def test_hf_llama_through_the_harness(layout):
     check_parallel(tiny_llama, hf_parallelize, IDS, layouts=[layout], steps=2, optimizer=torch.optim.AdamW,
                    optimizer_kwargs={"lr": 1e-2})  # fmt: skip
+
+
+@settings(max_examples=examples(3), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layout=tst.layouts(max_world=4, tp=(), grids=((1, 2), (2, 1), (2, 2)), dp=(1, 2), zero_stages=(0, 3)))
+def test_hf_llama_on_drawn_grids_through_the_harness(layout):
+    """2-D tensor parallelism (tp_r x tp_c), alone and under ZeRO over replicas."""
+    assert layout.tp_grid is not None and layout.pp == 1
+    check_parallel(tiny_llama, hf_parallelize, IDS, layouts=[layout], steps=2, optimizer=torch.optim.AdamW,
+                   optimizer_kwargs={"lr": 1e-2})  # fmt: skip
+
+
+def _summed_over_tp_c(model, mesh):
+    """A grid whose o_proj weight gradients are summed over tp_c, the axis they are not partial over."""
+    hf_parallelize(model, mesh, Layout(tp=(2, 2)))
+    group = mesh["tp_c"].get_group()
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.weight.register_post_accumulate_grad_hook(_sum_over_tp(group))
+    return model
+
+
+def test_a_gradient_summed_over_the_wrong_grid_axis_fails():
+    with pytest.raises(
+        ParallelMismatch, match=r"gradient of 'model\.layers\.0\.self_attn\.o_proj\.weight'.*tp=\(2, 2\)"
+    ):
+        check_parallel(tiny_llama, _summed_over_tp_c, IDS, layouts=[Layout(tp=(2, 2))])
 
 
 def test_pool_world_comes_from_the_environment():

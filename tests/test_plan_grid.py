@@ -115,7 +115,8 @@ def test_search_chooses_a_grid_where_it_is_faster():
 
 @settings(max_examples=examples(40), deadline=None)
 @given(
-    r=st.sampled_from([1, 2, 4]), c=st.sampled_from([1, 2, 4, 8]), dp=st.sampled_from([1, 2, 4]), zero=st.integers(0, 3),
+    r=st.sampled_from([1, 2, 4]), c=st.sampled_from([1, 2, 4, 8]), dp=st.sampled_from([1, 2, 4]),
+    zero=st.integers(0, 3),
     recompute=st.sampled_from(plan.RECOMPUTE_CHOICES), mb=st.integers(1, 4),
 )  # fmt: skip
 def test_grid_estimates_are_finite_and_consistent(r, c, dp, zero, recompute, mb):

@@ -21,6 +21,16 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("TPLAYERS_TIMEOUT_S", "120")))
 
 
+# a 2-D tensor-parallel mesh's ranks (flattened, in order) -> the group of all of them
+_GRID_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def register_grid_group(ranks, group: dist.ProcessGroup) -> None:
+    """The flattened group of the grid over `ranks`, made by every rank of the world at once
+    (`init_mesh`, the test pools' meshes): `resolve_group` of that grid looks it up."""
+    _GRID_GROUPS[tuple(int(r) for r in ranks)] = group
+
+
 def resolve_group(group) -> dist.ProcessGroup:
     """A ProcessGroup from `group` (ProcessGroup, 1-D DeviceMesh or None for the default group).
     A 2-D tensor-parallel mesh (`init_mesh(tp=(r, c))["tp_r", "tp_c"]`) gives its every rank, the
@@ -31,8 +41,10 @@ def resolve_group(group) -> dist.ProcessGroup:
         return dist.group.WORLD
     if isinstance(group, DeviceMesh):
         if group.ndim == 2 and tuple(group.mesh_dim_names or ()) == ("tp_r", "tp_c"):
-            # made by init_mesh on every rank (a mesh of one's own: its first call, on every rank)
-            return group._flatten("tp").get_group()
+            ranks = tuple(group.mesh.flatten().tolist())
+            if ranks not in _GRID_GROUPS:  # a mesh made elsewhere: flattened now (every rank must be here)
+                register_grid_group(ranks, group._flatten("tp").get_group())
+            return _GRID_GROUPS[ranks]
         if group.ndim != 1:
             raise ValueError(f"group must be a 1-D DeviceMesh, got {group.ndim} dims {group.mesh_dim_names}")
         return group.get_group()
@@ -82,7 +94,8 @@ def init_mesh(*, dp: int = 1, pp: int = 1, tp: int | tuple[int, int] = 1) -> Dev
     if grid:
         mesh = init_device_mesh(device_type, (dp, pp, *grid), mesh_dim_names=("dp", "pp", "tp_r", "tp_c"))
         # the grid's flattened group (resolve_group) is made by every rank of the world: now, while all are here
-        mesh["tp_r", "tp_c"]._flatten("tp")
+        grid = mesh["tp_r", "tp_c"]
+        register_grid_group(grid.mesh.flatten().tolist(), grid._flatten("tp").get_group())
         return mesh
     return init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
 

@@ -15,6 +15,7 @@ from tplayers.plan.comm import (
     group_link,
     tp_bytes_per_layer,
 )
+from tplayers.plan.flops import _forward_flops_per_token, _recompute_flops_per_token, _TokenFlops, training_flops
 from tplayers.plan.grid import (
     grid_flops_per_token,
     grid_imbalance,
@@ -23,7 +24,6 @@ from tplayers.plan.grid import (
     grid_stage_tensors,
     grid_tp_bytes_per_microbatch,
 )
-from tplayers.plan.flops import _forward_flops_per_token, _TokenFlops, _recompute_flops_per_token, training_flops
 from tplayers.plan.layout import Assumptions, Layout
 from tplayers.plan.memory import (
     LOGITS_BYTES,
@@ -512,7 +512,8 @@ def _estimate(model, cluster, layout, precision, assumptions) -> Estimate:
     if imbalance is not None and imbalance > 1 + 1e-9:
         notes.append(
             f"uneven tensor-parallel split (heads {model.heads}, kv heads {model.kv_heads}, ffn {model.ffn_hidden} "
-            f"over tp {layout.describe().split()[0][3:]}): the most loaded rank holds {imbalance:.3f}x the mean rank's share of each layer; "
+            f"over tp {layout.describe().split()[0][3:]}): the most loaded rank holds {imbalance:.3f}x the mean "
+            "rank's share of each layer; "
             "memory, FLOPs and time are that rank's"
         )
     by_group = dict(critical.comm_bytes_by_group)

@@ -84,7 +84,11 @@ class ValidationCase:
     @property
     def name(self) -> str:
         lay = self.layout
-        parts = [f"tp{lay.tp_grid[0]}x{lay.tp_grid[1]}" if lay.tp_grid else f"tp{lay.tp}"] + ([f"dp{lay.dp}"] if lay.dp > 1 else []) + (["sp"] if lay.sequence_parallel else [])
+        parts = (
+            [f"tp{lay.tp_grid[0]}x{lay.tp_grid[1]}" if lay.tp_grid else f"tp{lay.tp}"]
+            + ([f"dp{lay.dp}"] if lay.dp > 1 else [])
+            + (["sp"] if lay.sequence_parallel else [])
+        )
         if lay.pp > 1:
             v = f"v{lay.virtual_stages}" if lay.schedule == "interleaved" else ""
             parts.insert(0, f"pp{lay.pp} {lay.schedule}{v}")
@@ -250,9 +254,11 @@ def _new_groups(rank: int, layout: Layout):
         import torch
         from torch.distributed.device_mesh import DeviceMesh
 
+        from tplayers.distributed import resolve_group
+
         ranks = torch.arange(tp * dp).view(dp, *layout.tp_grid)
         mesh = DeviceMesh("cpu", ranks, mesh_dim_names=("dp", "tp_r", "tp_c"))
-        mesh["tp_r", "tp_c"]._flatten("tp")  # new groups: every rank of the world makes them
+        resolve_group(mesh["tp_r", "tp_c"])  # its flattened group, made by every rank of the world now
         return (mesh["tp_r", "tp_c"], mesh["dp"].get_group()) if rank < tp * dp else (None, None)
     mine = None, None
     tp_groups = [dist.new_group([d * tp + i for i in range(tp)]) for d in range(dp)]

@@ -64,7 +64,9 @@ def _grid_reasons(cluster: ClusterSpec, layout: Layout) -> list[str]:
     if c > cluster.gpus_per_node or (cluster.num_gpus > cluster.gpus_per_node and cluster.gpus_per_node % c):
         reasons.append(f"tp_c={c} does not divide {cluster.gpus_per_node} GPUs per node: a grid row must stay in one")
     if layout.pp > 1:
-        reasons.append(f"pp={layout.pp}: pipeline stages of a 2-D grid model are not built yet (pipeline_split refuses it)")
+        reasons.append(
+            f"pp={layout.pp}: pipeline stages of a 2-D grid model are not built yet (pipeline_split refuses it)"
+        )
     if layout.sequence_parallel:
         reasons.append("sequence parallelism on a 2-D grid is not built yet (parallelize refuses it)")
     return reasons

@@ -115,7 +115,8 @@ def search(
 
     tp runs over the divisors of num_gpus up to gpus_per_node (or `tp_sizes`), then the 2-D
     grids (`tp_grids`: (r, c) pairs; default, when `tp_sizes` is not given, every r x c with
-    r, c >= 2 whose tp_c rows fit in a node; `()` for none), pp over the divisors of num_gpus / tp (or `pp_sizes`; 1 for grids), dp = num_gpus / (tp*pp), and num_microbatches =
+    r, c >= 2 whose tp_c rows fit in a node; `()` for none), pp over the divisors of
+    num_gpus / tp (or `pp_sizes`; 1 for grids), dp = num_gpus / (tp*pp), and num_microbatches =
     global_batch / (dp * micro_batch); `compress` the gradient compressions to try where dp > 1
     (each at the ZeRO stages that take it). Returns (layout, estimate) pairs, fitting layouts first
     by step time (fastest first). With `include_invalid`, the invalid and non-fitting ones

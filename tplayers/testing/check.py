@@ -68,7 +68,9 @@ def check_parallel(
 
     build()                  the unsharded model (an nn.Module), called under torch.manual_seed(seed)
     parallelize(model, mesh) shards `model` (in place or returning the result) over the layout's
-                             DeviceMesh with dims ("dp", "pp", "tp"); returns the model, or with
+                             DeviceMesh with dims ("dp", "pp", "tp"), or ("dp", "pp", "tp_r",
+                             "tp_c") for a grid layout (Layout(tp=(r, c)): pass
+                             mesh["tp_r", "tp_c"] as the group); returns the model, or with
                              pp > 1 this rank's `PipelineStage`s (a GPipe schedule runs them).
                              parallelize(model, mesh, layout) if it takes a third argument
     inputs                   the global batch: a tensor x, or (x, target); or inputs(step) -> that;
@@ -112,7 +114,7 @@ def check_parallel(
         spec = _Spec(build, parallelize, inputs, layout, loss_fn, steps, optimizer, kwargs, dtype, seed, exact,
                      shard_sequence, microbatches)  # fmt: skip
         size = layout.tp * layout.pp * layout.dp
-        mesh = (layout.dp, layout.pp, layout.tp)
+        mesh = _mesh_sizes(layout)
         what = f"check_parallel at {_describe(layout)}"
         try:
             held = pool.run(_run_layout, size, spec, timeout_s=timeout_s, what=what, mesh=mesh)
@@ -148,8 +150,14 @@ def _check_picklable(**fns):
             ) from e
 
 
+def _mesh_sizes(layout) -> tuple[int, ...]:
+    """(dp, pp, tp), or (dp, pp, tp_r, tp_c) for a 2-D tensor-parallel grid."""
+    return (layout.dp, layout.pp, *(layout.tp_grid or (layout.tp,)))
+
+
 def _describe(layout) -> str:
-    parts = [f"tp={layout.tp}", f"pp={layout.pp}", f"dp={layout.dp}"]
+    tp = f"({layout.tp_grid[0]}, {layout.tp_grid[1]})" if layout.tp_grid else layout.tp
+    parts = [f"tp={tp}", f"pp={layout.pp}", f"dp={layout.dp}"]
     if layout.dp > 1:
         parts.append(f"zero_stage={layout.zero_stage}")
     if layout.sequence_parallel:
@@ -167,7 +175,7 @@ def _run_layout(rank, world, group, spec: _Spec):
     from tplayers.checkpoint.chunks import model_pieces
 
     layout = spec.layout
-    mesh = layout_mesh(layout.dp, layout.pp, layout.tp)
+    mesh = layout_mesh(*_mesh_sizes(layout))
     reference = _build(spec)
     model = _build(spec)
     result = _call_parallelize(spec.parallelize, model, mesh, layout)

@@ -1,5 +1,7 @@
 """DeviceMeshes for layouts smaller than the worker pool: the ("dp", "pp", "tp") mesh over the
-first dp * pp * tp ranks of the pool.
+first dp * pp * tp ranks of the pool, or for a 2-D tensor-parallel grid the ("dp", "pp", "tp_r",
+"tp_c") mesh over dp * pp * r * c (with its flattened tensor-parallel group,
+`tplayers.distributed.register_grid_group`).
 
 Creating a process group is a collective over every rank of the default group, members or not,
 so the pool runs `prepare_mesh` on all its ranks (`WorkerPool.run(..., mesh=(dp, pp, tp))`)
@@ -8,45 +10,65 @@ pool: a pool reused for many checks does not pile them up.
 """
 
 import itertools
+import math
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from tplayers.distributed import register_grid_group
+
 DIMS = ("dp", "pp", "tp")
-_meshes: dict[tuple, list] = {}  # (dp, pp, tp) -> this rank's (dp, pp, tp) groups (None: not a member)
+GRID_DIMS = ("dp", "pp", "tp_r", "tp_c")
+# (dp, pp, tp) or (dp, pp, r, c) -> this rank's groups, one per dim (None: not a member)
+_meshes: dict[tuple, list] = {}
 
 
-def _grid(dp, pp, tp):
-    return torch.arange(dp * pp * tp).view(dp, pp, tp)
+def _grid(*sizes):
+    return torch.arange(math.prod(sizes)).view(*sizes)
 
 
-def prepare_mesh(dp: int, pp: int, tp: int) -> None:
-    """Create the groups of a (dp, pp, tp) mesh over ranks 0 .. dp*pp*tp - 1; every rank of the
-    default group calls it, in the same order."""
-    key = (dp, pp, tp)
+def prepare_mesh(*sizes: int) -> None:
+    """Create the groups of a (dp, pp, tp) or (dp, pp, tp_r, tp_c) mesh over its first ranks; every
+    rank of the default group calls it, in the same order. A grid's flattened tensor-parallel
+    groups too."""
+    key = tuple(sizes)
     if key in _meshes:
         return
+    if len(key) not in (3, 4):
+        raise ValueError(f"prepare_mesh: (dp, pp, tp) or (dp, pp, tp_r, tp_c), got {key}")
     grid, rank = _grid(*key), dist.get_rank()
-    mine = [None, None, None]
-    for dim in range(3):
-        others = [range(size) for d, size in enumerate(key) if d != dim]
-        for index in itertools.product(*others):
-            index = list(index)
-            index.insert(dim, slice(None))
-            ranks = grid[tuple(index)].tolist()
+    mine = [None] * len(key)
+    for dim in range(len(key)):
+        for ranks in _lines(grid, dim):
             group = dist.new_group(ranks)
             if rank in ranks:
                 mine[dim] = group
+    if len(key) == 4:  # the grid flattened: each (dp, pp) slice's r * c ranks
+        for ranks in grid.reshape(key[0] * key[1], -1).tolist():
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                register_grid_group(ranks, group)
     _meshes[key] = mine
 
 
-def layout_mesh(dp: int, pp: int, tp: int) -> DeviceMesh:
-    """This rank's ("dp", "pp", "tp") mesh over global ranks 0 .. dp*pp*tp - 1 (tp fastest, as
-    `tplayers.init_mesh` lays them out), from the groups `prepare_mesh` made."""
-    groups = _meshes.get((dp, pp, tp))
+def _lines(grid, dim):
+    """The rank lists along `dim` of `grid`, every position of the other dims."""
+    others = [range(size) for d, size in enumerate(grid.shape) if d != dim]
+    for index in itertools.product(*others):
+        index = list(index)
+        index.insert(dim, slice(None))
+        yield grid[tuple(index)].tolist()
+
+
+def layout_mesh(*sizes: int) -> DeviceMesh:
+    """This rank's ("dp", "pp", "tp") or ("dp", "pp", "tp_r", "tp_c") mesh over global ranks 0 ..
+    prod(sizes) - 1 (tp fastest, as `tplayers.init_mesh` lays them out), from the groups
+    `prepare_mesh` made."""
+    groups = _meshes.get(tuple(sizes))
     if groups is None:
-        raise RuntimeError(f"layout_mesh: the ({dp}, {pp}, {tp}) mesh was not prepared (run the task with mesh=)")
+        raise RuntimeError(f"layout_mesh: the {tuple(sizes)} mesh was not prepared (run the task with mesh=)")
     if any(g is None for g in groups):
-        raise ValueError(f"layout_mesh: rank {dist.get_rank()} is not in a mesh of {dp * pp * tp} ranks")
-    return DeviceMesh.from_group(groups, "cpu", mesh=_grid(dp, pp, tp), mesh_dim_names=DIMS)
+        raise ValueError(f"layout_mesh: rank {dist.get_rank()} is not in a mesh of {math.prod(sizes)} ranks")
+    names = DIMS if len(sizes) == 3 else GRID_DIMS
+    return DeviceMesh.from_group(groups, "cpu", mesh=_grid(*sizes), mesh_dim_names=names)

@@ -10,6 +10,7 @@ seconds, not a collective timeout.
 
 import datetime
 import faulthandler
+import math
 import multiprocessing as mp
 import os
 import pickle
@@ -171,8 +172,9 @@ class WorkerPool:
 
         timeout_s: this task's deadline (default the pool's): ranks still running then have
         their stacks dumped, the pool restarts, and a TimeoutError shows where each was.
-        mesh: (dp, pp, tp) with dp * pp * tp == tp: the task may call `layout_mesh(dp, pp, tp)`."""
-        if mesh is not None and mesh[0] * mesh[1] * mesh[2] != tp:
+        mesh: (dp, pp, tp) or (dp, pp, tp_r, tp_c), `tp` ranks in all: the task may call
+        `layout_mesh(*mesh)`."""
+        if mesh is not None and math.prod(mesh) != tp:
             raise ValueError(f"mesh {mesh} does not have {tp} ranks")
         if not 1 <= tp <= self.world_size:
             raise ValueError(f"tp must be in 1..{self.world_size}, got {tp}")

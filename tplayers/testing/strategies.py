@@ -25,16 +25,24 @@ def _fits(size, divides):
 @st.composite
 def layouts(
     draw, *, max_world=8, tp=(1, 2, 3, 4), pp=(1,), dp=(1, 2), zero_stages=(0, 1, 2, 3), sequence_parallel=(False,),
-    divides=(), seq_len=None, layers=None,
+    divides=(), seq_len=None, layers=None, grids=(),
 ):  # fmt: skip
     """A `Layout` whose tp * pp * dp <= max_world, tp dividing every number in `divides` (heads,
     kv heads, ffn, vocabulary: what the model splits) and, with sequence parallelism, `seq_len`;
     pp at most `layers`. ZeRO stages only with dp > 1; with pp > 1 only stages 2-3 (tplayers
-    refuses ZeRO 0-1 on pipeline stages across replicas)."""
+    refuses ZeRO 0-1 on pipeline stages across replicas). `grids`: (tp_r, tp_c) 2-D
+    tensor-parallel grids drawn as well (after the 1-D sizes, smallest first; `divides` is not
+    applied to them: a grid splits heads over tp_r and the hidden size over tp_c), each with
+    pp = 1 and no sequence parallelism (what tplayers runs on a grid)."""
     tp_sizes = sorted(t for t in tp if _fits(t, divides) and t <= max_world)
+    tp_sizes += sorted((tuple(g) for g in grids if g[0] * g[1] <= max_world), key=lambda g: (g[0] * g[1], g))
     if not tp_sizes:
         raise ValueError(f"layouts: no TP size of {tuple(tp)} divides all of {tuple(divides)}")
     t = draw(st.sampled_from(tp_sizes))
+    if isinstance(t, tuple):
+        d = draw(st.sampled_from(sorted(x for x in dp if x * t[0] * t[1] <= max_world) or [1]))
+        zero = draw(st.sampled_from([z for z in sorted(zero_stages) if d > 1] or [0]))
+        return Layout(tp=t, dp=d, zero_stage=zero)
     p = draw(st.sampled_from(sorted(x for x in pp if x * t <= max_world and (layers is None or x <= layers)) or [1]))
     d = draw(st.sampled_from(sorted(x for x in dp if x * p * t <= max_world) or [1]))
     stages = [z for z in sorted(zero_stages) if d > 1 and (p == 1 or z >= 2)] or [0]
