@@ -22,8 +22,10 @@ def run_cli(*args, cwd):
         ["--sequence-parallel", "--tp", "4", "--seq", "32", "--overlap", "on"],
         ["--dp", "2", "--tp", "2", "--zero", "3", "--no-overlap"],
         ["--pp", "2", "--tp", "2", "--sequence-parallel"],
+        ["--tp", "3", "--ffn", "100"],  # heads 4, kv heads 2, ffn 100, vocabulary 256: none divides by 3
+        ["--tp", "2x2"],  # a 2-D grid (tplayers.hf.grid)
     ],
-    ids=["tp2", "tp4_sp_overlap_on", "dp2_tp2_zero3_overlap_off", "pp2_tp2_sp"],
+    ids=["tp2", "tp4_sp_overlap_on", "dp2_tp2_zero3_overlap_off", "pp2_tp2_sp", "tp3_uneven", "grid_2x2"],
 )
 def test_demo_trains_and_matches_unsharded(tmp_path, flags):
     result = run_cli("demo", "--steps", "25", "--out", str(tmp_path), *flags, cwd=tmp_path)
@@ -84,10 +86,18 @@ def test_demo_on_triton_backend(tmp_path):
     assert "agrees with the unsharded fp32 run" in result.stdout
 
 
-def test_demo_bad_input_exit_code_2(tmp_path):
-    result = run_cli("demo", "--tp", "4", "--ffn", "102", cwd=tmp_path)
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--hidden", "66"], "hidden (66) is not divisible by heads (4)"),
+        (["--tp", "2x2", "--pp", "2"], "--tp RxC (a 2-D grid) does not take --pp or --sequence-parallel yet"),
+        (["--tp", "2y2"], "--tp takes a size (8) or a grid RxC (4x4), got '2y2'"),
+    ],
+)
+def test_demo_bad_input_exit_code_2(tmp_path, flags, said):
+    result = run_cli("demo", *flags, cwd=tmp_path)
     assert result.returncode == 2
-    assert "ffn (102) is not divisible by the tensor-parallel size (4)" in result.stderr
+    assert said in result.stderr
 
 
 @pytest.mark.parametrize(

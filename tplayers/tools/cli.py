@@ -28,12 +28,20 @@ def _demo(args) -> int:
 OVERLAP_FLAGS = {"auto": "auto", "on": True, "off": False}
 
 
+def tp_size(text: str):
+    from tplayers.plan.cli import tp_size as parse
+
+    return parse(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tplayers", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="train a Llama-style model with TP on local CPU ranks, compared with unsharded")
-    demo.add_argument("--tp", type=int, default=2, help="tensor-parallel size (local ranks)")
+    demo.add_argument(
+        "--tp", type=tp_size, default=2, help="tensor-parallel size (local ranks), or RxC: a 2-D grid of them (2x2)"
+    )
     demo.add_argument("--dp", type=int, default=1, help="data-parallel replicas (local ranks: dp x tp)")
     demo.add_argument("--pp", type=int, default=1, help="pipeline stages (local ranks: dp x pp x tp)")
     demo.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage over the replicas")

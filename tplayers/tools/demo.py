@@ -1,8 +1,9 @@
 """`tplayers demo`: train a small Llama-style HuggingFace model with tensor parallelism on local
 CPU ranks and check it step for step against the same model trained unsharded.
 
-Model: `LlamaForCausalLM` from a small random config over bytes (vocabulary 256, padded to a multiple of TP), sharded by
-`tplayers.parallelize` with vocabulary-parallel logits and `vocab_parallel_cross_entropy`.
+Model: `LlamaForCausalLM` from a small random config over bytes (vocabulary 256, split over the TP ranks as it is,
+unevenly where it must), sharded by `tplayers.parallelize` with vocabulary-parallel logits and
+`vocab_parallel_cross_entropy`; `--tp RxC` lays the tensor-parallel ranks out as a 2-D grid (`tplayers.hf.grid`).
 Text: generated on the fly, sums written out ("17+25=42;"), so there is structure to learn and
 nothing to download. Rank 0 trains the unsharded twins on the same batches: one in fp32, what
 the sharded run is compared with step by step, and one in fp64, the exact answer both fp32 runs
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import tplayers
+from tplayers.distributed import resolve_group
 from tplayers.placement import local_tensor
 
 BYTES = 256
@@ -25,7 +27,7 @@ BYTES = 256
 
 @dataclass
 class DemoConfig:
-    tp: int = 2
+    tp: int | tuple[int, int] = 2  # tensor-parallel ranks, or an (r, c) grid of them
     dp: int = 1  # data-parallel replicas (each trains on its share of every batch)
     pp: int = 1  # pipeline stages (tplayers.pipeline_split, 1F1B over max(pp, micro_batches) micro-batches)
     zero: int = 0  # ZeRO stage over the replicas (tplayers.data_parallel)
@@ -66,7 +68,7 @@ def build_model(cfg: DemoConfig):
     except ImportError as e:
         raise ImportError("tplayers demo trains a HuggingFace model: pip install 'tplayers[hf]'") from e
     config = LlamaConfig(
-        vocab_size=-(-BYTES // cfg.tp) * cfg.tp,  # bytes, padded so the vocabulary splits evenly
+        vocab_size=BYTES,  # as it is: tplayers splits it unevenly where it must
         hidden_size=cfg.hidden, intermediate_size=cfg.ffn, num_hidden_layers=cfg.layers,
         num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads, max_position_embeddings=cfg.seq,
     )  # fmt: skip
@@ -90,7 +92,7 @@ def text_batch(step: int, cfg: DemoConfig, device) -> torch.Tensor:
 def _loss(model, ids, group):
     """Next-byte cross-entropy from this rank's vocabulary slice of the logits."""
     local_logits = model(ids).logits  # (B, S, V/n)
-    return tplayers.vocab_parallel_cross_entropy(local_logits[:, :-1], ids[:, 1:], group=group)
+    return tplayers.vocab_parallel_cross_entropy(local_logits[:, :-1], ids[:, 1:], group=group, vocab_size=BYTES)
 
 
 def model_state_bytes(model, optimizer) -> dict:
@@ -111,7 +113,7 @@ def model_state_bytes(model, optimizer) -> dict:
 
 def _loss_of(local_logits, ids, group):
     """The pipeline's last stage: next-byte cross-entropy from this rank's vocabulary slice."""
-    return tplayers.vocab_parallel_cross_entropy(local_logits[:, :-1], ids[:, 1:], group=group)
+    return tplayers.vocab_parallel_cross_entropy(local_logits[:, :-1], ids[:, 1:], group=group, vocab_size=BYTES)
 
 
 def _own_keys(full, trained, pp):
@@ -198,7 +200,9 @@ def _resume(folder, model, opt, scaler, twins):
 def train_on_rank(rank, world_size, cfg: DemoConfig):
     tplayers.set_backend(cfg.backend)
     mesh = tplayers.init_mesh(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp)
-    group, dp_group = mesh["tp"].get_group(), mesh["dp"].get_group()
+    tp_mesh = mesh["tp_r", "tp_c"] if isinstance(cfg.tp, tuple) else mesh["tp"]
+    # every tensor-parallel rank (a grid flattened): the loss, the scaler, the gathered state
+    group, dp_group = resolve_group(tp_mesh), mesh["dp"].get_group()
     dp_rank = mesh["dp"].get_local_rank()
     # CPU ranks on gloo (launch, or torchrun without GPUs); one GPU per rank on NCCL (torchrun).
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -211,7 +215,7 @@ def train_on_rank(rank, world_size, cfg: DemoConfig):
             for p in model.parameters():
                 p.data = p.data.to(DTYPES[cfg.dtype])
     tplayers.parallelize(
-        model, group=group, sequence_parallel=cfg.sequence_parallel, vocab_parallel_logits=True, overlap=cfg.overlap
+        model, group=tp_mesh, sequence_parallel=cfg.sequence_parallel, vocab_parallel_logits=True, overlap=cfg.overlap
     )
     trained, schedule = model, None  # what this rank trains: the model, or its pipeline stage
     if cfg.pp > 1:
@@ -232,7 +236,7 @@ def train_on_rank(rank, world_size, cfg: DemoConfig):
     if rank == 0:
         from tqdm import tqdm
 
-        layout = f"TP={cfg.tp}" + (f" PP={cfg.pp}" if cfg.pp > 1 else "")
+        layout = f"TP={tp_label(cfg.tp)}" + (f" PP={cfg.pp}" if cfg.pp > 1 else "")
         layout += f" DP={cfg.dp} ZeRO-{cfg.zero}" if cfg.dp > 1 or cfg.zero else ""
         progress = tqdm(total=cfg.steps, desc=f"{layout} Llama {cfg.dtype}", unit="step")
     losses, train_time, bytes_per_step, skipped = [], 0.0, 0, 0
@@ -321,8 +325,20 @@ def train_on_rank(rank, world_size, cfg: DemoConfig):
     )
 
 
+def tp_label(tp) -> str:
+    return "{}x{}".format(*tp) if isinstance(tp, (tuple, list)) else str(tp)
+
+
 def run_demo(cfg: DemoConfig) -> dict:
-    """Train on `cfg.dp * cfg.pp * cfg.tp` local ranks; rank 0's report (losses, throughput, bytes, differences)."""
+    """Train on `cfg.dp * cfg.pp * tp` local ranks; rank 0's report (losses, throughput, bytes, differences)."""
+    if isinstance(cfg.tp, list):
+        cfg.tp = tuple(cfg.tp)
+    grid = isinstance(cfg.tp, tuple)
+    if grid and (len(cfg.tp) != 2 or min(cfg.tp) <= 0):
+        raise ValueError(f"--tp RxC: two positive sizes, got {cfg.tp}")
+    if grid and (cfg.pp > 1 or cfg.sequence_parallel):
+        raise ValueError("--tp RxC (a 2-D grid) does not take --pp or --sequence-parallel yet")
+    tp = cfg.tp[0] * cfg.tp[1] if grid else cfg.tp
     if cfg.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)}, got {cfg.dtype!r}")
     if cfg.micro_batches <= 0 or cfg.batch % cfg.micro_batches:
@@ -349,29 +365,26 @@ def run_demo(cfg: DemoConfig) -> dict:
         raise ValueError(
             f"batch ({cfg.batch}) is not divisible into {cfg.dp} replicas x {pipeline_microbatches} micro-batches"
         )
-    for name in ("tp", "dp", "pp", "steps", "layers", "hidden", "heads", "kv_heads", "ffn", "batch", "seq"):
+    for name in ("dp", "pp", "steps", "layers", "hidden", "heads", "kv_heads", "ffn", "batch", "seq"):
         if getattr(cfg, name) <= 0:
             raise ValueError(f"{name} must be positive, got {getattr(cfg, name)}")
-    for name in ("ffn", "heads"):
-        if getattr(cfg, name) % cfg.tp:
-            raise ValueError(f"{name} ({getattr(cfg, name)}) is not divisible by the tensor-parallel size ({cfg.tp})")
+    if tp <= 0:
+        raise ValueError(f"tp must be positive, got {cfg.tp}")
+    # heads, kv heads, ffn and the vocabulary need not divide tp: parallelize splits them unevenly
+    # and refuses, naming it, only what cannot be split (a rank with no head)
     if cfg.hidden % cfg.heads:
         raise ValueError(f"hidden ({cfg.hidden}) is not divisible by heads ({cfg.heads})")
     if cfg.heads % cfg.kv_heads:
         raise ValueError(f"heads ({cfg.heads}) is not divisible by kv_heads ({cfg.kv_heads})")
-    if cfg.kv_heads % cfg.tp and cfg.tp % cfg.kv_heads:
-        raise ValueError(
-            f"kv_heads ({cfg.kv_heads}) and the tensor-parallel size ({cfg.tp}): one must divide the other"
-        )
     if cfg.save_every < 0 or (cfg.save_every and not cfg.save):
         raise ValueError(f"--save-every {cfg.save_every} needs --save and a positive count")
     if cfg.keep < 1:
         raise ValueError(f"--keep {cfg.keep}: at least the last checkpoint must be kept")
     if cfg.resume and last_checkpoint(cfg.resume) is None:
         raise ValueError(f"--resume {cfg.resume}: no checkpoint folder there ({STEP_PREFIX}<n>, written by --save)")
-    if cfg.sequence_parallel and cfg.seq % cfg.tp:
-        raise ValueError(f"seq ({cfg.seq}) is not divisible by the tensor-parallel size ({cfg.tp})")
-    return tplayers.launch(train_on_rank, cfg.dp * cfg.pp * cfg.tp, cfg)[0]
+    if cfg.sequence_parallel and cfg.seq % tp:
+        raise ValueError(f"seq ({cfg.seq}) is not divisible by the tensor-parallel size ({tp})")
+    return tplayers.launch(train_on_rank, cfg.dp * cfg.pp * tp, cfg)[0]
 
 
 CSV_COLUMNS = ("step", "loss_tp", "loss_unsharded", "loss_fp64", "tp_vs_fp64", "unsharded_vs_fp64")
@@ -394,7 +407,7 @@ def write_report(report: dict, out_dir) -> list:
     except ImportError:
         print("matplotlib is not installed (pip install 'tplayers[bench]'): loss.png not written")
         return written
-    tp = f"TP={report['config']['tp']}"
+    tp = f"TP={tp_label(report['config']['tp'])}"
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(6, 6.5), sharex=True, height_ratios=(3, 2))
     top.plot(report["unsharded_losses"], label="unsharded fp32", linewidth=3, alpha=0.5)
     top.plot(report["losses"], label=f"{tp} {report['config']['dtype']}", linestyle="--")
