@@ -325,3 +325,87 @@ def test_the_planner_prices_a_grid_model_exactly(pool, grid):
     assert planned == sum(est.comm_bytes_by_axis.values())
     for total, tp in pool.run(grid_model_bytes, 4, grid):
         assert total == tp == planned, (total, planned, est.comm_bytes_by_axis)
+
+
+def grid_attention_and_norm(rank, world, group, grid, num_heads, num_kv_heads, padding):
+    """ParallelAttention / ParallelRMSNorm / VocabParallelEmbedding built on the grid against HF's
+    LlamaAttention, an unsharded RMSNorm and nn.Embedding: outputs, input and every weight gradient."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_attention import AttnCase, hf_attention, padding_mask
+    from transformers.masking_utils import create_causal_mask
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    torch.manual_seed(0)  # the same reference weights on every rank
+    mesh = tplayers.init_mesh(tp=grid)["tp_r", "tp_c"]
+    groups = {axis: mesh.get_group(axis) for axis in ("tp_r", "tp_c")}
+    case = AttnCase(num_heads, num_kv_heads, hidden_per_head=4, bias=True, padding=padding)
+    config, ref = hf_attention(case)
+    H, S = config.hidden_size, 6
+    g = torch.Generator().manual_seed(3)
+    x, dy = torch.randn(2, S, H, generator=g), torch.randn(2, S, H, generator=g)
+    mask = None if padding == "none" else padding_mask(case, S, g)
+    x_ref = x.clone().requires_grad_()
+    pos = torch.arange(S)[None]
+    ref(x_ref, position_embeddings=LlamaRotaryEmbedding(config)(x_ref, pos),
+        attention_mask=create_causal_mask(config, x_ref, mask, None, position_ids=pos))[0].backward(dy)  # fmt: skip
+    layer = tplayers.ParallelAttention.from_hf_llama(ref, group=mesh)
+    assert type(layer).__name__ == "GridAttention"
+    x_mine = own_slice(x, -1, groups["tp_c"]).clone().requires_grad_()
+    y = layer(x_mine, attention_mask=mask)
+    y.backward(own_slice(dy, -1, groups["tp_c"]))
+    y_ref = ref(x, position_embeddings=LlamaRotaryEmbedding(config)(x, pos),
+                attention_mask=create_causal_mask(config, x, mask, None, position_ids=pos))[0]  # fmt: skip
+    assert_close(y.detach(), own_slice(y_ref.detach(), -1, groups["tp_c"]), msg=lambda m: f"output: {m}")
+    assert_close(x_mine.grad, own_slice(x_ref.grad, -1, groups["tp_c"]), msg=lambda m: f"input grad: {m}")
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        mine, theirs = getattr(layer, name), getattr(ref, name)
+        expected = own_slice(own_slice(theirs.weight.grad, 0, mine.out_group, mine.out_unit), 1, mine.in_group,
+                             mine.in_unit)  # fmt: skip
+        assert_close(mine.weight.grad, expected, msg=lambda m, n=name: f"{n} weight grad: {m}")
+        bias = own_slice(theirs.bias.grad, 0, mine.out_group, mine.out_unit)
+        assert_close(mine.bias.grad, bias, msg=lambda m, n=name: f"{n} bias grad: {m}")
+
+    weight = torch.rand(H, generator=g) + 0.5
+    norm = tplayers.ParallelRMSNorm.from_weight(weight, 1e-6, group=mesh)
+    ref_norm = nn.RMSNorm(H, eps=1e-6)
+    with torch.no_grad():
+        ref_norm.weight.copy_(weight)
+    x_ref = x.clone().requires_grad_()
+    ref_norm(x_ref).backward(dy)
+    x_mine = own_slice(x, -1, groups["tp_c"]).clone().requires_grad_()
+    out = norm(x_mine)
+    out.backward(own_slice(dy, -1, groups["tp_c"]))
+    assert_close(out.detach(), own_slice(ref_norm(x).detach(), -1, groups["tp_c"]), msg=lambda m: f"norm: {m}")
+    assert_close(x_mine.grad, own_slice(x_ref.grad, -1, groups["tp_c"]), msg=lambda m: f"norm input grad: {m}")
+    assert_close(norm.weight.grad, own_slice(ref_norm.weight.grad, 0, groups["tp_c"]), msg=lambda m: f"{m}")
+
+    table = nn.Embedding(11, H)
+    embedding = tplayers.VocabParallelEmbedding.from_embedding(table, group=mesh)  # over all r x c ranks
+    ids = torch.randint(0, 11, (2, S), generator=g)
+    assert embedding.tp_size == world
+    embedding(ids).backward(dy)
+    table(ids).backward(dy)
+    assert_close(embedding.weight.grad, own_slice(table.weight.grad, 0, embedding.group), msg=lambda m: f"{m}")
+    return True
+
+
+@pytest.mark.parametrize(
+    ("grid", "heads", "kv_heads", "padding"),
+    [((2, 2), 4, 2, "none"), ((1, 4), 2, 1, "right"), ((4, 1), 8, 4, "left"), ((2, 2), 6, 2, "none")],
+    ids=["2x2-gqa", "1x4-mqa-right-pad", "4x1-left-pad", "2x2-3-heads-per-row"],
+)
+def test_the_standalone_layers_take_a_grid(pool, grid, heads, kv_heads, padding):
+    assert all(pool.run(grid_attention_and_norm, 4, grid, heads, kv_heads, padding))
+
+
+def refused_attention(rank, world, group):
+    mesh = tplayers.init_mesh(tp=(4, 1))["tp_r", "tp_c"]
+    tplayers.ParallelAttention(16, 4, 2, group=mesh)  # 2 kv heads over tp_r = 4
+
+
+def test_attention_a_grid_cannot_split_is_refused(pool):
+    for reply in pool.run(refused_attention, 4, return_exceptions=True):
+        assert isinstance(reply, RemoteError) and "leave a rank none" in str(reply), reply

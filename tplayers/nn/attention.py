@@ -59,6 +59,35 @@ class ReplicatedLinear(_ParallelLinear):
         )
 
 
+def attend(q, k, v, layer, seq, attention_mask, position_ids, position_embeddings):
+    """The attention of `layer`'s local heads (its local_heads, local_kv_heads, head_dim, causal,
+    inv_freq): q (B, S, hq * D), k / v (B, S, hkv * D) -> (B, S, hq * D). RoPE, GQA's shared
+    key / value heads, the padding and causal masks."""
+    D, hq, hkv = layer.head_dim, layer.local_heads, layer.local_kv_heads
+    B = q.shape[0]
+    q = q.view(B, seq, hq, D).transpose(1, 2)  # (B, hq, S, D)
+    k = k.view(B, seq, hkv, D).transpose(1, 2)  # (B, hkv, S, D)
+    v = v.view(B, seq, hkv, D).transpose(1, 2)
+    if position_embeddings is None and layer.inv_freq is not None:
+        if position_ids is None:
+            position_ids = torch.arange(seq, device=q.device)[None]
+        position_embeddings = rope_cos_sin(position_ids, layer.inv_freq, q.dtype)
+    if position_embeddings is not None:
+        cos, sin = position_embeddings
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if hq != hkv:  # GQA / MQA: each local kv head serves hq / hkv consecutive query heads
+        k, v = (t.repeat_interleave(hq // hkv, dim=1) for t in (k, v))
+    if attention_mask is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=layer.causal)
+    else:
+        mask = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, S) keys to attend
+        if layer.causal:
+            mask = mask & torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+        has_key = mask.any(-1, keepdim=True)  # (B, 1, S, 1): rows with no key output zeros
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~has_key) * has_key
+    return out.transpose(1, 2).reshape(B, seq, hq * D)  # (B, S, hq*D)
+
+
 def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
     """HF's default RoPE inverse frequencies, (head_dim/2,) fp32."""
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
@@ -122,6 +151,16 @@ class ParallelAttention(nn.Module):
     q / k / v rows are concatenated each forward (a weight-sized copy) so one GEMM and one
     input collective serve all three.
     """
+
+    def __new__(cls, *args, group=None, **kwargs):
+        """A 2-D tensor-parallel mesh as `group`: the grid's attention (`GridAttention`)."""
+        from tplayers.nn.grid import is_grid
+
+        if is_grid(group):
+            from tplayers.nn.grid_attention import GridAttention
+
+            return GridAttention(*args, mesh=group, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self, hidden_size, num_heads, num_kv_heads=None, head_dim=None, *, bias=False, qkv_bias=None,
@@ -267,31 +306,8 @@ class ParallelAttention(nn.Module):
             overlap=self.overlap,
             widest=self._widest_qkv,
         )  # (B, S, (hq + 2 hkv) * D)
-        B = qkv.shape[0]
         q, k, v = qkv.split([hq * D, hkv * D, hkv * D], dim=-1)
-        q = q.view(B, seq, hq, D).transpose(1, 2)  # (B, hq, S, D)
-        k = k.view(B, seq, hkv, D).transpose(1, 2)  # (B, hkv, S, D)
-        v = v.view(B, seq, hkv, D).transpose(1, 2)
-
-        if position_embeddings is None and self.inv_freq is not None:
-            if position_ids is None:
-                position_ids = torch.arange(seq, device=x.device)[None]
-            position_embeddings = rope_cos_sin(position_ids, self.inv_freq, x.dtype)
-        if position_embeddings is not None:
-            cos, sin = position_embeddings
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if hq != hkv:  # GQA / MQA: each local kv head serves hq / hkv consecutive query heads
-            k, v = (t.repeat_interleave(hq // hkv, dim=1) for t in (k, v))
-
-        if attention_mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
-        else:
-            mask = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, S) keys to attend
-            if self.causal:
-                mask = mask & torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
-            has_key = mask.any(-1, keepdim=True)  # (B, 1, S, 1): rows with no key output zeros
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~has_key) * has_key
-        out = out.transpose(1, 2).reshape(B, seq, hq * D)  # (B, S, hq*D)
+        out = attend(q, k, v, self, seq, attention_mask, position_ids, position_embeddings)
         return self.o_proj(out)
 
     def __deepcopy__(self, memo):

@@ -5,6 +5,10 @@ Shard(0)). Forward: ids (...) replicated over the group -> (..., D) replicated; 
 looks up the ids in its shard, writes zeros for the others, and the partial results are
 all-reduced (one rank contributes each row, so the sum is exact). Backward: the all-reduce's
 adjoint is the identity, so each rank's weight grad is its slice of the unsharded one.
+
+On a 2-D tensor-parallel mesh (`init_mesh(tp=(r, c))["tp_r", "tp_c"]`) the vocabulary splits
+over all r x c ranks of the grid (its flattened group), the output whole on each: the grid
+model's edges (`tplayers.hf.grid`), split along the features over tp_c by the blocks' entry.
 """
 
 import torch

@@ -17,6 +17,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from tplayers.distributed import resolve_group
 from tplayers.functional.collectives import copy_to_tp_region, own_slice, sum_over_tp_region
+from tplayers.nn.grid import grid_groups, is_grid
 from tplayers.nn.linear import _split
 from tplayers.placement import PlacedModule
 
@@ -26,13 +27,15 @@ class ParallelRMSNorm(PlacedModule):
 
     Input (..., local), the rank's slice of the features; output likewise. The slices are as
     torch.chunk splits hidden_size, or `split_sizes` whole units of `split_unit` features per rank
-    (OLMo2's norms follow their projection's heads: units of head_dim)."""
+    (OLMo2's norms follow their projection's heads: units of head_dim). On a 2-D tensor-parallel
+    mesh (`group=init_mesh(tp=(r, c))["tp_r", "tp_c"]`) the features split over tp_c and stay
+    whole over tp_r: the grid's residual stream (`tplayers.nn.grid`)."""
 
     _placements = {"weight": Shard(0)}
 
     def __init__(self, hidden_size, eps=1e-6, *, group=None, split_unit=1, split_sizes=None, device=None, dtype=None):
         super().__init__()
-        self.group = resolve_group(group)
+        self.group = grid_groups(group)["tp_c"] if is_grid(group) else resolve_group(group)
         self.tp_size = dist.get_world_size(self.group)
         self.hidden_size, self.eps = hidden_size, eps
         if hidden_size % split_unit:

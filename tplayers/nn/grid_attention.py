@@ -1,0 +1,93 @@
+"""`GridAttention`: self-attention over a 2-D tensor-parallel grid (what `ParallelAttention` builds
+when handed `init_mesh(tp=(r, c))["tp_r", "tp_c"]` as its group).
+
+The grid's layout (`tplayers.nn.grid`): the input and output split along the hidden features over
+tp_c, whole over tp_r.
+
+    q / k / v  column-type GridLinear: whole heads over tp_r, the hidden features over tp_c; their
+               one input's gradient summed over tp_r once (not once per projection)
+    attention  rank (i, j) runs its row's heads over the whole sequence (RoPE, GQA, masks as
+               ParallelAttention): the c ranks of a row compute the same heads (c x the core's
+               compute, no bytes)
+    o_proj     row-type GridLinear: the heads over tp_r, the hidden features over tp_c
+
+Heads (and key / value heads) split over tp_r as torch.chunk splits them, in whole heads; a rank
+holding none, or key / value groups that a split would cut, are refused by name.
+"""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tplayers.functional.collectives import copy_to_tp_region
+from tplayers.nn.attention import _check_heads, attend, rope_inv_freq
+from tplayers.nn.grid import GridLinear, grid_groups
+from tplayers.placement import shard_sizes
+
+
+class GridAttention(nn.Module):
+    """Causal self-attention over a tp_r x tp_c grid: x (B, S, H / c) -> y (B, S, H / c), the
+    hidden features split over tp_c (module docstring). Arguments as `ParallelAttention`'s, the
+    grid as `mesh`; no sequence parallelism (yet). From an HF LlamaAttention:
+    `ParallelAttention.from_hf_llama(attn, group=mesh)`."""
+
+    def __init__(
+        self, hidden_size, num_heads, num_kv_heads=None, head_dim=None, *, bias=False, qkv_bias=None, causal=True,
+        mesh, sequence_parallel=False, overlap="auto", rope_theta=10000.0, device=None, dtype=None,
+    ):  # fmt: skip
+        super().__init__()
+        if sequence_parallel:
+            raise ValueError("ParallelAttention on a 2-D tensor-parallel mesh does not take sequence_parallel=True yet")
+        self.mesh, groups = mesh, grid_groups(mesh)
+        self.row_group = groups["tp_r"]
+        r, i = dist.get_world_size(self.row_group), dist.get_rank(self.row_group)
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        head_dim = hidden_size // num_heads if head_dim is None else head_dim
+        _check_heads(num_heads, num_kv_heads)
+        heads, kv_heads = shard_sizes(num_heads, r), shard_sizes(num_kv_heads, r)
+        if 0 in heads or 0 in kv_heads:
+            raise ValueError(f"ParallelAttention: {num_heads} heads / {num_kv_heads} key/value heads over tp_r = {r} "
+                             "leave a rank none")  # fmt: skip
+        if heads != [s * (num_heads // num_kv_heads) for s in kv_heads]:
+            raise ValueError(
+                f"ParallelAttention: {num_heads} heads in {num_kv_heads} key/value groups do not split over tp_r = {r} "
+                "by whole groups"
+            )
+        if rope_theta is not None and head_dim % 2:
+            raise ValueError(f"rotary embeddings need an even head_dim, got {head_dim}")
+        self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim = (
+            hidden_size,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+        )
+        self.local_heads, self.local_kv_heads, self.causal = heads[i], kv_heads[i], causal
+        qkv_bias = bias if qkv_bias is None else qkv_bias
+        kw = dict(mesh=mesh, overlap=overlap, device=device, dtype=dtype)
+        column = dict(out_axis="tp_r", out_unit=head_dim, reduce_input_grad=False, **kw)
+        self.q_proj = GridLinear(hidden_size, num_heads * head_dim, qkv_bias, **column)
+        self.k_proj = GridLinear(hidden_size, num_kv_heads * head_dim, qkv_bias, **column)
+        self.v_proj = GridLinear(hidden_size, num_kv_heads * head_dim, qkv_bias, **column)
+        self.o_proj = GridLinear(num_heads * head_dim, hidden_size, bias, out_axis="tp_c", in_unit=head_dim, **kw)
+        self.rope_theta = rope_theta
+        buffer_device = "cpu" if device is None or torch.device(device).type == "meta" else device
+        inv_freq = None if rope_theta is None else rope_inv_freq(head_dim, rope_theta).to(buffer_device)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x, attention_mask=None, position_ids=None, position_embeddings=None):
+        seq = x.shape[1] if x.dim() == 3 else None
+        if seq is None or (attention_mask is not None and tuple(attention_mask.shape) != (x.shape[0], seq)):
+            raise ValueError(
+                f"ParallelAttention on a grid: input (batch, seq, hidden / tp_c) and an attention_mask of (batch, seq), "
+                f"got {tuple(x.shape)} and {None if attention_mask is None else tuple(attention_mask.shape)}"
+            )
+        x = copy_to_tp_region(x, self.row_group)  # q / k / v's input gradients summed over tp_r, once
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return self.o_proj(attend(q, k, v, self, seq, attention_mask, position_ids, position_embeddings))
+
+    def extra_repr(self):
+        return (
+            f"hidden_size={self.hidden_size} (split over tp_c), num_heads={self.num_heads} ({self.local_heads} on this "
+            f"tp_r row), num_kv_heads={self.num_kv_heads} ({self.local_kv_heads}), head_dim={self.head_dim}, "
+            f"causal={self.causal}, rope_theta={self.rope_theta}"
+        )
