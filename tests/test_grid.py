@@ -26,15 +26,15 @@ def block(first, second, x):
     return second(nn.functional.gelu(first(x)))
 
 
-def grid_pair(rank, world, group, grid, hidden, ffn, bias, swap=False, steps=2):
+def grid_pair(rank, world, group, grid, hidden, ffn, bias, swap=False, steps=2, overlap="auto"):
     """The pair over the grid: x split along the features over tp_c, the output gathered over
     tp_c; `steps` SGD steps clipped at 0.5 on both sides. Returns nothing: compares here."""
     mesh = tplayers.init_mesh(tp=grid)["tp_r", "tp_c"]
     groups = {axis: mesh.get_group(axis) for axis in ("tp_r", "tp_c")}
     ref_first, ref_second = pair(hidden, ffn, bias)
     axes = ("tp_c", "tp_r") if swap else ("tp_r", "tp_c")  # the negative control swaps them
-    first = tplayers.nn.GridLinear.from_linear(ref_first, mesh=mesh, out_axis=axes[0])
-    second = tplayers.nn.GridLinear.from_linear(ref_second, mesh=mesh, out_axis=axes[1])
+    first = tplayers.nn.GridLinear.from_linear(ref_first, mesh=mesh, out_axis=axes[0], overlap=overlap)
+    second = tplayers.nn.GridLinear.from_linear(ref_second, mesh=mesh, out_axis=axes[1], overlap=overlap)
     x = torch.randn(2, 5, hidden, generator=torch.Generator().manual_seed(1))
     weights = torch.randn(2, 5, hidden, generator=torch.Generator().manual_seed(2))
     params, ref_params = (
@@ -409,3 +409,24 @@ def refused_attention(rank, world, group):
 def test_attention_a_grid_cannot_split_is_refused(pool):
     for reply in pool.run(refused_attention, 4, return_exceptions=True):
         assert isinstance(reply, RemoteError) and "leave a rank none" in str(reply), reply
+
+
+def grid_pair_choices(rank, world, group, grid, overlap):
+    """The pair under `overlap`, exact against the unsharded one; the overlap engine's choices."""
+    from tplayers.functional.auto_overlap import overlap_choices
+
+    with overlap_choices() as log:
+        grid_pair(rank, world, group, grid, 12, 8, True, steps=1, overlap=overlap)
+    mesh = tplayers.init_mesh(tp=grid)["tp_r", "tp_c"]
+    axes = {axis: tuple(torch.distributed.get_process_group_ranks(mesh.get_group(axis))) for axis in ("tp_r", "tp_c")}
+    return {axis: [c.overlap for c in log if c.ranks == ranks] for axis, ranks in axes.items()}
+
+
+@pytest.mark.parametrize("overlap", ["auto", True, False])
+def test_the_overlap_engine_decides_per_axis(pool, overlap):
+    """Each axis' collectives go through the overlap engine on their own group (a choice per
+    axis, agreed by that axis' ranks); forced ring and plain paths are exact on a grid."""
+    for choices in pool.run(grid_pair_choices, 4, (2, 2), overlap):
+        assert choices["tp_r"] and choices["tp_c"], choices  # both axes asked, each on its own group
+        if overlap != "auto":
+            assert set(choices["tp_r"]) == set(choices["tp_c"]) == {overlap}

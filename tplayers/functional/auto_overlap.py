@@ -47,6 +47,7 @@ class Choice:
     overlap: bool
     predicted_ring_s: float
     predicted_plain_s: float
+    ranks: tuple = ()  # the group's: a 2-D grid decides per axis, each axis its own group
 
 
 def check_overlap(overlap, where: str):
@@ -103,7 +104,7 @@ def use_ring(op, overlap, group, like, m, k, n_out, side=0) -> bool:
         agreed = _agree(key, overlap, cost_model.ring_pays(*prediction), group, like.device)
     chosen = agreed if overlap == "auto" else bool(overlap)
     for log in _logs:
-        log.append(Choice(op, (m, k, n_out), dtype, overlap, chosen, *prediction))
+        log.append(Choice(op, (m, k, n_out), dtype, overlap, chosen, *prediction, key[-1]))
     return chosen
 
 
