@@ -78,7 +78,7 @@ class GridAttention(nn.Module):
         seq = x.shape[1] if x.dim() == 3 else None
         if seq is None or (attention_mask is not None and tuple(attention_mask.shape) != (x.shape[0], seq)):
             raise ValueError(
-                f"ParallelAttention on a grid: input (batch, seq, hidden / tp_c) and an attention_mask of (batch, seq), "
+                "ParallelAttention on a grid: input (batch, seq, hidden / tp_c) and an attention_mask of (batch, seq), "
                 f"got {tuple(x.shape)} and {None if attention_mask is None else tuple(attention_mask.shape)}"
             )
         x = copy_to_tp_region(x, self.row_group)  # q / k / v's input gradients summed over tp_r, once
