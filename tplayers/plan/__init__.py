@@ -14,6 +14,8 @@ Modules, each importing only those listed above it (`specs` imports `presets` on
     schedule   pipeline schedules: micro-batches in flight, the bubble
     flops      matmul FLOPs per token and per step
     comm       bytes of ring collectives, DP and TP traffic, the link of each parallel group
+    grid       2-D tensor parallelism (Layout(tp=(r, c))): a grid rank's tensors, activations,
+               FLOPs and bytes per axis, as `tplayers.hf.grid` lays out a Llama-style model
     rules      validate_layout: why a layout cannot run a model on a cluster
     estimate   estimate: memory, FLOPs, communication and time of one layout, stage by stage
     search     search: every layout for a global batch, ranked by step time
@@ -61,6 +63,13 @@ Parallel layout conventions
   all-reduces the two gradients).
 * The vocabulary is padded to a multiple of `Assumptions.vocab_divisible_by * tp` (Megatron's
   `--make-vocab-size-divisible-by 128`), so any tp is valid for any vocabulary.
+* 2-D grids (`Layout(tp=(r, c))`, `tplayers.plan.grid`): tp = r x c ranks, tp_c fastest. A
+  grid row (tp_c, c consecutive ranks) stays within a node; its columns (tp_r, r ranks c apart)
+  cross nodes once r x c exceeds one, each axis' bytes timed on its own link
+  (`Estimate.comm_bytes_by_axis`: "tp_r", "tp_c" and "tp_all", the vocabulary-parallel edges
+  over all r x c). Priced as tplayers runs it whatever `Assumptions.implementation` says
+  (Megatron has no grid): no pipeline stages or sequence parallelism on a grid yet
+  (`validate_layout` says so), the attention core repeated on the c ranks of a row.
 * Key / value heads: TP needs `kv_heads % tp == 0` (heads split) or `tp % kv_heads == 0`
   (each kv head replicated on tp / kv_heads ranks, k / v weights held whole on every rank,
   their gradients all-reduced over TP), exactly what `tplayers.ParallelAttention` accepts.
