@@ -195,11 +195,8 @@ def _zero3_buffer(ctx: _Context, stage: int) -> float:
         return 0.0
     if layout.zero_stage == 2:
         return gathered_param_bytes(_stage_tensors(ctx, stage), ctx.precision, dp=layout.dp)
-    if layout.tp_grid:
-        units = [grid_layer_params(model, layout.tp_grid), ceil_share(ctx.vocab, layout.tp) * model.hidden]
-    else:
-        units = [_layer_params(model, layout.tp)]
-    if stage in (0, layout.pp - 1) and not layout.tp_grid:
+    units = [grid_layer_params(model, layout.tp_grid) if layout.tp_grid else _layer_params(model, layout.tp)]
+    if stage in (0, layout.pp - 1):
         units.append(ceil_share(ctx.vocab, layout.tp) * model.hidden)
     return max(units) * ctx.precision.param_bytes
 
@@ -247,9 +244,10 @@ def _stage_activations(ctx: _Context, stage: int) -> float | None:
 def _stage_tensors(ctx: _Context, stage: int) -> list:
     model, layout = ctx.model, ctx.layout
     if layout.tp_grid:
-        lm_head = not model.tied_embeddings
-        return grid_stage_tensors(model, layout.tp_grid, vocab=ctx.vocab, layers=model.layers, lm_head=lm_head,
-                                  tp_rank=ctx.tp_rank)  # fmt: skip
+        return grid_stage_tensors(
+            model, layout.tp_grid, vocab=ctx.vocab, layers=model.layers // layout.pp, first=stage == 0,
+            last=stage == layout.pp - 1, lm_head=not model.tied_embeddings or layout.pp > 1, tp_rank=ctx.tp_rank,
+        )  # fmt: skip
     return stage_tensors(
         model, tp=layout.tp, vocab=ctx.vocab, layers=model.layers // layout.pp, first=stage == 0,
         last=stage == layout.pp - 1, lm_head=not model.tied_embeddings or layout.pp > 1,
@@ -376,7 +374,7 @@ def _grid_tp_bytes_per_microbatch(ctx: _Context, stage: int) -> dict[str, float]
     """A grid's TP bytes per micro-batch by the group they cross: "tp_r", "tp_c" (the blocks,
     `grid_tp_bytes_per_microbatch`) and "tp_all", the vocabulary-parallel edges over every rank
     of the grid (tplayers' edges at tp = r x c)."""
-    axes = grid_tp_bytes_per_microbatch(ctx.model, ctx.layout, ctx.precision.activation_bytes)
+    axes = grid_tp_bytes_per_microbatch(ctx.model, ctx.layout, ctx.precision.activation_bytes, stage)
     return {**axes, "tp_all": _edge_bytes(ctx, stage, ctx.layout.tp, True, False)}
 
 
@@ -385,13 +383,17 @@ def _stage_pp_bytes_per_microbatch(ctx: _Context, stage: int) -> float:
     stage and its gradient to the previous; v sends each way per micro-batch when interleaved.
     Megatron splits them over the TP ranks (Narayanan et al. 2021 Sec. 4.1, scatter/gather
     optimisation); tplayers' stages (torch's) send the whole activation from every TP rank,
-    sequence-sharded under sequence parallelism."""
+    sequence-sharded under sequence parallelism; on a 2-D grid its tp_c share of the hidden
+    features (the grid's residual stream between blocks)."""
     model, layout = ctx.model, ctx.layout
     pp, v = layout.pp, layout.virtual_stages
     if pp == 1:
         return 0.0
     split = layout.tp if ctx.assumptions.implementation != "tplayers" or layout.sequence_parallel else 1
-    size = model.seq_len * layout.micro_batch * model.hidden * ctx.precision.activation_bytes / split
+    hidden = model.hidden / split
+    if layout.tp_grid:
+        hidden = ceil_share(model.hidden, layout.tp_grid[1])
+    size = model.seq_len * layout.micro_batch * hidden * ctx.precision.activation_bytes
     forward_sends = v - (1 if stage == pp - 1 else 0)
     backward_sends = v - (1 if stage == 0 else 0)
     return (forward_sends + backward_sends) * size

@@ -70,12 +70,14 @@ def grid_layer_tensors(model: ModelSpec, grid, tp_rank: int = 0) -> list[tuple[i
             (h, 1, False), (h, 1, False)]  # fmt: skip
 
 
-def grid_stage_tensors(model: ModelSpec, grid, *, vocab: int, layers: int, lm_head: bool, tp_rank: int = 0) -> list:
-    """`stage_tensors` on a grid (one stage: a grid model has no pipeline stages): the layers'
-    blocks, the embedding's and LM head's vocabulary rows over the r x c ranks, the final norm."""
+def grid_stage_tensors(
+    model: ModelSpec, grid, *, vocab: int, layers: int, first: bool, last: bool, lm_head: bool, tp_rank: int = 0
+) -> list:  # fmt: skip
+    """`stage_tensors` on a grid: the stage's layers' blocks; the first stage the embedding's
+    vocabulary rows over the r x c ranks, the last the final norm (whole) and the LM head's rows."""
     rows = ceil_share(vocab, grid[0] * grid[1], tp_rank)
-    front = [(rows, model.hidden, False)]
-    back = [(model.hidden, 1, False)] + ([(rows, model.hidden, False)] if lm_head else [])
+    front = [(rows, model.hidden, False)] if first else []
+    back = ([(model.hidden, 1, False)] + ([(rows, model.hidden, False)] if lm_head else [])) if last else []
     return front + layers * grid_layer_tensors(model, grid, tp_rank) + back
 
 
@@ -145,17 +147,22 @@ def grid_tp_bytes_per_layer(
     }
 
 
-def grid_tp_bytes_at_the_edges(model: ModelSpec, micro_batch: int, c: int, activation_bytes: float) -> float:
-    """The blocks' entry (backward) and exit (forward) on a grid: T x H all-gathered over tp_c."""
-    return 2 * all_gather_bytes(model.seq_len * micro_batch * model.hidden * activation_bytes, c)
+def grid_tp_bytes_at_the_edges(
+    model: ModelSpec, micro_batch: int, c: int, activation_bytes: float, *, entry: bool = True, exit: bool = True
+) -> float:  # fmt: skip
+    """The blocks' entry (backward, first stage) and exit (forward, last stage) on a grid: T x H
+    all-gathered over tp_c each."""
+    return (entry + exit) * all_gather_bytes(model.seq_len * micro_batch * model.hidden * activation_bytes, c)
 
 
-def grid_tp_bytes_per_microbatch(model: ModelSpec, layout, activation_bytes: float) -> dict[str, float]:
-    """{"tp_r", "tp_c"}: one micro-batch's bytes per axis of the whole model (one stage)."""
+def grid_tp_bytes_per_microbatch(model: ModelSpec, layout, activation_bytes: float, stage: int = 0) -> dict[str, float]:
+    """{"tp_r", "tp_c"}: one micro-batch's bytes per axis of pipeline `stage`'s layers and edges."""
     r, c = layout.tp_grid
+    layers = model.layers // layout.pp
     layer = grid_tp_bytes_per_layer(model, layout.micro_batch, r, c, activation_bytes, recompute=layout.recompute)
-    edges = grid_tp_bytes_at_the_edges(model, layout.micro_batch, c, activation_bytes)
-    return {"tp_r": model.layers * layer["tp_r"], "tp_c": model.layers * layer["tp_c"] + edges}
+    edges = grid_tp_bytes_at_the_edges(model, layout.micro_batch, c, activation_bytes, entry=stage == 0,
+                                       exit=stage == layout.pp - 1)  # fmt: skip
+    return {"tp_r": layers * layer["tp_r"], "tp_c": layers * layer["tp_c"] + edges}
 
 
 def grid_mlp_bytes(

@@ -254,11 +254,10 @@ def _new_groups(rank: int, layout: Layout):
         import torch
         from torch.distributed.device_mesh import DeviceMesh
 
-        from tplayers.distributed import resolve_group
-
         ranks = torch.arange(tp * dp).view(dp, *layout.tp_grid)
         mesh = DeviceMesh("cpu", ranks, mesh_dim_names=("dp", "tp_r", "tp_c"))
-        resolve_group(mesh["tp_r", "tp_c"])  # its flattened group, made by every rank of the world now
+        # its flattened group, made by every rank of the world now (members look it up later)
+        mesh["tp_r", "tp_c"]._flatten("tp")
         return (mesh["tp_r", "tp_c"], mesh["dp"].get_group()) if rank < tp * dp else (None, None)
     mine = None, None
     tp_groups = [dist.new_group([d * tp + i for i in range(tp)]) for d in range(dp)]
