@@ -260,6 +260,13 @@ def test_hf_llama_on_drawn_grids_through_the_harness(layout):
                    optimizer_kwargs={"lr": 1e-2})  # fmt: skip
 
 
+@pytest.mark.parametrize("layout", [Layout(tp=(1, 2), pp=2), Layout(tp=(2, 1), pp=2)], ids=["1x2-pp2", "2x1-pp2"])
+def test_hf_llama_pipeline_stages_of_a_grid_through_the_harness(layout):
+    """pipeline_split of a grid model: the stages send the tp_c share of the residual stream."""
+    check_parallel(tiny_llama, hf_parallelize, IDS, layouts=[layout], steps=2, optimizer=torch.optim.AdamW,
+                   optimizer_kwargs={"lr": 1e-2})  # fmt: skip
+
+
 def _summed_over_tp_c(model, mesh):
     """A grid whose o_proj weight gradients are summed over tp_c, the axis they are not partial over."""
     hf_parallelize(model, mesh, Layout(tp=(2, 2)))

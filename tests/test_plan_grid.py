@@ -29,8 +29,9 @@ def test_a_grid_layout_is_its_two_sizes():
 
 def test_what_a_grid_does_not_run_is_refused_by_name():
     cluster = ClusterSpec.preset("h100", num_gpus=16)
-    reasons = " ".join(validate_layout(LLAMA, cluster, Layout(tp=(2, 4), pp=2, sequence_parallel=True)))
-    assert "pipeline stages of a 2-D grid" in reasons and "sequence parallelism on a 2-D grid" in reasons
+    reasons = " ".join(validate_layout(LLAMA, cluster, Layout(tp=(2, 4), sequence_parallel=True)))
+    assert "sequence parallelism on a 2-D grid" in reasons
+    assert not validate_layout(LLAMA, cluster, Layout(tp=(2, 4), pp=2))  # pipelines of a grid model run
     assert "tp_c=16 does not divide 8" in " ".join(validate_layout(LLAMA, cluster, Layout(tp=(1, 16))))
     wide = ModelSpec.preset("llama3-8b")  # 8 kv heads
     assert "kv_heads (8) over tp_r = 16 leave a rank none" in " ".join(
@@ -39,7 +40,7 @@ def test_what_a_grid_does_not_run_is_refused_by_name():
     gpt = ModelSpec.preset("gpt3-175b")
     assert "Llama-style" in " ".join(validate_layout(gpt, ClusterSpec.preset("h100", num_gpus=4), Layout(tp=(2, 2))))
     with pytest.raises(ValueError, match="invalid layout tp=2x4"):
-        estimate(LLAMA, cluster, Layout(tp=(2, 4), pp=2))
+        estimate(LLAMA, cluster, Layout(tp=(2, 4), sequence_parallel=True))
 
 
 def test_a_rank_of_the_grid_holds_its_block_of_every_weight():
@@ -127,3 +128,21 @@ def test_grid_estimates_are_finite_and_consistent(r, c, dp, zero, recompute, mb)
     assert sum(est.comm_bytes.values()) == pytest.approx(sum(v for v in est.comm_bytes_by_group.values()))
     if r * c > 1:
         assert est.hardware_flops >= est.model_flops  # the repeated attention core counts
+
+
+def test_pipeline_stages_of_a_grid_by_hand():
+    """2 x 2 x PP 2: each stage half the layers' blocks, the embedding rows on the first, the LM
+    head rows and final norm on the last; the stages send the tp_c share of the residual; the
+    entry gather on the first stage, the exit gather on the last."""
+    cluster = ClusterSpec.preset("h100", num_gpus=8)
+    one = estimate(LLAMA, ClusterSpec.preset("h100", num_gpus=4), Layout(tp=(2, 2), num_microbatches=2))
+    two = estimate(LLAMA, cluster, Layout(tp=(2, 2), pp=2, num_microbatches=2))
+    first, last = two.stages
+    h, rows = LLAMA.hidden, 1000 // 4
+    layer = grid_layer_params(LLAMA, (2, 2))
+    assert first.num_params == 2 * layer + rows * h and last.num_params == 2 * layer + h + rows * h
+    assert one.stages[0].num_params == first.num_params + last.num_params
+    t = LLAMA.seq_len  # micro_batch 1
+    assert first.comm_bytes_by_group["pp"] == 2 * t * (h // 2) * 2  # 2 micro-batches, bf16, h / c each
+    tp_total = first.comm_bytes_by_group["tp"] + last.comm_bytes_by_group["tp"]
+    assert tp_total == pytest.approx(one.comm_bytes_by_group["tp"])  # the same collectives, split by stage

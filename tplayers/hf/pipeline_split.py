@@ -26,7 +26,7 @@ from torch import nn
 from tplayers.distributed import resolve_group
 from tplayers.hf.state_dict import export_records
 from tplayers.pipeline import PipelineStage
-from tplayers.placement import get_placement, refuse_overlap
+from tplayers.placement import refuse_overlap
 
 DECODER_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
 SEQUENCE_PARALLEL = "_tplayers_sequence_parallel"  # the TP group, set by parallelize(sequence_parallel=True)
@@ -108,8 +108,6 @@ def pipeline_split(model, *, group=None, virtual_stages: int = 1, layers_per_sta
     i on rank i % n), for the interleaved schedules. `layers_per_stage`: the decoder layers of
     each stage (default: as even as possible)."""
     pg = resolve_group(group)
-    if any(getattr(get_placement(p), "tp_all", None) is not None for p in model.parameters()):
-        raise ValueError("pipeline_split: a model parallelized on a 2-D tensor-parallel mesh cannot be split yet")
     refuse_overlap(model.parameters(), pg, "pipeline_split", ("tp", "dp"),
                    "the stages are split over ranks that hold the same stage's shards or replicas (use "
                    "init_mesh(pp=..., tp=...) and pass mesh['pp'])", role="the pipeline group")  # fmt: skip

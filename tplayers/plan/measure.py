@@ -137,6 +137,7 @@ PIPELINE_CASES = (
     _pipeline_case(pp=2, num_microbatches=4, schedule="interleaved", virtual_stages=2),
     _pipeline_case(pp=2, tp=2, sequence_parallel=True, num_microbatches=2, schedule="1f1b"),
     _pipeline_case(pp=4, num_microbatches=2, schedule="gpipe"),  # fewer micro-batches than stages
+    _pipeline_case(pp=2, tp=(1, 2), num_microbatches=2, schedule="1f1b"),  # stages of a 2-D grid model
 )
 DEFAULT_CASES = STEP_CASES + PIPELINE_CASES
 

@@ -58,15 +58,11 @@ def validate_layout(
 
 def _grid_reasons(cluster: ClusterSpec, layout: Layout) -> list[str]:
     """A grid: its tp_c rows (consecutive ranks) within a node, its tp_r columns may span nodes;
-    what `tplayers.parallelize` on a grid does not run yet refused by name."""
+    what `tplayers.parallelize` on a grid does not run yet (sequence parallelism) refused by name."""
     r, c = layout.tp_grid
     reasons = []
     if c > cluster.gpus_per_node or (cluster.num_gpus > cluster.gpus_per_node and cluster.gpus_per_node % c):
         reasons.append(f"tp_c={c} does not divide {cluster.gpus_per_node} GPUs per node: a grid row must stay in one")
-    if layout.pp > 1:
-        reasons.append(
-            f"pp={layout.pp}: pipeline stages of a 2-D grid model are not built yet (pipeline_split refuses it)"
-        )
     if layout.sequence_parallel:
         reasons.append("sequence parallelism on a 2-D grid is not built yet (parallelize refuses it)")
     return reasons

@@ -38,8 +38,6 @@ def _candidate_layouts(cluster: ClusterSpec, global_batch: int, include_invalid:
     for tp in [*tps, *_grids(cluster, grids)]:
         size = tp[0] * tp[1] if isinstance(tp, tuple) else tp
         pps = options["pp_sizes"] or _divisors(max(1, n // size))
-        if isinstance(tp, tuple) and not include_invalid:
-            pps = [1]  # a grid model has no pipeline stages yet (validate_layout says so)
         for pp in pps:
             dp = max(1, n // (size * pp))  # an explicit tp / pp that does not divide n stays invalid
             for mb in options["micro_batches"]:
@@ -116,7 +114,7 @@ def search(
     tp runs over the divisors of num_gpus up to gpus_per_node (or `tp_sizes`), then the 2-D
     grids (`tp_grids`: (r, c) pairs; default, when `tp_sizes` is not given, every r x c with
     r, c >= 2 whose tp_c rows fit in a node; `()` for none), pp over the divisors of
-    num_gpus / tp (or `pp_sizes`; 1 for grids), dp = num_gpus / (tp*pp), and num_microbatches =
+    num_gpus / tp (or `pp_sizes`), dp = num_gpus / (tp*pp), and num_microbatches =
     global_batch / (dp * micro_batch); `compress` the gradient compressions to try where dp > 1
     (each at the ZeRO stages that take it). Returns (layout, estimate) pairs, fitting layouts first
     by step time (fastest first). With `include_invalid`, the invalid and non-fitting ones
