@@ -48,9 +48,10 @@ from tplayers.hf.mlp import is_silu
 from tplayers.hf.shard import ShardingPass, copy_in, replace_hidden
 from tplayers.hf.state_dict import EXPORTS, ORIGINAL_KEYS, TIED
 from tplayers.nn.grid import GridLinear, grid_groups
+from tplayers.nn.grid_attention import grid_head_split
 from tplayers.nn.mlp import ParallelMLP, fuse_gate_up, unfuse_gate_up
 from tplayers.nn.norm import ParallelRMSNorm
-from tplayers.placement import get_placement, set_placement, shard_range, shard_sizes, update_placement
+from tplayers.placement import get_placement, set_placement, shard_range, update_placement
 
 
 def _refuse(name, why):
@@ -158,15 +159,11 @@ class _GridPass:
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
             if not isinstance(getattr(attn, proj, None), nn.Linear):
                 _refuse(f"{name}.{proj}", "the 2-D layout takes attention with separate q / k / v / o projections")
-        for what, count in (("attention heads", heads), ("key/value heads", kv)):
-            if 0 in shard_sizes(count, self.r):
-                _refuse(name, f"{count} {what} over tp_r = {self.r} leave a rank none")
-        if heads // kv * kv != heads or shard_sizes(heads, self.r) != [
-            s * heads // kv for s in shard_sizes(kv, self.r)
-        ]:
-            _refuse(name, f"{heads} heads in {kv} key/value groups do not split over tp_r = {self.r} by whole groups")
+        if heads % kv:
+            _refuse(name, f"{heads} heads are not in whole groups of {kv} key/value heads")
+        split = grid_head_split(heads, kv, self.r, f"parallelize on a 2-D tensor-parallel mesh: {name}")
         rank = dist.get_rank(self.groups["tp_r"])
-        local, local_kv = shard_sizes(heads, self.r)[rank], shard_sizes(kv, self.r)[rank]
+        local, local_kv = split[0][rank], split[1][rank]
         for proj in ("q_proj", "k_proj", "v_proj"):  # one input: its gradient summed once, by the hook below
             self.linear(f"{name}.{proj}", getattr(attn, proj), "tp_r", head_dim, reduce_input_grad=False)
         # one input for q / k / v: copy_to_tp_region over tp_r sums their input gradients once

@@ -111,9 +111,27 @@ def apply_rope(x, cos, sin):
     return x * cos + rotate_half(x) * sin
 
 
-def _check_heads(num_heads, num_kv_heads):
+def head_dims(layer, hidden_size, num_heads, num_kv_heads, head_dim, rope_theta):
+    """(num_kv_heads, head_dim) with their defaults, checked, and set on `layer` with hidden_size
+    and num_heads (the 1-D and the grid attention alike)."""
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    head_dim = hidden_size // num_heads if head_dim is None else head_dim
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) is not divisible by num_kv_heads ({num_kv_heads})")
+    if rope_theta is not None and head_dim % 2:
+        raise ValueError(f"rotary embeddings need an even head_dim, got {head_dim}")
+    layer.hidden_size, layer.num_heads, layer.num_kv_heads, layer.head_dim = (
+        hidden_size, num_heads, num_kv_heads, head_dim,
+    )  # fmt: skip
+    return num_kv_heads, head_dim
+
+
+def add_rope(layer, rope_theta, device):
+    """`layer.rope_theta` and its RoPE inverse frequencies, a non-persistent buffer (None: no RoPE)."""
+    layer.rope_theta = rope_theta
+    buffer_device = "cpu" if device is None or torch.device(device).type == "meta" else device
+    inv_freq = None if rope_theta is None else rope_inv_freq(layer.head_dim, rope_theta).to(buffer_device)
+    layer.register_buffer("inv_freq", inv_freq, persistent=False)
 
 
 def _splits_evenly(num_heads, num_kv_heads, tp) -> bool:
@@ -170,17 +188,7 @@ class ParallelAttention(nn.Module):
         super().__init__()
         self.group = resolve_group(group)
         self.tp_size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        head_dim = hidden_size // num_heads if head_dim is None else head_dim
-        _check_heads(num_heads, num_kv_heads)
-        if rope_theta is not None and head_dim % 2:
-            raise ValueError(f"rotary embeddings need an even head_dim, got {head_dim}")
-        self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim = (
-            hidden_size,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-        )
+        num_kv_heads, head_dim = head_dims(self, hidden_size, num_heads, num_kv_heads, head_dim, rope_theta)
         self.causal, self.sequence_parallel = causal, sequence_parallel
         self.overlap = check_overlap(overlap, "ParallelAttention")
         self.by_whole_heads = not _splits_evenly(num_heads, num_kv_heads, self.tp_size)
@@ -218,10 +226,7 @@ class ParallelAttention(nn.Module):
             num_heads * head_dim, hidden_size, bias, sequence_parallel=sequence_parallel, overlap=overlap,
             **split, **kw,
         )  # fmt: skip
-        self.rope_theta = rope_theta
-        buffer_device = "cpu" if device is None or torch.device(device).type == "meta" else device
-        inv_freq = None if rope_theta is None else rope_inv_freq(head_dim, rope_theta).to(buffer_device)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        add_rope(self, rope_theta, device)
 
     @classmethod
     def from_hf_llama(cls, attn, config=None, *, group=None, device=None, dtype=None, **kwargs):

@@ -15,14 +15,30 @@ Heads (and key / value heads) split over tp_r as torch.chunk splits them, in who
 holding none, or key / value groups that a split would cut, are refused by name.
 """
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
 from tplayers.functional.collectives import copy_to_tp_region
-from tplayers.nn.attention import _check_heads, attend, rope_inv_freq
+from tplayers.nn.attention import add_rope, attend, head_dims
 from tplayers.nn.grid import GridLinear, grid_groups
 from tplayers.placement import shard_sizes
+
+
+def grid_head_split(num_heads, num_kv_heads, r, where) -> tuple[list, list]:
+    """(query heads, key/value heads) of each tp_r row: whole heads as torch.chunk splits them,
+    each row's query heads the groups of its key/value heads; a row left with none, or a group
+    cut in two, refused naming `where`."""
+    heads, kv_heads = shard_sizes(num_heads, r), shard_sizes(num_kv_heads, r)
+    if 0 in heads or 0 in kv_heads:
+        raise ValueError(
+            f"{where}: {num_heads} heads / {num_kv_heads} key/value heads over tp_r = {r} leave a rank none"
+        )
+    if heads != [s * (num_heads // num_kv_heads) for s in kv_heads]:
+        raise ValueError(
+            f"{where}: {num_heads} heads in {num_kv_heads} key/value groups do not split over tp_r = {r} "
+            "by whole groups"
+        )
+    return heads, kv_heads
 
 
 class GridAttention(nn.Module):
@@ -41,26 +57,8 @@ class GridAttention(nn.Module):
         self.mesh, groups = mesh, grid_groups(mesh)
         self.row_group = groups["tp_r"]
         r, i = dist.get_world_size(self.row_group), dist.get_rank(self.row_group)
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        head_dim = hidden_size // num_heads if head_dim is None else head_dim
-        _check_heads(num_heads, num_kv_heads)
-        heads, kv_heads = shard_sizes(num_heads, r), shard_sizes(num_kv_heads, r)
-        if 0 in heads or 0 in kv_heads:
-            raise ValueError(f"ParallelAttention: {num_heads} heads / {num_kv_heads} key/value heads over tp_r = {r} "
-                             "leave a rank none")  # fmt: skip
-        if heads != [s * (num_heads // num_kv_heads) for s in kv_heads]:
-            raise ValueError(
-                f"ParallelAttention: {num_heads} heads in {num_kv_heads} key/value groups do not split over tp_r = {r} "
-                "by whole groups"
-            )
-        if rope_theta is not None and head_dim % 2:
-            raise ValueError(f"rotary embeddings need an even head_dim, got {head_dim}")
-        self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim = (
-            hidden_size,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-        )
+        num_kv_heads, head_dim = head_dims(self, hidden_size, num_heads, num_kv_heads, head_dim, rope_theta)
+        heads, kv_heads = grid_head_split(num_heads, num_kv_heads, r, "ParallelAttention")
         self.local_heads, self.local_kv_heads, self.causal = heads[i], kv_heads[i], causal
         qkv_bias = bias if qkv_bias is None else qkv_bias
         kw = dict(mesh=mesh, overlap=overlap, device=device, dtype=dtype)
@@ -69,10 +67,7 @@ class GridAttention(nn.Module):
         self.k_proj = GridLinear(hidden_size, num_kv_heads * head_dim, qkv_bias, **column)
         self.v_proj = GridLinear(hidden_size, num_kv_heads * head_dim, qkv_bias, **column)
         self.o_proj = GridLinear(num_heads * head_dim, hidden_size, bias, out_axis="tp_c", in_unit=head_dim, **kw)
-        self.rope_theta = rope_theta
-        buffer_device = "cpu" if device is None or torch.device(device).type == "meta" else device
-        inv_freq = None if rope_theta is None else rope_inv_freq(head_dim, rope_theta).to(buffer_device)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        add_rope(self, rope_theta, device)
 
     def forward(self, x, attention_mask=None, position_ids=None, position_embeddings=None):
         seq = x.shape[1] if x.dim() == 3 else None
