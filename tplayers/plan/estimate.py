@@ -437,15 +437,15 @@ def _stage_estimate(ctx: _Context, stage: int, links: dict[str, str], bubble: fl
         comm = {"tp": None, "pp": None, "dp": dp_bytes}
         return StageEstimate(stage, params, memory, None, comm, None)
     flops_mb = _stage_flops_per_microbatch(ctx, stage)
-    tp_mb = _stage_tp_bytes_per_microbatch(ctx, stage)
+    # a grid's bytes by the axis they cross, each on its own link (computed once: search prices thousands)
+    by_axis = _grid_tp_bytes_per_microbatch(ctx, stage) if layout.tp_grid else None
+    tp_mb = sum(by_axis.values()) if by_axis else _stage_tp_bytes_per_microbatch(ctx, stage)
     pp_mb = _stage_pp_bytes_per_microbatch(ctx, stage)
     comm = {"tp": m * tp_mb, "pp": m * pp_mb, "dp": dp_bytes}
     assume = ctx.assumptions
     compute_mb = flops_mb / (cluster.peak_flops * assume.compute_efficiency)
-    by_axis = {"tp": tp_mb}
-    if layout.tp_grid:  # each axis on its own link
-        by_axis = _grid_tp_bytes_per_microbatch(ctx, stage)
-    tp_time_mb = sum(b / _link_bandwidth(cluster, links[a]) for a, b in by_axis.items()) * (1 - assume.tp_comm_overlap)
+    timed = by_axis or {"tp": tp_mb}
+    tp_time_mb = sum(b / _link_bandwidth(cluster, links[a]) for a, b in timed.items()) * (1 - assume.tp_comm_overlap)
     pp_time_mb = pp_mb / _link_bandwidth(cluster, links["pp"]) * (1 - assume.pp_comm_overlap)
     dp_time = dp_bytes / _link_bandwidth(cluster, links["dp"])
     times = {
@@ -456,7 +456,7 @@ def _stage_estimate(ctx: _Context, stage: int, links: dict[str, str], bubble: fl
         "dp": _dp_exposed_time(ctx, dp_time, params, compute_mb),
         "optimizer": _optimizer_time(ctx, params),
     }
-    axes = {a: m * b for a, b in by_axis.items()} if layout.tp_grid else None
+    axes = {a: m * b for a, b in by_axis.items()} if by_axis else None
     return StageEstimate(stage, params, memory, m * flops_mb, comm, times, axes)
 
 

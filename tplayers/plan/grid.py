@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 
 from tplayers.plan.comm import all_gather_bytes, all_reduce_bytes
+from tplayers.plan.memory import MASK_BYTES
 from tplayers.plan.specs import ModelSpec, ceil_share
 
 AXES = ("tp_r", "tp_c")
@@ -98,8 +99,6 @@ def grid_layer_activation_bytes(
     q / k / v and MLP inputs, dropout masks) holds h / c features per token; Q, K, V, the
     attention output and the MLP's three intermediates their tp_r shares; the attention core its
     heads (whole sequence) on every rank of the row."""
-    from tplayers.plan.memory import MASK_BYTES
-
     q, kv, f, h = _widths(model, grid, tp_rank)
     tokens, d = model.seq_len * micro_batch, activation_bytes
     if recompute == "full":
