@@ -26,31 +26,41 @@ def block(first, second, x):
     return second(nn.functional.gelu(first(x)))
 
 
-def grid_pair(rank, world, group, grid, hidden, ffn, bias, swap=False, steps=2, overlap="auto"):
-    """The pair over the grid: x split along the features over tp_c, the output gathered over
-    tp_c; `steps` SGD steps clipped at 0.5 on both sides. Returns nothing: compares here."""
+def grid_pair(rank, world, group, grid, hidden, ffn, bias, swap=False, steps=2, overlap="auto", sp=False):
+    """The pair over the grid: x split along the features over tp_c (and along the sequence over
+    tp_r with `sp`), the output gathered back; `steps` SGD steps clipped at 0.5 on both sides."""
     mesh = tplayers.init_mesh(tp=grid)["tp_r", "tp_c"]
     groups = {axis: mesh.get_group(axis) for axis in ("tp_r", "tp_c")}
     ref_first, ref_second = pair(hidden, ffn, bias)
     axes = ("tp_c", "tp_r") if swap else ("tp_r", "tp_c")  # the negative control swaps them
-    first = tplayers.nn.GridLinear.from_linear(ref_first, mesh=mesh, out_axis=axes[0], overlap=overlap)
-    second = tplayers.nn.GridLinear.from_linear(ref_second, mesh=mesh, out_axis=axes[1], overlap=overlap)
-    x = torch.randn(2, 5, hidden, generator=torch.Generator().manual_seed(1))
-    weights = torch.randn(2, 5, hidden, generator=torch.Generator().manual_seed(2))
+    kw = dict(mesh=mesh, overlap=overlap, sequence_parallel=sp)
+    first = tplayers.nn.GridLinear.from_linear(ref_first, out_axis=axes[0], **kw)
+    second = tplayers.nn.GridLinear.from_linear(ref_second, out_axis=axes[1], **kw)
+    seq = 8 if sp else 5
+    x = torch.randn(2, seq, hidden, generator=torch.Generator().manual_seed(1))
+    weights = torch.randn(2, seq, hidden, generator=torch.Generator().manual_seed(2))
+    # this rank's part of the residual stream: features over tp_c, the sequence over tp_r with sp
+    local = (lambda t: own_slice(own_slice(t, 1, groups["tp_r"]), -1, groups["tp_c"])) if sp else (
+        lambda t: own_slice(t, -1, groups["tp_c"]))  # fmt: skip
+
+    def gathered(y):
+        y = gather_from_tp_region(y, groups["tp_c"], dim=-1, total=hidden)
+        return gather_from_tp_region(y, groups["tp_r"], dim=1) if sp else y
+
     params, ref_params = (
         [*first.parameters(), *second.parameters()],
         [*ref_first.parameters(), *ref_second.parameters()],
     )
     opt, ref_opt = torch.optim.SGD(params, lr=0.3), torch.optim.SGD(ref_params, lr=0.3)
     for _ in range(steps):
-        x_local = own_slice(x, -1, groups["tp_c"]).detach().clone().requires_grad_()
+        x_local = local(x).detach().clone().requires_grad_()
         ref_x = x.clone().requires_grad_()
-        out = gather_from_tp_region(block(first, second, x_local), groups["tp_c"], dim=-1, total=hidden)
+        out = gathered(block(first, second, x_local))
         ref_out = block(ref_first, ref_second, ref_x)
         assert_close(out, ref_out, msg=lambda m: f"output: {m}")
         (out * weights).sum().backward()
         (ref_out * weights).sum().backward()
-        assert_close(x_local.grad, own_slice(ref_x.grad, -1, groups["tp_c"]), msg=lambda m: f"input grad: {m}")
+        assert_close(x_local.grad, local(ref_x.grad), msg=lambda m: f"input grad: {m}")
         for layer, ref, out_axis in ((first, ref_first, "tp_r"), (second, ref_second, "tp_c")):
             in_axis = "tp_c" if out_axis == "tp_r" else "tp_r"
             expected = own_slice(own_slice(ref.weight.grad, 0, groups[out_axis]), 1, groups[in_axis])
@@ -71,18 +81,21 @@ def grid_pair(rank, world, group, grid, hidden, ffn, bias, swap=False, steps=2, 
 
 
 @pytest.mark.parametrize("grid", GRIDS, ids=lambda g: f"{g[0]}x{g[1]}")
-@pytest.mark.parametrize(("hidden", "ffn", "bias"), [(8, 12, True), (12, 8, False), (10, 7, True)],
-                         ids=["wide", "narrow", "uneven"])  # fmt: skip
-def test_a_grid_pair_matches_the_unsharded_pair(pool, grid, hidden, ffn, bias):
+@pytest.mark.parametrize(("hidden", "ffn", "bias", "sp"), [(8, 12, True, False), (12, 8, False, False),
+                         (10, 7, True, False), (8, 12, True, True), (10, 7, False, True)],
+                         ids=["wide", "narrow", "uneven", "wide-sp", "uneven-sp"])  # fmt: skip
+def test_a_grid_pair_matches_the_unsharded_pair(pool, grid, hidden, ffn, bias, sp):
     """Column-type then row-type with a GeLU between, no re-layout: output, input / weight / bias
-    gradients, the clipped global norm and the weights after two clipped SGD steps."""
-    assert all(pool.run(grid_pair, 4, grid, hidden, ffn, bias))
+    gradients, the clipped global norm and the weights after two clipped SGD steps; with `sp`
+    the sequence split over tp_r (gathered by the first, reduce-scattered by the second)."""
+    assert all(pool.run(grid_pair, 4, grid, hidden, ffn, bias, False, 2, "auto", sp))
 
 
-def test_swapping_the_axes_fails_the_comparison(pool):
+@pytest.mark.parametrize("sp", [False, True], ids=["plain", "sp"])
+def test_swapping_the_axes_fails_the_comparison(pool, sp):
     """The negative control: the same shapes on a 2 x 2 grid, the two axes' groups swapped."""
-    for reply in pool.run(grid_pair, 4, (2, 2), 8, 8, True, True, return_exceptions=True):
-        assert isinstance(reply, RemoteError) and "output: Tensor-likes are not close" in str(reply), reply
+    for reply in pool.run(grid_pair, 4, (2, 2), 8, 8, True, True, 2, "auto", sp, return_exceptions=True):
+        assert isinstance(reply, RemoteError) and "Tensor-likes are not close" in str(reply), reply
 
 
 def grid_bytes(rank, world, group, grid, hidden, ffn, tokens):
@@ -123,21 +136,23 @@ def test_a_mesh_that_is_not_a_grid_is_refused(pool):
         assert "a 2-D tensor-parallel mesh has dims ('tp_r', 'tp_c')" in str(reply), reply
 
 
-def mlp_on_grid(rank, world, group, grid, activation):
+def mlp_on_grid(rank, world, group, grid, activation, sp=False):
     """ParallelMLP handed the 2-D mesh: a GridLinear pair (gate / up pairs kept together over
-    tp_r), equal to the unsharded MLP; and the 1-D classes handed the mesh build GridLinears."""
+    tp_r), equal to the unsharded MLP (`sp`: the sequence split over tp_r too); and the 1-D
+    classes handed the mesh build GridLinears."""
     mesh = tplayers.init_mesh(tp=grid)["tp_r", "tp_c"]
-    col = mesh.get_group("tp_c")
+    row, col = mesh.get_group("tp_r"), mesh.get_group("tp_c")
     torch.manual_seed(0)
     gate, up, down = nn.Linear(8, 10, bias=False), nn.Linear(8, 10, bias=False), nn.Linear(10, 8, bias=False)
     if activation == "swiglu":
-        mlp = tplayers.nn.ParallelMLP.from_modules(gate, up, down, group=mesh)
+        mlp = tplayers.nn.ParallelMLP.from_modules(gate, up, down, group=mesh, sequence_parallel=sp)
         ref = down(nn.functional.silu(gate(X)) * up(X))
     else:
-        mlp = tplayers.nn.ParallelMLP.from_linears(gate, down, activation="gelu", group=mesh)
+        mlp = tplayers.nn.ParallelMLP.from_linears(gate, down, activation="gelu", group=mesh, sequence_parallel=sp)
         ref = down(nn.functional.gelu(gate(X)))
-    x_local = own_slice(X, -1, col).detach().clone().requires_grad_()
+    x_local = own_slice(own_slice(X, 1, row) if sp else X, -1, col).detach().clone().requires_grad_()
     out = gather_from_tp_region(mlp(x_local), col, dim=-1, total=8)
+    out = gather_from_tp_region(out, row, dim=1) if sp else out
     assert_close(out, ref)
     out.square().sum().backward()
     ref.square().sum().backward()
@@ -152,29 +167,30 @@ def mlp_on_grid(rank, world, group, grid, activation):
     return True
 
 
-X = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(5))
+X = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(5))
 
 
-@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize(("activation", "sp"), [("swiglu", False), ("gelu", False), ("swiglu", True)],
+                         ids=["swiglu", "gelu", "swiglu-sp"])  # fmt: skip
 @pytest.mark.parametrize("grid", GRIDS, ids=lambda g: f"{g[0]}x{g[1]}")
-def test_parallel_mlp_and_the_1d_classes_take_a_grid(pool, grid, activation):
-    assert all(pool.run(mlp_on_grid, 4, grid, activation))
+def test_parallel_mlp_and_the_1d_classes_take_a_grid(pool, grid, activation, sp):
+    assert all(pool.run(mlp_on_grid, 4, grid, activation, sp))
 
 
-def sequence_parallel_on_a_grid(rank, world, group):
-    tplayers.ColumnParallelLinear(8, 8, group=tplayers.init_mesh(tp=(2, 2))["tp_r", "tp_c"], sequence_parallel=True)
+def gathered_output_on_a_grid(rank, world, group):
+    tplayers.ColumnParallelLinear(8, 8, group=tplayers.init_mesh(tp=(2, 2))["tp_r", "tp_c"], gather_output=True)
 
 
 def test_options_a_grid_does_not_take_are_refused(pool):
-    for reply in pool.run(sequence_parallel_on_a_grid, 4, return_exceptions=True):
-        assert "ColumnParallelLinear on a 2-D tensor-parallel mesh does not take sequence_parallel=" in str(reply)
+    for reply in pool.run(gathered_output_on_a_grid, 4, return_exceptions=True):
+        assert "ColumnParallelLinear on a 2-D tensor-parallel mesh does not take gather_output=" in str(reply)
 
 
 # -- an HF model on the grid ----------------------------------------------------------------------
-def hf_on_grid(rank, world, group, family, grid, zero_stage=None):
+def hf_on_grid(rank, world, group, family, grid, zero_stage=None, sp=False, norms_over="tp_r"):
     """A tiny Llama-style model through parallelize(group=2-D mesh): the state dict round trip,
     logits, loss, every gradient and every parameter after two clipped AdamW steps equal to the
-    unsharded model's (and with ZeRO-3 over dp when asked)."""
+    unsharded model's (and with ZeRO-3 over dp, and the sequence split over tp_r, when asked)."""
     import sys
     from pathlib import Path
 
@@ -186,7 +202,10 @@ def hf_on_grid(rank, world, group, family, grid, zero_stage=None):
     mesh = full_mesh["tp_r", "tp_c"]
     config = dict(num_key_value_heads=4) if grid[0] == 4 else {}  # 2 key/value heads leave 2 of 4 rows none
     reference = tiny_model(family, **config)
-    model = tplayers.parallelize(tiny_model(family, **config), group=mesh)
+    model = tplayers.parallelize(tiny_model(family, **config), group=mesh, sequence_parallel=sp)
+    for module in model.modules():  # the negative control sums the norms' gradients over the wrong axis
+        if sp and isinstance(module, tplayers.ParallelRMSNorm):
+            module.sequence_group = mesh.get_group(norms_over)
     state = tplayers.gather_state_dict(model)
     assert list(state) == list(reference.state_dict())
     for key, value in reference.state_dict().items():
@@ -220,17 +239,44 @@ def hf_on_grid(rank, world, group, family, grid, zero_stage=None):
     return True
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize(("family", "sp"), [("llama", False), ("qwen2", False), ("llama", True), ("qwen2", True)],
+                         ids=["llama", "qwen2-bias", "llama-sp", "qwen2-bias-sp"])  # fmt: skip
 @pytest.mark.parametrize("grid", GRIDS, ids=lambda g: f"{g[0]}x{g[1]}")
-def test_an_hf_model_on_a_grid_matches_unsharded(pool, family, grid):
-    assert all(pool.run(hf_on_grid, grid[0] * grid[1], family, grid))
+def test_an_hf_model_on_a_grid_matches_unsharded(pool, family, sp, grid):
+    assert all(pool.run(hf_on_grid, grid[0] * grid[1], family, grid, None, sp))
+
+
+def test_norm_gradients_summed_over_the_wrong_axis_fail_the_comparison(pool):
+    """The negative control of sequence sharding on a grid: the norms' weight gradients summed over
+    tp_c instead of tp_r (the axis the sequence is split over)."""
+    for reply in pool.run(hf_on_grid, 4, "llama", (2, 2), None, True, "tp_c", return_exceptions=True):
+        assert isinstance(reply, RemoteError) and "layernorm.weight grad, step 0" in str(reply), reply
+
+
+def short_sequence_on_a_grid(rank, world, group):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_families import tiny_model
+
+    mesh = tplayers.init_mesh(tp=(4, 1))["tp_r", "tp_c"]
+    model = tplayers.parallelize(tiny_model("llama", num_key_value_heads=4), group=mesh, sequence_parallel=True)
+    model(torch.ones(1, 6, dtype=torch.long))
+
+
+def test_a_sequence_tp_r_does_not_divide_is_refused_on_every_rank(pool):
+    for reply in pool.run(short_sequence_on_a_grid, 4, return_exceptions=True):
+        assert isinstance(reply, RemoteError) and "sequence length (6,) is not divisible by tp_r (4)" in str(reply)
 
 
 @pytest.mark.tplayers
-def test_a_grid_with_zero3_over_the_replicas_matches_unsharded(tplayers_pool):
+@pytest.mark.parametrize("sp", [False, True], ids=["plain", "sp"])
+def test_a_grid_with_zero3_over_the_replicas_matches_unsharded(tplayers_pool, sp):
     """3-D: a 2 x 2 grid x DP 2 with ZeRO-3 over the replicas (8 ranks): loss, clipped norm and
-    every parameter after two clipped steps equal to the unsharded model on the whole batch."""
-    assert all(tplayers_pool.run(hf_on_grid, 8, "llama", (2, 2), 3))
+    every parameter after two clipped steps equal to the unsharded model on the whole batch
+    (with and without the sequence split over tp_r)."""
+    assert all(tplayers_pool.run(hf_on_grid, 8, "llama", (2, 2), 3, sp))
 
 
 def checkpoints_across(rank, world, group, path):
@@ -329,9 +375,10 @@ def test_the_planner_prices_a_grid_model_exactly(pool, grid):
         assert total == tp == planned, (total, planned, est.comm_bytes_by_axis)
 
 
-def grid_attention_and_norm(rank, world, group, grid, num_heads, num_kv_heads, padding):
+def grid_attention_and_norm(rank, world, group, grid, num_heads, num_kv_heads, padding, sp=False):
     """ParallelAttention / ParallelRMSNorm / VocabParallelEmbedding built on the grid against HF's
-    LlamaAttention, an unsharded RMSNorm and nn.Embedding: outputs, input and every weight gradient."""
+    LlamaAttention, an unsharded RMSNorm and nn.Embedding: outputs, input and every weight gradient
+    (`sp`: the sequence split over tp_r as well)."""
     import sys
     from pathlib import Path
 
@@ -345,7 +392,7 @@ def grid_attention_and_norm(rank, world, group, grid, num_heads, num_kv_heads, p
     groups = {axis: mesh.get_group(axis) for axis in ("tp_r", "tp_c")}
     case = AttnCase(num_heads, num_kv_heads, hidden_per_head=4, bias=True, padding=padding)
     config, ref = hf_attention(case)
-    H, S = config.hidden_size, 6
+    H, S = config.hidden_size, 8 if sp else 6
     g = torch.Generator().manual_seed(3)
     x, dy = torch.randn(2, S, H, generator=g), torch.randn(2, S, H, generator=g)
     mask = None if padding == "none" else padding_mask(case, S, g)
@@ -353,15 +400,19 @@ def grid_attention_and_norm(rank, world, group, grid, num_heads, num_kv_heads, p
     pos = torch.arange(S)[None]
     ref(x_ref, position_embeddings=LlamaRotaryEmbedding(config)(x_ref, pos),
         attention_mask=create_causal_mask(config, x_ref, mask, None, position_ids=pos))[0].backward(dy)  # fmt: skip
-    layer = tplayers.ParallelAttention.from_hf_llama(ref, group=mesh)
+    layer = tplayers.ParallelAttention.from_hf_llama(ref, group=mesh, sequence_parallel=sp)
     assert type(layer).__name__ == "GridAttention"
-    x_mine = own_slice(x, -1, groups["tp_c"]).clone().requires_grad_()
+
+    def local(t):  # this rank's part of the residual stream
+        return own_slice(own_slice(t, 1, groups["tp_r"]) if sp else t, -1, groups["tp_c"])
+
+    x_mine = local(x).clone().requires_grad_()
     y = layer(x_mine, attention_mask=mask)
-    y.backward(own_slice(dy, -1, groups["tp_c"]))
+    y.backward(local(dy))
     y_ref = ref(x, position_embeddings=LlamaRotaryEmbedding(config)(x, pos),
                 attention_mask=create_causal_mask(config, x, mask, None, position_ids=pos))[0]  # fmt: skip
-    assert_close(y.detach(), own_slice(y_ref.detach(), -1, groups["tp_c"]), msg=lambda m: f"output: {m}")
-    assert_close(x_mine.grad, own_slice(x_ref.grad, -1, groups["tp_c"]), msg=lambda m: f"input grad: {m}")
+    assert_close(y.detach(), local(y_ref.detach()), msg=lambda m: f"output: {m}")
+    assert_close(x_mine.grad, local(x_ref.grad), msg=lambda m: f"input grad: {m}")
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
         mine, theirs = getattr(layer, name), getattr(ref, name)
         expected = own_slice(own_slice(theirs.weight.grad, 0, mine.out_group, mine.out_unit), 1, mine.in_group,
@@ -371,17 +422,17 @@ def grid_attention_and_norm(rank, world, group, grid, num_heads, num_kv_heads, p
         assert_close(mine.bias.grad, bias, msg=lambda m, n=name: f"{n} bias grad: {m}")
 
     weight = torch.rand(H, generator=g) + 0.5
-    norm = tplayers.ParallelRMSNorm.from_weight(weight, 1e-6, group=mesh)
+    norm = tplayers.ParallelRMSNorm.from_weight(weight, 1e-6, group=mesh, sequence_parallel=sp)
     ref_norm = nn.RMSNorm(H, eps=1e-6)
     with torch.no_grad():
         ref_norm.weight.copy_(weight)
     x_ref = x.clone().requires_grad_()
     ref_norm(x_ref).backward(dy)
-    x_mine = own_slice(x, -1, groups["tp_c"]).clone().requires_grad_()
+    x_mine = local(x).clone().requires_grad_()
     out = norm(x_mine)
-    out.backward(own_slice(dy, -1, groups["tp_c"]))
-    assert_close(out.detach(), own_slice(ref_norm(x).detach(), -1, groups["tp_c"]), msg=lambda m: f"norm: {m}")
-    assert_close(x_mine.grad, own_slice(x_ref.grad, -1, groups["tp_c"]), msg=lambda m: f"norm input grad: {m}")
+    out.backward(local(dy))
+    assert_close(out.detach(), local(ref_norm(x).detach()), msg=lambda m: f"norm: {m}")
+    assert_close(x_mine.grad, local(x_ref.grad), msg=lambda m: f"norm input grad: {m}")
     assert_close(norm.weight.grad, own_slice(ref_norm.weight.grad, 0, groups["tp_c"]), msg=lambda m: f"{m}")
 
     table = nn.Embedding(11, H)
@@ -395,12 +446,13 @@ def grid_attention_and_norm(rank, world, group, grid, num_heads, num_kv_heads, p
 
 
 @pytest.mark.parametrize(
-    ("grid", "heads", "kv_heads", "padding"),
-    [((2, 2), 4, 2, "none"), ((1, 4), 2, 1, "right"), ((4, 1), 8, 4, "left"), ((2, 2), 6, 2, "none")],
-    ids=["2x2-gqa", "1x4-mqa-right-pad", "4x1-left-pad", "2x2-3-heads-per-row"],
-)
-def test_the_standalone_layers_take_a_grid(pool, grid, heads, kv_heads, padding):
-    assert all(pool.run(grid_attention_and_norm, 4, grid, heads, kv_heads, padding))
+    ("grid", "heads", "kv_heads", "padding", "sp"),
+    [((2, 2), 4, 2, "none", False), ((1, 4), 2, 1, "right", False), ((4, 1), 8, 4, "left", False),
+     ((2, 2), 6, 2, "none", False), ((2, 2), 4, 2, "right", True), ((4, 1), 8, 4, "left", True)],
+    ids=["2x2-gqa", "1x4-mqa-right-pad", "4x1-left-pad", "2x2-3-heads-per-row", "2x2-sp-right-pad", "4x1-sp-left-pad"],
+)  # fmt: skip
+def test_the_standalone_layers_take_a_grid(pool, grid, heads, kv_heads, padding, sp):
+    assert all(pool.run(grid_attention_and_norm, 4, grid, heads, kv_heads, padding, sp))
 
 
 def refused_attention(rank, world, group):

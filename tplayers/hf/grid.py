@@ -20,9 +20,15 @@ tp_c (whole over tp_r), which is what a column-type GridLinear takes and a row-t
                gathered (or left split with `vocab_parallel_logits=True`, for
                `tplayers.vocab_parallel_cross_entropy(..., group=mesh)`, the grid as its group)
 
+sequence_parallel=True shards the residual stream's sequence over tp_r as well, (B, S/r, H/c)
+between the blocks' entry and exit (`tplayers.nn.grid`): the attention's input is all-gathered
+along the sequence over tp_r once (backward reduce-scattered), o_proj and down_proj
+reduce-scatter their outputs there, gate|up gathers its input, and the norms' weight gradients
+are summed over tp_r; the entry splits the sequence over tp_r too, the exit gathers it.
+
 Heads (and key/value heads) split over tp_r in whole heads, as torch.chunk splits them: a rank
-holding none is refused. What is not this layout (fused projections, other MLPs and norms,
-sequence parallelism, a plan) is refused, naming it. Every record lists its pieces as blocks of
+holding none is refused. What is not this layout (fused projections, other MLPs and norms, a
+plan) is refused, naming it. Every record lists its pieces as blocks of
 the unsharded HF tensors (`tplayers.hf.pieces.block`), so `gather_state_dict`,
 `load_full_state_dict`, `save_pretrained` and sharded checkpoints read and write it, and a
 checkpoint saved on a grid loads at any 1-D layout and back.
@@ -36,6 +42,7 @@ from torch.distributed.tensor import Replicate
 from tplayers.distributed import resolve_group
 from tplayers.functional.collectives import (
     all_gather_any,
+    all_gather_sequence,
     copy_to_tp_region,
     gather_from_tp_region,
     own_slice,
@@ -45,6 +52,7 @@ from tplayers.hf import families, pieces
 from tplayers.hf import verify as verification
 from tplayers.hf.attention import HEAD_COUNTS, HIDDEN_WIDTHS, KV_HEAD_COUNTS, localize_attributes, rms_norm_eps
 from tplayers.hf.mlp import is_silu
+from tplayers.hf.pipeline_split import SEQUENCE_PARALLEL
 from tplayers.hf.shard import ShardingPass, copy_in, replace_hidden
 from tplayers.hf.state_dict import EXPORTS, ORIGINAL_KEYS, TIED
 from tplayers.nn.grid import GridLinear, grid_groups
@@ -130,8 +138,8 @@ def _mlp_layout(layer: ParallelMLP):
 
 
 class _GridPass:
-    def __init__(self, model, mesh, overlap):
-        self.model, self.mesh, self.overlap = model, mesh, overlap
+    def __init__(self, model, mesh, overlap, sequence_parallel):
+        self.model, self.mesh, self.overlap, self.sp = model, mesh, overlap, sequence_parallel
         self.groups = grid_groups(mesh)
         self.r, self.c = (dist.get_world_size(self.groups[a]) for a in ("tp_r", "tp_c"))
         self.records = []
@@ -166,10 +174,11 @@ class _GridPass:
         local, local_kv = split[0][rank], split[1][rank]
         for proj in ("q_proj", "k_proj", "v_proj"):  # one input: its gradient summed once, by the hook below
             self.linear(f"{name}.{proj}", getattr(attn, proj), "tp_r", head_dim, reduce_input_grad=False)
-        # one input for q / k / v: copy_to_tp_region over tp_r sums their input gradients once
-        group = self.groups["tp_r"]
-        attn.register_forward_pre_hook(replace_hidden(lambda h: copy_to_tp_region(h, group)), with_kwargs=True)
-        self.linear(f"{name}.o_proj", attn.o_proj, "tp_c", head_dim)
+        # one input for q / k / v: copy_to_tp_region over tp_r sums their input gradients once (under
+        # sequence parallelism the sequence gathered once, the gradient reduce-scattered)
+        group, prepare = self.groups["tp_r"], all_gather_sequence if self.sp else copy_to_tp_region
+        attn.register_forward_pre_hook(replace_hidden(lambda h: prepare(h, group)), with_kwargs=True)
+        self.linear(f"{name}.o_proj", attn.o_proj, "tp_c", head_dim, sequence_parallel=self.sp)
         widths = {w: local * head_dim for w in HIDDEN_WIDTHS if getattr(attn, w, None) == heads * head_dim}
         localize_attributes(
             name, attn, {**dict.fromkeys(HEAD_COUNTS, local), **dict.fromkeys(KV_HEAD_COUNTS, local_kv), **widths}
@@ -179,7 +188,7 @@ class _GridPass:
         parts = [getattr(mlp, p, None) for p in ("gate_proj", "up_proj", "down_proj")]
         if not all(isinstance(p, nn.Linear) for p in parts) or not is_silu(getattr(mlp, "act_fn", None)):
             _refuse(name, "the 2-D layout takes a gated SiLU MLP (gate_proj, up_proj, down_proj)")
-        layer = ParallelMLP.from_modules(*parts, group=self.mesh, overlap=self.overlap)
+        layer = ParallelMLP.from_modules(*parts, group=self.mesh, overlap=self.overlap, sequence_parallel=self.sp)
         self.swap(name, layer)
 
         def export(pick, _group):
@@ -204,7 +213,7 @@ class _GridPass:
         eps = rms_norm_eps(norm)
         if eps is None:
             _refuse(name, f"{type(norm).__name__} is not an RMSNorm tplayers knows")
-        layer = ParallelRMSNorm.from_weight(norm.weight, eps, group=self.groups["tp_c"])
+        layer = ParallelRMSNorm.from_weight(norm.weight, eps, group=self.mesh, sequence_parallel=self.sp)
         self.swap(name, layer)
         group = self.groups["tp_c"]
 
@@ -219,18 +228,45 @@ class _GridPass:
         )
 
 
+def _edge_hooks(blocks, groups, hidden, sequence_parallel):
+    """The residual stream split between the first block's entry and the last block's exit: the
+    hidden features over tp_c, and under sequence parallelism the sequence over tp_r (the model's
+    masks and positions are built from the whole sequence before, its final norm and LM head see
+    the whole hidden state after)."""
+    row, col = groups["tp_r"], groups["tp_c"]
+    r = dist.get_world_size(row)
+
+    def enter(h):
+        if sequence_parallel:
+            if h.dim() != 3 or h.shape[1] % r:  # every rank sees the same length: all raise together
+                raise ValueError(
+                    f"parallelize(sequence_parallel=True) on a grid: sequence length {tuple(h.shape)[1:2]} is not "
+                    f"divisible by tp_r ({r}); generate with a model parallelized without sequence_parallel"
+                )
+            h = scatter_to_tp_region(h, row, dim=1)
+        return scatter_to_tp_region(h, col, dim=-1)
+
+    def leave(h):
+        h = gather_from_tp_region(h, col, dim=-1, total=hidden)
+        return gather_from_tp_region(h, row, dim=1) if sequence_parallel else h
+
+    blocks[0].register_forward_pre_hook(replace_hidden(enter), with_kwargs=True)
+    blocks[-1].register_forward_hook(
+        lambda module, args, out: (leave(out[0]), *out[1:]) if isinstance(out, tuple) else leave(out)
+    )
+
+
 def parallelize_grid(model, mesh, *, sequence_parallel=False, plan=None, vocab_parallel_logits=False, verify=None,
                      overlap="auto"):  # fmt: skip
     """`parallelize` over a 2-D mesh (module docstring)."""
-    for option, value in (("sequence_parallel", sequence_parallel), ("plan", plan)):
-        if value:
-            _refuse(type(model).__name__, f"{option}= is not supported on a grid yet")
+    if plan:
+        _refuse(type(model).__name__, "plan= is not supported on a grid yet")
     groups = grid_groups(mesh)
     whole = resolve_group(mesh)  # every tensor-parallel rank: the records' one TP group
     probe = verification.probe_input(model, verify, dist.get_world_size(whole))
     reference = verification.logits(model, probe) if probe is not None else None
     keys = list(model.state_dict().keys())
-    grid = _GridPass(model, mesh, overlap)
+    grid = _GridPass(model, mesh, overlap, sequence_parallel)
     # the edges as a 1-D pass over the flattened grid shards them: vocabulary-parallel
     edges = ShardingPass(model, whole, False, None, vocab_parallel_logits, overlap)
     edges.embedding_adapters = families.EMBEDDINGS
@@ -248,22 +284,13 @@ def parallelize_grid(model, mesh, *, sequence_parallel=False, plan=None, vocab_p
                 grid.norm(f"{name}.{child}", module)
             elif any(True for _ in module.parameters()):
                 _refuse(f"{name}.{child}", f"{type(module).__name__} is not part of the 2-D layout")
-    col = groups["tp_c"]
-    blocks[0].register_forward_pre_hook(
-        replace_hidden(lambda h: scatter_to_tp_region(h, col, dim=-1)), with_kwargs=True
-    )
-    blocks[-1].register_forward_hook(
-        lambda module, args, out: (
-            (gather_from_tp_region(out[0], col, dim=-1, total=hidden), *out[1:])
-            if isinstance(out, tuple)
-            else gather_from_tp_region(out, col, dim=-1, total=hidden)
-        )
-    )
+    _edge_hooks(blocks, groups, hidden, sequence_parallel)
     for p in model.parameters():
         if get_placement(p) is None:  # embeddings, final norm, LM head: whole on every rank
             set_placement(p, whole, Replicate())
         else:
             update_placement(p, tp_all=whole)
+    setattr(model, SEQUENCE_PARALLEL, groups["tp_r"] if sequence_parallel else None)  # for pipeline_split
     setattr(model, EXPORTS, edges.exports + grid.records)
     setattr(model, ORIGINAL_KEYS, keys)
     setattr(model, TIED, edges.tied)

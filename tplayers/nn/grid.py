@@ -23,6 +23,13 @@ A layer of T tokens sends 2 (c-1)/c x T x out/r elements forward (column-type) a
 2 (r-1)/r x T x in/c backward: on a q x q grid about 1/q of a 1-D layer's per collective. Sizes
 that do not divide split as torch.chunk splits them along each axis.
 
+sequence_parallel=True shards the sequence over tp_r, the axis the residual stream is whole
+over (Megatron's sequence parallelism on one axis of the grid): the residual is (B, S/r, H/c).
+A column-type layer all-gathers its input along the sequence over tp_r (backward: the input
+gradient reduce-scattered there, in place of the all-reduce), a row-type one reduce-scatters its
+output along the sequence over tp_r (in place of the all-reduce; backward: all-gathered). The
+bytes per layer are the same as without it; the activations between the layers shrink by r.
+
 Each parameter's placement record holds one (group, placement) per sharded dimension: the
 weight Shard(0) over the output axis and Shard(1) over the input axis (`ParamPlacement.grid`),
 the bias Shard(0) over the output axis, whole over the input one; clipping sums partial norms
@@ -35,9 +42,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from tplayers.functional.auto_overlap import check_overlap
-from tplayers.functional.collectives import copy_to_tp_region, own_slice
+from tplayers.functional.collectives import all_gather_sequence, copy_to_tp_region, own_slice
 from tplayers.functional.linear import row_parallel_linear
-from tplayers.nn.linear import _full_linear_init, check_input
+from tplayers.nn.linear import _full_linear_init, check_input, tokens_as_sequence
 from tplayers.placement import set_placement, shard_sizes
 
 AXES = ("tp_r", "tp_c")
@@ -51,13 +58,14 @@ def is_grid(group) -> bool:
 def grid_layer(in_features, out_features, bias, mesh, out_axis, caller, unit=1, **kwargs):
     """The `GridLinear` a 1-D layer class builds when handed a 2-D mesh as its group: its own
     options that have no meaning on a grid (yet) refused by name, on every rank alike."""
-    defaults = dict(sequence_parallel=False, gather_output=False, input_is_parallel=True, split_sizes=None)
-    unknown = sorted(k for k in kwargs if k not in (*defaults, "overlap", "device", "dtype", "reduce_input_grad"))
+    defaults = dict(gather_output=False, input_is_parallel=True, split_sizes=None)
+    own = ("overlap", "device", "dtype", "reduce_input_grad", "sequence_parallel")
+    unknown = sorted(k for k in kwargs if k not in (*defaults, *own))
     other = sorted(k for k, v in kwargs.items() if k in defaults and v != defaults[k])
     if unknown or other:
         raise ValueError(f"{caller} on a 2-D tensor-parallel mesh does not take {(unknown or other)[0]}=")
     units = dict(out_unit=unit) if out_axis == "tp_r" else dict(in_unit=unit)
-    options = {k: kwargs[k] for k in ("overlap", "device", "dtype", "reduce_input_grad") if k in kwargs}
+    options = {k: kwargs[k] for k in own if k in kwargs}
     return GridLinear(in_features, out_features, bias, mesh=mesh, out_axis=out_axis, **units, **options)
 
 
@@ -74,7 +82,8 @@ class GridLinear(nn.Module):
     """y = x W^T + b with W split over both axes of a 2-D mesh (module docstring)."""
 
     def __init__(self, in_features, out_features, bias=True, *, mesh, out_axis="tp_r", overlap="auto",
-                 out_unit=1, in_unit=1, reduce_input_grad=True, device=None, dtype=None):  # fmt: skip
+                 out_unit=1, in_unit=1, reduce_input_grad=True, sequence_parallel=False, device=None,
+                 dtype=None):  # fmt: skip
         super().__init__()
         if out_axis not in AXES:
             raise ValueError(f"GridLinear: out_axis must be one of {AXES}, got {out_axis!r}")
@@ -91,6 +100,13 @@ class GridLinear(nn.Module):
         # False: the input gradient is left this rank's part over the output axis, for layers that
         # share one input whose gradient the caller sums once (q / k / v: one reduction, not three)
         self.reduce_input_grad = reduce_input_grad
+        if sequence_parallel and out_axis == "tp_r" and not reduce_input_grad:
+            raise ValueError(
+                "GridLinear: reduce_input_grad=False applies to column-type layers only without sequence_parallel "
+                "(their caller gathers the sequence once)"
+            )
+        self.sequence_parallel = sequence_parallel
+        self.seq_group = groups["tp_r"]  # the axis the sequence is sharded over (sequence_parallel)
         self.overlap = check_overlap(overlap, "GridLinear")
         self.in_sizes = [in_unit * s for s in shard_sizes(in_features // in_unit, dist.get_world_size(self.in_group))]
         self.in_features_per_rank = self.in_sizes[dist.get_rank(self.in_group)]
@@ -116,15 +132,28 @@ class GridLinear(nn.Module):
         self.bias = nn.Parameter(own_slice(bias, 0, self.out_group, self.out_unit).to(device=device, copy=True))
         set_placement(self.bias, self.out_group, Shard(0))
 
+    @tokens_as_sequence
     def forward(self, x):
-        check_input(self, x, self.in_features_per_rank, False)
-        if self.reduce_input_grad:  # whole over the output axis: its gradient summed there
+        check_input(self, x, self.in_features_per_rank, self.sequence_parallel)
+        widest = max(self.in_sizes)
+        if self.sequence_parallel and self.out_axis == "tp_c":  # row-type: reduce-scattered over tp_r
+            r = dist.get_world_size(self.seq_group)
+            if x.shape[1] % r:  # every rank sees the same length: all raise, before any collective
+                raise ValueError(f"GridLinear: sequence length {x.shape[1]} is not divisible by tp_r ({r})")
+            if self.reduce_input_grad:
+                x = copy_to_tp_region(x, self.out_group)
+            return row_parallel_linear(x, self.weight, self.bias, self.in_group, sequence_parallel=True,
+                                       overlap=self.overlap, widest=widest)  # fmt: skip
+        if self.sequence_parallel:  # column-type: the sequence gathered over tp_r (backward reduce-scattered)
+            x = all_gather_sequence(x, self.out_group)
+        elif self.reduce_input_grad:  # whole over the output axis: its gradient summed there
             x = copy_to_tp_region(x, self.out_group)
-        y = row_parallel_linear(x, self.weight, None, self.in_group, overlap=self.overlap, widest=max(self.in_sizes))
+        y = row_parallel_linear(x, self.weight, None, self.in_group, overlap=self.overlap, widest=widest)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self):
         return (
             f"in_features={self.in_features} (split over {self.in_axis}), out_features={self.out_features} "
-            f"(split over {self.out_axis}), bias={self.bias is not None}, overlap={self.overlap}"
+            f"(split over {self.out_axis}), bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}, "
+            f"overlap={self.overlap}"
         )

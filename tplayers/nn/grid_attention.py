@@ -11,6 +11,10 @@ tp_c, whole over tp_r.
                compute, no bytes)
     o_proj     row-type GridLinear: the heads over tp_r, the hidden features over tp_c
 
+sequence_parallel=True: the input and output are (B, S/r, H/c), the sequence split over tp_r;
+q / k / v's one input is all-gathered along the sequence over tp_r once (backward:
+reduce-scattered), o_proj reduce-scatters its output there (`tplayers.nn.grid`).
+
 Heads (and key / value heads) split over tp_r as torch.chunk splits them, in whole heads; a rank
 holding none, or key / value groups that a split would cut, are refused by name.
 """
@@ -18,7 +22,7 @@ holding none, or key / value groups that a split would cut, are refused by name.
 import torch.distributed as dist
 from torch import nn
 
-from tplayers.functional.collectives import copy_to_tp_region
+from tplayers.functional.collectives import all_gather_sequence, copy_to_tp_region
 from tplayers.nn.attention import add_rope, attend, head_dims
 from tplayers.nn.grid import GridLinear, grid_groups
 from tplayers.placement import shard_sizes
@@ -44,7 +48,7 @@ def grid_head_split(num_heads, num_kv_heads, r, where) -> tuple[list, list]:
 class GridAttention(nn.Module):
     """Causal self-attention over a tp_r x tp_c grid: x (B, S, H / c) -> y (B, S, H / c), the
     hidden features split over tp_c (module docstring). Arguments as `ParallelAttention`'s, the
-    grid as `mesh`; no sequence parallelism (yet). From an HF LlamaAttention:
+    grid as `mesh`; with sequence_parallel=True x and y are (B, S / r, H / c). From an HF LlamaAttention:
     `ParallelAttention.from_hf_llama(attn, group=mesh)`."""
 
     def __init__(
@@ -52,31 +56,37 @@ class GridAttention(nn.Module):
         mesh, sequence_parallel=False, overlap="auto", rope_theta=10000.0, device=None, dtype=None,
     ):  # fmt: skip
         super().__init__()
-        if sequence_parallel:
-            raise ValueError("ParallelAttention on a 2-D tensor-parallel mesh does not take sequence_parallel=True yet")
         self.mesh, groups = mesh, grid_groups(mesh)
         self.row_group = groups["tp_r"]
         r, i = dist.get_world_size(self.row_group), dist.get_rank(self.row_group)
         num_kv_heads, head_dim = head_dims(self, hidden_size, num_heads, num_kv_heads, head_dim, rope_theta)
         heads, kv_heads = grid_head_split(num_heads, num_kv_heads, r, "ParallelAttention")
         self.local_heads, self.local_kv_heads, self.causal = heads[i], kv_heads[i], causal
+        self.sequence_parallel = sequence_parallel
         qkv_bias = bias if qkv_bias is None else qkv_bias
         kw = dict(mesh=mesh, overlap=overlap, device=device, dtype=dtype)
         column = dict(out_axis="tp_r", out_unit=head_dim, reduce_input_grad=False, **kw)
         self.q_proj = GridLinear(hidden_size, num_heads * head_dim, qkv_bias, **column)
         self.k_proj = GridLinear(hidden_size, num_kv_heads * head_dim, qkv_bias, **column)
         self.v_proj = GridLinear(hidden_size, num_kv_heads * head_dim, qkv_bias, **column)
-        self.o_proj = GridLinear(num_heads * head_dim, hidden_size, bias, out_axis="tp_c", in_unit=head_dim, **kw)
+        self.o_proj = GridLinear(num_heads * head_dim, hidden_size, bias, out_axis="tp_c", in_unit=head_dim,
+                                 sequence_parallel=sequence_parallel, **kw)  # fmt: skip
         add_rope(self, rope_theta, device)
 
     def forward(self, x, attention_mask=None, position_ids=None, position_embeddings=None):
-        seq = x.shape[1] if x.dim() == 3 else None
-        if seq is None or (attention_mask is not None and tuple(attention_mask.shape) != (x.shape[0], seq)):
+        r = dist.get_world_size(self.row_group) if self.sequence_parallel else 1
+        seq = x.shape[1] * r if x.dim() == 3 else None
+        mask = None if attention_mask is None else tuple(attention_mask.shape)
+        if seq is None or (mask is not None and mask != (x.shape[0], seq)):
+            shard = "seq / tp_r" if self.sequence_parallel else "seq"
             raise ValueError(
-                "ParallelAttention on a grid: input (batch, seq, hidden / tp_c) and an attention_mask of (batch, seq), "
-                f"got {tuple(x.shape)} and {None if attention_mask is None else tuple(attention_mask.shape)}"
+                f"ParallelAttention on a grid: input (batch, {shard}, hidden / tp_c) and an attention_mask of "
+                f"(batch, seq), got {tuple(x.shape)} and {mask}"
             )
-        x = copy_to_tp_region(x, self.row_group)  # q / k / v's input gradients summed over tp_r, once
+        if self.sequence_parallel:  # the whole sequence for q / k / v; backward reduce-scattered over tp_r, once
+            x = all_gather_sequence(x, self.row_group)
+        else:  # q / k / v's input gradients summed over tp_r, once
+            x = copy_to_tp_region(x, self.row_group)
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         return self.o_proj(attend(q, k, v, self, seq, attention_mask, position_ids, position_embeddings))
 
@@ -84,5 +94,5 @@ class GridAttention(nn.Module):
         return (
             f"hidden_size={self.hidden_size} (split over tp_c), num_heads={self.num_heads} ({self.local_heads} on this "
             f"tp_r row), num_kv_heads={self.num_kv_heads} ({self.local_kv_heads}), head_dim={self.head_dim}, "
-            f"causal={self.causal}, rope_theta={self.rope_theta}"
+            f"causal={self.causal}, rope_theta={self.rope_theta}, sequence_parallel={self.sequence_parallel}"
         )

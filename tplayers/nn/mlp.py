@@ -78,8 +78,6 @@ class ParallelMLP(nn.Module):
             raise ValueError(f"ParallelMLP: activation must be one of {ACTIVATIONS}, got {activation!r}")
         # a 2-D mesh: in_proj / out_proj are a column-type / row-type GridLinear pair (tplayers.nn.grid)
         self.grid = is_grid(group)
-        if self.grid and sequence_parallel:
-            raise ValueError("ParallelMLP: sequence_parallel is not supported on a 2-D tensor-parallel mesh")
         self.group = group if self.grid else resolve_group(group)
         self.tp_size = group.size() if self.grid else torch.distributed.get_world_size(self.group)
         self.hidden_size, self.ffn_hidden_size, self.activation = hidden_size, ffn_hidden_size, activation

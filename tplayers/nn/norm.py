@@ -29,12 +29,22 @@ class ParallelRMSNorm(PlacedModule):
     torch.chunk splits hidden_size, or `split_sizes` whole units of `split_unit` features per rank
     (OLMo2's norms follow their projection's heads: units of head_dim). On a 2-D tensor-parallel
     mesh (`group=init_mesh(tp=(r, c))["tp_r", "tp_c"]`) the features split over tp_c and stay
-    whole over tp_r: the grid's residual stream (`tplayers.nn.grid`)."""
+    whole over tp_r: the grid's residual stream (`tplayers.nn.grid`). With sequence_parallel=True
+    (a grid only) each row of the grid normalises its part of the sequence: the weight's
+    gradient is summed over tp_r as it is computed, so every rank holds the whole of it."""
 
     _placements = {"weight": Shard(0)}
 
-    def __init__(self, hidden_size, eps=1e-6, *, group=None, split_unit=1, split_sizes=None, device=None, dtype=None):
+    def __init__(self, hidden_size, eps=1e-6, *, group=None, split_unit=1, split_sizes=None, sequence_parallel=False,
+                 device=None, dtype=None):  # fmt: skip
         super().__init__()
+        if sequence_parallel and not is_grid(group):
+            raise ValueError(
+                "ParallelRMSNorm: sequence_parallel=True takes a 2-D tensor-parallel mesh (on a 1-D group the "
+                "features are split and the sequence whole)"
+            )
+        # under sequence parallelism: the tp_r group the weight's gradient is summed over
+        self.sequence_group = grid_groups(group)["tp_r"] if sequence_parallel else None
         self.group = grid_groups(group)["tp_c"] if is_grid(group) else resolve_group(group)
         self.tp_size = dist.get_world_size(self.group)
         self.hidden_size, self.eps = hidden_size, eps
@@ -49,7 +59,7 @@ class ParallelRMSNorm(PlacedModule):
     @classmethod
     def from_weight(cls, weight, eps, *, group=None, **split):
         """The layer holding this rank's slice of the unsharded norm `weight` (left unchanged);
-        `split`: split_unit / split_sizes as the constructor takes them."""
+        `split`: split_unit / split_sizes / sequence_parallel as the constructor takes them."""
         layer = cls(weight.shape[0], eps, group=group, device="meta", dtype=weight.dtype, **split)
         local = own_slice(weight.detach(), 0, layer.group, layer.split_unit, layer.split_sizes)
         layer.weight = nn.Parameter(local.to(weight.device, copy=True))
@@ -65,10 +75,14 @@ class ParallelRMSNorm(PlacedModule):
         h = x.float()
         squares = sum_over_tp_region(h.pow(2).sum(-1, keepdim=True), self.group)
         h = h * torch.rsqrt(squares / self.hidden_size + self.eps)
-        return (self.weight * h).to(x.dtype)
+        weight = self.weight
+        if self.sequence_group is not None:  # this rank's tokens only: the gradient summed over tp_r
+            weight = copy_to_tp_region(weight, self.sequence_group)
+        return (weight * h).to(x.dtype)
 
     def extra_repr(self):
-        return f"{self.hidden_size} ({self.weight.shape[0]} per rank of {self.tp_size}), eps={self.eps}"
+        sp = ", sequence_parallel=True" if self.sequence_group is not None else ""
+        return f"{self.hidden_size} ({self.weight.shape[0]} per rank of {self.tp_size}), eps={self.eps}{sp}"
 
 
 class ComputedRowsRMSNorm(PlacedModule):
