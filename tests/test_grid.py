@@ -338,7 +338,7 @@ def test_stages_over_the_grids_own_ranks_are_refused(pool):
         assert isinstance(reply, RemoteError) and "the pipeline group" in str(reply), reply
 
 
-def grid_model_bytes(rank, world, group, grid):
+def grid_model_bytes(rank, world, group, grid, sp=False):
     import sys
     from pathlib import Path
 
@@ -347,7 +347,8 @@ def grid_model_bytes(rank, world, group, grid):
 
     config = dict(num_key_value_heads=4) if grid[0] == 4 else {}
     mesh = tplayers.init_mesh(tp=grid)["tp_r", "tp_c"]
-    model = tplayers.parallelize(tiny_model("llama", **config), group=mesh, vocab_parallel_logits=True)
+    model = tplayers.parallelize(tiny_model("llama", **config), group=mesh, vocab_parallel_logits=True,
+                                 sequence_parallel=sp)  # fmt: skip
     ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
     with tplayers.count_bytes() as sent:
         logits = model(ids[:, :-1]).logits
@@ -356,22 +357,24 @@ def grid_model_bytes(rank, world, group, grid):
     return sent.total(), by_axis["tp"]
 
 
+@pytest.mark.parametrize("sp", [False, True], ids=["plain", "sp"])
 @pytest.mark.parametrize("grid", GRIDS, ids=lambda g: f"{g[0]}x{g[1]}")
-def test_the_planner_prices_a_grid_model_exactly(pool, grid):
+def test_the_planner_prices_a_grid_model_exactly(pool, grid, sp):
     """One forward + backward of the tiny Llama (2 layers, 2 x 8 tokens, vocabulary-parallel
     logits and loss) on the grid sends what `plan.estimate` says for Layout(tp=grid): the
     blocks' bytes per axis (`grid_tp_bytes_per_layer`), the entry / exit gathers and the
-    vocabulary-parallel edges over the whole grid."""
+    vocabulary-parallel edges over the whole grid; with the sequence split over tp_r too."""
     from tplayers import plan
 
     r, c = grid
     spec = plan.ModelSpec(layers=2, hidden=32, heads=4, kv_heads=4 if r == 4 else 2, head_dim=8, ffn_hidden=64,
                           vocab=96, seq_len=8, max_positions=64)  # fmt: skip
-    est = plan.estimate(spec, plan.ClusterSpec.preset("h100", num_gpus=4), plan.Layout(tp=grid, micro_batch=2),
+    layout = plan.Layout(tp=grid, micro_batch=2, sequence_parallel=sp)
+    est = plan.estimate(spec, plan.ClusterSpec.preset("h100", num_gpus=4), layout,
                         "fp32-adam", assumptions=plan.Assumptions(implementation="tplayers"))  # fmt: skip
     planned = est.comm_bytes_by_group["tp"]
     assert planned == sum(est.comm_bytes_by_axis.values())
-    for total, tp in pool.run(grid_model_bytes, 4, grid):
+    for total, tp in pool.run(grid_model_bytes, 4, grid, sp):
         assert total == tp == planned, (total, planned, est.comm_bytes_by_axis)
 
 

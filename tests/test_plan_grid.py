@@ -2,6 +2,8 @@
 rules, per-rank shares by hand, links per axis, and search choosing a grid where it is faster.
 What a real grid step sends and holds is checked in tests/test_grid.py and test_plan_validate.py."""
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -29,9 +31,12 @@ def test_a_grid_layout_is_its_two_sizes():
 
 def test_what_a_grid_does_not_run_is_refused_by_name():
     cluster = ClusterSpec.preset("h100", num_gpus=16)
-    reasons = " ".join(validate_layout(LLAMA, cluster, Layout(tp=(2, 4), sequence_parallel=True)))
-    assert "sequence parallelism on a 2-D grid" in reasons
     assert not validate_layout(LLAMA, cluster, Layout(tp=(2, 4), pp=2))  # pipelines of a grid model run
+    assert not validate_layout(LLAMA, cluster, Layout(tp=(2, 4), dp=2, sequence_parallel=True))  # and sequence sharding
+    odd = dataclasses.replace(LLAMA, seq_len=1022)  # the sequence splits over tp_r
+    assert "seq_len (1022) not divisible by tp_r (4)" in " ".join(
+        validate_layout(odd, cluster, Layout(tp=(4, 2), dp=2, sequence_parallel=True))
+    )
     assert "tp_c=16 does not divide 8" in " ".join(validate_layout(LLAMA, cluster, Layout(tp=(1, 16))))
     wide = ModelSpec.preset("llama3-8b")  # 8 kv heads
     assert "kv_heads (8) over tp_r = 16 leave a rank none" in " ".join(
@@ -39,8 +44,8 @@ def test_what_a_grid_does_not_run_is_refused_by_name():
     )
     gpt = ModelSpec.preset("gpt3-175b")
     assert "Llama-style" in " ".join(validate_layout(gpt, ClusterSpec.preset("h100", num_gpus=4), Layout(tp=(2, 2))))
-    with pytest.raises(ValueError, match="invalid layout tp=2x4"):
-        estimate(LLAMA, cluster, Layout(tp=(2, 4), sequence_parallel=True))
+    with pytest.raises(ValueError, match="invalid layout tp=1x16"):
+        estimate(LLAMA, cluster, Layout(tp=(1, 16)))
 
 
 def test_a_rank_of_the_grid_holds_its_block_of_every_weight():
@@ -96,6 +101,11 @@ def test_the_layer_bytes_per_axis_by_hand():
     assert got == {"tp_r": 2 * 1 / 2 * over_r, "tp_c": 2 * 3 / 4 * over_c}
     full = grid_tp_bytes_per_layer(LLAMA, 2, 2, 4, d, recompute="full")  # the forward's again
     assert full["tp_r"] == pytest.approx(2 * 1 / 2 * (over_r + 2 * t * h * d))
+    # sequence sharding over tp_r: reduce-scatter + all-gather in place of each all-reduce (the same
+    # bytes), the norm sums over half the tokens, and the two norms' fp32 weight gradients over tp_r
+    sp = grid_tp_bytes_per_layer(LLAMA, 2, 2, 4, d, sequence_parallel=True, grad_bytes=4)
+    assert sp["tp_r"] == pytest.approx(2 * 1 / 2 * (over_r + 2 * h * 4))
+    assert sp["tp_c"] == pytest.approx(2 * 3 / 4 * (over_c - 4 * t / 2 * 4))
 
 
 def test_search_chooses_a_grid_where_it_is_faster():

@@ -99,6 +99,7 @@ def test_pipeline_validation_passes_on_4_ranks(measured_pipelines):
     assert by_name["pp2 1f1b tp1 m4 fp32"].check("in flight").per_rank == (2, 1)
     assert by_name["pp4 gpipe tp1 m2 fp32"].check("in flight").per_rank == (2, 2, 2, 2)
     assert by_name["pp2 1f1b tp2 sp m2 fp32"].check("in flight").per_rank == (2, 2, 1, 1)  # tp fastest
+    assert by_name["pp2 1f1b tp2x1 sp m2 fp32"].check("in flight").per_rank == (2, 2, 1, 1)  # a grid's stages
 
 
 @pytest.mark.multirank
@@ -190,15 +191,20 @@ def test_perturbed_measurement_fails(measured):
 
 @pytest.mark.multirank
 def test_grids_are_priced_exactly_and_not_as_a_line(measured):
-    """2 x 2, 1 x 2 with two micro-batches, and 1 x 2 x DP 2 ZeRO-3: every byte sent per axis and
-    held per rank as the plan says; priced as the 1-D layout of the same size, they fail."""
+    """2 x 2 with and without the sequence split over tp_r, 1 x 2 with two micro-batches, and
+    1 x 2 x DP 2 ZeRO-3: every byte sent per axis and held per rank as the plan says; priced as
+    the 1-D layout of the same size they fail, and the sequence-sharded grid priced without it."""
     grids = [m for m in measured if m.case.layout.tp_grid]
-    assert {m.case.name for m in grids} == {"tp2x2 bf16", "tp1x2 m2 fp32", "tp1x2 dp2 zero3 fp32"}
+    names = {"tp2x2 bf16", "tp2x2 sp bf16", "tp1x2 m2 fp32", "tp1x2 dp2 zero3 fp32"}
+    assert {m.case.name for m in grids} == names
     for m in grids:
         row = compare(m)
         assert row.ok, format_validation([row])
         line = ValidationCase(replace(m.case.layout, tp_grid=None), m.case.dtype)
         assert {"comm tp", "params"} <= set(compare(replace(m, case=line)).failures), m.case.name
+        if m.case.layout.sequence_parallel:
+            whole = ValidationCase(replace(m.case.layout, sequence_parallel=False), m.case.dtype)
+            assert "comm tp" in compare(replace(m, case=whole)).failures
 
 
 @pytest.mark.tplayers
@@ -208,7 +214,8 @@ def test_a_2x2_grid_with_zero3_over_2_replicas_is_priced_exactly(tplayers_pool):
 
     rows = validate(GRID_CASES_8, nprocs_max=8, pool=tplayers_pool)
     assert_agrees(rows)
-    assert rows[0].check("comm dp").measured > 0
+    assert [row.case.layout.sequence_parallel for row in rows] == [False, True]
+    assert all(row.check("comm dp").measured > 0 for row in rows)
 
 
 # ---------------------------------------------------------------------------- the comparison, alone

@@ -68,8 +68,8 @@ Parallel layout conventions
   cross nodes once r x c exceeds one, each axis' bytes timed on its own link
   (`Estimate.comm_bytes_by_axis`: "tp_r", "tp_c" and "tp_all", the vocabulary-parallel edges
   over all r x c). Priced as tplayers runs it whatever `Assumptions.implementation` says
-  (Megatron has no grid): no pipeline stages or sequence parallelism on a grid yet
-  (`validate_layout` says so), the attention core repeated on the c ranks of a row.
+  (Megatron has no grid), the attention core repeated on the c ranks of a row; sequence
+  parallelism on a grid splits the sequence over tp_r (the residual stream T / r x H / c).
 * Key / value heads: TP needs `kv_heads % tp == 0` (heads split) or `tp % kv_heads == 0`
   (each kv head replicated on tp / kv_heads ranks, k / v weights held whole on every rank,
   their gradients all-reduced over TP), exactly what `tplayers.ParallelAttention` accepts.

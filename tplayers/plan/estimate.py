@@ -219,9 +219,10 @@ def _stage_activations(ctx: _Context, stage: int) -> float | None:
         tp_rank=ctx.tp_rank,
     )
     mb, tp, sp, pp, m = layout.micro_batch, layout.tp, layout.sequence_parallel, layout.pp, layout.num_microbatches
-    if layout.tp_grid:  # a grid's edges: tplayers' at tp = r x c, without sequence parallelism
-        kw = dict(grid=layout.tp_grid, activation_bytes=precision.activation_bytes, tp_rank=ctx.tp_rank)
-        layer_bytes = grid_layer_activation_bytes
+    if layout.tp_grid:  # a grid's edges: tplayers' at tp = r x c, whole sequence (gathered at the exit)
+        kw = dict(grid=layout.tp_grid, activation_bytes=precision.activation_bytes, tp_rank=ctx.tp_rank,
+                  sequence_parallel=sp)  # fmt: skip
+        layer_bytes, sp = grid_layer_activation_bytes, False
     else:
         layer_bytes = layer_activation_bytes
     per_layer = layer_bytes(model, mb, recompute=layout.recompute, **kw)
@@ -374,7 +375,9 @@ def _grid_tp_bytes_per_microbatch(ctx: _Context, stage: int) -> dict[str, float]
     """A grid's TP bytes per micro-batch by the group they cross: "tp_r", "tp_c" (the blocks,
     `grid_tp_bytes_per_microbatch`) and "tp_all", the vocabulary-parallel edges over every rank
     of the grid (tplayers' edges at tp = r x c)."""
-    axes = grid_tp_bytes_per_microbatch(ctx.model, ctx.layout, ctx.precision.activation_bytes, stage)
+    axes = grid_tp_bytes_per_microbatch(
+        ctx.model, ctx.layout, ctx.precision.activation_bytes, stage, grad_bytes=ctx.precision.param_bytes
+    )
     return {**axes, "tp_all": _edge_bytes(ctx, stage, ctx.layout.tp, True, False)}
 
 
@@ -391,8 +394,9 @@ def _stage_pp_bytes_per_microbatch(ctx: _Context, stage: int) -> float:
         return 0.0
     split = layout.tp if ctx.assumptions.implementation != "tplayers" or layout.sequence_parallel else 1
     hidden = model.hidden / split
-    if layout.tp_grid:
-        hidden = ceil_share(model.hidden, layout.tp_grid[1])
+    if layout.tp_grid:  # (T, H / c), or (T / r, H / c) with sequence parallelism
+        r, c = layout.tp_grid
+        hidden = ceil_share(model.hidden, c) / (r if layout.sequence_parallel else 1)
     size = model.seq_len * layout.micro_batch * hidden * ctx.precision.activation_bytes
     forward_sends = v - (1 if stage == pp - 1 else 0)
     backward_sends = v - (1 if stage == 0 else 0)

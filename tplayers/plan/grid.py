@@ -10,6 +10,10 @@ and sends per transformer layer, as `tplayers.parallelize(model, group=init_mesh
     the edges    the word embedding and LM head vocabulary-parallel over all r x c ranks (the
                  grid flattened, as over a 1-D group), the final norm whole on every rank; the
                  residual stream split over tp_c between the blocks' entry and exit
+    sequence     with sequence parallelism the residual stream's sequence split over tp_r too:
+                 (T/r, H/c) per rank; the column-type layers gather it, the row-type ones
+                 reduce-scatter (the same bytes as the all-reduces they replace), the norms'
+                 weight gradients are summed over tp_r, and the entry / exit move both axes
 
 The attention core of a rank's heads runs on each of the c ranks of its row (c x the 1-D
 compute per head, no bytes). Rank (0, 0) holds the largest share of every split (torch.chunk),
@@ -93,18 +97,22 @@ def grid_imbalance(model: ModelSpec, grid) -> float:
 
 
 def grid_layer_activation_bytes(
-    model: ModelSpec, micro_batch: int, grid, *, recompute: str, activation_bytes: float, tp_rank: int = 0
-) -> float:
+    model: ModelSpec, micro_batch: int, grid, *, recompute: str, activation_bytes: float, tp_rank: int = 0,
+    sequence_parallel: bool = False,
+) -> float:  # fmt: skip
     """`layer_activation_bytes` on a grid: what sits in the residual stream (two norm inputs, the
     q / k / v and MLP inputs, dropout masks) holds h / c features per token; Q, K, V, the
     attention output and the MLP's three intermediates their tp_r shares; the attention core its
-    heads (whole sequence) on every rank of the row."""
+    heads (whole sequence) on every rank of the row. With sequence parallelism the norm inputs,
+    the masks and the layer input (full recompute) hold T / r tokens; the q / k / v and MLP
+    inputs are kept gathered (whole sequence) for the weight gradients."""
     q, kv, f, h = _widths(model, grid, tp_rank)
     tokens, d = model.seq_len * micro_batch, activation_bytes
+    split = grid[0] if sequence_parallel else 1
     if recompute == "full":
-        return d * tokens * h
+        return d * tokens * h / split
     mask = MASK_BYTES if model.dropout else 0
-    stored = (4 * d + 2 * mask) * tokens * h + d * tokens * (2 * q + 2 * kv + 3 * f)
+    stored = ((2 * d + 2 * mask) / split + 2 * d) * tokens * h + d * tokens * (2 * q + 2 * kv + 3 * f)
     if recompute == "selective":
         return stored
     core_bytes = d + (mask + d if model.dropout else 0)
@@ -120,7 +128,7 @@ def grid_flops_per_token(model: ModelSpec, grid, vocab: int) -> tuple[float, flo
 
 def grid_tp_bytes_per_layer(
     model: ModelSpec, micro_batch: int, r: int, c: int, activation_bytes: float, norm_bytes: float = 4,
-    recompute: str = "none",
+    recompute: str = "none", sequence_parallel: bool = False, grad_bytes: float = 4,
 ) -> dict[str, float]:  # fmt: skip
     """{"tp_r": ..., "tp_c": ...}: bytes each rank sends over each grid axis per transformer layer
     per micro-batch (forward + backward), as `parallelize` on a 2-D mesh runs a Llama-style layer
@@ -128,40 +136,56 @@ def grid_tp_bytes_per_layer(
 
         tp_c  forward: q, k, v and the MLP's gate|up partial outputs (T x width / r each) all-reduced;
               backward: o_proj's and down_proj's input gradients (T x q / r, T x F / r); each of the
-              two RMSNorms' sums of squares forward and backward (T fp32 values)
+              two RMSNorms' sums of squares forward and backward (T fp32 values; T / r with
+              sequence parallelism)
         tp_r  forward: o_proj's and down_proj's partial outputs (T x H / c);
               backward: the attention's input gradient (q, k, v's summed once) and gate|up's
-              (T x H / c each)
+              (T x H / c each). With sequence parallelism each all-reduce is a reduce-scatter and
+              an all-gather of the same size (the same bytes), and the two norms' weight
+              gradients (H / c each, in `grad_bytes`) are all-reduced over tp_r
 
     Full recomputation repeats the forward's collectives in backward."""
     t, d = model.seq_len * micro_batch, activation_bytes
     q, kv, f, h = _widths(model, (r, c), 0)
-    forward_c = t * (q + 2 * kv + 2 * f) * d + 2 * t * norm_bytes
-    backward_c = t * (q + f) * d + 2 * t * norm_bytes
+    norm_tokens = t / r if sequence_parallel else t
+    forward_c = t * (q + 2 * kv + 2 * f) * d + 2 * norm_tokens * norm_bytes
+    backward_c = t * (q + f) * d + 2 * norm_tokens * norm_bytes
     forward_r = backward_r = 2 * t * h * d
     again = 2 if recompute == "full" else 1
+    norm_grads = all_reduce_bytes(2 * h * grad_bytes, r) if sequence_parallel else 0.0
     return {
-        "tp_r": all_reduce_bytes(again * forward_r + backward_r, r),
+        "tp_r": all_reduce_bytes(again * forward_r + backward_r, r) + norm_grads,
         "tp_c": all_reduce_bytes(again * forward_c + backward_c, c),
     }
 
 
 def grid_tp_bytes_at_the_edges(
-    model: ModelSpec, micro_batch: int, c: int, activation_bytes: float, *, entry: bool = True, exit: bool = True
-) -> float:  # fmt: skip
-    """The blocks' entry (backward, first stage) and exit (forward, last stage) on a grid: T x H
-    all-gathered over tp_c each."""
-    return (entry + exit) * all_gather_bytes(model.seq_len * micro_batch * model.hidden * activation_bytes, c)
+    model: ModelSpec, micro_batch: int, r: int, c: int, activation_bytes: float, *, entry: bool = True,
+    exit: bool = True, sequence_parallel: bool = False,
+) -> dict[str, float]:  # fmt: skip
+    """{"tp_r", "tp_c"}: the blocks' entry (backward, first stage) and exit (forward, last stage)
+    on a grid: T x H all-gathered over tp_c each; with sequence parallelism T / r x H over tp_c,
+    then T x H over tp_r."""
+    tokens, times = model.seq_len * micro_batch, entry + exit
+    size = tokens * model.hidden * activation_bytes
+    if not sequence_parallel:
+        return {"tp_r": 0.0, "tp_c": times * all_gather_bytes(size, c)}
+    return {"tp_r": times * all_gather_bytes(size, r), "tp_c": times * all_gather_bytes(size / r, c)}
 
 
-def grid_tp_bytes_per_microbatch(model: ModelSpec, layout, activation_bytes: float, stage: int = 0) -> dict[str, float]:
-    """{"tp_r", "tp_c"}: one micro-batch's bytes per axis of pipeline `stage`'s layers and edges."""
+def grid_tp_bytes_per_microbatch(
+    model: ModelSpec, layout, activation_bytes: float, stage: int = 0, grad_bytes: float = 4
+) -> dict[str, float]:  # fmt: skip
+    """{"tp_r", "tp_c"}: one micro-batch's bytes per axis of pipeline `stage`'s layers and edges
+    (`grad_bytes`: the parameters' gradient bytes, for the norms' sums under sequence parallelism)."""
     r, c = layout.tp_grid
+    sp = layout.sequence_parallel
     layers = model.layers // layout.pp
-    layer = grid_tp_bytes_per_layer(model, layout.micro_batch, r, c, activation_bytes, recompute=layout.recompute)
-    edges = grid_tp_bytes_at_the_edges(model, layout.micro_batch, c, activation_bytes, entry=stage == 0,
-                                       exit=stage == layout.pp - 1)  # fmt: skip
-    return {"tp_r": layers * layer["tp_r"], "tp_c": layers * layer["tp_c"] + edges}
+    layer = grid_tp_bytes_per_layer(model, layout.micro_batch, r, c, activation_bytes, recompute=layout.recompute,
+                                    sequence_parallel=sp, grad_bytes=grad_bytes)  # fmt: skip
+    edges = grid_tp_bytes_at_the_edges(model, layout.micro_batch, r, c, activation_bytes, entry=stage == 0,
+                                       exit=stage == layout.pp - 1, sequence_parallel=sp)  # fmt: skip
+    return {axis: layers * layer[axis] + edges[axis] for axis in AXES}
 
 
 def grid_mlp_bytes(

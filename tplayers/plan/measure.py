@@ -124,11 +124,15 @@ STEP_CASES = (
     _case("fp32", tp=1, dp=3, zero_stage=3),
     # 2-D grids (tplayers.hf.grid): bytes per axis, the blocks' shares of both weight dims
     _case(tp=(2, 2)),
+    _case(tp=(2, 2), sequence_parallel=True),  # the sequence over tp_r: norm gradients summed there
     _case("fp32", tp=(1, 2), num_microbatches=2),
     _case("fp32", tp=(1, 2), dp=2, zero_stage=3),  # 3-D: ZeRO-3 over the replicas of a grid
 )
 # 8 ranks: `validate(GRID_CASES_8, nprocs_max=8)`
-GRID_CASES_8 = (_case("fp32", tp=(2, 2), dp=2, zero_stage=3),)
+GRID_CASES_8 = (
+    _case("fp32", tp=(2, 2), dp=2, zero_stage=3),
+    _case("fp32", tp=(2, 2), dp=2, zero_stage=3, sequence_parallel=True),
+)
 # pipelines: the bubble and the micro-batches in flight per stage (GPipe m, 1F1B min(pp - i, m))
 PIPELINE_CASES = (
     _pipeline_case(pp=2, num_microbatches=2, schedule="gpipe"),
@@ -138,6 +142,7 @@ PIPELINE_CASES = (
     _pipeline_case(pp=2, tp=2, sequence_parallel=True, num_microbatches=2, schedule="1f1b"),
     _pipeline_case(pp=4, num_microbatches=2, schedule="gpipe"),  # fewer micro-batches than stages
     _pipeline_case(pp=2, tp=(1, 2), num_microbatches=2, schedule="1f1b"),  # stages of a 2-D grid model
+    _pipeline_case(pp=2, tp=(2, 1), sequence_parallel=True, num_microbatches=2, schedule="1f1b"),
 )
 DEFAULT_CASES = STEP_CASES + PIPELINE_CASES
 

@@ -57,14 +57,11 @@ def validate_layout(
 
 
 def _grid_reasons(cluster: ClusterSpec, layout: Layout) -> list[str]:
-    """A grid: its tp_c rows (consecutive ranks) within a node, its tp_r columns may span nodes;
-    what `tplayers.parallelize` on a grid does not run yet (sequence parallelism) refused by name."""
+    """A grid: its tp_c rows (consecutive ranks) within a node, its tp_r columns may span nodes."""
     r, c = layout.tp_grid
     reasons = []
     if c > cluster.gpus_per_node or (cluster.num_gpus > cluster.gpus_per_node and cluster.gpus_per_node % c):
         reasons.append(f"tp_c={c} does not divide {cluster.gpus_per_node} GPUs per node: a grid row must stay in one")
-    if layout.sequence_parallel:
-        reasons.append("sequence parallelism on a 2-D grid is not built yet (parallelize refuses it)")
     return reasons
 
 
@@ -79,6 +76,7 @@ def _model_reasons(model: ModelSpec, layout: Layout) -> list[str]:
         reasons.append(f"layers ({model.layers}) not divisible by pp ({pp})")
     elif layout.schedule == "interleaved" and model.layers % (pp * v):
         reasons.append(f"layers ({model.layers}) not divisible by pp*virtual_stages ({pp}*{v} = {pp * v})")
-    if layout.sequence_parallel and model.seq_len % tp:
-        reasons.append(f"sequence parallelism: seq_len ({model.seq_len}) not divisible by tp ({tp})")
+    split, over = (layout.tp_grid[0], "tp_r") if layout.tp_grid else (tp, "tp")
+    if layout.sequence_parallel and model.seq_len % split:
+        reasons.append(f"sequence parallelism: seq_len ({model.seq_len}) not divisible by {over} ({split})")
     return reasons

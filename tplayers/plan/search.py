@@ -59,7 +59,7 @@ def _grids(cluster: ClusterSpec, grids):
 
 def _variants(tp, pp, dp, mb, m, options):
     zero_stages = options["zero_stages"] if dp > 1 else (0,)
-    sps = options["sequence_parallel"] if tp != 1 and not isinstance(tp, tuple) else (False,)
+    sps = options["sequence_parallel"] if tp != 1 and (not isinstance(tp, tuple) or tp[0] > 1) else (False,)
     schedules = [
         (s, v) for s in options["schedules"] for v in (options["virtual_stages"] if s == "interleaved" else (1,))
     ]
