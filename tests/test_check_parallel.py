@@ -252,17 +252,21 @@ def test_hf_llama_through_the_harness(layout):
 
 
 @settings(max_examples=examples(3), deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(layout=tst.layouts(max_world=4, tp=(), grids=((1, 2), (2, 1), (2, 2)), dp=(1, 2), zero_stages=(0, 3)))
+@given(layout=tst.layouts(max_world=4, tp=(), grids=((1, 2), (2, 1), (2, 2)), dp=(1, 2), zero_stages=(0, 3),
+                          sequence_parallel=(False, True), seq_len=IDS.shape[1]))  # fmt: skip
 def test_hf_llama_on_drawn_grids_through_the_harness(layout):
-    """2-D tensor parallelism (tp_r x tp_c), alone and under ZeRO over replicas."""
+    """2-D tensor parallelism (tp_r x tp_c), alone and under ZeRO over replicas, with and without
+    the sequence split over tp_r."""
     assert layout.tp_grid is not None and layout.pp == 1
     check_parallel(tiny_llama, hf_parallelize, IDS, layouts=[layout], steps=2, optimizer=torch.optim.AdamW,
                    optimizer_kwargs={"lr": 1e-2})  # fmt: skip
 
 
-@pytest.mark.parametrize("layout", [Layout(tp=(1, 2), pp=2), Layout(tp=(2, 1), pp=2)], ids=["1x2-pp2", "2x1-pp2"])
+@pytest.mark.parametrize("layout", [Layout(tp=(1, 2), pp=2), Layout(tp=(2, 1), pp=2, sequence_parallel=True)],
+                         ids=["1x2-pp2", "2x1-pp2-sp"])  # fmt: skip
 def test_hf_llama_pipeline_stages_of_a_grid_through_the_harness(layout):
-    """pipeline_split of a grid model: the stages send the tp_c share of the residual stream."""
+    """pipeline_split of a grid model: the stages send the tp_c share of the residual stream (and
+    the tp_r share of the sequence under sequence parallelism)."""
     check_parallel(tiny_llama, hf_parallelize, IDS, layouts=[layout], steps=2, optimizer=torch.optim.AdamW,
                    optimizer_kwargs={"lr": 1e-2})  # fmt: skip
 

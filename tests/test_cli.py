@@ -26,9 +26,9 @@ DEMO_STEPS = 20  # enough to learn: the loss ends below 0.7 x its start in every
         ["--dp", "2", "--tp", "2", "--zero", "3", "--no-overlap"],
         ["--pp", "2", "--tp", "2", "--sequence-parallel"],
         ["--tp", "3", "--ffn", "100"],  # heads 4, kv heads 2, ffn 100, vocabulary 256: none divides by 3
-        ["--tp", "2x2"],  # a 2-D grid (tplayers.hf.grid)
+        ["--tp", "2x2", "--sequence-parallel"],  # a 2-D grid (tplayers.hf.grid), the sequence over tp_r
     ],
-    ids=["tp2", "tp4_sp_overlap_on", "dp2_tp2_zero3_overlap_off", "pp2_tp2_sp", "tp3_uneven", "grid_2x2"],
+    ids=["tp2", "tp4_sp_overlap_on", "dp2_tp2_zero3_overlap_off", "pp2_tp2_sp", "tp3_uneven", "grid_2x2_sp"],
 )
 def test_demo_trains_and_matches_unsharded(tmp_path, flags):
     result = run_cli("demo", "--steps", str(DEMO_STEPS), "--out", str(tmp_path), *flags, cwd=tmp_path)
@@ -93,7 +93,7 @@ def test_demo_on_triton_backend(tmp_path):
     ("flags", "said"),
     [
         (["--hidden", "66"], "hidden (66) is not divisible by heads (4)"),
-        (["--tp", "2x2", "--pp", "2"], "--tp RxC (a 2-D grid) does not take --pp or --sequence-parallel yet"),
+        (["--tp", "4x1", "--sequence-parallel", "--seq", "30"], "seq (30) is not divisible by tp_r (4)"),
         (["--tp", "2y2"], "--tp takes a size (8) or a grid RxC (4x4), got '2y2'"),
     ],
 )

@@ -32,22 +32,21 @@ def layouts(
     pp at most `layers`. ZeRO stages only with dp > 1; with pp > 1 only stages 2-3 (tplayers
     refuses ZeRO 0-1 on pipeline stages across replicas). `grids`: (tp_r, tp_c) 2-D
     tensor-parallel grids drawn as well (after the 1-D sizes, smallest first; `divides` is not
-    applied to them: a grid splits heads over tp_r and the hidden size over tp_c), each with
-    pp = 1 and no sequence parallelism (what tplayers runs on a grid)."""
+    applied to them: a grid splits heads over tp_r and the hidden size over tp_c; with sequence
+    parallelism `seq_len` must divide over tp_r, the axis a grid splits the sequence over)."""
     tp_sizes = sorted(t for t in tp if _fits(t, divides) and t <= max_world)
     tp_sizes += sorted((tuple(g) for g in grids if g[0] * g[1] <= max_world), key=lambda g: (g[0] * g[1], g))
     if not tp_sizes:
         raise ValueError(f"layouts: no TP size of {tuple(tp)} divides all of {tuple(divides)}")
     t = draw(st.sampled_from(tp_sizes))
-    if isinstance(t, tuple):
-        d = draw(st.sampled_from(sorted(x for x in dp if x * t[0] * t[1] <= max_world) or [1]))
-        zero = draw(st.sampled_from([z for z in sorted(zero_stages) if d > 1] or [0]))
-        return Layout(tp=t, dp=d, zero_stage=zero)
-    p = draw(st.sampled_from(sorted(x for x in pp if x * t <= max_world and (layers is None or x <= layers)) or [1]))
-    d = draw(st.sampled_from(sorted(x for x in dp if x * p * t <= max_world) or [1]))
+    size, split = (t[0] * t[1], t[0]) if isinstance(t, tuple) else (t, t)  # ranks; what the sequence splits over
+    p = draw(st.sampled_from(sorted(x for x in pp if x * size <= max_world and (layers is None or x <= layers)) or [1]))
+    d = draw(st.sampled_from(sorted(x for x in dp if x * p * size <= max_world) or [1]))
     stages = [z for z in sorted(zero_stages) if d > 1 and (p == 1 or z >= 2)] or [0]
     zero = draw(st.sampled_from(stages)) if d > 1 else 0
-    sp_allowed = [s for s in sorted(sequence_parallel) if not s or t > 1 and (seq_len is None or seq_len % t == 0)]
+    sp_allowed = [
+        s for s in sorted(sequence_parallel) if not s or split > 1 and (seq_len is None or seq_len % split == 0)
+    ]
     sp = draw(st.sampled_from(sp_allowed or [False]))
     return Layout(tp=t, pp=p, dp=d, zero_stage=zero, sequence_parallel=sp)
 

@@ -336,8 +336,6 @@ def run_demo(cfg: DemoConfig) -> dict:
     grid = isinstance(cfg.tp, tuple)
     if grid and (len(cfg.tp) != 2 or min(cfg.tp) <= 0):
         raise ValueError(f"--tp RxC: two positive sizes, got {cfg.tp}")
-    if grid and (cfg.pp > 1 or cfg.sequence_parallel):
-        raise ValueError("--tp RxC (a 2-D grid) does not take --pp or --sequence-parallel yet")
     tp = cfg.tp[0] * cfg.tp[1] if grid else cfg.tp
     if cfg.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)}, got {cfg.dtype!r}")
@@ -382,8 +380,9 @@ def run_demo(cfg: DemoConfig) -> dict:
         raise ValueError(f"--keep {cfg.keep}: at least the last checkpoint must be kept")
     if cfg.resume and last_checkpoint(cfg.resume) is None:
         raise ValueError(f"--resume {cfg.resume}: no checkpoint folder there ({STEP_PREFIX}<n>, written by --save)")
-    if cfg.sequence_parallel and cfg.seq % tp:
-        raise ValueError(f"seq ({cfg.seq}) is not divisible by the tensor-parallel size ({tp})")
+    if cfg.sequence_parallel and cfg.seq % (cfg.tp[0] if grid else tp):  # a grid splits the sequence over tp_r
+        over = f"tp_r ({cfg.tp[0]})" if grid else f"the tensor-parallel size ({tp})"
+        raise ValueError(f"seq ({cfg.seq}) is not divisible by {over}")
     return tplayers.launch(train_on_rank, cfg.dp * cfg.pp * tp, cfg)[0]
 
 
