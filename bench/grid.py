@@ -49,7 +49,9 @@ def parse_args(argv=None):
 
 
 def measure(rank, world, shape, reps):
-    """{provider: (bytes this rank sent per step, median seconds)} for 1-D TP 4 and the 2 x 2 grid."""
+    """{provider: (bytes this rank sent per step, median seconds)} for 1-D TP 4 and the 2 x 2 grid,
+    without and with the sequence split over tp_r (the same bytes: reduce-scatter + all-gather in
+    place of each all-reduce)."""
     tokens, hidden, ffn = shape["tokens"], shape["hidden"], shape["ffn"]
     torch.manual_seed(0)
     full = [torch.nn.Linear(hidden, ffn, bias=False), torch.nn.Linear(hidden, ffn, bias=False),
@@ -58,9 +60,11 @@ def measure(rank, world, shape, reps):
     line = tplayers.nn.ParallelMLP.from_modules(*full, group=tplayers.init_mesh(tp=RANKS)["tp"])
     mesh = tplayers.init_mesh(tp=(2, 2))["tp_r", "tp_c"]
     grid = tplayers.nn.ParallelMLP.from_modules(*full, group=mesh)
-    inputs = {"1d tp4": x.clone().requires_grad_(),
-              "grid 2x2": own_slice(x, -1, mesh.get_group("tp_c")).clone().requires_grad_()}  # fmt: skip
-    models = {"1d tp4": line, "grid 2x2": grid}
+    grid_sp = tplayers.nn.ParallelMLP.from_modules(*full, group=mesh, sequence_parallel=True)
+    col = own_slice(x, -1, mesh.get_group("tp_c"))
+    inputs = {"1d tp4": x.clone().requires_grad_(), "grid 2x2": col.clone().requires_grad_(),
+              "grid 2x2 sp": own_slice(col, 1, mesh.get_group("tp_r")).clone().requires_grad_()}  # fmt: skip
+    models = {"1d tp4": line, "grid 2x2": grid, "grid 2x2 sp": grid_sp}
 
     def step(name):
         return lambda: models[name](inputs[name]).sum().backward()
@@ -121,8 +125,9 @@ def search_rows(models, gpu_counts):
 def run(args):
     shape = QUICK if args.quick else SHAPE
     measured = tplayers.launch(measure, RANKS, shape, args.reps)[0]
-    planned = {"1d tp4": line_mlp_bytes(shape["tokens"], shape["hidden"], RANKS, 4),
-               "grid 2x2": sum(grid_mlp_bytes(shape["tokens"], shape["hidden"], shape["ffn"], 2, 2, 4).values())}  # fmt: skip
+    grid_bytes = sum(grid_mlp_bytes(shape["tokens"], shape["hidden"], shape["ffn"], 2, 2, 4).values())
+    planned = {"1d tp4": line_mlp_bytes(shape["tokens"], shape["hidden"], RANKS, 4), "grid 2x2": grid_bytes,
+               "grid 2x2 sp": grid_bytes}  # fmt: skip
     base_bytes, base_time = measured["1d tp4"]
     rows = []
     for name, (sent, seconds) in measured.items():
@@ -166,12 +171,12 @@ def plot(rows, path):
 
 
 def print_table(rows):
-    print(f"{'source':>9} {'provider':>9} {'gpus':>5} {'grid':>5} {'bytes':>13} {'ratio':>6} {'ms':>9} {'ratio':>6}")
+    print(f"{'source':>9} {'provider':>11} {'gpus':>5} {'grid':>5} {'bytes':>13} {'ratio':>6} {'ms':>9} {'ratio':>6}")
     searched = [r for r in rows if r["source"] == "planner search"]
     for r in rows:
         if r in searched:
             continue
-        print(f"{r['source']:>9} {r['provider']:>9} {r['gpus']:>5} {r['grid']:>5} {r['bytes']:>13.0f} "
+        print(f"{r['source']:>9} {r['provider']:>11} {r['gpus']:>5} {r['grid']:>5} {r['bytes']:>13.0f} "
               f"{r['bytes_ratio']:>6.3f} {r['time_ms']:>9.3f} {r['time_ratio']:>6.3f}")  # fmt: skip
     print(f"\n{'model':<18} {'gpus':>5} {'provider':>10} {'step s':>9} {'/1-D':>6}  layout")
     for r in searched:

@@ -16,7 +16,8 @@ columns and the shard is local and contiguous. Its placement is Shard(0) of a vi
 `fuse_gate_up` builds it from the unsharded pair, `unfuse_gate_up` maps it back, and
 `ParallelMLP.unfused_shards()` gives each rank's slices in the unsharded gate / up / down layout.
 With sequence_parallel=True, x and the output are (B, S/n, H), sharded along the sequence (or
-(T/n, H), sharded along the tokens).
+(T/n, H), sharded along the tokens). On a 2-D mesh (`tplayers.nn.grid`) they are (B, S, H/c),
+or (B, S/r, H/c) with sequence_parallel=True.
 """
 
 import torch
