@@ -3,6 +3,11 @@ import os
 # Triton reads this when it is imported: the Triton backend then runs in the interpreter on CPU.
 os.environ["TRITON_INTERPRET"] = "1"
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+# overlap="auto" keeps the paths it measures in the costs file: the suite's own file, not the
+# machine's ~/.cache (the ranks the pools start and the CLI tests' processes inherit it).
+os.environ["TPLAYERS_OVERLAP_COSTS"] = os.path.join(
+    __import__("tempfile").mkdtemp(prefix="tplayers-tests-"), "overlap_costs.json"
+)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

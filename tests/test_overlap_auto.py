@@ -134,7 +134,8 @@ def test_auto_same_choice_on_every_rank_and_equal_to_forced(pool, tp, sp, costs)
 
 
 def agreement_messages(rank, tp, group):
-    """The number of agreement all-gathers per call: one for a new shape, none after."""
+    """The number of agreement all-gathers per call: one for a new shape, none after (the model's
+    choice alone: measuring off)."""
     sent = []
     original = comm.all_gather_into
 
@@ -143,6 +144,7 @@ def agreement_messages(rank, tp, group):
         return original(out, t, group, **kw)
 
     auto_overlap.forget_choices()
+    auto_overlap.set_overlap_measuring(False)
     try:
         comm.all_gather_into = counting
         counts = []
@@ -153,6 +155,7 @@ def agreement_messages(rank, tp, group):
         return counts
     finally:
         comm.all_gather_into = original
+        auto_overlap.set_overlap_measuring(None)
         auto_overlap.forget_choices()
 
 
@@ -170,9 +173,13 @@ def disagreeing_flags(rank, tp, group):
         auto_overlap.forget_choices()
 
 
-def disagreeing_costs(rank, tp, group):
-    """Rank 0 read a costs file under which the ring wins, the others the defaults."""
-    _with_costs(RING_WINS if rank == 0 else PLAIN_WINS, _block, rank, tp, group, "auto", False)
+def disagreeing_costs(rank, tp, group, measuring=False):
+    """Rank 0 read a costs file under which the ring wins, the others one under which it loses."""
+    auto_overlap.set_overlap_measuring(measuring)
+    try:
+        return _with_costs(RING_WINS if rank == 0 else PLAIN_WINS, _block, rank, tp, group, "auto", False)[2]
+    finally:
+        auto_overlap.set_overlap_measuring(None)
 
 
 @pytest.mark.multirank
@@ -186,7 +193,8 @@ def disagreeing_costs(rank, tp, group):
 )
 def test_ranks_that_would_take_different_paths_fail_on_every_rank(pool, fn, said):
     """Negative control: the ring on one rank and the plain collective on another would hang;
-    the first call of the shape raises instead, on every rank, naming what each rank asked for."""
+    the first call of the shape raises instead, on every rank, naming what each rank asked for
+    (with measuring off: with it on, costs files that disagree are settled by measuring)."""
     replies = pool.run(fn, 3, return_exceptions=True)
     for reply in replies:
         assert reply.type_name == "OverlapDisagreement", reply

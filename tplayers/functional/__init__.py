@@ -13,7 +13,7 @@ May import: tplayers.kernels (lazily: `import tplayers` must not import triton) 
 foundations (backend, distributed, placement); never tplayers.nn or anything above it.
 """
 
-from tplayers.functional.auto_overlap import OverlapDisagreement, overlap_choices
+from tplayers.functional.auto_overlap import OverlapDisagreement, overlap_choices, set_overlap_measuring
 from tplayers.functional.collectives import (
     all_gather_sequence,
     copy_to_tp_region,
@@ -43,6 +43,7 @@ __all__ = [
     "reduce_scatter_sequence",
     "row_parallel_linear",
     "scatter_to_tp_region",
+    "set_overlap_measuring",
     "sum_over_tp_region",
     "vocab_parallel_cross_entropy",
 ]

@@ -15,8 +15,10 @@ the GEMM chunks and transfers are both long enough to hide each other, and loses
 Constants are per backend and device (`OverlapCosts`): defaults for gloo on CPU (measured on the
 2-core CI machine) and NCCL on H100 / A100 (published link and GEMM figures), replaced by the
 numbers `tplayers bench --calibrate` measures and writes to a JSON file (env
-`TPLAYERS_OVERLAP_COSTS`, default `~/.cache/tplayers/overlap_costs.json`). Everything here is a
-pure function of its arguments: no torch.distributed, so every rank with the same file predicts
+`TPLAYERS_OVERLAP_COSTS`, default `~/.cache/tplayers/overlap_costs.json`). The same file keeps
+the paths overlap="auto" timed on real calls, per backend / device / op / shape bucket
+(`read_measured`, `write_measured`; see auto_overlap.py). Everything here is a pure function of
+its arguments (or of the file): no torch.distributed, so every rank with the same file predicts
 the same.
 """
 
@@ -196,14 +198,57 @@ def read_costs(backend: str, device: str, path=None):
 
 def write_costs(costs: OverlapCosts, backend: str, device: str, path=None) -> Path:
     """Add or replace the (backend, device) entry of the costs file; other entries stay."""
+    return _update(path, lambda entries: entries.__setitem__(file_key(backend, device), asdict(costs)))
+
+
+def _update(path, change) -> Path:
+    """Read the costs file, `change` its entries in place, write it back atomically (a temporary
+    file of this process renamed over it: ranks of several groups may write at once; the last
+    rename wins, and every entry is a cache its writer can rebuild)."""
     path = Path(path) if path is not None else costs_file()
     path.parent.mkdir(parents=True, exist_ok=True)
-    entries = json.loads(path.read_text()) if path.is_file() else {}
-    entries[file_key(backend, device)] = asdict(costs)
-    tmp = path.with_suffix(".tmp")
+    try:
+        entries = json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError:
+        entries = {}  # a half-written or foreign file: rewritten whole
+    change(entries)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(entries, indent=2, sort_keys=True) + "\n")
     tmp.replace(path)
     return path
+
+
+def measured_key(backend: str, device: str) -> str:
+    return f"measured/{backend}/{device}"
+
+
+def shape_bucket(op: str, dtype_name: str, n: int, m: int, k: int, n_out: int, side: int = 0) -> str:
+    """The bucket a measured (op, shape) is kept under: each GEMM dim rounded up to a power of two
+    (shapes that close take the same path, or nearly the same time on either)."""
+    up = lambda x: 1 << max(0, int(x) - 1).bit_length() if x > 0 else 0  # noqa: E731
+    return f"{op} {dtype_name} n{n} side{side} m{up(m)} k{up(k)} n{up(n_out)}"
+
+
+def read_measured(backend: str, device: str, path=None) -> dict:
+    """{shape bucket: record} of the paths overlap="auto" timed for (backend, device) (records as
+    `write_measured` writes them), {} where none were."""
+    path = Path(path) if path is not None else costs_file()
+    if not path.is_file():
+        return {}
+    try:
+        entries = json.loads(path.read_text()).get(measured_key(backend, device), {})
+    except (OSError, ValueError) as e:
+        raise ValueError(f"overlap costs file {path} cannot be read ({e}): fix or delete it") from e
+    return {bucket: record for bucket, record in entries.items() if isinstance(record, dict) and "ring" in record}
+
+
+def write_measured(backend: str, device: str, bucket: str, record: dict, path=None) -> Path:
+    """Keep one measured choice: `record` holds "ring" (the path taken), "ring_s" / "plain_s" (the
+    slowest rank's median per path), the model's "predicted_ring_s" / "predicted_plain_s" and
+    "contradicts_model"."""
+    return _update(
+        path, lambda entries: entries.setdefault(measured_key(backend, device), {}).__setitem__(bucket, record)
+    )
 
 
 def predict(op: str, n: int, m: int, k: int, n_out: int, dtype_name: str, costs: OverlapCosts, *, backend, side=0):

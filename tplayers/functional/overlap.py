@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from tplayers.backend import gemm
 from tplayers.functional import comm
-from tplayers.functional.auto_overlap import use_ring
+from tplayers.functional.auto_overlap import measured_op, use_ring
 from tplayers.functional.cost_model import all_reduce_chunks
 
 
@@ -42,6 +42,7 @@ def _swiglu_rows(swiglu_out, j, s):
     return {} if swiglu_out is None else {"swiglu_out": swiglu_out[:, j * s : (j + 1) * s]}
 
 
+@measured_op
 def all_gather_matmul(x, weight, group, *, bias=None, overlap="auto", swiglu_out=None, widest=None):
     """y = all_gather(x, dim=1) @ weight^T + bias.
 
@@ -130,6 +131,7 @@ def _ring_all_gather_rows(y, bounds, group, side_work=()):
         work()
 
 
+@measured_op
 def matmul_reduce_scatter(x, weight, group, *, bias=None, overlap="auto", widest=None):
     """y = reduce_scatter(x @ weight^T, dim=1) + bias.
 
@@ -151,6 +153,7 @@ def matmul_reduce_scatter(x, weight, group, *, bias=None, overlap="auto", widest
     return y if bias is None else y.add_(bias)
 
 
+@measured_op
 def matmul_all_reduce(x, weight, group, *, bias=None, overlap="auto", side_work=(), widest=None):
     """y = all_reduce(x @ weight^T) + bias, x (..., K) -> y (..., N); bias added once.
     `widest`: the largest K of any rank, when the ranks' K differ (an uneven split).

@@ -1,0 +1,169 @@
+"""overlap="auto" that measures where its model is unsure (tplayers.functional.auto_overlap): ranks
+whose timings disagree still take one path together, a measured choice overrides a costs file
+that favours the wrong path and is kept for the next run, forced modes never measure, measuring
+off is the model's choice alone. Each rank's timings are faked (`auto_overlap._clock`), so what
+the group decides is known in advance; the calls themselves run for real, on integer values that
+every path sums exactly."""
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+
+from tplayers.functional import auto_overlap, cost_model, overlap_choices
+from tplayers.functional.cost_model import GLOO_CPU, predict
+from tplayers.functional.overlap import matmul_all_reduce
+from tplayers.testing import integer_valued
+
+pytestmark = pytest.mark.multirank
+
+SHAPE = (24, 8, 8)  # matmul_all_reduce's (m, k, n) here
+# Calibrated-looking constants (not a default) under which the ring is predicted faster by a little:
+# inside the margin where auto measures instead of trusting the model.
+RING_BY_A_LITTLE = dataclasses.replace(GLOO_CPU, p2p_latency_s=1.5e-4, source="test: the ring by a little")
+# Constants under which the ring is predicted far faster: the model is sure, auto does not measure.
+RING_SURE = dataclasses.replace(GLOO_CPU, p2p_latency_s=0.0, p2p_bytes_per_s=1e30,
+                                hidden=dict.fromkeys(cost_model.OPS, 1.0), source="test: the ring, surely")  # fmt: skip
+
+
+def test_the_constants_here_are_what_the_tests_say():
+    ring, plain = predict("matmul_all_reduce", 2, *SHAPE, "float32", RING_BY_A_LITTLE, backend="gloo")
+    assert cost_model.ring_pays(ring, plain) and plain <= auto_overlap.MEASURE_MARGIN * ring
+    ring, plain = predict("matmul_all_reduce", 2, *SHAPE, "float32", RING_SURE, backend="gloo")
+    assert plain > auto_overlap.MEASURE_MARGIN * ring
+
+
+def _fake_clock(seconds):
+    """A clock under which a call of the ring takes seconds[True], of the plain path seconds[False]:
+    `_clock` is read at a measured call's start and at its end."""
+    state = {"now": 0.0, "reads": 0}
+
+    def clock(path):
+        state["reads"] += 1
+        if state["reads"] % 2 == 0:
+            state["now"] += seconds[path]
+        return state["now"]
+
+    return clock
+
+
+def calls(rank, tp, group, costs, seconds, costs_file, n_calls=10, overlap="auto", measuring=None):
+    """`n_calls` calls of matmul_all_reduce at SHAPE under `costs` (None: the defaults) with this
+    rank's faked timings `seconds[rank]`: [(source, ring taken, measured ring s, measured plain s)]
+    per call; every call's result is the same (integer values)."""
+    saved_file = os.environ.get(cost_model.COSTS_ENV)
+    os.environ[cost_model.COSTS_ENV] = costs_file
+    auto_overlap.forget_choices()
+    if costs is not None:
+        auto_overlap._costs[("gloo", "cpu")] = costs
+    auto_overlap.set_overlap_measuring(measuring)
+    original = auto_overlap._clock
+    if seconds:
+        auto_overlap._clock = seconds[rank] if callable(seconds[rank]) else _fake_clock(seconds[rank])
+    try:
+        m, k, n = SHAPE
+        x = integer_valued((m, k), generator=torch.Generator().manual_seed(rank))
+        w = integer_valued((n, k), generator=torch.Generator().manual_seed(7))
+        with overlap_choices() as log:
+            results = [matmul_all_reduce(x, w, group, overlap=overlap) for _ in range(n_calls)]
+        assert all(torch.equal(y, results[0]) for y in results), "a measuring call changed the result"
+        return [(c.source, c.overlap, c.measured_ring_s, c.measured_plain_s) for c in log]
+    finally:  # the pool's worker goes on to other tests
+        auto_overlap._clock = original
+        auto_overlap.set_overlap_measuring(None)
+        auto_overlap.forget_choices()
+        os.environ[cost_model.COSTS_ENV] = saved_file or ""
+        if saved_file is None:
+            del os.environ[cost_model.COSTS_ENV]
+
+
+def test_ranks_whose_timings_disagree_take_one_path_together(pool, tmp_path):
+    """Rank 0 times the ring faster (1 ms against 3), rank 1 the plain path (5 ms against 2): the
+    step waits for its slowest rank, so the group compares 5 ms (ring) with 3 ms (plain) and both
+    ranks take the plain path, after the trial's calls alternated the paths on both alike."""
+    seconds = [{True: 1e-3, False: 3e-3}, {True: 5e-3, False: 2e-3}]
+    logs = pool.run(calls, 2, None, seconds, str(tmp_path / "costs.json"))  # the defaults: measured
+    assert logs[0] == logs[1]
+    trial = len(auto_overlap.TRIAL)
+    assert [(source, ring) for source, ring, *_ in logs[0][:trial]] == [("measuring", p) for p in auto_overlap.TRIAL]
+    assert logs[0][trial:] == [("measured", False, 5e-3, 3e-3)] * (10 - trial)
+
+
+def test_a_measured_choice_overrides_a_costs_file_favouring_the_wrong_path(pool, tmp_path):
+    """The file's constants favour the ring by a little (inside the margin) where the plain path is
+    faster on every rank: the group measures, takes the plain path, keeps the choice in the file
+    (marked as contradicting the model), and the next run (a new process: nothing cached) takes it
+    from the file without measuring."""
+    path = str(tmp_path / "costs.json")
+    seconds = [{True: 4e-3, False: 1e-3}] * 2
+    logs = pool.run(calls, 2, RING_BY_A_LITTLE, seconds, path)
+    assert logs[0][-1][:2] == ("measured", False)
+    kept = json.loads(open(path).read())["measured/gloo/cpu"]
+    (bucket, record), *others = kept.items()
+    assert not others and bucket == cost_model.shape_bucket("matmul_all_reduce", "float32", 2, *SHAPE)
+    assert record["ring"] is False and record["contradicts_model"] is True
+    assert (record["ring_s"], record["plain_s"]) == (4e-3, 1e-3)
+    again = pool.run(calls, 2, RING_BY_A_LITTLE, None, path, 3)  # no clock faked: no call is timed
+    assert again[0] == again[1] == [("recorded", False, 4e-3, 1e-3)] * 3
+
+
+def test_where_the_model_is_sure_and_calibrated_it_is_trusted(pool, tmp_path):
+    logs = pool.run(calls, 2, RING_SURE, [{True: 9.0, False: 1e-3}] * 2, str(tmp_path / "costs.json"), 3)
+    assert logs[0] == [("model", True, None, None)] * 3
+    assert not (tmp_path / "costs.json").exists()
+
+
+def _no_clock(path):
+    raise AssertionError("a forced call was timed")
+
+
+@pytest.mark.parametrize("forced", [True, False])
+def test_forced_modes_never_measure(pool, tmp_path, forced):
+    """Under the defaults (where auto would measure) a forced mode takes its path, reads no clock."""
+    logs = pool.run(calls, 2, None, [_no_clock] * 2, str(tmp_path / "costs.json"), 10, forced)
+    assert logs[0] == logs[1] == [("forced", forced, None, None)] * 10
+    assert not (tmp_path / "costs.json").exists()
+
+
+def test_measuring_off_is_the_models_choice_alone(pool, tmp_path):
+    """set_overlap_measuring(False): the defaults' prediction on every call, no clock, no file."""
+    logs = pool.run(calls, 2, RING_BY_A_LITTLE, None, str(tmp_path / "costs.json"), 10, "auto", False)
+    assert logs[0] == logs[1] == [("model", True, None, None)] * 10
+    assert not (tmp_path / "costs.json").exists()
+
+
+def costs_files_that_disagree(rank, tp, group, path):
+    """Rank 0 read constants under which the ring wins for sure, rank 1 the defaults under which
+    it does not at this shape: with measuring on, the group measures instead of failing."""
+    seconds = [{True: 1e-3, False: 2e-3}] * 2
+    return calls(rank, tp, group, RING_SURE if rank == 0 else None, seconds, path)
+
+
+def test_costs_files_that_disagree_are_settled_by_measuring(pool, tmp_path):
+    logs = pool.run(costs_files_that_disagree, 2, str(tmp_path / "costs.json"))
+    assert logs[0] == logs[1] and logs[0][-1] == ("measured", True, 1e-3, 2e-3)
+
+
+def test_a_measurement_that_contradicts_the_model_warns_once(pool, tmp_path):
+    """The group's first rank warns, naming the shape, both times and the calibration command."""
+    replies = pool.run(warned, 2, str(tmp_path / "costs.json"))
+    assert len(replies[0]) == 1 and replies[1] == []
+    assert "timed matmul_all_reduce at (m, k, n) = (24, 8, 8): the plain path took 1 ms against 4 ms" in replies[0][0]
+    assert "tplayers bench --calibrate" in replies[0][0]
+
+
+def warned(rank, tp, group, path):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        auto_overlap._warned.clear()
+        calls(rank, tp, group, RING_BY_A_LITTLE, [{True: 4e-3, False: 1e-3}] * 2, path, 20)
+    return [str(w.message) for w in caught if "overlap='auto' timed" in str(w.message)]
+
+
+def test_set_overlap_measuring_checks_its_flag():
+    with pytest.raises(ValueError, match="takes True, False or None"):
+        auto_overlap.set_overlap_measuring("yes")
