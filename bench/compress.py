@@ -47,7 +47,7 @@ def measured_bytes(rank, world, sizes):
             model = torch.nn.Linear(size // 64, 64, bias=False)  # weight (64, size / 64)
             tplayers.data_parallel(model, compress=spec, bucket_cap_mb=1024)
             x = torch.randn(4, size // 64)
-            for step in range(2):
+            for _step in range(2):
                 with tplayers.count_bytes() as sent:
                     model(x).square().mean().backward()
                 model.weight.grad = None

@@ -97,7 +97,8 @@ def planner_rows(shape, bytes_per=2):
         rows.append(dict(common, provider="1d", tp=gpus, grid="", bytes=line, bytes_ratio=1.0, time_ms=1e3 * line_s,
                          time_ratio=1.0))  # fmt: skip
         rows.append(dict(common, provider="grid", tp=gpus, grid=f"{q}x{q}", bytes=sum(grid.values()),
-                         bytes_ratio=sum(grid.values()) / line, time_ms=1e3 * grid_s, time_ratio=grid_s / line_s))  # fmt: skip
+                         bytes_ratio=sum(grid.values()) / line, time_ms=1e3 * grid_s,
+                         time_ratio=grid_s / line_s))  # fmt: skip
     return rows
 
 
@@ -118,7 +119,8 @@ def search_rows(models, gpu_counts):
             for provider, est in (("best 1d", line), ("best grid", grid)):
                 rows.append(dict(common, provider=provider, tp=est.layout.tp, layout=est.layout.describe(),
                                  grid="{}x{}".format(*est.layout.tp_grid) if est.layout.tp_grid else "",
-                                 time_ms=1e3 * est.step_time_s, time_ratio=est.step_time_s / line.step_time_s))  # fmt: skip
+                                 time_ms=1e3 * est.step_time_s,
+                                 time_ratio=est.step_time_s / line.step_time_s))  # fmt: skip
     return rows
 
 
@@ -180,8 +182,8 @@ def print_table(rows):
               f"{r['bytes_ratio']:>6.3f} {r['time_ms']:>9.3f} {r['time_ratio']:>6.3f}")  # fmt: skip
     print(f"\n{'model':<18} {'gpus':>5} {'provider':>10} {'step s':>9} {'/1-D':>6}  layout")
     for r in searched:
-        print(f"{r['shape']:<18} {r['gpus']:>5} {r['provider']:>10} {r['time_ms'] / 1e3:>9.3f} {r['time_ratio']:>6.3f}  "
-              f"{r['layout']}")  # fmt: skip
+        print(f"{r['shape']:<18} {r['gpus']:>5} {r['provider']:>10} {r['time_ms'] / 1e3:>9.3f} "
+              f"{r['time_ratio']:>6.3f}  {r['layout']}")  # fmt: skip
 
 
 def main(argv=None):

@@ -8,6 +8,11 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 os.environ["TPLAYERS_OVERLAP_COSTS"] = os.path.join(
     __import__("tempfile").mkdtemp(prefix="tplayers-tests-"), "overlap_costs.json"
 )
+# Measuring (overlap="auto" timing both paths on a new shape's first calls) makes the same call
+# give the ring's bits once and the plain path's the next (they sum in different orders), as
+# cudnn.benchmark does: the suite checks bit-exact repeats, so it runs the model's choice alone,
+# like a bit-reproducible run. tests/test_overlap_measure.py turns measuring on where it tests it.
+os.environ["TPLAYERS_OVERLAP_MEASURE"] = "0"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

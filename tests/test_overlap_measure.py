@@ -5,6 +5,7 @@ off is the model's choice alone. Each rank's timings are faked (`auto_overlap._c
 the group decides is known in advance; the calls themselves run for real, on integer values that
 every path sums exactly."""
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -49,34 +50,46 @@ def _fake_clock(seconds):
     return clock
 
 
-def calls(rank, tp, group, costs, seconds, costs_file, n_calls=10, overlap="auto", measuring=None):
-    """`n_calls` calls of matmul_all_reduce at SHAPE under `costs` (None: the defaults) with this
-    rank's faked timings `seconds[rank]`: [(source, ring taken, measured ring s, measured plain s)]
-    per call; every call's result is the same (integer values)."""
+@contextlib.contextmanager
+def fresh_state(costs_file, measuring=True, costs=None):
+    """Inside: nothing cached, the costs file `costs_file`, measuring as asked, and `costs` (None:
+    the defaults) as every rank's constants; after: as before (the pool's worker goes on to other
+    tests)."""
     saved_file = os.environ.get(cost_model.COSTS_ENV)
     os.environ[cost_model.COSTS_ENV] = costs_file
     auto_overlap.forget_choices()
     if costs is not None:
         auto_overlap._costs[("gloo", "cpu")] = costs
     auto_overlap.set_overlap_measuring(measuring)
+    try:
+        yield
+    finally:
+        auto_overlap.set_overlap_measuring(None)
+        auto_overlap.forget_choices()
+        if saved_file is None:
+            del os.environ[cost_model.COSTS_ENV]
+        else:
+            os.environ[cost_model.COSTS_ENV] = saved_file
+
+
+def calls(rank, tp, group, costs, seconds, costs_file, n_calls=10, overlap="auto", measuring=True):
+    """`n_calls` calls of matmul_all_reduce at SHAPE under `costs` (None: the defaults) with this
+    rank's faked timings `seconds[rank]`: [(source, ring taken, measured ring s, measured plain s)]
+    per call; every call's result is the same (integer values)."""
     original = auto_overlap._clock
     if seconds:
         auto_overlap._clock = seconds[rank] if callable(seconds[rank]) else _fake_clock(seconds[rank])
     try:
-        m, k, n = SHAPE
-        x = integer_valued((m, k), generator=torch.Generator().manual_seed(rank))
-        w = integer_valued((n, k), generator=torch.Generator().manual_seed(7))
-        with overlap_choices() as log:
-            results = [matmul_all_reduce(x, w, group, overlap=overlap) for _ in range(n_calls)]
-        assert all(torch.equal(y, results[0]) for y in results), "a measuring call changed the result"
-        return [(c.source, c.overlap, c.measured_ring_s, c.measured_plain_s) for c in log]
+        with fresh_state(costs_file, measuring, costs):
+            m, k, n = SHAPE
+            x = integer_valued((m, k), generator=torch.Generator().manual_seed(rank))
+            w = integer_valued((n, k), generator=torch.Generator().manual_seed(7))
+            with overlap_choices() as log:
+                results = [matmul_all_reduce(x, w, group, overlap=overlap) for _ in range(n_calls)]
+            assert all(torch.equal(y, results[0]) for y in results), "a measuring call changed the result"
+            return [(c.source, c.overlap, c.measured_ring_s, c.measured_plain_s) for c in log]
     finally:  # the pool's worker goes on to other tests
         auto_overlap._clock = original
-        auto_overlap.set_overlap_measuring(None)
-        auto_overlap.forget_choices()
-        os.environ[cost_model.COSTS_ENV] = saved_file or ""
-        if saved_file is None:
-            del os.environ[cost_model.COSTS_ENV]
 
 
 def test_ranks_whose_timings_disagree_take_one_path_together(pool, tmp_path):
@@ -167,3 +180,60 @@ def warned(rank, tp, group, path):
 def test_set_overlap_measuring_checks_its_flag():
     with pytest.raises(ValueError, match="takes True, False or None"):
         auto_overlap.set_overlap_measuring("yes")
+
+
+def block_calls_measuring(rank, tp, group, costs_file, sp, n_calls):
+    """A Column -> GeLU -> Row block (random fp32 values, so the ring and the plain path differ in
+    their last bits) called `n_calls` times forward and backward on fresh inputs with measuring on
+    from a fresh costs file, against the unsharded block on every call: output, input gradient and
+    every parameter gradient within the tolerance table, through the trial's alternating calls and
+    after the group fixed its choice. Returns every call's (op, source, path)."""
+    from torch import nn
+
+    import tplayers
+    from tplayers.testing import assert_close, assert_shard_close
+
+    with fresh_state(costs_file):
+        torch.manual_seed(0)
+        hidden, ffn, seq = 16, 24, 4 * tp
+        ref = nn.Sequential(nn.Linear(hidden, ffn), nn.GELU(), nn.Linear(ffn, hidden))
+        col = tplayers.ColumnParallelLinear.from_linear(ref[0], group=group, sequence_parallel=sp)
+        row = tplayers.RowParallelLinear.from_linear(ref[2], group=group, sequence_parallel=sp)
+        sharded = ((col.weight, ref[0].weight, 0), (col.bias, ref[0].bias, 0), (row.weight, ref[2].weight, 1))
+        seq_dim = 1 if sp else None
+        log = []
+        for call in range(n_calls):
+            x = torch.randn(2, seq, hidden, generator=torch.Generator().manual_seed(call), requires_grad=True)
+            dy = torch.randn(2, seq, hidden, generator=torch.Generator().manual_seed(1000 + call))
+            local_x = (x.chunk(tp, 1)[rank] if sp else x).detach().clone().requires_grad_()
+            with overlap_choices() as choices:
+                y = row(torch.nn.functional.gelu(col(local_x)))
+                y.backward(dy.chunk(tp, 1)[rank] if sp else dy)
+            log += [(c.op, c.source, c.overlap) for c in choices]
+            ref_y = ref(x)
+            ref_y.backward(dy)
+            where = lambda what, call=call: lambda m: f"{what} at call {call}: {m}"  # noqa: E731
+            assert_shard_close(y, ref_y.detach(), dim=seq_dim, rank=rank, num_shards=tp, msg=where("output"))
+            assert_shard_close(local_x.grad, x.grad, dim=seq_dim, rank=rank, num_shards=tp, msg=where("input grad"))
+            for mine, full, dim in sharded:
+                assert_shard_close(mine.grad, full.grad, dim=dim, rank=rank, num_shards=tp, msg=where("grad"))
+            assert_close(row.bias.grad, ref[2].bias.grad, msg=where("row bias grad"))
+            for p in (*col.parameters(), *row.parameters(), *ref.parameters()):
+                p.grad = None
+        return log
+
+
+@pytest.mark.parametrize(("tp", "sp"), [(2, True), (3, False)], ids=["tp2+sp", "tp3"])
+def test_calls_while_measuring_match_the_unsharded_block(pool, tmp_path, tp, sp):
+    """The default path end to end: under the built-in (uncalibrated here) constants every op's
+    shape is measured on its first calls, every call equals the unsharded block throughout, every
+    rank logs the same calls, and each op ends on a path the group measured, kept in the file."""
+    n_calls = len(auto_overlap.TRIAL) + 2
+    logs = pool.run(block_calls_measuring, tp, str(tmp_path / "costs.json"), sp, n_calls)
+    assert all(log == logs[0] for log in logs[1:])
+    ops = {op for op, _, _ in logs[0]}
+    assert ops == ({"all_gather_matmul", "matmul_reduce_scatter"} if sp else {"matmul_all_reduce"})
+    for op in ops:
+        sources = [source for name, source, _ in logs[0] if name == op]
+        assert "measuring" in sources and sources[-1] == "measured", (op, sources)
+    assert (tmp_path / "costs.json").exists()
