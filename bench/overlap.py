@@ -125,7 +125,8 @@ def time_providers(fns, device, args, **row):
     """Rows of fns {"auto", "auto-model", "on", "off"} timed side by side: what each auto chose
     (from one recorded call after auto's trial), which forced path was faster, auto / faster,
     measured and predicted on / off."""
-    for _ in auto_overlap.TRIAL:  # auto's trial calls (each call of fns meets every op once)
+    fns["auto"]()  # auto's trial calls, until every op's shape is decided (alike on every rank)
+    while auto_overlap.trials_in_progress():
         fns["auto"]()
     with overlap_choices() as choices:
         fns["auto"]()

@@ -12,13 +12,17 @@ before in this shape's bucket (the costs file keeps them). Where the model is un
 measures instead of trusting it: the model's two predictions within `MEASURE_MARGIN` of each
 other, no calibrated constants for this backend and device (`tplayers bench --calibrate` was
 never run here: the built-in defaults come from another machine), or ranks whose proposals differ
-(different costs files). Then the next `TRIAL` calls of that shape alternate between the two
-paths (after one warm-up call of each; every call gives the result of the path it took, and the
-two are exact alternatives); each rank times its calls, the group all-gathers the medians once,
-and the path whose slowest rank was faster is fixed on every rank together. The choice is kept
-in the costs file (per backend / device / op / shape bucket, written by the group's first rank),
-so later runs and other groups start from it; where it contradicts the model a warning says so
-once per backend and device, and the record is marked `contradicts_model`.
+(different costs files). Then the next calls of that shape alternate between the two paths (one
+warm-up call of each, then rounds of ten; every call gives the result of the path it took, and
+the two are exact alternatives): the ranks start each timed call together and time it, and at a
+round's end the group all-gathers the timings (each call as long as its slowest rank). Where one
+path was faster in most pairs of calls and on average (`measured_faster`) it is fixed on every
+rank together; else another round, and after `MAX_ROUNDS` the paths are even within what timing
+can tell and the model's choice stands (the lower mean where ranks proposed different paths).
+The choice is kept in the costs file (per backend / device / op / shape bucket, written by the
+group's first rank), so later runs and other groups start from it; where a sure timing
+contradicts the model a warning says so once per backend and device, and the record is marked
+`contradicts_model`.
 
 Forced modes (True / False) never measure; they take part in the first check, so a rank built
 with another flag fails at once instead of hanging. Measuring is on by default; off
@@ -47,11 +51,17 @@ OVERLAP_MODES = ("auto", True, False)
 MEASURE_ENV = "TPLAYERS_OVERLAP_MEASURE"
 # The model is unsure where its two predictions are within this factor of each other.
 MEASURE_MARGIN = 2.0
-# The paths of a trial's calls: one warm-up call of each, then TIMED of each, interleaved (ABBA:
-# a drift in the machine's speed falls on both alike).
+# The paths of a trial's calls: one warm-up call of each, then rounds of TIMED, five calls of
+# each path interleaved (ABBA: a drift in the machine's speed falls on both alike).
 WARMUP = (True, False)
-TIMED = (True, False, False, True, True, False)
-TRIAL = WARMUP + TIMED
+TIMED = (True, False, False, True, True, False, False, True, True, False)
+TRIAL = WARMUP + TIMED  # the shortest trial: one round
+# A round is decisive where one path was faster in at least SURE of the (ring call, plain call)
+# pairs and on average too; else another round (gloo's point-to-point times on a busy 2-core
+# machine swing 5x between calls), up to MAX_ROUNDS, after which the paths are even within what
+# timing can tell and the model's choice stands.
+SURE = 0.75
+MAX_ROUNDS = 3
 _REQUEST_CODE = {False: 0, True: 1, "auto": 2}
 _REQUEST_NAME = {0: "False", 1: "True", 2: "'auto'"}
 
@@ -104,9 +114,17 @@ class _Trial:
     device: torch.device
     bucket: str
     costs_key: tuple
-    prediction: tuple
+    prediction: tuple  # this rank's model's (ring s, plain s)
+    agreed_proposal: bool | None  # the path every rank proposed, None where they differed
     calls: int = 0
-    times: dict = field(default_factory=lambda: {True: [], False: []})
+    times: list = field(default_factory=list)  # this rank's, per timed call of the round (TIMED)
+    slowest: dict = field(default_factory=lambda: {True: [], False: []})  # per path, each call's slowest rank
+
+    def path(self) -> bool:
+        """The path of the trial's next call."""
+        if self.calls < len(WARMUP):
+            return WARMUP[self.calls]
+        return TIMED[(self.calls - len(WARMUP)) % len(TIMED)]
 
 
 def check_overlap(overlap, where: str):
@@ -189,10 +207,9 @@ def use_ring(op, overlap, group, like, m, k, n_out, side=0) -> bool:
     if decision is None and trial is None:
         decision, trial = _agree(key, overlap, prediction, group, like.device)
     if trial is not None:  # a call of the trial: the next path in turn, timed by `measured_op`
-        chosen = TRIAL[trial.calls]
+        chosen = trial.path()
         trial.calls += 1
-        if like.device.type == "cuda":
-            torch.cuda.synchronize(like.device)
+        _line_up(group, like.device)
         _timing.append((trial, chosen, _clock(chosen)))
         _log(op, key, dtype, overlap, chosen, prediction, "measuring")
         return chosen
@@ -206,6 +223,16 @@ def _log(op, key, dtype, overlap, chosen, prediction, source, measured=None):
     measured = measured or (None, None)
     for log in _logs:
         log.append(Choice(op, key[1:4], dtype, overlap, chosen, *prediction, key[6], source, *measured))
+
+
+def _line_up(group, device) -> None:
+    """Start a timed call on every rank of `group` together (a one-number all-gather, then the
+    device idle): otherwise a rank that arrives early times its wait for the others, which is
+    noise of the step before, not a cost of the path."""
+    token = torch.zeros(1, device=comm.control_device(group))
+    comm.all_gather_into(token.new_empty(dist.get_world_size(group)), token, group, record=False)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _clock(path: bool) -> float:
@@ -230,28 +257,61 @@ def measured_op(fn):
             if trial.device.type == "cuda":
                 torch.cuda.synchronize(trial.device)
             if trial.calls > len(WARMUP):
-                trial.times[path].append(_clock(path) - start)
-            if trial.calls == len(TRIAL):
-                _decide(trial)
+                trial.times.append(_clock(path) - start)
+            if len(trial.times) == len(TIMED):
+                _end_round(trial)
         return out
 
     return op
 
 
-def _decide(trial: _Trial) -> None:
-    """The trial's end, on every rank of its group at the same call: the slowest rank's median per
-    path (one all-gather), the faster path fixed, recorded and kept."""
-    mine = torch.tensor([statistics.median(trial.times[True]), statistics.median(trial.times[False])],
-                        dtype=torch.float64, device=trial.device)  # fmt: skip
-    everyone = mine.new_empty((dist.get_world_size(trial.group), 2))
-    comm.all_gather_into(everyone, mine, trial.group, record=False)  # control traffic, once per trial
-    ring_s, plain_s = everyone.max(0).values.tolist()
-    ring = ring_s < plain_s
+def trials_in_progress() -> int:
+    """How many shapes this process is measuring now (their next calls alternate the paths)."""
+    return len(_trials)
+
+
+def _end_round(trial: _Trial) -> None:
+    """A round's end, on every rank of its group at the same call: every rank's timings (one
+    all-gather), each call as long as its slowest rank (the ranks started it together); decided
+    where the round (with those before) is sure (SURE), else another round, up to MAX_ROUNDS."""
+    mine = torch.tensor(trial.times, dtype=torch.float64, device=comm.control_device(trial.group))
+    everyone = mine.new_empty((dist.get_world_size(trial.group), len(TIMED)))
+    comm.all_gather_into(everyone, mine, trial.group, record=False)  # control traffic, once per round
+    trial.times.clear()
+    for t, path in zip(everyone.max(0).values.tolist(), TIMED, strict=True):
+        trial.slowest[path].append(t)
+    ring, sure = measured_faster(trial.slowest[True], trial.slowest[False])
+    if sure or len(trial.slowest[True]) >= MAX_ROUNDS * TIMED.count(True):
+        # Even: the model's choice where every rank proposed it, else the lower mean (every rank
+        # computes the same one from the gathered timings).
+        _decide(trial, ring if sure or trial.agreed_proposal is None else trial.agreed_proposal, sure)
+
+
+def measured_faster(ring_times, plain_times) -> tuple[bool, bool]:
+    """(whether the ring is faster, whether the timings are sure of it): sure where one path was
+    faster in at least SURE of the (ring, plain) pairs and its mean is lower too (a rare long call
+    counts in the mean, which is what a training run pays)."""
+    pairs = [(a, b) for a in ring_times for b in plain_times]
+    ring_share = sum(a < b for a, b in pairs) / len(pairs)
+    ring_mean, plain_mean = statistics.fmean(ring_times), statistics.fmean(plain_times)
+    if ring_share >= SURE and ring_mean < plain_mean:
+        return True, True
+    if 1 - ring_share >= SURE and plain_mean < ring_mean:
+        return False, True
+    return ring_mean < plain_mean, False
+
+
+def _decide(trial: _Trial, ring: bool, sure: bool) -> None:
+    """Fix `ring` on every rank (each decides alike from the same gathered timings), record and
+    keep it: the path the timings were sure of, or the model's where they were not."""
+    ring_s, plain_s = statistics.fmean(trial.slowest[True]), statistics.fmean(trial.slowest[False])
     del _trials[trial.key]
     _agreed[trial.key] = _Decision(ring, "measured", (ring_s, plain_s))
     predicted_ring = cost_model.ring_pays(*trial.prediction)
-    record = dict(ring=ring, ring_s=ring_s, plain_s=plain_s, predicted_ring_s=trial.prediction[0],
-                  predicted_plain_s=trial.prediction[1], contradicts_model=ring != predicted_ring)  # fmt: skip
+    calls = len(WARMUP) + len(trial.slowest[True]) + len(trial.slowest[False])
+    record = dict(ring=ring, ring_s=ring_s, plain_s=plain_s, sure=sure, calls=calls,
+                  predicted_ring_s=trial.prediction[0], predicted_plain_s=trial.prediction[1],
+                  contradicts_model=sure and ring != predicted_ring)  # fmt: skip
     _measured_for(trial.costs_key)[trial.bucket] = record
     if dist.get_rank(trial.group) != 0:
         return
@@ -260,7 +320,7 @@ def _decide(trial: _Trial) -> None:
     except OSError as e:  # a read-only home: the choice still holds for this run
         warnings.warn(f"overlap='auto': cannot keep the measured choice in {cost_model.costs_file()} ({e})",
                       stacklevel=3)  # fmt: skip
-    if ring != predicted_ring and trial.costs_key not in _warned:
+    if record["contradicts_model"] and trial.costs_key not in _warned:
         _warned.add(trial.costs_key)
         op, m, k, n_out = trial.key[:4]
         source = costs_for(trial.group, trial.device).source
@@ -311,7 +371,7 @@ def _agree(key, overlap, prediction, group, device):
             _disagreement(op, dtype, ranks, rows, f"measuring on some ranks only ({MEASURE_ENV})")
         )
     if overlap == "auto" and measuring and (any(row[7] for row in rows) or not same(1)):
-        trial = _Trial(key, group, device, bucket, costs_key, tuple(prediction))
+        trial = _Trial(key, group, device, bucket, costs_key, tuple(prediction), bool(rows[0][1]) if same(1) else None)
         _trials[key] = trial
         return None, trial
     decision = _Decision(ring, "recorded" if recorded else "model", _recorded_times(costs_key, bucket, recorded))
