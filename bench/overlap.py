@@ -24,6 +24,7 @@ CPU: `python bench/overlap.py [--quick] [--tp 2] [--out bench/out]` starts the r
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -179,8 +180,11 @@ def worker(rank, world_size, args):
     rows = []
     for mode in MODES:
         for shape in args.shapes:
-            if mode == "tp+sp" and shape.seq % world_size:
-                continue  # a sequence shorter than the TP size cannot be split along it
+            if mode == "tp+sp":
+                if shape.seq < world_size:
+                    continue  # a sequence shorter than the TP size cannot be split along it
+                # SP splits the sequence evenly: the nearest length that does (TP 3: 4 -> 6)
+                shape = dataclasses.replace(shape, seq=-(-shape.seq // world_size) * world_size)
             rows += bench_point(shape, mode, device, dtype, args)
     if args.ops:
         for shape in args.shapes:
@@ -254,6 +258,9 @@ def print_table(rows):
 def plot(rows, path):
     fig, axes = figure(1, len(MODES), figsize=(6 * len(MODES), 4.2), squeeze=False)
     for ax, mode in zip(axes[0], MODES, strict=True):
+        if not any(r["mode"] == mode for r in rows):
+            ax.set_visible(False)  # no point of this mode was run
+            continue
         for provider, style in (("on", "s--"), ("off", "o--"), ("auto-model", "+:"), ("auto", "x-")):
             mine = [r for r in rows if r["mode"] == mode and r["provider"] == provider]
             ax.plot([r["tokens"] for r in mine], [r["time_ms"] for r in mine], style, label=f"overlap={provider}")
