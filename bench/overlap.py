@@ -145,8 +145,11 @@ def time_providers(fns, device, args, **row):
         row, auto_took=paths_taken(choices), auto_why=why, model_took=paths_taken(model_choices),
         faster_forced=faster, reps=reps, measured_on_off=times["on"] / times["off"], predicted_on_off=predicted,
     )  # fmt: skip
+    # auto_took / auto_why of each auto provider's own row: what that provider took, and why
+    own = {"auto-model": dict(auto_took=common["model_took"], auto_why="model")}
     return [
-        dict(common, provider=name, time_ms=1e3 * t, ratio_to_faster=t / times[faster]) for name, t in times.items()
+        dict(common, provider=name, time_ms=1e3 * t, ratio_to_faster=t / times[faster], **own.get(name, {}))
+        for name, t in times.items()
     ]
 
 

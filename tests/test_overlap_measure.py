@@ -37,14 +37,18 @@ def test_the_constants_here_are_what_the_tests_say():
 
 
 def _fake_clock(seconds):
-    """A clock under which a call of the ring takes seconds[True], of the plain path seconds[False]:
-    `_clock` is read at a measured call's start and at its end."""
-    state = {"now": 0.0, "reads": 0}
+    """A clock under which a call of the ring takes seconds[True], of the plain path seconds[False]
+    (a number, or a list its calls take in turn): `_clock` is read at a measured call's start and
+    at its end."""
+    state = {"now": 0.0, "reads": 0, True: 0, False: 0}
 
     def clock(path):
         state["reads"] += 1
         if state["reads"] % 2 == 0:
-            state["now"] += seconds[path]
+            took = seconds[path]
+            if isinstance(took, list):
+                took, state[path] = took[state[path] % len(took)], state[path] + 1
+            state["now"] += took
         return state["now"]
 
     return clock
@@ -197,6 +201,21 @@ def test_paths_even_within_the_timing_keep_the_models_choice(pool, tmp_path):
     assert logs[0][LONGEST_TRIAL:] == [("measured", True, _ns(two_ms), _ns(two_ms))] * 2
     (record,) = json.loads(open(path).read())["measured/gloo/cpu"].values()
     assert record["sure"] is False and record["contradicts_model"] is False and record["calls"] == LONGEST_TRIAL
+
+
+def test_after_every_round_unsure_the_lower_mean_decides(pool, tmp_path):
+    """The ring's calls take 1 ms but every fifth 40 ms, the plain path's 3 ms: the ring is faster
+    in 4/5 of the pairs but slower on average, so no round is sure; after MAX_ROUNDS the lower
+    mean (the plain path) overrides the model (the ring, by a little), and that contradiction is
+    recorded."""
+    path, ms = str(tmp_path / "costs.json"), 2.0**-10  # binary fractions: the sums stay exact
+    seconds = [{True: [ms, ms, ms, ms, 40 * ms], False: 3 * ms}] * 2
+    logs = pool.run(calls, 2, RING_BY_A_LITTLE, seconds, path, LONGEST_TRIAL + 2)
+    assert logs[0] == logs[1]
+    assert [source for source, *_ in logs[0][:LONGEST_TRIAL]] == ["measuring"] * LONGEST_TRIAL
+    assert logs[0][LONGEST_TRIAL:] == [("measured", False, _ns(44 * ms / 5), _ns(3 * ms))] * 2
+    (record,) = json.loads(open(path).read())["measured/gloo/cpu"].values()
+    assert record["sure"] is False and record["contradicts_model"] is True
 
 
 @pytest.mark.parametrize(

@@ -17,12 +17,12 @@ warm-up call of each, then rounds of ten; every call gives the result of the pat
 the two are exact alternatives): the ranks start each timed call together and time it, and at a
 round's end the group all-gathers the timings (each call as long as its slowest rank). Where one
 path was faster in most pairs of calls and on average (`measured_faster`) it is fixed on every
-rank together; else another round, and after `MAX_ROUNDS` the paths are even within what timing
-can tell and the model's choice stands (the lower mean where ranks proposed different paths).
-The choice is kept in the costs file (per backend / device / op / shape bucket, written by the
-group's first rank), so later runs and other groups start from it; where a sure timing
-contradicts the model a warning says so once per backend and device, and the record is marked
-`contradicts_model`.
+rank together; else another round, and after `MAX_ROUNDS` the lower mean, unless the means are
+within `EVEN` of each other: then the paths are even within what timing can tell and the model's
+choice stands (the lower mean where ranks proposed different paths). The choice is kept in the
+costs file (per backend / device / op / shape bucket, written by the group's first rank), so
+later runs and other groups start from it; where the timing contradicts the model a warning says
+so once per backend and device, and the record is marked `contradicts_model`.
 
 Forced modes (True / False) never measure; they take part in the first check, so a rank built
 with another flag fails at once instead of hanging. Measuring is on by default; off
@@ -58,10 +58,12 @@ TIMED = (True, False, False, True, True, False, False, True, True, False)
 TRIAL = WARMUP + TIMED  # the shortest trial: one round
 # A round is decisive where one path was faster in at least SURE of the (ring call, plain call)
 # pairs and on average too; else another round (gloo's point-to-point times on a busy 2-core
-# machine swing 5x between calls), up to MAX_ROUNDS, after which the paths are even within what
-# timing can tell and the model's choice stands.
+# machine swing 5x between calls), up to MAX_ROUNDS. Then the lower mean decides, unless the two
+# means are within EVEN of each other: the paths are even within what timing can tell, and the
+# model's choice stands.
 SURE = 0.75
 MAX_ROUNDS = 3
+EVEN = 1.05
 _REQUEST_CODE = {False: 0, True: 1, "auto": 2}
 _REQUEST_NAME = {0: "False", 1: "True", 2: "'auto'"}
 
@@ -282,9 +284,11 @@ def _end_round(trial: _Trial) -> None:
         trial.slowest[path].append(t)
     ring, sure = measured_faster(trial.slowest[True], trial.slowest[False])
     if sure or len(trial.slowest[True]) >= MAX_ROUNDS * TIMED.count(True):
+        ring_s, plain_s = statistics.fmean(trial.slowest[True]), statistics.fmean(trial.slowest[False])
+        timed = sure or max(ring_s, plain_s) > EVEN * min(ring_s, plain_s)
         # Even: the model's choice where every rank proposed it, else the lower mean (every rank
         # computes the same one from the gathered timings).
-        _decide(trial, ring if sure or trial.agreed_proposal is None else trial.agreed_proposal, sure)
+        _decide(trial, ring if timed or trial.agreed_proposal is None else trial.agreed_proposal, sure, timed)
 
 
 def measured_faster(ring_times, plain_times) -> tuple[bool, bool]:
@@ -301,9 +305,10 @@ def measured_faster(ring_times, plain_times) -> tuple[bool, bool]:
     return ring_mean < plain_mean, False
 
 
-def _decide(trial: _Trial, ring: bool, sure: bool) -> None:
+def _decide(trial: _Trial, ring: bool, sure: bool, timed: bool) -> None:
     """Fix `ring` on every rank (each decides alike from the same gathered timings), record and
-    keep it: the path the timings were sure of, or the model's where they were not."""
+    keep it: the path the timings chose (`timed`: sure of it, or the lower mean after every
+    round), or the model's where the paths were even."""
     ring_s, plain_s = statistics.fmean(trial.slowest[True]), statistics.fmean(trial.slowest[False])
     del _trials[trial.key]
     _agreed[trial.key] = _Decision(ring, "measured", (ring_s, plain_s))
@@ -311,7 +316,7 @@ def _decide(trial: _Trial, ring: bool, sure: bool) -> None:
     calls = len(WARMUP) + len(trial.slowest[True]) + len(trial.slowest[False])
     record = dict(ring=ring, ring_s=ring_s, plain_s=plain_s, sure=sure, calls=calls,
                   predicted_ring_s=trial.prediction[0], predicted_plain_s=trial.prediction[1],
-                  contradicts_model=sure and ring != predicted_ring)  # fmt: skip
+                  contradicts_model=timed and ring != predicted_ring)  # fmt: skip
     _measured_for(trial.costs_key)[trial.bucket] = record
     if dist.get_rank(trial.group) != 0:
         return
