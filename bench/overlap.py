@@ -215,6 +215,13 @@ def geomean(values):
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
+def same_route(rows) -> int:
+    """How many of `rows` took the faster forced path's route in every op: there, auto / faster
+    differs from 1 only by the run's noise between two timings of one path."""
+    route = {"on": "ring", "off": "plain"}
+    return sum(r["auto_took"] == route[r["faster_forced"]] for r in rows)
+
+
 def print_table(rows):
     auto = [r for r in rows if r["provider"] == "auto" and r["mode"] in MODES]
     ops = [r for r in rows if r["provider"] == "auto" and r["mode"] == "op"]
@@ -247,7 +254,8 @@ def print_table(rows):
             if mine:
                 ratios = [r["ratio_to_faster"] for r in mine]
                 print(f"{mode:<6} {provider:<10} / faster forced path: geomean {geomean(ratios):.3f}, worst "
-                      f"{max(ratios):.3f} over {len(ratios)} points (bars: {GEOMEAN_BAR}, {WORST_BAR})")  # fmt: skip
+                      f"{max(ratios):.3f} over {len(ratios)} points (bars: {GEOMEAN_BAR}, {WORST_BAR}); "
+                      f"{same_route(mine)} of them on the faster path's route")  # fmt: skip
     if ops:
         print("\neach op alone (forward)")
         print(f"{'':<24} {'op':<22} {'M':>6} {'on/off':>7} {'model':>7} {'auto took':<10} {'auto/faster':>11}")
