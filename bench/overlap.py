@@ -26,8 +26,8 @@ CPU: `python bench/overlap.py [--quick] [--tp 2] [--out bench/out]` starts the r
 import argparse
 import dataclasses
 import json
-import math
 import os
+import statistics
 from pathlib import Path
 
 import torch
@@ -211,10 +211,6 @@ def fresh_costs_file(out: Path) -> Path:
     return path
 
 
-def geomean(values):
-    return math.exp(sum(math.log(v) for v in values) / len(values))
-
-
 def same_route(rows) -> int:
     """How many of `rows` took the faster forced path's route in every op: there, auto / faster
     differs from 1 only by the run's noise between two timings of one path."""
@@ -247,13 +243,12 @@ def print_table(rows):
         )
     print()
     for mode in MODES:
-        for provider in PROVIDERS:
-            if provider not in MEASURING:
-                continue
+        for provider in MEASURING:
             mine = [r for r in rows if r["provider"] == provider and r["mode"] == mode]
             if mine:
                 ratios = [r["ratio_to_faster"] for r in mine]
-                print(f"{mode:<6} {provider:<10} / faster forced path: geomean {geomean(ratios):.3f}, worst "
+                geomean = statistics.geometric_mean(ratios)
+                print(f"{mode:<6} {provider:<10} / faster forced path: geomean {geomean:.3f}, worst "
                       f"{max(ratios):.3f} over {len(ratios)} points (bars: {GEOMEAN_BAR}, {WORST_BAR}); "
                       f"{same_route(mine)} of them on the faster path's route")  # fmt: skip
     if ops:

@@ -284,11 +284,11 @@ def _end_round(trial: _Trial) -> None:
         trial.slowest[path].append(t)
     ring, sure = measured_faster(trial.slowest[True], trial.slowest[False])
     if sure or len(trial.slowest[True]) >= MAX_ROUNDS * TIMED.count(True):
-        ring_s, plain_s = statistics.fmean(trial.slowest[True]), statistics.fmean(trial.slowest[False])
-        timed = sure or max(ring_s, plain_s) > EVEN * min(ring_s, plain_s)
+        means = statistics.fmean(trial.slowest[True]), statistics.fmean(trial.slowest[False])
+        timed = sure or max(means) > EVEN * min(means)
         # Even: the model's choice where every rank proposed it, else the lower mean (every rank
         # computes the same one from the gathered timings).
-        _decide(trial, ring if timed or trial.agreed_proposal is None else trial.agreed_proposal, sure, timed)
+        _decide(trial, ring if timed or trial.agreed_proposal is None else trial.agreed_proposal, sure, timed, means)
 
 
 def measured_faster(ring_times, plain_times) -> tuple[bool, bool]:
@@ -305,11 +305,11 @@ def measured_faster(ring_times, plain_times) -> tuple[bool, bool]:
     return ring_mean < plain_mean, False
 
 
-def _decide(trial: _Trial, ring: bool, sure: bool, timed: bool) -> None:
+def _decide(trial: _Trial, ring: bool, sure: bool, timed: bool, means: tuple) -> None:
     """Fix `ring` on every rank (each decides alike from the same gathered timings), record and
     keep it: the path the timings chose (`timed`: sure of it, or the lower mean after every
-    round), or the model's where the paths were even."""
-    ring_s, plain_s = statistics.fmean(trial.slowest[True]), statistics.fmean(trial.slowest[False])
+    round), or the model's where the paths were even; `means`: (ring s, plain s) per call."""
+    ring_s, plain_s = means
     del _trials[trial.key]
     _agreed[trial.key] = _Decision(ring, "measured", (ring_s, plain_s))
     predicted_ring = cost_model.ring_pays(*trial.prediction)
