@@ -5,6 +5,7 @@ The placement types are DTensor's (`Shard(dim)` / `Replicate()`), paired with th
 group over which the parameter is sharded or replicated.
 """
 
+import weakref
 from copy import deepcopy
 from dataclasses import dataclass, replace
 
@@ -101,7 +102,7 @@ def set_placement(param, group, placement, **data_parallel) -> None:
 
 def update_placement(param, **changes) -> None:
     """Add to a parameter's record (its data-parallel group, a summed gradient)."""
-    setattr(param, _ATTR, replace(get_placement(param) or ParamPlacement(None, Replicate()), **changes))
+    setattr(param, _ATTR, replace(placement_or_none(param) or ParamPlacement(None, Replicate()), **changes))
 
 
 def full_tensor(t):
@@ -130,11 +131,152 @@ def local_tensor(t):
 
 
 def get_placement(param) -> ParamPlacement | None:
-    """The placement of a tplayers parameter, or None for a parameter tplayers does not manage."""
-    return getattr(param, _ATTR, None)
+    """The placement of a tplayers parameter, or None for a parameter tplayers does not manage.
+
+    The record travels on the tensor and is kept by the module that holds it (`seal`): a tensor
+    put in its place (`.to()` of a DTensor, `load_state_dict(assign=True)`, `copy.deepcopy`, FSDP2)
+    gets its slot's record back. A parameter of a parallelized model that has no record (added
+    after `parallelize`, by code that did not place it) raises `PlacementError`: tplayers cannot
+    tell how it is split, and taking it as replicated would be silently wrong."""
+    record = getattr(param, _ATTR, None)
+    return record if record is not None else _recover(param, strict=True)
 
 
-class PlacedModule(nn.Module):
+def placement_or_none(param) -> ParamPlacement | None:
+    """`get_placement` for the code that places parameters: None where no record is found."""
+    record = getattr(param, _ATTR, None)
+    return record if record is not None else _recover(param, strict=False)
+
+
+# ------------------------------------------------------------------------------ records kept by modules
+# One table per module ({parameter name: record}), the module's own state, as FSDP2 keeps one
+# state per module: a tensor can be replaced in its slot, the module stays. `seal(root)` writes
+# the tables of every module under a parallelized model (or a tplayers layer built on its own);
+# the tensors carry the records as a cache that `get_placement` refills from the tables.
+
+_TABLE = "_tplayers_records"
+_HOLDERS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # modules holding a table
+
+
+class PlacementError(ValueError):
+    """A parameter inside a parallelized model has no placement record."""
+
+
+class _Records(dict):
+    """{parameter name: ParamPlacement} of one module; `root`: the module is a parallelized model
+    (or a standalone tplayers layer), whose every parameter must have a record."""
+
+    def __init__(self, owner, records=(), root=False):
+        super().__init__(records)
+        self.owner, self.root = weakref.ref(owner), root
+
+    def __deepcopy__(self, memo):
+        # deepcopy copies the owner first (its __dict__ holds this table): the copy's table is its own
+        copy = memo.get(id(self.owner()))
+        if copy is None:
+            return dict(self)
+        table = _Records(copy, self, self.root)
+        _HOLDERS.add(copy)
+        return table
+
+
+def _table(module) -> "_Records | None":
+    return module.__dict__.get(_TABLE)
+
+
+def seal(root: nn.Module) -> nn.Module:
+    """Keep every placed parameter's record in the module holding it, and mark `root` as a
+    parallelized model: its parameters without a record are errors, never "replicated"."""
+    _repair(root)
+    for module in root.modules():
+        records = {
+            name: getattr(p, _ATTR)
+            for name, p in module._parameters.items()
+            if p is not None and getattr(p, _ATTR, None) is not None
+        }
+        old = _table(module)
+        if records or module is root or old is not None:
+            table = _Records(module, {**(old or {}), **records}, root=module is root or bool(old and old.root))
+            module.__dict__[_TABLE] = table
+            _HOLDERS.add(module)
+    return root
+
+
+def _held(record, tensor):
+    """The record for the tensor now in its slot: FSDP2's unsharded parameter (a plain tensor in
+    the slot of the DTensor shard during forward / backward) is the TP-local tensor whole."""
+    if record.dp_sharded and not isinstance(tensor, DTensor):
+        return replace(record, dp_sharded=False)
+    return record
+
+
+def _repair(root) -> None:
+    """Give every tensor under `root` that lost its record (replaced in its slot) its slot's record."""
+    for module in root.modules():
+        table = _table(module)
+        if not table:
+            continue
+        for name, p in module._parameters.items():
+            if p is not None and getattr(p, _ATTR, None) is None and name in table:
+                setattr(p, _ATTR, _held(table[name], p))
+
+
+def _recover(param, *, strict):
+    """The record of a parameter that does not carry one, from the table of the module holding it
+    in a parallelized model (repairing every tensor of that model); None where it is in none."""
+    if not isinstance(param, torch.Tensor):
+        return None
+    for root in list(_HOLDERS):
+        table = _table(root)
+        if table is None or not table.root:
+            continue
+        for qualified, module in root.named_modules():
+            for name, p in module._parameters.items():
+                if p is not param:
+                    continue
+                _repair(root)
+                record = getattr(param, _ATTR, None)
+                if record is None and strict:
+                    where = f"{qualified}.{name}" if qualified else name
+                    raise PlacementError(
+                        f"parameter {where!r} of the parallelized {type(root).__name__} has no placement record: "
+                        "it was added or replaced after tplayers placed the model, by code that did not place it, "
+                        "so tplayers cannot tell how it is split across ranks (and will not assume it replicated). "
+                        "Add it before parallelize, or give it a record with tplayers.placement.set_placement"
+                    )
+                return record
+    return None
+
+
+def _shared(value, memo) -> None:
+    """Put the process groups and meshes in `value` into `memo` as themselves: shared, never copied."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(value, dist.ProcessGroup | DeviceMesh):
+        memo[id(value)] = value
+    elif isinstance(value, dict):
+        for item in value.values():
+            _shared(item, memo)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _shared(item, memo)
+
+
+class SharesGroups:
+    """A module mixin: `copy.deepcopy` shares its process groups and meshes (they cannot be copied,
+    and a copy of a layer computes over the same ranks) and keeps its parameters' records."""
+
+    def __deepcopy__(self, memo):
+        for value in self.__dict__.values():
+            _shared(value, memo)
+        copy = self.__class__.__new__(self.__class__)
+        memo[id(self)] = copy
+        for key, value in self.__dict__.items():
+            copy.__dict__[key] = deepcopy(value, memo)
+        return copy
+
+
+class PlacedModule(SharesGroups, nn.Module):
     """A module whose parameters carry placements over `self.group`, as listed in `_placements`
     ({parameter name: Shard(dim) | Replicate()}). They stay attached when the parameters are
     replaced (load_state_dict(assign=True)) or the module is deep-copied (the copy shares the
@@ -147,6 +289,7 @@ class PlacedModule(nn.Module):
             param = getattr(self, name, None)
             if param is not None:  # a data-parallel record already there is kept
                 update_placement(param, group=self.group, placement=placement)
+        seal(self)
 
     def _keep_placements(self):
         """Tag the parameters now and after every load_state_dict."""
@@ -154,11 +297,7 @@ class PlacedModule(nn.Module):
         self.register_load_state_dict_post_hook(self._tag_parameters)
 
     def __deepcopy__(self, memo):
-        memo[id(self.group)] = self.group
-        copy = self.__class__.__new__(self.__class__)
-        memo[id(self)] = copy
-        for key, value in self.__dict__.items():
-            copy.__dict__[key] = deepcopy(value, memo)
+        copy = super().__deepcopy__(memo)
         copy._tag_parameters()  # Parameter.__deepcopy__ drops Python attributes
         return copy
 

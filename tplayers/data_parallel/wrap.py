@@ -46,7 +46,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from tplayers.data_parallel.compress import Compression, Compressor, compressed_mean
 from tplayers.distributed import resolve_group
 from tplayers.functional import comm
-from tplayers.placement import TIED_ACROSS_STAGES, get_placement, refuse_overlap, update_placement
+from tplayers.placement import TIED_ACROSS_STAGES, get_placement, refuse_overlap, seal, update_placement
 
 STAGES = (0, 1, 2, 3)
 _WRAPPED = "_tplayers_data_parallel"  # (group, stage) on a wrapped module
@@ -264,6 +264,8 @@ def data_parallel(
         if _stale_hook is None:
             _stale_hook = register_optimizer_step_pre_hook(_refuse_stale_optimizer)
     setattr(module, _WRAPPED, (pg, zero_stage))
+    if any(get_placement(p) is not None for p in module.parameters()):
+        seal(module)  # the records of FSDP2's new parameters, kept by their modules
     return module
 
 

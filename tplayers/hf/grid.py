@@ -59,7 +59,7 @@ from tplayers.nn.grid import GridLinear, grid_groups
 from tplayers.nn.grid_attention import grid_head_split
 from tplayers.nn.mlp import ParallelMLP, fuse_gate_up, unfuse_gate_up
 from tplayers.nn.norm import ParallelRMSNorm
-from tplayers.placement import get_placement, set_placement, shard_range, update_placement
+from tplayers.placement import placement_or_none, seal, set_placement, shard_range, update_placement
 
 
 def _refuse(name, why):
@@ -286,7 +286,7 @@ def parallelize_grid(model, mesh, *, sequence_parallel=False, plan=None, vocab_p
                 _refuse(f"{name}.{child}", f"{type(module).__name__} is not part of the 2-D layout")
     _edge_hooks(blocks, groups, hidden, sequence_parallel)
     for p in model.parameters():
-        if get_placement(p) is None:  # embeddings, final norm, LM head: whole on every rank
+        if placement_or_none(p) is None:  # embeddings, final norm, LM head: whole on every rank
             set_placement(p, whole, Replicate())
         else:
             update_placement(p, tp_all=whole)
@@ -295,6 +295,7 @@ def parallelize_grid(model, mesh, *, sequence_parallel=False, plan=None, vocab_p
     setattr(model, ORIGINAL_KEYS, keys)
     setattr(model, TIED, edges.tied)
     edges.release()
+    seal(model)
     if probe is not None:
         verification.check(reference, verification.logits(model, probe), group=whole,
                            vocab_parallel=vocab_parallel_logits)  # fmt: skip

@@ -52,7 +52,7 @@ from tplayers.hf.fused import MultiQueryProjection, ReplicatedKVProjection
 from tplayers.hf.shard import copy_in, on_device
 from tplayers.hf.state_dict import EXPORTS, ORIGINAL_KEYS, TIED
 from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear
-from tplayers.placement import get_placement, set_placement
+from tplayers.placement import placement_or_none, seal, set_placement
 
 WEIGHT_MAP = "_tplayers_weight_map"  # on a swapped layer: (dim, the HF rows / columns it holds)
 SIMPLE_INITS = (True, False, "gaussian")  # the ones that do not read the base weight
@@ -131,7 +131,7 @@ def _whole(param, group, partial: bool):
 
     if partial:
         _summed_grads([param], group)
-    elif get_placement(param) is None:
+    elif placement_or_none(param) is None:
         set_placement(param, group, Replicate())
 
 
@@ -255,6 +255,7 @@ def shard_adapter(layer, adapter):
             p.requires_grad_(trainable)
     layer.lora_A[adapter], layer.lora_B[adapter] = new_a, new_b
     _dropout(layer, adapter, base)
+    seal(layer)
 
 
 def _map(base, dim):
@@ -446,6 +447,7 @@ def parallelize_peft(model, layers: dict, shard, *, group, verify, **kwargs):
     setattr(model, EXPORTS, live_records(model, hf_prefix, records))
     setattr(model, ORIGINAL_KEYS, root_keys)
     setattr(model, TIED, {hf_prefix + k: hf_prefix + v for k, v in getattr(hf, TIED, {}).items()})
+    seal(model)
     if probe is not None:
         verification.check(reference, verification.logits(model, probe), group=group, vocab_parallel=False)
     return model

@@ -39,7 +39,7 @@ from tplayers.hf.pipeline_split import SEQUENCE_PARALLEL
 from tplayers.hf.shard import ShardingPass, replace_hidden
 from tplayers.hf.state_dict import EXPORTS, ORIGINAL_KEYS, TIED
 from tplayers.nn.grid import is_grid
-from tplayers.placement import get_placement, set_placement
+from tplayers.placement import placement_or_none, seal, set_placement
 
 
 def _check_sequence(hidden, n):
@@ -80,14 +80,14 @@ def _sequence_parallel_hooks(model, group, blocks):
             else gather_from_tp_region(out, group, dim=1)
         )
     )
-    _summed_grads([p for block in blocks for p in block.parameters() if get_placement(p) is None], group)
+    _summed_grads([p for block in blocks for p in block.parameters() if placement_or_none(p) is None], group)
 
 
 def _summed_grads(params, group):
     """Replicated parameters whose gradient each rank holds only part of: tagged Replicate and
     summed over the group as the gradient is computed, so every rank holds the whole of it."""
     for p in params:
-        if get_placement(p) is None and p.requires_grad:
+        if placement_or_none(p) is None and p.requires_grad:
             set_placement(p, group, Replicate(), grad_summed=True)
             p.register_hook(lambda g: _summed(g, group))
 
@@ -200,7 +200,7 @@ def _parallelize(
     if sequence_parallel:
         _sequence_parallel_hooks(model, group, blocks)
     for p in model.parameters():  # everything else is whole on every rank, with its whole gradient
-        if get_placement(p) is None:
+        if placement_or_none(p) is None:
             set_placement(p, group, Replicate())
     setattr(model, SEQUENCE_PARALLEL, group if sequence_parallel else None)  # for pipeline_split
     setattr(model, EXPORTS, parallelizer.exports)
@@ -208,6 +208,7 @@ def _parallelize(
     setattr(model, TIED, parallelizer.tied)
     lora.record_weight_maps(model, parallelizer.exports)  # what adapters added later follow
     parallelizer.release()  # the export records outlive the pass: they must not hold the model
+    seal(model)
     if probe is not None:
         sharded = verification.logits(model, probe)
         verification.check(reference, sharded, group=group, vocab_parallel=vocab_parallel_logits)

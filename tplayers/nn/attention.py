@@ -31,7 +31,7 @@ from tplayers.functional.auto_overlap import check_overlap
 from tplayers.functional.collectives import copy_to_tp_region
 from tplayers.functional.linear import column_parallel_linear
 from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear, _ParallelLinear
-from tplayers.placement import even_sizes, shard_range
+from tplayers.placement import SharesGroups, even_sizes, shard_range
 
 
 class ReplicatedLinear(_ParallelLinear):
@@ -140,7 +140,7 @@ def _splits_evenly(num_heads, num_kv_heads, tp) -> bool:
     return num_heads % tp == 0 and (num_kv_heads % tp == 0 or tp % num_kv_heads == 0)
 
 
-class ParallelAttention(nn.Module):
+class ParallelAttention(SharesGroups, nn.Module):
     """Causal self-attention with its heads split over `group` (MHA, GQA, MQA).
 
     Shapes (n = TP size, D = head_dim, Hq / Hkv = num_heads / num_kv_heads):

@@ -45,7 +45,7 @@ from tplayers.functional.auto_overlap import check_overlap
 from tplayers.functional.collectives import all_gather_sequence, copy_to_tp_region, own_slice
 from tplayers.functional.linear import row_parallel_linear
 from tplayers.nn.linear import _full_linear_init, check_input, tokens_as_sequence
-from tplayers.placement import set_placement, shard_sizes
+from tplayers.placement import SharesGroups, seal, set_placement, shard_sizes
 
 AXES = ("tp_r", "tp_c")
 
@@ -78,7 +78,7 @@ def grid_groups(mesh: DeviceMesh) -> dict:
     return {axis: mesh.get_group(axis) for axis in AXES}
 
 
-class GridLinear(nn.Module):
+class GridLinear(SharesGroups, nn.Module):
     """y = x W^T + b with W split over both axes of a 2-D mesh (module docstring)."""
 
     def __init__(self, in_features, out_features, bias=True, *, mesh, out_axis="tp_r", overlap="auto",
@@ -128,9 +128,10 @@ class GridLinear(nn.Module):
         set_placement(self.weight, self.out_group, Shard(0), grid=((self.in_group, Shard(1)),))
         if bias is None:
             self.register_parameter("bias", None)
-            return
-        self.bias = nn.Parameter(own_slice(bias, 0, self.out_group, self.out_unit).to(device=device, copy=True))
-        set_placement(self.bias, self.out_group, Shard(0))
+        else:
+            self.bias = nn.Parameter(own_slice(bias, 0, self.out_group, self.out_unit).to(device=device, copy=True))
+            set_placement(self.bias, self.out_group, Shard(0))
+        seal(self)  # the module keeps the records: a tensor assigned in their place gets them back
 
     @tokens_as_sequence
     def forward(self, x):

@@ -25,7 +25,7 @@ from torch import nn
 from tplayers.functional.collectives import all_gather_sequence, copy_to_tp_region
 from tplayers.nn.attention import add_rope, attend, head_dims
 from tplayers.nn.grid import GridLinear, grid_groups
-from tplayers.placement import shard_sizes
+from tplayers.placement import SharesGroups, shard_sizes
 
 
 def grid_head_split(num_heads, num_kv_heads, r, where) -> tuple[list, list]:
@@ -45,7 +45,7 @@ def grid_head_split(num_heads, num_kv_heads, r, where) -> tuple[list, list]:
     return heads, kv_heads
 
 
-class GridAttention(nn.Module):
+class GridAttention(SharesGroups, nn.Module):
     """Causal self-attention over a tp_r x tp_c grid: x (B, S, H / c) -> y (B, S, H / c), the
     hidden features split over tp_c (module docstring). Arguments as `ParallelAttention`'s, the
     grid as `mesh`; with sequence_parallel=True x and y are (B, S / r, H / c). From an HF LlamaAttention:

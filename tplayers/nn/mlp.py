@@ -36,6 +36,7 @@ from tplayers.nn.linear import (
     refuse_own_forward,
     tokens_as_sequence,
 )
+from tplayers.placement import SharesGroups
 
 ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh")
 
@@ -60,7 +61,7 @@ def _weights(linear):
     return linear.weight.detach(), (linear.bias.detach() if linear.bias is not None else None)
 
 
-class ParallelMLP(nn.Module):
+class ParallelMLP(SharesGroups, nn.Module):
     """down(act(x W_in^T + b_in)) with W_in column-parallel and W_down row-parallel over `group`.
 
     activation="swiglu": Llama's down(silu(gate(x)) * up(x)), gate and up fused into one GEMM (see

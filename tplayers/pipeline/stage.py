@@ -12,7 +12,7 @@ from torch import nn
 
 from tplayers.distributed import resolve_group
 from tplayers.functional import comm
-from tplayers.placement import TIED_ACROSS_STAGES, get_placement, refuse_overlap, update_placement
+from tplayers.placement import TIED_ACROSS_STAGES, get_placement, refuse_overlap, seal, update_placement
 
 
 def _counted_sends(get_ops, group):
@@ -75,6 +75,7 @@ class PipelineStage:
                 update_placement(p, counted_by_another_stage=True)
         if self.tied:
             setattr(module, TIED_ACROSS_STAGES, True)
+        seal(module)
 
     def reset(self):
         """A new torch stage: it infers the shapes it receives and sends from its first step, so
