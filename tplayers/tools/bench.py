@@ -2,6 +2,11 @@
 (keyed by op, provider, mode, shape, device, version) and one PNG.
 
     tplayers bench [--quick] [--only linear --only amp] [--out bench/out] [--bench-dir bench]
+    tplayers bench --kernels [--quick] [--out bench/out]
+
+`--kernels` runs bench/kernels.py alone: every Triton kernel against torch's own op on one CUDA
+GPU (checked, then timed with triton.testing.do_bench), into `<out>/kernels/` (its CSV, PNG and
+table; no merged bench.csv). Without a GPU it refuses.
 
 Each script runs in its own process, as it would by hand (linear.py under torchrun with one rank
 per GPU when two or more GPUs are visible, else on local CPU ranks), and writes its own CSV and
@@ -46,6 +51,9 @@ RATIO_OF = {
 
 def add_arguments(parser) -> None:
     parser.add_argument("--quick", action="store_true", help="small shapes, few repetitions (a smoke run)")
+    parser.add_argument(
+        "--kernels", action="store_true", help="only bench/kernels.py: each Triton kernel against torch's op on a GPU"
+    )
     parser.add_argument("--only", action="append", choices=SCRIPTS, help="run only these scripts (repeatable)")
     parser.add_argument("--reps", type=int, help="timed rounds, passed to every script")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: <bench-dir>/out)")
@@ -61,9 +69,9 @@ def add_arguments(parser) -> None:
                              "~/.cache/tplayers/overlap_costs.json")  # fmt: skip
 
 
-def _bench_dir(given) -> Path:
+def _bench_dir(given, scripts=SCRIPTS) -> Path:
     path = given if given is not None else Path(__file__).resolve().parents[2] / "bench"
-    missing = [s for s in SCRIPTS if not (path / f"{s}.py").is_file()]
+    missing = [s for s in scripts if not (path / f"{s}.py").is_file()]
     if missing:
         raise ValueError(f"no benchmark scripts {missing} in {path}: run from a checkout or pass --bench-dir")
     return path
@@ -196,7 +204,25 @@ def summary(rows: list) -> str:
     return "\n".join(lines)
 
 
+def run_kernels(args) -> int:
+    """`--kernels`: bench/kernels.py alone on this machine's CUDA GPU, into <out>/kernels/."""
+    if args.only or args.reps or args.calibrate:
+        raise ValueError("--kernels runs bench/kernels.py alone, timed by triton.testing.do_bench: "
+                         "leave out --only, --reps and --calibrate")  # fmt: skip
+    import torch
+
+    if not torch.cuda.is_available():  # refused here, before a subprocess, with the CLI's exit code 2
+        raise ValueError("--kernels times the Triton kernels on a CUDA GPU and none is visible here")
+    bench_dir = _bench_dir(args.bench_dir, ("kernels",))
+    out = (args.out if args.out is not None else bench_dir / "out") / "kernels"
+    command = _command(bench_dir / "kernels.py", args, out)
+    print(f"== kernels: {' '.join(command)}", flush=True)
+    return subprocess.run(command, cwd=bench_dir).returncode
+
+
 def run(args) -> int:
+    if args.kernels:
+        return run_kernels(args)
     if args.calibrate:
         from tplayers.tools import calibrate
 

@@ -78,7 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     from tplayers.tools import bench as bench_cli
     from tplayers.tools import compile_report
 
-    bench = sub.add_parser("bench", help="run the benchmark scripts in bench/ into one CSV and PNG")
+    bench = sub.add_parser(
+        "bench",
+        help="run the benchmark scripts in bench/ into one CSV and PNG (--kernels: Triton against torch on a GPU)",
+    )
     bench_cli.add_arguments(bench)
     bench.set_defaults(run=bench_cli.run)
 

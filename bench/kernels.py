@@ -1,0 +1,460 @@
+"""Benchmark: every Triton kernel in kernels/ against torch's own op, on one CUDA GPU.
+
+Pairs, each checked (the Triton result against torch's, with tplayers.tolerances' table for the
+dtype of torch's output) and then timed with triton.testing.do_bench (median):
+    matmul              matmul(a, w, epilogue) against F.linear with the epilogue in torch ops:
+                        plain, bias + gelu_tanh, bias + silu + residual, and the fused SwiGLU
+                        output (F.linear, then silu(y[:, 0::2]) * y[:, 1::2]); bf16 and fp16
+    swiglu              swiglu(gate, up) on the halves of one [gate | up] buffer against
+                        F.silu(gate) * up; swiglu_backward on ParallelMLP's interleaved columns
+                        against what autograd runs (dh * silu(g), aten.silu_backward(dh * u, g))
+    grad_stats          unscale_and_stats_ over the gradients of a ~100M-parameter decoder
+                        against torch's unscale op and its multi-tensor vector norms (p = 1, 2,
+                        inf: torch._foreach_norm) with the isfinite check, i.e.
+                        unscale_and_stats_ref; fp32 and fp16 (torch's unscale op has no CUDA
+                        bf16 kernel); checked with inv_scale 2**-16, timed with 1.0 so that
+                        repeated calls leave the gradients as they were
+    vocab_ce            vocab_ce_stats + the loss from its columns against F.cross_entropy
+                        (reduction="none", label smoothing 0.1: every column is used)
+torch runs each op in the inputs' dtype, as eager code does.
+
+    python bench/kernels.py [--quick] [--out bench/out/kernels]      (or: tplayers bench --kernels)
+
+Writes <out>/kernels.csv and <out>/kernels.png (triton / torch time per pair) and prints a
+table. Ratios below 1 favour Triton. TFLOP/s counts 2 M N K per GEMM; GB/s counts the least
+traffic of the op (each input read once, each output written once), the same bytes for both
+providers. Exits 2 without a CUDA GPU, 1 if a pair disagrees beyond the tolerance.
+"""
+
+import argparse
+import importlib.metadata
+import importlib.util
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _import_from_checkout():
+    """Make tplayers importable from this checkout when it is not installed (`python
+    bench/kernels.py`, or PYTHONPATH=.): the repo root on sys.path, and tplayers.kernels, which
+    setuptools maps from the top-level kernels/ (package-dir), loaded from there under its
+    installed name. Not as `kernels`: this script's own folder comes first on sys.path."""
+    if importlib.util.find_spec("tplayers") is None:
+        sys.path.insert(0, str(ROOT))
+    if importlib.util.find_spec("tplayers.kernels") is not None:
+        return
+    spec = importlib.util.spec_from_file_location(
+        "tplayers.kernels", ROOT / "kernels" / "__init__.py", submodule_search_locations=[str(ROOT / "kernels")]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["tplayers.kernels"] = module
+    spec.loader.exec_module(module)
+
+
+_import_from_checkout()
+
+from amp import Decoder  # noqa: E402  (bench/amp.py: the gradient list of a decoder)
+from linear import figure, save_figure, write_csv  # noqa: E402  (bench/linear.py: CSV, figures)
+from tplayers.kernels.grad_stats_ref import unscale_and_stats_ref  # noqa: E402
+from tplayers.kernels.vocab_ce_ref import MAX, SUM, SUMEXP, TARGET  # noqa: E402
+
+from tplayers.tolerances import tolerance  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Shapes:
+    gemms: tuple  # (M, N, K): a (M, K) @ w (N, K)^T
+    swiglu: tuple  # (M, N): tokens, FFN columns per rank
+    grads: Decoder  # whose parameters' gradients grad_stats reads
+    vocab: tuple  # (R, V): rows (tokens), vocabulary
+    warmup_ms: int  # do_bench's warmup and rep, per provider of each pair
+    rep_ms: int
+
+
+SHAPES = Shapes(
+    # square GEMMs, and a Llama-7B MLP up-projection at TP 2 (ffn 11008 / 2: N is no power of 2)
+    gemms=((4096, 4096, 4096), (8192, 8192, 8192), (8192, 5504, 4096)),
+    swiglu=((8192, 14336), (16384, 5504)),
+    grads=Decoder("100m", hidden=768, layers=8, ffn=2048, kv_hidden=768, vocab=32000),  # 105.8M elements
+    vocab=((8192, 32000), (4096, 128256)),  # Llama 2 and Llama 3 vocabularies
+    warmup_ms=10,
+    rep_ms=50,
+)
+QUICK_SHAPES = Shapes(
+    gemms=((1024, 1536, 512),),
+    swiglu=((1024, 2048),),
+    grads=Decoder("tiny", hidden=128, layers=2, ffn=344, kv_hidden=64, vocab=4096),
+    vocab=((1024, 32000),),
+    warmup_ms=5,
+    rep_ms=10,
+)
+GEMM_DTYPES = (torch.bfloat16, torch.float16)
+# name -> (bias, activation, residual, swiglu): the fused epilogues of kernels/matmul.py
+EPILOGUES = {
+    "": (False, None, False, False),
+    "+bias+gelu_tanh": (True, "gelu_tanh", False, False),
+    "+bias+silu+residual": (True, "silu", True, False),
+    "+swiglu": (False, None, False, True),
+}
+# torch's unscale op (torch._amp_foreach_non_finite_check_and_unscale_) has no CUDA bf16 kernel
+# (torch 2.11): with bf16 gradients there is no torch op to compare against.
+GRAD_DTYPES = (torch.float32, torch.float16)
+LABEL_SMOOTHING = 0.1
+NO_GPU = (
+    "no CUDA GPU is visible (torch.cuda.is_available() is False): this times the Triton kernels on one; "
+    "on a CPU they would run in Triton's interpreter, which times numpy, not Triton"
+)
+LOSS_SCALE = 2.0**16
+FIELDS = (
+    "kernel", "op", "provider", "dtype", "shape", "time_ms", "tflops", "gbps", "ratio_to_torch", "max_abs_err",
+    "err_over_tol", "ok", "device", "torch", "triton",
+)  # fmt: skip
+
+
+@dataclass
+class Pair:
+    """The two providers of one case: each call runs the op once and returns its outputs."""
+
+    triton: Callable
+    torch: Callable
+    before_timing: Callable = lambda: None  # e.g. make an in-place op repeatable
+
+
+@dataclass(frozen=True)
+class Case:
+    kernel: str  # the module in kernels/
+    op: str  # what is timed
+    dtype: torch.dtype
+    shape: str
+    build: Callable  # (impl, device) -> Pair; impl: the Triton launchers (or, on CPU, the references)
+    flops: float = 0.0  # per call, for TFLOP/s
+    nbytes: float = 0.0  # per call, least traffic, for GB/s
+
+
+def _size(dtype):
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _randn(shape, dtype, device, gen, scale=1.0):
+    return (torch.randn(shape, generator=gen, device=device) * scale).to(dtype)
+
+
+# ---- the pairs ------------------------------------------------------------------------------
+
+
+def gemm_pair(M, N, K, dtype, epilogue, impl, device):
+    has_bias, activation, has_residual, swiglu = EPILOGUES[epilogue]
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = _randn((M, K), dtype, device, gen)
+    w = _randn((N, K), dtype, device, gen, scale=K**-0.5)  # outputs ~ N(0, 1), as a trained layer's
+    bias = _randn((N,), dtype, device, gen) if has_bias else None
+    residual = _randn((M, N), dtype, device, gen) if has_residual else None
+    act = {None: lambda y: y, "gelu_tanh": partial(F.gelu, approximate="tanh"), "silu": F.silu}[activation]
+
+    def triton_fn():
+        if swiglu:
+            h = torch.empty((M, N // 2), device=device, dtype=dtype)
+            return impl.matmul(a, w, swiglu_out=h), h
+        return impl.matmul(a, w, bias=bias, activation=activation, residual=residual)
+
+    def torch_fn():
+        y = act(F.linear(a, w, bias))
+        if swiglu:  # the fused GEMM's columns alternate gate, up
+            return y, F.silu(y[:, 0::2]) * y[:, 1::2]
+        return y + residual if has_residual else y
+
+    return Pair(triton_fn, torch_fn)
+
+
+def swiglu_pair(M, N, dtype, impl, device):
+    gen = torch.Generator(device=device).manual_seed(0)
+    y = _randn((M, 2 * N), dtype, device, gen)
+    gate, up = y[:, :N], y[:, N:]  # the halves of one [gate | up] GEMM output, read in place
+    return Pair(lambda: impl.swiglu(gate, up), lambda: F.silu(gate) * up)
+
+
+def swiglu_backward_pair(M, N, dtype, impl, device):
+    gen = torch.Generator(device=device).manual_seed(0)
+    y = _randn((M, 2 * N), dtype, device, gen)
+    dh = _randn((M, N), dtype, device, gen)
+    gate, up = y[:, 0::2], y[:, 1::2]  # ParallelMLP's interleaved columns
+    dy = torch.empty_like(y)
+
+    def triton_fn():
+        return impl.swiglu_backward(dh, gate, up, dgate=dy[:, 0::2], dup=dy[:, 1::2])
+
+    def torch_fn():  # what autograd runs for F.silu(gate) * up
+        return torch.ops.aten.silu_backward(dh * up, gate), dh * F.silu(gate)
+
+    return Pair(triton_fn, torch_fn)
+
+
+def grad_stats_pair(decoder, dtype, impl, device):
+    gen = torch.Generator(device=device).manual_seed(0)
+    # Gradients of a loss scaled by 2**16 (as bench/amp.py): ~65 in magnitude, fine in fp16.
+    grads = [_randn(shape, dtype, device, gen, scale=1e-3 * LOSS_SCALE) for shape in decoder.shapes()]
+    mine = [g.clone() for g in grads]  # each provider unscales its own copy
+    inv_scale = torch.full((1,), 1 / LOSS_SCALE, device=device)
+
+    def triton_fn():
+        return (*impl.unscale_and_stats_(mine, inv_scale), *mine)
+
+    def torch_fn():
+        return (*unscale_and_stats_ref(grads, inv_scale), *grads)
+
+    return Pair(triton_fn, torch_fn, before_timing=lambda: inv_scale.fill_(1.0))
+
+
+def vocab_ce_pair(R, V, dtype, impl, device):
+    gen = torch.Generator(device=device).manual_seed(0)
+    logits = _randn((R, V), dtype, device, gen, scale=2.0)
+    target = torch.randint(V, (R,), generator=gen, device=device)
+    eps = LABEL_SMOOTHING
+
+    def triton_fn():
+        stats = impl.vocab_ce_stats(logits, target)
+        lse = stats[:, MAX] + stats[:, SUMEXP].log()
+        return (1 - eps) * (lse - stats[:, TARGET]) + eps * (lse - stats[:, SUM] / V)
+
+    def torch_fn():
+        return F.cross_entropy(logits, target, reduction="none", label_smoothing=eps)
+
+    return Pair(triton_fn, torch_fn)
+
+
+def cases(shapes):
+    """Every pair of `shapes`, in the order they run."""
+    out = []
+    for dtype in GEMM_DTYPES:
+        for epilogue in EPILOGUES:
+            for M, N, K in shapes.gemms:
+                out.append(Case("matmul", f"matmul{epilogue}", dtype, f"M{M} N{N} K{K}",
+                                partial(gemm_pair, M, N, K, dtype, epilogue), flops=2.0 * M * N * K))  # fmt: skip
+    # reads + writes of (M, N) tensors: forward gate, up -> h; backward dh, gate, up -> dgate, dup
+    for op, pair, passes in (("swiglu", swiglu_pair, 3), ("swiglu_backward", swiglu_backward_pair, 5)):
+        for dtype in GEMM_DTYPES:
+            for M, N in shapes.swiglu:
+                nbytes = passes * M * N * _size(dtype)
+                out.append(Case("swiglu", op, dtype, f"M{M} N{N}", partial(pair, M, N, dtype), nbytes=nbytes))
+    numel = sum(torch.Size(s).numel() for s in shapes.grads.shapes())
+    for dtype in GRAD_DTYPES:
+        out.append(Case(
+            "grad_stats", "unscale_and_stats_", dtype, f"{len(shapes.grads.shapes())} tensors, {numel / 1e6:.1f}M",
+            partial(grad_stats_pair, shapes.grads, dtype), nbytes=2 * numel * _size(dtype),
+        ))  # fmt: skip
+    for dtype in (torch.bfloat16, torch.float32):
+        for R, V in shapes.vocab:
+            out.append(Case("vocab_ce", "vocab_ce_stats+loss", dtype, f"R{R} V{V}", partial(vocab_ce_pair, R, V, dtype),
+                            nbytes=R * V * _size(dtype)))  # fmt: skip
+    return out
+
+
+# ---- checking, timing, rows -----------------------------------------------------------------
+
+
+def _outputs(result):
+    return result if isinstance(result, tuple | list) else (result,)
+
+
+def compare(got, want):
+    """(max |got - want|, max |got - want| / (atol + rtol |want|)) over every pair of outputs, with
+    the tolerance of want's dtype; equal values (infs, and nan on both sides) count as equal, nan on
+    one side as a mismatch."""
+    worst_abs, worst_ratio = 0.0, 0.0
+    for g, w in zip(_outputs(got), _outputs(want), strict=True):
+        if w.numel() == 0:
+            continue
+        tol = tolerance(w.dtype)
+        g, w = g.float(), w.float()
+        same = (g == w) | (g.isnan() & w.isnan())
+        diff = torch.where(same, 0.0, (g - w).abs())
+        ratio = torch.where(same, 0.0, diff / (tol["atol"] + tol["rtol"] * w.abs()))
+        worst_abs = max(worst_abs, diff.max().item(), key=_nan_last)
+        worst_ratio = max(worst_ratio, ratio.max().item(), key=_nan_last)
+    return worst_abs, worst_ratio
+
+
+def _nan_last(x):
+    """Sort key under which nan is larger than any number (so max() keeps a nan)."""
+    return (x != x, x)
+
+
+def do_bench_timer(warmup_ms, rep_ms):
+    """ms of one call: triton.testing.do_bench's median (it flushes L2 between calls)."""
+    from triton.testing import do_bench
+
+    return lambda fn: do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def wall_clock_timer(reps=3):
+    """ms of one call, median of `reps` (the CPU path, where there is no do_bench)."""
+
+    def timer(fn):
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - start))
+        return statistics.median(times)
+
+    return timer
+
+
+def bench_case(case, impl, device, timer):
+    """Check then time one case: its two rows, triton's then torch's."""
+    pair = case.build(impl, device)
+    max_abs, over = compare(pair.triton(), pair.torch())
+    pair.before_timing()
+    ms = {"triton": timer(pair.triton), "torch": timer(pair.torch)}
+    rows = []
+    for provider, t in ms.items():
+        rows.append({
+            "kernel": case.kernel, "op": case.op, "provider": provider, "dtype": str(case.dtype).removeprefix("torch."),
+            "shape": case.shape, "time_ms": t, "tflops": case.flops / t / 1e9 if case.flops else "",
+            "gbps": case.nbytes / t / 1e6 if case.nbytes else "", "ratio_to_torch": t / ms["torch"],
+            "max_abs_err": max_abs, "err_over_tol": over, "ok": over <= 1.0,  # nan: not ok
+        })  # fmt: skip
+    return rows
+
+
+def triton_kernels():
+    from tplayers.kernels.grad_stats import unscale_and_stats_
+    from tplayers.kernels.matmul import matmul
+    from tplayers.kernels.swiglu import swiglu, swiglu_backward
+    from tplayers.kernels.vocab_ce import vocab_ce_stats
+
+    return SimpleNamespace(matmul=matmul, swiglu=swiglu, swiglu_backward=swiglu_backward,
+                           unscale_and_stats_=unscale_and_stats_, vocab_ce_stats=vocab_ce_stats)  # fmt: skip
+
+
+def reference_kernels():
+    """The pure-torch `<op>_ref`s in the launchers' place: the whole pipeline without a GPU (tests)."""
+    from tplayers.kernels.matmul_ref import matmul_ref
+    from tplayers.kernels.swiglu_ref import swiglu_backward_ref, swiglu_ref
+    from tplayers.kernels.vocab_ce_ref import vocab_ce_stats_ref
+
+    return SimpleNamespace(matmul=matmul_ref, swiglu=swiglu_ref, swiglu_backward=swiglu_backward_ref,
+                           unscale_and_stats_=unscale_and_stats_ref, vocab_ce_stats=vocab_ce_stats_ref)  # fmt: skip
+
+
+def run(case_list, impl, device, timer, log=None):
+    """Every case's two rows; `log(triton_row, torch_row)` after each case."""
+    rows = []
+    for case in case_list:
+        rows += bench_case(case, impl, device, timer)
+        if log is not None:
+            log(*rows[-2:])
+    return rows
+
+
+# ---- reporting ------------------------------------------------------------------------------
+
+
+def _rate(row):
+    return f"{row['tflops']:.1f} TFLOP/s" if row["tflops"] != "" else f"{row['gbps']:.0f} GB/s"
+
+
+HEADER = (
+    f"{'op':<28}{'dtype':<10}{'shape':<30}{'triton ms':>10}{'torch ms':>10}{'tri/torch':>10}"
+    f"{'triton':>16}{'torch':>16}{'max abs err':>13}{'err/tol':>9}  ok"
+)
+FOOTNOTE = (
+    "(tri/torch < 1: Triton faster; err/tol: the largest |triton - torch| over atol + rtol |torch| from "
+    "tplayers.tolerances for torch's dtype, <= 1 passes)"
+)
+
+
+def _line(tri, ref):
+    return (
+        f"{tri['op']:<28}{tri['dtype']:<10}{tri['shape'][:29]:<30}{tri['time_ms']:10.3f}{ref['time_ms']:10.3f}"
+        f"{tri['ratio_to_torch']:10.3f}{_rate(tri):>16}{_rate(ref):>16}{tri['max_abs_err']:13.3g}"
+        f"{tri['err_over_tol']:9.3f}  {'yes' if tri['ok'] else 'NO'}"
+    )
+
+
+def print_table(rows):
+    """The table that main() prints as the cases run, for rows read back from a CSV."""
+    print(HEADER)
+    for tri, ref in zip(rows[0::2], rows[1::2], strict=True):
+        print(_line(tri, ref))
+    print(FOOTNOTE)
+
+
+def plot(rows, path):
+    """One panel per kernel: triton / torch time per op, dtype and shape (horizontal bars)."""
+    tri = [r for r in rows if r["provider"] == "triton"]
+    kernels = list(dict.fromkeys(r["kernel"] for r in tri))
+    counts = [sum(r["kernel"] == k for r in tri) for k in kernels]
+    fig, axes = figure(len(kernels), 1, figsize=(9, 1.2 + 0.28 * sum(counts) + 0.6 * len(kernels)), squeeze=False,
+                       gridspec_kw={"height_ratios": counts})  # fmt: skip
+    colours = {"bfloat16": "tab:blue", "float16": "tab:orange", "float32": "tab:green"}
+    for ax, kernel in zip(axes[:, 0], kernels, strict=True):
+        mine = [r for r in tri if r["kernel"] == kernel]
+        ys = range(len(mine))
+        ax.barh(ys, [r["ratio_to_torch"] for r in mine], color=[colours[r["dtype"]] for r in mine])
+        ax.set_yticks(ys, [f"{r['op']} {r['dtype']} {r['shape']}" for r in mine], fontsize="x-small")
+        ax.invert_yaxis()
+        ax.axvline(1.0, color="black", linewidth=0.8)
+        ax.set_title(f"{kernel}: triton time / torch time (lower is better)", fontsize="small")
+    fig.suptitle(f"tplayers kernels against torch, {rows[0]['device']}", fontsize="medium")
+    save_figure(fig, path)
+
+
+def version(package):
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="small shapes, short timing (smoke test)")
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out" / "kernels")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    refusal = None
+    if not torch.cuda.is_available():
+        refusal = NO_GPU
+    elif os.environ.get("TRITON_INTERPRET", "0") == "1":
+        refusal = "TRITON_INTERPRET=1 would run the kernels in Triton's interpreter: unset it"
+    if refusal:
+        print(f"bench/kernels.py: {refusal}", file=sys.stderr)
+        return 2
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    device = torch.device("cuda", torch.cuda.current_device())
+    info = dict(device=torch.cuda.get_device_name(device), torch=torch.__version__, triton=version("triton"))
+    print("Triton kernels against torch's ops, " + ", ".join(f"{k}={v}" for k, v in info.items()))
+    print(HEADER, flush=True)  # the rows follow as the cases run (the first GEMMs autotune and compile)
+    rows = run(cases(shapes), triton_kernels(), device, do_bench_timer(shapes.warmup_ms, shapes.rep_ms),
+               log=lambda tri, ref: print(_line(tri, ref), flush=True))  # fmt: skip
+    print(FOOTNOTE)
+    for row in rows:
+        row.update(info)
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_csv(rows, args.out / "kernels.csv", FIELDS)
+    plot(rows, args.out / "kernels.png")
+    print(f"\nwrote {args.out / 'kernels.csv'} and {args.out / 'kernels.png'}")
+    bad = [f"{r['op']} {r['dtype']} {r['shape']}" for r in rows if r["provider"] == "triton" and not r["ok"]]
+    if bad:
+        print(f"bench/kernels.py: Triton and torch differ beyond the tolerance on {', '.join(bad)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
