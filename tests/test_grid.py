@@ -8,13 +8,18 @@ import torch
 from torch import nn
 
 import tplayers
-from tplayers.functional.collectives import gather_from_tp_region, own_slice
+from tplayers.functional.collectives import gather_from_tp_region
 from tplayers.plan.grid import grid_mlp_bytes
-from tplayers.testing import RemoteError, assert_close
+from tplayers.testing import RemoteError, assert_close, shard_of
 
 pytestmark = pytest.mark.multirank
 
 GRIDS = [(2, 2), (1, 4), (4, 1)]
+
+
+def own_slice(t, dim, group, unit=1):
+    """This rank's slice as torch.chunk splits it (`shard_of`): the reference, not the library's split."""
+    return shard_of(t, dim, torch.distributed.get_rank(group), torch.distributed.get_world_size(group), unit)
 
 
 def pair(hidden, ffn, bias):
@@ -187,7 +192,7 @@ def test_options_a_grid_does_not_take_are_refused(pool):
 
 
 # -- an HF model on the grid ----------------------------------------------------------------------
-def hf_on_grid(rank, world, group, family, grid, zero_stage=None, sp=False, norms_over="tp_r"):
+def hf_on_grid(rank, world, group, family, grid, zero_stage=None, sp=False, norms_over=None):
     """A tiny Llama-style model through parallelize(group=2-D mesh): the state dict round trip,
     logits, loss, every gradient and every parameter after two clipped AdamW steps equal to the
     unsharded model's (and with ZeRO-3 over dp, and the sequence split over tp_r, when asked)."""
@@ -203,8 +208,8 @@ def hf_on_grid(rank, world, group, family, grid, zero_stage=None, sp=False, norm
     config = dict(num_key_value_heads=4) if grid[0] == 4 else {}  # 2 key/value heads leave 2 of 4 rows none
     reference = tiny_model(family, **config)
     model = tplayers.parallelize(tiny_model(family, **config), group=mesh, sequence_parallel=sp)
-    for module in model.modules():  # the negative control sums the norms' gradients over the wrong axis
-        if sp and isinstance(module, tplayers.ParallelRMSNorm):
+    for module in model.modules():  # the negative control (only) sums the norms' gradients over another axis
+        if sp and norms_over is not None and isinstance(module, tplayers.ParallelRMSNorm):
             module.sequence_group = mesh.get_group(norms_over)
     state = tplayers.gather_state_dict(model)
     assert list(state) == list(reference.state_dict())

@@ -205,3 +205,20 @@ def test_uneven_widths_ask_one_overlap_question(pool):
     the rank holding 48 of 97 found the 96-wide layer's entry and went on, while the one holding
     49 asked the group and waited. Every rank now asks about the widest rank's width."""
     pool.run(widths_in_turn, 2, timeout_s=60)
+
+
+@settings(max_examples=60)
+@given(total=st.integers(0, 300), n=st.integers(1, 16))
+def test_shard_sizes_are_torch_chunks_and_dtensor_shards(total, n):
+    """The library's split against torch's own: torch.chunk's pieces (padded with empty ranks) and
+    DTensor's Shard(0) local sizes, for drawn (size, ranks) pairs."""
+    from torch.distributed.tensor import Shard
+
+    from tplayers.placement import shard_range, shard_sizes
+
+    chunks = [c.numel() for c in torch.chunk(torch.arange(total), n)] if total else []
+    expected = chunks + [0] * (n - len(chunks))
+    assert shard_sizes(total, n) == expected
+    dtensor = [Shard(0)._local_shard_size_and_offset(total, n, r)[0] for r in range(n)]
+    assert shard_sizes(total, n) == dtensor
+    assert [shard_range(total, n, r) for r in range(n)] == [(sum(expected[:r]), expected[r]) for r in range(n)]

@@ -404,9 +404,14 @@ def check_tp_dp_training(rank, world, group):
     for step in range(3):
         full = _tp_dp_batches(step)
         mine = full.chunk(2)[dp_rank]
-        result = tplayers.train_step(
-            model, opt, mine.chunk(2), loss_fn, scaler=scaler, max_grad_norm=0.05, dp_group=dp_group
-        )
+        with tplayers.count_bytes() as sent:
+            result = tplayers.train_step(
+                model, opt, mine.chunk(2), loss_fn, scaler=scaler, max_grad_norm=0.05, dp_group=dp_group
+            )
+        # one averaging of the gradients over the 2 replicas per step, not one per micro-batch (the
+        # ring all-reduce sends 2 (n - 1) / n = 1 x their bytes; clipping and the scaler add a few numbers)
+        grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert grad_bytes <= sent.by_axis()["dp"] < 1.5 * grad_bytes, (sent.by_axis(), grad_bytes)
         loss = loss_fn(reference, full)
         loss.backward()
         norms.append((result.grad_norm, torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05).item()))
@@ -430,3 +435,37 @@ def test_tensor_and_data_parallel_train_step_matches_unsharded(pool):
         assert torch.equal(a, b)
     for a, b in zip(results[1], results[3], strict=True):
         assert torch.equal(a, b)
+
+
+def data_parallel_train_step_bytes(rank, world, group, zero_stage):
+    """TP 2 x DP 2 with tplayers.data_parallel: the dp bytes of one train_step of 3 micro-batches."""
+    from tplayers.testing.meshes import layout_mesh
+
+    mesh = layout_mesh(2, 1, 2)
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        tplayers.ColumnParallelLinear(HIDDEN, FFN, group=mesh["tp"]),
+        nn.GELU(approximate="tanh"),
+        tplayers.RowParallelLinear(FFN, HIDDEN, group=mesh["tp"]),
+    )
+    tplayers.data_parallel(model, group=mesh["dp"], zero_stage=zero_stage)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    batches = _tp_dp_batches(mesh["dp"].get_local_rank()).chunk(3, 1)
+    tplayers.train_step(model, opt, batches, lambda m, x: m(x).square().mean())  # warm-up (lazy init)
+    with tplayers.count_bytes() as sent:
+        tplayers.train_step(model, opt, batches, lambda m, x: m(x).square().mean())
+    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
+    return sent.by_axis()["dp"], 4 * local
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_data_parallel_train_step_reduces_once_per_step(pool, zero_stage):
+    """train_step's own byte count: the gradients cross the replicas once per step whatever the
+    micro-batches (a reduction per micro-batch would send 3 times as much)."""
+    for dp_bytes, grad_bytes in pool.run(data_parallel_train_step_bytes, 4, zero_stage, mesh=(2, 1, 2)):
+        # stage 0: a ring all-reduce of every gradient (2 (n - 1) / n = 1 x their bytes at n = 2);
+        # stage 2: the parameters all-gathered once and each gradient reduce-scattered once ((n - 1) / n
+        # of the whole each = 1 x the shard's bytes each)
+        once = 1 if zero_stage == 0 else 2
+        assert once * grad_bytes <= dp_bytes < (once + 0.5) * grad_bytes, (dp_bytes, grad_bytes)

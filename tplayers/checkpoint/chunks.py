@@ -19,7 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from tplayers.hf.pieces import Piece, split, whole
-from tplayers.hf.state_dict import export_records
+from tplayers.hf.state_dict import export_records, record_name, under_records
 from tplayers.placement import get_placement, local_tensor
 
 
@@ -160,15 +160,16 @@ def _pieces(model, records, rename, held) -> dict[str, list[Piece]]:
     out: dict[str, list[Piece]] = {}
     covered = []
     for prefix, _export, _load, pieces in records:
-        covered.append(prefix + ".")
+        covered.append(prefix)
         for piece in pieces():
             if held is None or id(piece.param) in held:
-                out.setdefault(f"{prefix}.{piece.key}", []).append(piece)
+                out.setdefault(record_name(prefix, piece.key), []).append(piece)
     params = {id(p) for p in model.parameters()}
     owners = {name.rpartition(".")[0] for name, p in model.named_parameters() if held is None or id(p) in held}
+    covered = frozenset(covered)
     for local, t in model.state_dict(keep_vars=True).items():
         name = rename(local)
-        if name.startswith(tuple(covered)):
+        if under_records(name, covered):
             continue
         if held is not None and (id(t) not in held if id(t) in params else local.rpartition(".")[0] not in owners):
             continue  # another stage's

@@ -27,7 +27,7 @@ from torch import nn
 from tplayers.checkpoint.chunks import chunked, model_pieces, parameters
 from tplayers.checkpoint.planners import CheckpointError
 from tplayers.hf import lora
-from tplayers.hf.state_dict import export_records
+from tplayers.hf.state_dict import export_records, record_name, under_records
 from tplayers.placement import covering_group, full_tensor, tensor_parallel_group
 
 SAFE_INDEX, SAFE_SINGLE = "model.safetensors.index.json", "model.safetensors"
@@ -243,11 +243,12 @@ def _full_tensors(model, names, tp_group):
     (the TP gathers are collectives over each record's group, in the same order on every rank)."""
     sharded = []
     for prefix, export, _, _ in export_records(model):
-        sharded.append(prefix + ".")
+        sharded.append(prefix)
         for key, tensor in export(lambda p: full_tensor(p.detach()), tp_group).items():
-            yield f"{prefix}.{key}", tensor
+            yield record_name(prefix, key), tensor
+    sharded = frozenset(sharded)
     for name, value in model.state_dict().items():
-        if not name.startswith(tuple(sharded)) and name in names:
+        if not under_records(name, sharded) and name in names:
             yield name, full_tensor(value)
 
 

@@ -22,11 +22,14 @@ import re
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import Shard
 
+from tplayers.functional.collectives import all_gather_any, own_slice
+from tplayers.hf import pieces
 from tplayers.hf.fused import ReplicatedKVProjection, codegen_rows, fused_column, multi_query_column, part_rows
-from tplayers.hf.shard import ShardingPass, on_device
+from tplayers.hf.shard import ShardingPass, copy_in, on_device
 from tplayers.nn.norm import ComputedRowsRMSNorm, ParallelRMSNorm
-from tplayers.placement import even_sizes, shard_range
+from tplayers.placement import even_sizes, set_placement, shard_range
 from tplayers.tolerances import TOLERANCES
 
 HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
@@ -98,6 +101,7 @@ def qkvo_attention(sp: ShardingPass, name, attn):
         {**dict.fromkeys(HEAD_COUNTS, heads // sp.n), **dict.fromkeys(KV_HEAD_COUNTS, local_kv), **widths},
     )
     _per_head_weights(sp, name, attn, head_dim, {"q_proj", "k_proj", "v_proj", out})
+    _held_per_head(sp, name, attn, heads, None)
     sp.shared_input.append(attn)
     sp.done.add(name)
 
@@ -160,8 +164,36 @@ def _qkvo_by_whole_heads(sp: ShardingPass, name, attn, out, head_dim, heads, kv_
         name, attn, {**dict.fromkeys(HEAD_COUNTS, local), **dict.fromkeys(KV_HEAD_COUNTS, local), **widths}
     )
     _per_head_weights(sp, name, attn, head_dim, {"q_proj", "k_proj", "v_proj", out})
+    _held_per_head(sp, name, attn, heads, sizes)
     sp.shared_input.append(attn)
     sp.done.add(name)
+
+
+def _held_per_head(sp: ShardingPass, name, attn, heads, sizes):
+    """Parameters the attention module holds itself with one entry per query head along dim 0
+    (attention sinks: gpt-oss, GraniteMoE-SWA, MiMo-V2-Flash, Flint; the forward reads them for
+    the heads it computes): cut to this rank's heads, split as the query heads are (`sizes`, or
+    evenly), placement Shard(0), exported under their own name. Anything else the module holds
+    directly is left to parallelize's rule for parameters inside sharded modules (a scalar's
+    gradient summed, anything else refused by name)."""
+    for key, p in list(attn._parameters.items()):
+        if p is None or p.dim() == 0 or p.shape[0] != heads or heads == 1:
+            continue
+        local = nn.Parameter(own_slice(p.detach(), 0, sp.group, 1, sizes).clone(), requires_grad=p.requires_grad)
+        setattr(attn, key, local)
+        set_placement(local, sp.group, Shard(0))
+
+        def export(pick, group, key=key):
+            value = pick(getattr(attn, key))
+            return {"": all_gather_any(value.contiguous(), 0, group)} if value is not None else {}
+
+        def load(full, key=key):
+            copy_in(getattr(attn, key), own_slice(full[""], 0, sp.group, 1, sizes))
+
+        def layout(key=key):
+            return [pieces.split("", getattr(attn, key), 0, sp.group, total=heads, sizes=sizes)]
+
+        sp.exports.append((f"{name}.{key}", export, load, layout))
 
 
 NORMS_OVER_PROJECTION = {"q_norm": "q_proj", "k_norm": "k_proj"}

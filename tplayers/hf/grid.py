@@ -53,6 +53,7 @@ from tplayers.hf import verify as verification
 from tplayers.hf.attention import HEAD_COUNTS, HIDDEN_WIDTHS, KV_HEAD_COUNTS, localize_attributes, rms_norm_eps
 from tplayers.hf.mlp import is_silu
 from tplayers.hf.pipeline_split import SEQUENCE_PARALLEL
+from tplayers.hf.same_inputs import check_same_inputs
 from tplayers.hf.shard import ShardingPass, copy_in, replace_hidden
 from tplayers.hf.state_dict import EXPORTS, ORIGINAL_KEYS, TIED
 from tplayers.nn.grid import GridLinear, grid_groups
@@ -146,7 +147,9 @@ class _GridPass:
 
     def swap(self, name, module):
         parent, _, child = name.rpartition(".")
-        setattr(self.model.get_submodule(parent) if parent else self.model, child, module)
+        owner = self.model.get_submodule(parent) if parent else self.model
+        module.train(getattr(owner, child).training)  # in the mode of the module it replaces
+        setattr(owner, child, module)
 
     def linear(self, name, module, out_axis, unit, **kwargs):
         if not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward:
@@ -263,8 +266,7 @@ def parallelize_grid(model, mesh, *, sequence_parallel=False, plan=None, vocab_p
         _refuse(type(model).__name__, "plan= is not supported on a grid yet")
     groups = grid_groups(mesh)
     whole = resolve_group(mesh)  # every tensor-parallel rank: the records' one TP group
-    probe = verification.probe_input(model, verify, dist.get_world_size(whole))
-    reference = verification.logits(model, probe) if probe is not None else None
+    probe = verification.before(model, verify, dist.get_world_size(whole), vocab_parallel=vocab_parallel_logits)
     keys = list(model.state_dict().keys())
     grid = _GridPass(model, mesh, overlap, sequence_parallel)
     # the edges as a 1-D pass over the flattened grid shards them: vocabulary-parallel
@@ -296,7 +298,6 @@ def parallelize_grid(model, mesh, *, sequence_parallel=False, plan=None, vocab_p
     setattr(model, TIED, edges.tied)
     edges.release()
     seal(model)
-    if probe is not None:
-        verification.check(reference, verification.logits(model, probe), group=whole,
-                           vocab_parallel=vocab_parallel_logits)  # fmt: skip
+    verification.after(probe, model, group=whole, vocab_parallel=vocab_parallel_logits)
+    check_same_inputs(model, whole)
     return model

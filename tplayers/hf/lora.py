@@ -49,6 +49,7 @@ from torch.distributed.tensor import Replicate
 from tplayers.functional.collectives import all_gather_any
 from tplayers.hf import pieces
 from tplayers.hf.fused import MultiQueryProjection, ReplicatedKVProjection
+from tplayers.hf.same_inputs import check_same_inputs
 from tplayers.hf.shard import copy_in, on_device
 from tplayers.hf.state_dict import EXPORTS, ORIGINAL_KEYS, TIED
 from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear
@@ -412,8 +413,7 @@ def parallelize_peft(model, layers: dict, shard, *, group, verify, **kwargs):
     for name, layer in layers.items():
         _check_layer(name, layer)
     n = dist.get_world_size(group)
-    probe = verification.probe_input(model, verify, n)
-    reference = verification.logits(model, probe) if probe is not None else None
+    probe = verification.before(model, verify, n)
     hf, hf_prefix = _inner_model(model)
     root_keys = list(model.state_dict().keys())
     for name, layer in layers.items():  # the plain HF model the sharding pass knows
@@ -448,8 +448,8 @@ def parallelize_peft(model, layers: dict, shard, *, group, verify, **kwargs):
     setattr(model, ORIGINAL_KEYS, root_keys)
     setattr(model, TIED, {hf_prefix + k: hf_prefix + v for k, v in getattr(hf, TIED, {}).items()})
     seal(model)
-    if probe is not None:
-        verification.check(reference, verification.logits(model, probe), group=group, vocab_parallel=False)
+    verification.after(probe, model, group=group)
+    check_same_inputs(hf)  # re-armed after the self-check: the user's first forward is checked
     return model
 
 

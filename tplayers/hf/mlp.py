@@ -155,6 +155,9 @@ def two_layer_mlp(sp: ShardingPass, name, module):
     first, second = two_layer_pair(module)
     sp.column(f"{name}.{first}", getattr(module, first))
     sp.row(f"{name}.{second}", getattr(module, second))
+    for child, act in module.named_children():  # the activation between them acts on split features
+        if "act" in child and any(True for _ in act.parameters()):
+            sp.done.add(f"{name}.{child}")
 
 
 def shared_expert_gate(sp: ShardingPass, name, module):

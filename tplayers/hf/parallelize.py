@@ -19,6 +19,7 @@ the replicated weights applied to sequence shards (norms) get their gradients su
 group, so every `.grad` is complete.
 """
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate
@@ -36,6 +37,7 @@ from tplayers.hf import families, lora
 from tplayers.hf import verify as verification
 from tplayers.hf.grid import parallelize_grid
 from tplayers.hf.pipeline_split import SEQUENCE_PARALLEL
+from tplayers.hf.same_inputs import check_same_inputs
 from tplayers.hf.shard import ShardingPass, replace_hidden
 from tplayers.hf.state_dict import EXPORTS, ORIGINAL_KEYS, TIED
 from tplayers.nn.grid import is_grid
@@ -81,6 +83,41 @@ def _sequence_parallel_hooks(model, group, blocks):
         )
     )
     _summed_grads([p for block in blocks for p in block.parameters() if placement_or_none(p) is None], group)
+    blocks_name = next(name for name, m in model.named_modules() if m is blocks)
+    base = model.get_submodule(blocks_name.rpartition(".")[0])
+    base.register_forward_hook(_whole_sequence_outputs(group, n), with_kwargs=True)
+
+
+def _whole_sequence_outputs(group, n):
+    """A forward hook on the model holding the blocks: under sequence parallelism the router
+    logits each MoE block records (and the hidden states each block outputs) cover only this
+    rank's part of the sequence. They leave the model whole, as unsharded (all-gathered along the
+    sequence; backward keeps this rank's part), so the auxiliary load-balancing loss the causal-LM
+    head computes from them (with its attention mask, shaped for the whole batch) is the
+    unsharded model's on every rank; the router's gradient is summed over the group like a norm's."""
+
+    def whole(t, batch, seq):
+        if not isinstance(t, torch.Tensor):
+            return t
+        if t.dim() == 2 and t.shape[0] * n == batch * seq:  # (tokens, experts): (batch, seq / n) flattened
+            return gather_from_tp_region(t.view(batch, seq // n, -1), group, dim=1).reshape(batch * seq, -1)
+        if t.dim() == 3 and t.shape[0] == batch and t.shape[1] * n == seq:  # (batch, seq / n, ...)
+            return gather_from_tp_region(t, group, dim=1)
+        return t
+
+    def hook(module, args, kwargs, out):
+        inputs = kwargs.get("input_ids", args[0] if args else None)
+        inputs = kwargs.get("inputs_embeds") if inputs is None else inputs
+        if inputs is None or not hasattr(out, "keys"):
+            return out
+        batch, seq = inputs.shape[0], inputs.shape[1]
+        for key in ("router_logits", "hidden_states"):
+            values = out.get(key)
+            if isinstance(values, tuple | list):
+                out[key] = tuple(whole(v, batch, seq) for v in values)
+        return out
+
+    return hook
 
 
 def _summed_grads(params, group):
@@ -90,6 +127,33 @@ def _summed_grads(params, group):
         if placement_or_none(p) is None and p.requires_grad:
             set_placement(p, group, Replicate(), grad_summed=True)
             p.register_hook(lambda g: _summed(g, group))
+
+
+def _inside_sharded_modules(model, done, group):
+    """Parameters left inside a module an adapter sharded (between its column and row layers, or
+    held by an attention module itself), which no adapter placed. A scalar (xIELU's alpha_p /
+    alpha_n: a parameter of an elementwise function) acts alike on every feature, so each rank's
+    gradient is the part from its own features: summed over the group, it is the whole one.
+    Anything larger acts on features that are split here, in a way tplayers was not told: refused
+    by name (replicating it would leave each rank a different, partial gradient)."""
+    for prefix in sorted(done):
+        try:
+            module = model.get_submodule(prefix)
+        except AttributeError:
+            continue
+        for name, p in module.named_parameters():
+            if placement_or_none(p) is not None:
+                continue
+            if p.numel() == 1:
+                _summed_grads([p], group)
+                continue
+            raise ValueError(
+                f"parallelize: {prefix}.{name} {tuple(p.shape)} is a parameter of {type(module).__name__} that "
+                "tplayers shards, and acts on features split across the ranks in a way tplayers does not know "
+                "(per-head values such as attention sinks are not cut to each rank's heads yet); it is not "
+                "replicated, which would leave each rank part of its gradient. Pass plan={...: 'replicate'} for "
+                f"{prefix!r} to keep that module whole"
+            )
 
 
 def _length_check(max_positions):
@@ -149,11 +213,17 @@ def parallelize(
     (`vocab_parallel_logits=True` leaves them split along the vocabulary) and `backward()`
     leaves on each rank its slice of the unsharded gradients.
 
-    verify: the self-check (`tplayers.hf.verify`): the full model's logits on a small fixed
-    batch before sharding against the sharded model's after, raising VerifyError on every rank
-    if they differ beyond the tolerance table. None (default): on whenever the weights are
-    materialised and the model takes token ids; False: off; True: required; a tensor: the input
-    to check with. It costs one forward of a (2, 4 * TP size) batch each way.
+    verify: the self-check (`tplayers.hf.verify`): one training step's forward and backward of the
+    full model on a small fixed batch before sharding (train mode, dropout off, its own loss with
+    the auxiliary losses its config enables) against the sharded model's after: logits, loss and
+    every gradient, raising VerifyError on every rank, naming the parameter, if they differ beyond
+    the tolerance table. None (default): on whenever the weights are materialised and the model
+    takes token ids; False: off; True / "train": required; "logits": an eval-mode forward's logits
+    only (for models too big to check gradients); a tensor: the input to check with. It costs one
+    forward and backward of a (2, 4 * TP size) batch each way, and the unsharded gradients twice.
+
+    At its first forward (after the check), the model checks that every rank of the group was
+    given the same inputs (`tplayers.hf.same_inputs`).
 
     overlap: every tensor-parallel layer's overlap mode ("auto": per op and shape, the path the
     cost model expects to be faster; True / False force the ring / the plain collectives).
@@ -180,8 +250,7 @@ def _parallelize(
 ):  # fmt: skip
     """`parallelize` of a model without adapters; `keep`: modules no sharding layout may fuse
     with another (they carry LoRA adapters)."""
-    probe = verification.probe_input(model, verify, dist.get_world_size(group))
-    reference = verification.logits(model, probe) if probe is not None else None
+    probe = verification.before(model, verify, dist.get_world_size(group), vocab_parallel=vocab_parallel_logits)
     keys = list(model.state_dict().keys())
     parallelizer = ShardingPass(model, group, sequence_parallel, plan, vocab_parallel_logits, overlap, keep)
     parallelizer.run(families.ADAPTERS, families.EMBEDDINGS, families.LINEAR_EQUIVALENTS)  # read per call: patchable
@@ -199,6 +268,7 @@ def _parallelize(
         model.register_forward_pre_hook(_length_check(max_positions), with_kwargs=True)
     if sequence_parallel:
         _sequence_parallel_hooks(model, group, blocks)
+    _inside_sharded_modules(model, parallelizer.done, group)
     for p in model.parameters():  # everything else is whole on every rank, with its whole gradient
         if placement_or_none(p) is None:
             set_placement(p, group, Replicate())
@@ -209,7 +279,6 @@ def _parallelize(
     lora.record_weight_maps(model, parallelizer.exports)  # what adapters added later follow
     parallelizer.release()  # the export records outlive the pass: they must not hold the model
     seal(model)
-    if probe is not None:
-        sharded = verification.logits(model, probe)
-        verification.check(reference, sharded, group=group, vocab_parallel=vocab_parallel_logits)
+    verification.after(probe, model, group=group, vocab_parallel=vocab_parallel_logits)
+    check_same_inputs(model, group)  # armed after the self-check: the user's first forward is checked
     return model

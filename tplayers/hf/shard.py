@@ -167,7 +167,9 @@ class ShardingPass:
             if isinstance(layer, _ParallelLinear):
                 layer.overlap = self.overlap
         parent_name, _, child = name.rpartition(".")
-        setattr(self.model.get_submodule(parent_name) if parent_name else self.model, child, new)
+        parent = self.model.get_submodule(parent_name) if parent_name else self.model
+        new.train(getattr(parent, child).training)  # in the mode of the module it replaces
+        setattr(parent, child, new)
         self.done.add(name)
 
     def column(self, name, module, sequence_parallel=None, **kwargs):

@@ -16,17 +16,32 @@ def export_records(model) -> list:
     return records() if callable(records) else records
 
 
+def record_name(prefix: str, key: str) -> str:
+    """The original name of `key` in the record of `prefix` (key "": the prefix names the tensor
+    itself, a parameter its module holds directly, such as an attention's per-head sinks)."""
+    return f"{prefix}.{key}" if key else prefix
+
+
+def under_records(name: str, prefixes) -> bool:
+    """Whether a record of `prefixes` (a set) exports `name`: the prefix itself, or a name under it."""
+    while name:
+        if name in prefixes:
+            return True
+        name = name.rpartition(".")[0]
+    return False
+
+
 def _gathered(model, group, pick):
     """{original name: full tensor} for every sharded module; a collective on every rank."""
     full = {}
     for prefix, export, *_ in export_records(model):
         for key, tensor in export(pick, group).items():
-            full[f"{prefix}.{key}"] = tensor
+            full[record_name(prefix, key)] = tensor
     return full
 
 
-def _sharded_prefixes(model) -> tuple[str, ...]:
-    return tuple(record[0] + "." for record in export_records(model))
+def _sharded_prefixes(model) -> frozenset[str]:
+    return frozenset(record[0] for record in export_records(model))
 
 
 def gather_state_dict(model, *, group=None) -> dict:
@@ -37,7 +52,7 @@ def gather_state_dict(model, *, group=None) -> dict:
     full = _gathered(model, group, lambda p: full_tensor(p.detach()))  # whole over data parallelism too
     sharded = _sharded_prefixes(model)
     for key, value in model.state_dict().items():
-        if not key.startswith(sharded):
+        if not under_records(key, sharded):
             full[key] = full_tensor(value)
     order = getattr(model, ORIGINAL_KEYS, [])  # then what was added since (a peft adapter)
     return {key: full[key] for key in dict.fromkeys([*order, *full]) if key in full}
@@ -50,7 +65,7 @@ def gather_grads(model, *, group=None) -> dict:
     full = _gathered(model, group, lambda p: None if p.grad is None else full_tensor(p.grad))
     sharded = _sharded_prefixes(model)
     for key, p in model.named_parameters():
-        if not key.startswith(sharded):
+        if not under_records(key, sharded):
             full[key] = None if p.grad is None else full_tensor(p.grad)
     return {k: v for k, v in full.items() if v is not None}
 
@@ -69,11 +84,12 @@ def load_full_state_dict(model, state_dict, *, group=None) -> None:
         if tied_to and f"{start}weight" not in supplied and f"{tied_to}.weight" in supplied:
             continue  # HF checkpoints of tied models omit the head: it is the embedding's Parameter
         try:
-            load({k[len(start) :]: state_dict.pop(k) for k in list(state_dict) if k.startswith(start)})
+            mine = [k for k in list(state_dict) if k == prefix or k.startswith(start)]
+            load({k[len(start) :] if k != prefix else "": state_dict.pop(k) for k in mine})
         except KeyError as e:
             raise ValueError(f"load_full_state_dict: missing key {start}{e.args[0]}") from None
     sharded = _sharded_prefixes(model)
-    own = {k for k in model.state_dict() if not k.startswith(sharded)}
+    own = {k for k in model.state_dict() if not under_records(k, sharded)}
     if set(state_dict) != own:
         raise ValueError(
             f"load_full_state_dict: unexpected keys {sorted(set(state_dict) - own)}, "

@@ -1,12 +1,27 @@
-"""`parallelize(verify=...)`: the self-check that the sharded model computes what the full one did.
+"""`parallelize(verify=...)`: the self-check that the sharded model computes and trains what the
+full one did.
 
-Before sharding, the full model runs on a small fixed batch (eval mode, no gradients, the same
-token ids on every rank from a fixed seed); after sharding, the sharded model runs on the same
-batch and its logits are compared with the one tolerance table. The verdict is agreed over the
-group (one tiny all-reduce), so every rank raises, or none does.
+Before sharding, the full model takes one training step's forward and backward on a small fixed
+batch (the same token ids on every rank from a fixed seed, an attention mask of ones, labels =
+the ids), in train mode with dropout and router jitter off: its logits, its own loss (with the
+auxiliary losses its config enables: MoE load balancing) and every parameter's gradient are kept.
+After sharding, the sharded model does the same, its gradients are gathered to their unsharded
+form (`gather_grads`), and logits, loss and every gradient are compared with the one tolerance
+table. The verdict is agreed over the group, so every rank raises, or none does; a mismatch names
+the parameter and its largest error on each rank.
+
+It costs one forward and backward of a (2, 4 * TP size) batch each way and, at its peak, the
+unsharded gradients twice on every rank (the reference's and the gathered sharded ones), besides
+the model. `verify="logits"` compares the logits of an eval-mode forward only (no gradients: for
+models too big for that), as does a model whose logits stay split over the vocabulary.
 """
 
+import contextlib
+import inspect
+from dataclasses import dataclass, field
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tplayers.functional.collectives import all_gather_any, all_gather_dim
@@ -14,10 +29,26 @@ from tplayers.tolerances import tolerance
 
 PROBE_BATCH = 2
 PROBE_TOKENS_PER_RANK = 4  # a multiple of the TP size, so sequence parallelism can split it
+MODES = ("train", "logits")
+# Module / config attributes that make a training forward random: zeroed while verifying.
+NOISE = ("dropout", "jitter", "pdrop")
 
 
 class VerifyError(RuntimeError):
-    """The sharded model's logits differ from the unsharded model's beyond the tolerance table."""
+    """The sharded model's logits, loss or gradients differ from the unsharded model's beyond the
+    tolerance table."""
+
+
+@dataclass
+class Probe:
+    """The batch verified with and what the full model computed on it."""
+
+    ids: torch.Tensor
+    mode: str  # "train" or "logits"
+    logits: torch.Tensor | None = None
+    loss: torch.Tensor | None = None
+    grads: dict = field(default_factory=dict)  # {parameter name: unsharded gradient}
+    kept: dict = field(default_factory=dict)  # {parameter: the .grad it had}: given back afterwards
 
 
 def _token_model(model) -> bool:
@@ -30,14 +61,16 @@ def probe_input(model, verify, n):
     """The batch to verify with, or None where the check is off.
 
     verify: None (default) checks whenever every weight is materialised (not on the meta
-    device) and the model takes token ids; True insists; False turns it off; a tensor is the
-    input itself (the same on every rank)."""
+    device) and the model takes token ids; True, "train" or "logits" insist; False turns it off;
+    a tensor is the input itself (the same on every rank)."""
     if verify is False:
         return None
     if isinstance(verify, torch.Tensor):
         return verify
-    if verify is not None and verify is not True:
-        raise TypeError(f"parallelize: verify must be None, True, False or an input tensor, got {type(verify)}")
+    if verify is not None and verify is not True and verify not in MODES:
+        raise TypeError(
+            f"parallelize: verify must be None, True, False, 'train', 'logits' or an input tensor, got {verify!r}"
+        )
     materialised = not any(p.is_meta for p in model.parameters())
     if not (materialised and _token_model(model)):
         if verify is None:
@@ -71,7 +104,7 @@ def logits(model, ids):
     return out[0] if isinstance(out, tuple | list) else out
 
 
-def check(reference, sharded, *, group, vocab_parallel):
+def check(reference, sharded, *, group, vocab_parallel, what="logits"):
     """Raise VerifyError on every rank if any rank's sharded logits differ from the reference."""
     if vocab_parallel:
         sharded = all_gather_any(sharded.contiguous(), sharded.dim() - 1, group)  # any vocabulary
@@ -79,18 +112,151 @@ def check(reference, sharded, *, group, vocab_parallel):
     if sharded.shape != reference.shape:
         excess = torch.tensor([float("inf")])
     else:
-        diff = (sharded.float() - reference.float()).abs()
-        allowed = tol["atol"] + tol["rtol"] * reference.float().abs()
-        excess = (diff - allowed).max().reshape(1).cpu()
-        excess = torch.where(torch.isnan(excess), torch.tensor([float("inf")]), excess)
+        excess = _excess(sharded, reference, tol).reshape(1).cpu()
     worst = all_gather_dim(excess, 0, group).amax()  # MAX over the group (comm has no MAX all-reduce)
     if worst.item() > 0:
         largest = (sharded.float() - reference.float()).abs().max().item() if sharded.shape == reference.shape else None
         raise VerifyError(
-            "parallelize(verify): the sharded model's logits differ from the unsharded model's on the probe batch "
+            f"parallelize(verify): the sharded model's {what} differ from the unsharded model's on the probe batch "
             f"beyond the tolerance for {reference.dtype} (rtol {tol['rtol']}, atol {tol['atol']}): "
             f"largest excess over the tolerance {worst.item():.3g} (this rank's largest |difference|: {largest}, "
             f"shapes {tuple(sharded.shape)} vs {tuple(reference.shape)}). Either a module was sharded wrongly or the "
             "full model was not the same on every rank. The model was sharded in place and is not usable; "
             "parallelize(verify=False) skips this check"
+        )
+
+
+def _excess(actual, expected, tol) -> torch.Tensor:
+    """The largest amount by which |actual - expected| exceeds the tolerance (NaN: inf)."""
+    diff = (actual.float() - expected.float()).abs()
+    excess = (diff - (tol["atol"] + tol["rtol"] * expected.float().abs())).max()
+    return torch.where(torch.isnan(excess), torch.tensor(float("inf"), device=excess.device), excess)
+
+
+# -- the training check ---------------------------------------------------------------------------
+@contextlib.contextmanager
+def _training_without_noise(model):
+    """Train mode with dropout (modules, and the rates HF forwards read off modules and configs)
+    and MoE router jitter off; everything restored after, the random state included."""
+    saved, modes = [], {m: m.training for m in model.modules()}
+    owners = list(model.modules())
+    owners += list({id(c): c for m in owners if (c := getattr(m, "config", None)) is not None}.values())
+    for owner in owners:
+        for key, value in list(vars(owner).items()):
+            if type(value) is float and value and any(n in key for n in NOISE):
+                saved.append((owner, key, value))
+                setattr(owner, key, 0.0)
+        if isinstance(owner, nn.modules.dropout._DropoutNd) and owner.p:
+            saved.append((owner, "p", owner.p))
+            owner.p = 0.0
+    model.train()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        for owner, key, value in reversed(saved):
+            setattr(owner, key, value)
+        for m, mode in modes.items():
+            m.training = mode
+
+
+def _accepts(model, name) -> bool:
+    params = inspect.signature(model.forward).parameters
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def _train_forward(model, ids):
+    """(logits, loss) of one training forward and backward on `ids` (labels = ids where the
+    model takes labels, else the mean square of the logits)."""
+    kwargs = {"use_cache": False} if getattr(model, "config", None) is not None else {}
+    if _accepts(model, "attention_mask"):
+        kwargs["attention_mask"] = torch.ones_like(ids)
+    labelled = _accepts(model, "labels")
+    if labelled:
+        kwargs["labels"] = ids
+    with _training_without_noise(model):
+        out = model(ids, **kwargs)
+        logits = out.logits if hasattr(out, "logits") else out[0] if isinstance(out, tuple | list) else out
+        loss = out.loss if labelled and getattr(out, "loss", None) is not None else logits.float().pow(2).mean()
+        loss.backward()
+    return logits.detach(), loss.detach()
+
+
+def before(model, verify, n, *, vocab_parallel=False) -> Probe | None:
+    """Run the full model on the probe batch (None where the check is off)."""
+    ids = probe_input(model, verify, n)
+    if ids is None:
+        return None
+    mode = "logits" if verify == "logits" or vocab_parallel else "train"
+    if mode == "logits":
+        return Probe(ids, mode, logits=logits(model, ids))
+    params = dict(model.named_parameters())
+    kept = {p: p.grad for p in params.values()}
+    for p in params.values():
+        p.grad = None
+    probe = Probe(ids, mode, kept=kept)
+    probe.logits, probe.loss = _train_forward(model, ids)
+    probe.grads = {name: p.grad for name, p in params.items() if p.grad is not None}
+    for p, grad in kept.items():
+        p.grad = grad
+    return probe
+
+
+def after(probe: Probe | None, model, *, group, vocab_parallel=False) -> None:
+    """Run the sharded model on the probe batch and compare (every rank raises, or none)."""
+    if probe is None:
+        return
+    if probe.mode == "logits":
+        check(probe.logits, logits(model, probe.ids), group=group, vocab_parallel=vocab_parallel)
+        return
+    from tplayers.hf.state_dict import gather_grads
+
+    params = list(model.parameters())
+    for p in params:
+        p.grad = None
+    try:
+        try:
+            sharded_logits, loss = _train_forward(model, probe.ids)
+        except Exception as e:  # every rank runs the same shapes: each fails alike, none is left waiting
+            raise VerifyError(
+                "parallelize(verify): the sharded model fails in a training step on the probe batch, where the "
+                f"unsharded model ran: {type(e).__name__}: {e}. tplayers does not handle something in this model "
+                "exactly; the model was sharded in place and is not usable"
+            ) from e
+        check(probe.logits, sharded_logits, group=group, vocab_parallel=False)
+        check(probe.loss.reshape(1), loss.reshape(1), group=group, vocab_parallel=False, what="loss")
+        _check_grads(probe.grads, gather_grads(model), group)
+    finally:
+        for p in params:
+            p.grad = probe.kept.get(p)
+
+
+def _check_grads(reference: dict, sharded: dict, group) -> None:
+    """Every reference gradient against the sharded model's, gathered; raises on every rank with
+    each rank's worst parameter if any differs."""
+    worst = (0.0, "", 0.0)
+    for name, expected in reference.items():
+        actual = sharded.get(name)
+        if actual is None:
+            actual = torch.zeros_like(expected)
+        if actual.shape != expected.shape:
+            worst = max(worst, (float("inf"), name, float("nan")))
+            continue
+        excess = _excess(actual, expected, tolerance(expected.dtype)).item()
+        if excess > worst[0]:
+            worst = (excess, name, (actual.float() - expected.float()).abs().max().item())
+    reports = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reports, worst, group=group)
+    bad = [(rank, *report) for rank, report in enumerate(reports) if report[0] > 0]
+    if bad:
+        detail = "; ".join(
+            f"rank {rank}: {name} (largest |difference| {largest:.3g}, {excess:.3g} over the tolerance)"
+            for rank, excess, name, largest in bad
+        )
+        raise VerifyError(
+            "parallelize(verify): after one training step's backward on the probe batch, the sharded model's "
+            f"gradients differ from the unsharded model's beyond the tolerance table: {detail}. A parameter whose "
+            "gradient each rank computes only part of, or a loss computed from part of the batch, gives this. The "
+            "model was sharded in place and is not usable; parallelize(verify='logits') checks the logits alone, "
+            "verify=False skips the check"
         )

@@ -25,13 +25,15 @@ def assert_close(actual, expected, *, exact=False, msg=None):
 
 def shard_of(full, dim: int, rank: int, num_shards: int, unit: int = 1, sizes=None):
     """Rank `rank`'s contiguous slice of `full` along `dim` (the layout of every tplayers shard:
-    uneven sizes as torch.chunk splits them, `tplayers.placement.shard_sizes`, or the explicit
-    per-rank `sizes` a layer was given, in whole units of `unit`: attention heads split by
-    head_dim, as evenly as they go, `tplayers.placement.even_sizes`)."""
-    from tplayers.placement import shard_range
-
-    start, size = shard_range(full.shape[dim] // unit, num_shards, rank, sizes)
-    return full.narrow(dim, start * unit, size * unit)
+    uneven sizes as torch.chunk splits them, or the explicit per-rank `sizes` a layer was given),
+    in whole units of `unit` (attention heads split by head_dim). Computed with torch.chunk /
+    torch.split themselves, not with the library's `shard_sizes`: a reference the library's own
+    split cannot move (an off-by-one there must fail the tests, not shift both sides alike)."""
+    units = torch.arange(full.shape[dim] // unit)
+    parts = torch.chunk(units, num_shards) if sizes is None else torch.split(units, [int(s) for s in sizes])
+    mine = parts[rank] if rank < len(parts) else units[:0]  # torch.chunk leaves the last ranks none
+    start = int(mine[0]) if mine.numel() else 0
+    return full.narrow(dim, start * unit, mine.numel() * unit)
 
 
 def assert_shard_close(local, full, *, dim, rank, num_shards, exact=False, msg=None, unit=1, sizes=None):

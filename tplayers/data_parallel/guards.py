@@ -1,0 +1,69 @@
+"""Guards where other libraries' data-parallel wrappers meet a tensor-parallel model.
+
+torch's `DistributedDataParallel` (and FSDP1) synchronise a module by broadcasting rank 0's
+parameters over their process group and averaging gradients over it. Over ranks that hold
+different tensor-parallel shards (or pipeline stages), that overwrites every other rank's shards
+with rank 0's and averages gradients of different tensors: a model that is no model, with no
+error. Neither wrapper has an extension point to refuse a module, so their constructors are
+wrapped (once, at `import tplayers`) to refuse, before any collective, a group that overlaps a
+tensor-parallel or pipeline group the module's placement records name. Over the data-parallel
+group (`mesh["dp"]`: every rank holding the same shards) they work as before; that is what
+`tplayers.data_parallel` (composable DDP and FSDP2) uses.
+"""
+
+import functools
+import inspect
+
+import torch.distributed as dist
+
+from tplayers.placement import placement_or_none, refuse_overlap
+
+_GUARDED = "_tplayers_guarded"
+
+
+def _group(process_group, device_mesh):
+    if process_group is not None:
+        return process_group
+    if device_mesh is not None:
+        return device_mesh.get_group()
+    return dist.group.WORLD
+
+
+def _refuse(wrapper: str, module, process_group, device_mesh) -> None:
+    if not dist.is_initialized():
+        return
+    params = [p for p in module.parameters() if placement_or_none(p) is not None]
+    if not params:
+        return
+    refuse_overlap(
+        params, _group(process_group, device_mesh), wrapper, ("tp", "pp"),
+        f"{wrapper} would broadcast one rank's shards over the others and average the gradients of different "
+        "tensors; use tplayers.data_parallel(model, group=mesh['dp'], zero_stage=...) (the data-parallel group: "
+        "ranks holding the same shards), or pass that group as its process_group",
+        role="its process group",
+    )  # fmt: skip
+
+
+def guard(cls, wrapper: str) -> None:
+    """Wrap `cls.__init__` (a torch data-parallel wrapper) with the refusal above."""
+    init = cls.__init__
+    if getattr(init, _GUARDED, False):
+        return
+    signature = inspect.signature(init)
+
+    @functools.wraps(init)
+    def guarded(self, module, *args, **kwargs):
+        bound = signature.bind_partial(self, module, *args, **kwargs).arguments
+        _refuse(wrapper, module, bound.get("process_group"), bound.get("device_mesh"))
+        init(self, module, *args, **kwargs)
+
+    setattr(guarded, _GUARDED, True)
+    cls.__init__ = guarded
+
+
+def install() -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    guard(DistributedDataParallel, "DistributedDataParallel")
+    guard(FullyShardedDataParallel, "FullyShardedDataParallel")

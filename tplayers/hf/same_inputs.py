@@ -1,0 +1,70 @@
+"""The check that every rank of a tensor-parallel group was given the same batch.
+
+Tensor-parallel ranks each compute part of one model on one batch. A data loader that splits
+the data by global rank (a `DistributedSampler` over the world, HF Trainer / accelerate without
+tplayers' integration) gives them different rows: each rank's part is then of a different batch,
+and the "model" trained is no model, with no error anywhere.
+
+A forward pre-hook on the parallelized model compares, at its first forward after
+`parallelize` (and again after `check_same_inputs(model)` re-arms it), a fingerprint of the
+inputs (shape, sum and a position-weighted sum of the token ids, labels and masks, or of the
+embeddings) across the group: one all-gather of 4 numbers per tensor and one host sync, once.
+Ranks that differ raise on every rank, naming them, before the model's first collective.
+"""
+
+import torch
+import torch.distributed as dist
+
+_ARMED = "_tplayers_check_inputs"
+CHECKED = ("input_ids", "inputs_embeds", "labels", "attention_mask", "position_ids")
+
+
+def _fingerprint(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    flat = t.reshape(-1).to(torch.float64)
+    weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device) % 1009
+    return torch.stack([torch.tensor(float(t.dim()), dtype=torch.float64, device=flat.device),
+                        torch.tensor(float(flat.numel()), dtype=torch.float64, device=flat.device),
+                        flat.sum(), (flat * weights).sum()])  # fmt: skip
+
+
+def _inputs(args, kwargs) -> dict:
+    found = {k: kwargs.get(k) for k in CHECKED}
+    if args and isinstance(args[0], torch.Tensor):
+        found["input_ids"] = args[0]
+    return {k: v for k, v in found.items() if isinstance(v, torch.Tensor)}
+
+
+def check_same_inputs(model, group=None) -> None:
+    """Install (or re-arm) the check on `model` over `group` (the model's tensor-parallel group)."""
+    if group is not None and not hasattr(model, "_tplayers_same_inputs_group"):
+        model._tplayers_same_inputs_group = group
+        model.register_forward_pre_hook(_hook, with_kwargs=True)
+    setattr(model, _ARMED, True)
+
+
+def _hook(model, args, kwargs):
+    if not getattr(model, _ARMED, False):
+        return
+    setattr(model, _ARMED, False)
+    group = model._tplayers_same_inputs_group
+    inputs = _inputs(args, kwargs)
+    names = list(CHECKED)
+    device = next(iter(inputs.values())).device if inputs else torch.device("cpu")
+    mine = torch.stack([_fingerprint(inputs[k]) if k in inputs else torch.zeros(4, dtype=torch.float64,
+                        device=device) for k in names])  # fmt: skip
+    ranks = dist.get_process_group_ranks(group)
+    gathered = [torch.empty_like(mine) for _ in ranks]
+    dist.all_gather(gathered, mine, group=group)  # not counted: a check, not the model's traffic
+    every = torch.stack(gathered).cpu()  # (ranks, tensors, 4)
+    differ = [ranks[r] for r in range(len(ranks)) if not torch.equal(every[r], every[0])]
+    if differ:
+        which = [
+            k for i, k in enumerate(names) if not all(torch.equal(every[r, i], every[0, i]) for r in range(len(ranks)))
+        ]
+        raise ValueError(
+            f"parallelize: the tensor-parallel ranks {ranks} were given different inputs ({', '.join(which)}: ranks "
+            f"{differ} differ from rank {ranks[0]}). Every rank of a tensor-parallel group computes its part of one "
+            "model on one batch: give them the same rows, and split the data over the data-parallel group only "
+            "(e.g. DistributedSampler(num_replicas=mesh['dp'].size(), rank=mesh['dp'].get_local_rank()))"
+        )
