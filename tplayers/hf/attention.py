@@ -281,8 +281,14 @@ def _local_heads(name, heads, sp: ShardingPass):
 
 def gpt2_attention(sp: ShardingPass, name, attn):
     width = attn.c_attn.nf // 3
-    head_dim = width // attn.num_heads
-    split, _, local = _local_heads(name, attn.num_heads, sp)
+    heads = next((getattr(attn, k) for k in HEAD_COUNTS if isinstance(getattr(attn, k, None), int)), None)
+    if heads is None:
+        raise ValueError(
+            f"parallelize: {name} ({type(attn).__name__}) holds a fused c_attn but none of {HEAD_COUNTS}, so tplayers "
+            "cannot tell its heads; pass a plan for this model"
+        )
+    head_dim = width // heads
+    split, _, local = _local_heads(name, heads, sp)
     fused_column(sp, f"{name}.c_attn", attn.c_attn, part_rows([width] * 3, sp.n, head_dim, split))
     # HF splits c_attn's output into q, k, v of split_size
     localize_attributes(name, attn, {"split_size": local * head_dim, **dict.fromkeys(HEAD_COUNTS, local)})

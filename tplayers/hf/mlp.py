@@ -36,6 +36,11 @@ def fused_gate_up(sp: ShardingPass, name, mlp):
     """Phi-3: gate_up_proj holding [gate; up] halves, up * act(gate). SiLU: ParallelMLP (one fused
     gate|up GEMM with the SwiGLU epilogue), exported back to [gate; up]; other activations refused."""
     act = getattr(mlp, "activation_fn", None)
+    if act is None:
+        raise ValueError(
+            f"parallelize: {name} ({type(mlp).__name__}) holds a fused gate_up_proj but no activation_fn module, so "
+            "tplayers cannot tell what its forward applies between gate_up_proj and down_proj; pass a plan"
+        )
     if not is_silu(act):
         raise ValueError(f"parallelize: {name} gates with {type(act).__name__}, not SiLU; pass a plan for this model")
     if sp.keeps(name, ("gate_up_proj",)):  # a LoRA target: one column layer holding [gate_r; up_r]
@@ -164,6 +169,7 @@ def shared_expert_gate(sp: ShardingPass, name, module):
     """Qwen2-MoE: sigmoid(shared_expert_gate(x)) scales the shared expert: one output, kept whole
     (under sequence parallelism it sees this rank's tokens, and its gradient is summed)."""
     sp.done.add(f"{name}.shared_expert_gate")
+    sp.whole.add(f"{name}.shared_expert_gate")
 
 
 def gpt2_mlp(sp: ShardingPass, name, mlp):

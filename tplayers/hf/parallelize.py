@@ -124,19 +124,22 @@ def _summed_grads(params, group):
     """Replicated parameters whose gradient each rank holds only part of: tagged Replicate and
     summed over the group as the gradient is computed, so every rank holds the whole of it."""
     for p in params:
-        if placement_or_none(p) is None and p.requires_grad:
+        if placement_or_none(p) is None:
             set_placement(p, group, Replicate(), grad_summed=True)
+            trainable = p.requires_grad  # a frozen weight (an inactive adapter) may be trained later:
+            p.requires_grad_(True)  # its hook goes on now, and stays through requires_grad_ toggles
             p.register_hook(lambda g: _summed(g, group))
+            p.requires_grad_(trainable)
 
 
-def _inside_sharded_modules(model, done, group):
+def _inside_sharded_modules(model, done, whole, group):
     """Parameters left inside a module an adapter sharded (between its column and row layers, or
     held by an attention module itself), which no adapter placed. A scalar (xIELU's alpha_p /
     alpha_n: a parameter of an elementwise function) acts alike on every feature, so each rank's
     gradient is the part from its own features: summed over the group, it is the whole one.
     Anything larger acts on features that are split here, in a way tplayers was not told: refused
     by name (replicating it would leave each rank a different, partial gradient)."""
-    for prefix in sorted(done):
+    for prefix in sorted(done - whole):
         try:
             module = model.get_submodule(prefix)
         except AttributeError:
@@ -266,9 +269,11 @@ def _parallelize(
     max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if max_positions:
         model.register_forward_pre_hook(_length_check(max_positions), with_kwargs=True)
+    _inside_sharded_modules(
+        model, parallelizer.done, parallelizer.whole, group
+    )  # before SP sums every block weight left
     if sequence_parallel:
         _sequence_parallel_hooks(model, group, blocks)
-    _inside_sharded_modules(model, parallelizer.done, group)
     for p in model.parameters():  # everything else is whole on every rank, with its whole gradient
         if placement_or_none(p) is None:
             set_placement(p, group, Replicate())

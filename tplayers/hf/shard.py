@@ -147,6 +147,7 @@ class ShardingPass:
         self.partial_grads: list[nn.Parameter] = []  # replicated, each rank holding part of the gradient
         self.tied: dict[str, str] = {}  # {LM head name: embedding name} sharing one Parameter
         self.done: set[str] = set()  # names of modules handled, with everything below them
+        self.whole: set[str] = set()  # of those, modules kept whole on every rank (replicated)
         unknown = {k: v for k, v in self.plan.items() if v not in PLAN_KINDS}
         if unknown:
             raise ValueError(f"parallelize: plan values must be one of {PLAN_KINDS}, got {unknown}")
@@ -155,7 +156,7 @@ class ShardingPass:
         """Drop the pass's references to the model and its modules, which the export records
         (closures over this pass) would otherwise keep alive: pipeline stages hold only their own
         records, and the layers of the other stages must be freed with the model."""
-        self.model, self.shared_input, self.partial_grads, self.done = None, [], [], set()
+        self.model, self.shared_input, self.partial_grads, self.done, self.whole = None, [], [], set(), set()
 
     # -- what adapters call -----------------------------------------------------------------
     def keeps(self, name, children) -> bool:
@@ -249,6 +250,7 @@ class ShardingPass:
             self.vocab_parallel(name, module)
         else:
             self.done.add(name)
+            self.whole.add(name)
 
     def plain_linears(self, equivalents):
         """nn.Linear subclasses named in `equivalents` (qualified class names whose forward is

@@ -18,6 +18,7 @@ models too big for that), as does a model whose logits stay split over the vocab
 
 import contextlib
 import inspect
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -84,7 +85,8 @@ def probe_input(model, verify, n):
     if max_positions and seq > max_positions:
         seq = max(n, max_positions // n * n)
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, emb.num_embeddings, (PROBE_BATCH, seq), generator=generator)
+    vocab = min(emb.num_embeddings, getattr(config, "vocab_size", None) or emb.num_embeddings)  # ids the LM head scores
+    ids = torch.randint(0, vocab, (PROBE_BATCH, seq), generator=generator)
     return ids.to(emb.weight.device)
 
 
@@ -104,11 +106,12 @@ def logits(model, ids):
     return out[0] if isinstance(out, tuple | list) else out
 
 
-def check(reference, sharded, *, group, vocab_parallel, what="logits"):
-    """Raise VerifyError on every rank if any rank's sharded logits differ from the reference."""
+def check(reference, sharded, *, group, vocab_parallel, what="logits", dtype=None):
+    """Raise VerifyError on every rank if any rank's sharded logits differ from the reference
+    (beyond the tolerance for `dtype`, by default the reference's)."""
     if vocab_parallel:
         sharded = all_gather_any(sharded.contiguous(), sharded.dim() - 1, group)  # any vocabulary
-    tol = tolerance(reference.dtype)
+    tol = tolerance(dtype or reference.dtype)
     if sharded.shape != reference.shape:
         excess = torch.tensor([float("inf")])
     else:
@@ -146,7 +149,8 @@ def _training_without_noise(model):
             if type(value) is float and value and any(n in key for n in NOISE):
                 saved.append((owner, key, value))
                 setattr(owner, key, 0.0)
-        if isinstance(owner, nn.modules.dropout._DropoutNd) and owner.p:
+        dropout = isinstance(owner, nn.modules.dropout._DropoutNd) or "Dropout" in type(owner).__name__
+        if dropout and type(getattr(owner, "p", None)) is float and owner.p:  # nn.Dropout, peft's / ours
             saved.append((owner, "p", owner.p))
             owner.p = 0.0
     model.train()
@@ -195,10 +199,25 @@ def before(model, verify, n, *, vocab_parallel=False) -> Probe | None:
     for p in params.values():
         p.grad = None
     probe = Probe(ids, mode, kept=kept)
-    probe.logits, probe.loss = _train_forward(model, ids)
-    probe.grads = {name: p.grad for name, p in params.items() if p.grad is not None}
-    for p, grad in kept.items():
-        p.grad = grad
+    try:
+        probe.logits, probe.loss = _train_forward(model, ids)
+        probe.grads = {name: p.grad for name, p in params.items() if p.grad is not None}
+    except Exception as e:  # the unsharded model itself: nothing to compare a training step with
+        if verify in ("train", True) or isinstance(verify, torch.Tensor):
+            raise ValueError(
+                f"parallelize(verify={'ids' if isinstance(verify, torch.Tensor) else verify!r}): the unsharded model "
+                f"fails a training step on the probe batch ({type(e).__name__}: {e}); pass verify='logits' or "
+                "verify=<ids it takes>"
+            ) from e
+        warnings.warn(
+            f"parallelize(verify): the unsharded model fails a training step on the probe batch ({type(e).__name__}: "
+            f"{e}); the self-check compares the logits only",
+            stacklevel=4,
+        )
+        probe = Probe(ids, "logits", logits=logits(model, ids))
+    finally:
+        for p, grad in kept.items():
+            p.grad = grad
     return probe
 
 
@@ -224,7 +243,9 @@ def after(probe: Probe | None, model, *, group, vocab_parallel=False) -> None:
                 "exactly; the model was sharded in place and is not usable"
             ) from e
         check(probe.logits, sharded_logits, group=group, vocab_parallel=False)
-        check(probe.loss.reshape(1), loss.reshape(1), group=group, vocab_parallel=False, what="loss")
+        # the loss of a 16-bit model is computed in fp32 from 16-bit logits: the logits' tolerance
+        check(probe.loss.reshape(1), loss.reshape(1), group=group, vocab_parallel=False, what="loss",
+              dtype=probe.logits.dtype)  # fmt: skip
         _check_grads(probe.grads, gather_grads(model), group)
     finally:
         for p in params:
