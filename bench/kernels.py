@@ -27,7 +27,6 @@ providers. Exits 2 without a CUDA GPU, 1 if a pair disagrees beyond the toleranc
 """
 
 import argparse
-import importlib.metadata
 import importlib.util
 import os
 import statistics
@@ -64,7 +63,7 @@ def _import_from_checkout():
 
 _import_from_checkout()
 
-from amp import Decoder  # noqa: E402  (bench/amp.py: the gradient list of a decoder)
+from amp import Decoder, version  # noqa: E402  (bench/amp.py: the gradient list of a decoder, versions)
 from linear import figure, save_figure, write_csv  # noqa: E402  (bench/linear.py: CSV, figures)
 from tplayers.kernels.grad_stats_ref import unscale_and_stats_ref  # noqa: E402
 from tplayers.kernels.vocab_ce_ref import MAX, SUM, SUMEXP, TARGET  # noqa: E402
@@ -409,13 +408,6 @@ def plot(rows, path):
         ax.set_title(f"{kernel}: triton time / torch time (lower is better)", fontsize="small")
     fig.suptitle(f"tplayers kernels against torch, {rows[0]['device']}", fontsize="medium")
     save_figure(fig, path)
-
-
-def version(package):
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return ""
 
 
 def parse_args(argv=None):
