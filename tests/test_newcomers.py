@@ -44,9 +44,10 @@ def newcomer_types() -> list[str]:
     return sorted(t for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if t not in covered)
 
 
-def tiny_config(model_type):
-    """The type's default config with the common sizes made tiny and every dropout / jitter off;
-    None where that does not give a small model that runs a training step."""
+def tiny_reference(model_type):
+    """(config, unsharded loss, {name: gradient}) of one training step of the type's default config
+    with the common sizes made tiny and every dropout / jitter off; None where that does not give a
+    small model that trains."""
     import transformers as tf
 
     with warnings.catch_warnings():
@@ -63,12 +64,11 @@ def tiny_config(model_type):
                 meta = tf.AutoModelForCausalLM.from_config(cfg)
             if sum(p.numel() for p in meta.parameters()) > TINY:
                 return None
-            model = _build(cfg)
-            ids, mask = _batch()
-            model(ids, attention_mask=mask, labels=ids, use_cache=False).loss.backward()
+            reference = _build(cfg)
+            loss = _step(reference, *_batch())
         except Exception:  # the config, not tplayers: out of this sweep's reach
             return None
-    return cfg
+    return cfg, loss, {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
 
 
 def _build(cfg):
@@ -91,42 +91,42 @@ def _step(model, ids, mask):
     return loss.detach()
 
 
+def _verdict(cfg, expected, reference_grads, group, sp):
+    """("exact" | "refused" | "WRONG" | "CRASH", detail) of one type at one layout."""
+    tol = tolerance(torch.float32)
+    model = _build(cfg)
+    try:
+        tplayers.parallelize(model, group=group, sequence_parallel=sp)
+    except Exception as e:
+        ours = isinstance(e, REFUSALS) or str(e).startswith("parallelize")  # tplayers' own refusal
+        return ("refused" if ours else "CRASH", f"{type(e).__name__}: {str(e)[:300]}")  # else from inside HF / torch
+    try:
+        loss = _step(model, *_batch())
+        grads = gather_grads(model)
+    except Exception as e:
+        return "CRASH", f"training step: {type(e).__name__}: {str(e)[:300]}"
+    wrong = [] if torch.allclose(loss, expected, **tol) else [f"loss {loss.item()} vs {expected.item()}"]
+    for name, expected_grad in reference_grads.items():
+        if not torch.allclose(grads.get(name, torch.zeros_like(expected_grad)), expected_grad, **tol):
+            wrong.append(name)
+    return ("WRONG", ", ".join(wrong[:5])) if wrong else ("exact", "")
+
+
 def sweep(rank, world, group, types):
     """{(type, sequence_parallel): ("exact" | "refused" | "no tiny config" | "WRONG" | "CRASH", detail)}."""
-    mesh = layout_mesh(1, 1, world)
-    tol = tolerance(torch.float32)
-    ids, mask = _batch()
+    tp = layout_mesh(1, 1, world)["tp"]
     out = {}
     for model_type in types:
-        cfg = tiny_config(model_type)
-        for sp in (False, True):
-            if cfg is None:
-                out[model_type, sp] = ("no tiny config", "")
-                continue
-            reference, model = _build(cfg), _build(cfg)
-            expected = _step(reference, ids, mask)
-            if sp and out[model_type, False][0] == "refused" and "VerifyError" not in out[model_type, False][1]:
-                # refused by what the model holds, before any forward: sequence parallelism adds hooks only
-                out[model_type, sp] = ("refused", "as without sequence parallelism")
-                continue
-            try:
-                tplayers.parallelize(model, group=mesh["tp"], sequence_parallel=sp)
-            except Exception as e:
-                ours = isinstance(e, REFUSALS) or str(e).startswith("parallelize")  # tplayers' own refusal
-                verdict = "refused" if ours else "CRASH"  # else a crash from inside HF or torch
-                out[model_type, sp] = (verdict, f"{type(e).__name__}: {str(e)[:300]}")
-                continue
-            try:
-                loss = _step(model, ids, mask)
-                grads = gather_grads(model)
-            except Exception as e:
-                out[model_type, sp] = ("CRASH", f"training step: {type(e).__name__}: {str(e)[:300]}")
-                continue
-            wrong = [] if torch.allclose(loss, expected, **tol) else [f"loss {loss.item()} vs {expected.item()}"]
-            for name, p in reference.named_parameters():
-                if p.grad is not None and not torch.allclose(grads.get(name, torch.zeros_like(p.grad)), p.grad, **tol):
-                    wrong.append(name)
-            out[model_type, sp] = ("WRONG", ", ".join(wrong[:5])) if wrong else ("exact", "")
+        reference = tiny_reference(model_type)
+        if reference is None:
+            out[model_type, False] = out[model_type, True] = ("no tiny config", "")
+            continue
+        out[model_type, False] = _verdict(*reference, tp, False)
+        if out[model_type, False][0] == "refused" and "VerifyError" not in out[model_type, False][1]:
+            # refused by what the model holds, before any forward: sequence parallelism adds hooks only
+            out[model_type, True] = ("refused", "as without sequence parallelism")
+        else:
+            out[model_type, True] = _verdict(*reference, tp, True)
     return out
 
 

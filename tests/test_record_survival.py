@@ -53,13 +53,13 @@ OPERATIONS = {
 }
 
 
-def tiny_llama():
+def tiny_llama(layers=2):
     import transformers as tf
 
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                              tie_word_embeddings=False)  # fmt: skip
     return tf.LlamaForCausalLM(cfg)
@@ -76,9 +76,9 @@ def _sizes(tp, dp=1, pp=1, zero=0):
     return (dp, pp, *tp) if isinstance(tp, tuple) else (dp, pp, tp)
 
 
-def _layout_model(tp, dp=1, pp=1, zero=0):
+def _layout_model(tp, dp=1, pp=1, zero=0, layers=2):
     mesh = layout_mesh(*_sizes(tp, dp, pp))
-    model = tiny_llama()
+    model = tiny_llama(layers)
     group = mesh["tp_r", "tp_c"] if isinstance(tp, tuple) else mesh["tp"]
     tplayers.parallelize(model, group=group, verify=False)
     if dp > 1:
@@ -165,26 +165,45 @@ def test_a_parameter_without_a_record_is_an_error(pool):
         )
 
 
-def compiled(rank, world, group, layout, path):
-    """torch.compile (the eager backend: dynamo's graph capture, no code generation) over a
-    parallelized model: forward and backward through the compiled module, then clip, gather and a
-    checkpoint round trip of the model it wraps."""
-    reference = tiny_llama()
-    full = {k: v.clone() for k, v in reference.state_dict().items()}
-    next_token_loss(reference(IDS).logits, IDS).backward()
+def compiled(rank, world, group, path):
+    """torch.compile (the eager backend: dynamo's graph capture, no code generation) over a block
+    of tplayers layers at TP 4 (an HF model's capture takes minutes on 2 cores): forward and backward
+    through the compiled module, then clip, gather and a checkpoint round trip of the block it
+    wraps, against the unsharded block."""
+    mesh = layout_mesh(1, 1, world)
+    torch.manual_seed(0)
+    first, second = nn.Linear(8, 12), nn.Linear(12, 8)
+    x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(1))
+    reference = nn.Sequential(first, nn.GELU(), second)
+    reference(x).square().mean().backward()
     expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf"))
-    mesh, model = _layout_model(**layout)
-    fast = torch.compile(model, backend="eager")
-    next_token_loss(fast(IDS).logits, IDS).backward()
-    norm = tplayers.clip_grad_norm_(list(model.parameters()), float("inf"))
-    tplayers.save_checkpoint(f"{path}/ckpt", model=model)
-    tplayers.load_checkpoint(f"{path}/ckpt", model=model)
-    return expected, norm, full, tplayers.gather_state_dict(model)
+    block = nn.Sequential(
+        tplayers.ColumnParallelLinear.from_linear(first, group=mesh["tp"]),
+        nn.GELU(),
+        tplayers.RowParallelLinear.from_linear(second, group=mesh["tp"]),
+    )
+    for p in reference.parameters():
+        p.grad = None
+    torch.compile(block, backend="eager")(x).square().mean().backward()
+    norm = tplayers.clip_grad_norm_(list(block.parameters()), float("inf"))
+    tplayers.save_checkpoint(f"{path}/ckpt", model=block)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.zero_()
+    tplayers.load_checkpoint(f"{path}/ckpt", model=block)
+    return (
+        expected,
+        norm,
+        [p.detach().clone() for p in block.parameters()],
+        [p.detach() for p in reference.parameters()],
+    )
 
 
-@pytest.mark.parametrize("layout", ["tp2-dp2-zero3"])  # dynamo's capture takes ~40 s here: one layout
-def test_records_survive_torch_compile(pool, tmp_path, layout):
-    sizes = _sizes(**LAYOUTS[layout])
-    for expected, norm, full, gathered in pool.run(compiled, 4, LAYOUTS[layout], str(tmp_path), mesh=sizes):
+def test_records_survive_torch_compile(pool, tmp_path):
+    for rank, (expected, norm, mine, full) in enumerate(pool.run(compiled, 4, str(tmp_path), mesh=(1, 1, 4))):
         torch.testing.assert_close(norm, expected, **tolerance(torch.float32))
-        assert gathered.keys() == full.keys() and all(torch.equal(gathered[k], full[k]) for k in full)
+        column_weight, column_bias, row_weight, row_bias = mine
+        assert torch.equal(column_weight, full[0].chunk(4, 0)[rank]) and torch.equal(
+            column_bias, full[1].chunk(4)[rank]
+        )
+        assert torch.equal(row_weight, full[2].chunk(4, 1)[rank]) and torch.equal(row_bias, full[3])
