@@ -285,6 +285,7 @@ class PlacedModule(SharesGroups, nn.Module):
     _placements: dict
 
     def _tag_parameters(self, *_):
+        _repair(self)  # from this module's own table: no search of every parallelized model
         for name, placement in self._placements.items():
             param = getattr(self, name, None)
             if param is not None:  # a data-parallel record already there is kept

@@ -153,7 +153,7 @@ def _inside_sharded_modules(model, done, whole, group):
             raise ValueError(
                 f"parallelize: {prefix}.{name} {tuple(p.shape)} is a parameter of {type(module).__name__} that "
                 "tplayers shards, and acts on features split across the ranks in a way tplayers does not know "
-                "(per-head values such as attention sinks are not cut to each rank's heads yet); it is not "
+                "(only per-head values a q/k/v/o attention holds itself are cut to each rank's heads); it is not "
                 "replicated, which would leave each rank part of its gradient. Pass plan={...: 'replicate'} for "
                 f"{prefix!r} to keep that module whole"
             )
@@ -269,9 +269,8 @@ def _parallelize(
     max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if max_positions:
         model.register_forward_pre_hook(_length_check(max_positions), with_kwargs=True)
-    _inside_sharded_modules(
-        model, parallelizer.done, parallelizer.whole, group
-    )  # before SP sums every block weight left
+    # before sequence parallelism sums every block weight left
+    _inside_sharded_modules(model, parallelizer.done, parallelizer.whole, group)
     if sequence_parallel:
         _sequence_parallel_hooks(model, group, blocks)
     for p in model.parameters():  # everything else is whole on every rank, with its whole gradient
