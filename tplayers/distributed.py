@@ -52,6 +52,10 @@ def resolve_group(group) -> dist.ProcessGroup:
 
 
 def _init_cpu_process_group(rank: int, world_size: int, port: int) -> None:
+    # torchrun's variables too: libraries that read them (accelerate, HF Trainer) see the same
+    # distributed run under `launch` as under torchrun
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",

@@ -9,6 +9,11 @@ wrapped (once, at `import tplayers`) to refuse, before any collective, a group t
 tensor-parallel or pipeline group the module's placement records name. Over the data-parallel
 group (`mesh["dp"]`: every rank holding the same shards) they work as before; that is what
 `tplayers.data_parallel` (composable DDP and FSDP2) uses.
+
+accelerate's `Accelerator.prepare_model` (which HF's Trainer and TRL call) is wrapped the same way,
+once a model is parallelized (`guard_accelerate`): on a parallelized model it raises, naming the
+integration that is right (`tplayers.hf.Trainer`, `parallel_trainer`, `tplayers.hf.prepare`),
+unless the accelerator is one of those (`ParallelAccelerator`, marked by its replicas).
 """
 
 import functools
@@ -16,7 +21,7 @@ import inspect
 
 import torch.distributed as dist
 
-from tplayers.placement import placement_or_none, refuse_overlap
+from tplayers.placement import placement_or_none, ranks_of, recorded_groups, refuse_overlap
 
 _GUARDED = "_tplayers_guarded"
 
@@ -39,7 +44,8 @@ def _refuse(wrapper: str, module, process_group, device_mesh) -> None:
         params, _group(process_group, device_mesh), wrapper, ("tp", "pp"),
         f"{wrapper} would broadcast one rank's shards over the others and average the gradients of different "
         "tensors; use tplayers.data_parallel(model, group=mesh['dp'], zero_stage=...) (the data-parallel group: "
-        "ranks holding the same shards), or pass that group as its process_group",
+        "ranks holding the same shards), or pass that group as its process_group (HF Trainer / accelerate: "
+        "tplayers.hf.Trainer, tplayers.hf.parallel_trainer(cls), tplayers.hf.prepare(accelerator, ...))",
         role="its process group",
     )  # fmt: skip
 
@@ -67,3 +73,40 @@ def install() -> None:
 
     guard(DistributedDataParallel, "DistributedDataParallel")
     guard(FullyShardedDataParallel, "FullyShardedDataParallel")
+
+
+_INTEGRATIONS = (
+    "use tplayers.hf.Trainer (a drop-in transformers.Trainer), tplayers.hf.parallel_trainer(cls) for a Trainer "
+    "subclass (TRL's SFTTrainer, ...), or tplayers.hf.prepare(accelerator, model, optimizer, dataloader, ...) "
+    "in an accelerate loop"
+)
+
+
+def _spans_ranks(module) -> bool:
+    """Whether the placement records of `module` name a group of more than one rank."""
+    params = [p for p in module.parameters() if placement_or_none(p) is not None]
+    return any(len(ranks_of(g)) > 1 for kind in ("tp", "dp", "pp") for g in recorded_groups(params, kind))
+
+
+def guard_accelerate() -> None:
+    """Wrap accelerate's `Accelerator.prepare_model` (once) to refuse a parallelized model (module docstring)."""
+    try:
+        from accelerate import Accelerator
+    except ImportError:  # accelerate is not installed: nothing to guard
+        return
+    prepare_model = Accelerator.prepare_model
+    if getattr(prepare_model, _GUARDED, False):
+        return
+
+    @functools.wraps(prepare_model)
+    def guarded(self, model, *args, **kwargs):
+        if getattr(self, "_tplayers_replicas", None) is None and _spans_ranks(model):
+            raise ValueError(
+                f"accelerate.Accelerator.prepare (called by transformers.Trainer and TRL) on a model tplayers "
+                f"parallelized: it would wrap it in DDP over every rank, give each rank its own rows and clip by each "
+                f"rank's local norm, training another model without an error; {_INTEGRATIONS}"
+            )
+        return prepare_model(self, model, *args, **kwargs)
+
+    setattr(guarded, _GUARDED, True)
+    Accelerator.prepare_model = guarded

@@ -14,6 +14,11 @@
     lora.py         peft's LoRA adapters on the sharded layers, each factor sharded like its base
     lora_targets.py tplayers.get_peft_model: adapters added to an already parallelized model
 
+`Trainer`, `parallel_trainer` and `prepare` (HF Trainer, TRL and accelerate on parallelized models)
+live in `tplayers.loops`, above tplayers.checkpoint, which they save through; they are named here
+on first use (module `__getattr__`), which also keeps transformers' Trainer and accelerate out of
+`import tplayers`.
+
 May import: tplayers.nn, tplayers.functional, the foundations (backend, distributed, placement)
 and transformers; never tplayers.checkpoint, tplayers.plan or tplayers.tools.
 """
@@ -22,4 +27,14 @@ from tplayers.hf.parallelize import parallelize
 from tplayers.hf.pipeline_split import pipeline_split
 from tplayers.hf.state_dict import gather_grads, gather_state_dict, load_full_state_dict
 
-__all__ = ["gather_grads", "gather_state_dict", "load_full_state_dict", "parallelize", "pipeline_split"]
+_LOOPS = ("Trainer", "parallel_trainer", "prepare")
+
+__all__ = ["gather_grads", "gather_state_dict", "load_full_state_dict", "parallelize", "pipeline_split", *_LOOPS]
+
+
+def __getattr__(name: str):
+    if name in _LOOPS:
+        import tplayers.loops
+
+        return getattr(tplayers.loops, name)
+    raise AttributeError(f"module 'tplayers.hf' has no attribute {name!r}")

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate
 
+from tplayers.data_parallel import guards
 from tplayers.distributed import resolve_group
 from tplayers.functional import comm
 from tplayers.functional.auto_overlap import check_overlap
@@ -232,6 +233,7 @@ def parallelize(
     cost model expects to be faster; True / False force the ring / the plain collectives).
     """
     check_overlap(overlap, "parallelize")
+    guards.guard_accelerate()  # a plain Trainer / Accelerator handed the result raises (accelerate is loaded by now)
     kwargs = dict(sequence_parallel=sequence_parallel, plan=plan, vocab_parallel_logits=vocab_parallel_logits,
                   overlap=overlap)  # fmt: skip
     layers = lora.lora_layers(model)

@@ -95,7 +95,7 @@ def train_step(
             )
         total = model.forward_backward(*batches[0], loss_scale=scale)  # scale: 1.0 unless a scaler is on
         batches = [None]  # one mean loss, already over the micro-batches
-    syncing = _gradient_syncing(model) if total is None else []
+    syncing = gradient_syncing_modules(model) if total is None else []
     try:
         for i, batch in enumerate(batches if total is None else ()):
             for module in syncing:  # one reduction over the replicas per step: in the last backward
@@ -134,7 +134,7 @@ def train_step(
     )
 
 
-def _gradient_syncing(model) -> list:
+def gradient_syncing_modules(model) -> list:
     """The data-parallel engines' modules in `model` that take torch's gradient-sync switch
     (composable DDP's root, FSDP2's root and units: the root's call covers its units)."""
     if not isinstance(model, torch.nn.Module):

@@ -1,0 +1,336 @@
+"""HF Trainer, TRL's SFTTrainer and an accelerate loop on parallelized models (`tplayers.hf.Trainer`,
+`parallel_trainer`, `prepare`), each against the same script run unsharded in one process (same
+seed and rows): 5 steps of gradient accumulation 2 with `max_grad_norm`, then an evaluation.
+
+The parallel runs are real distributed runs (`tplayers.launch`, which sets torchrun's variables,
+so accelerate sees a multi-process run as under torchrun): one world of 2 ranks runs every TP 2
+case in sequence, one of 4 the TP 2 x DP 2 cases; the unsharded references run here. One module
+fixture runs them all once (starting ranks that import transformers' Trainer costs seconds each),
+and each test reads its part.
+"""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import tplayers
+from tplayers.tolerances import tolerance
+
+pytestmark = pytest.mark.multirank
+
+VOCAB, SEQ, ROWS, EVAL_ROWS = 96, 12, 40, 10
+LOSS_ATOL = 1e-5  # the issue's bound on every logged loss and grad_norm
+
+
+# ---- the script, shared by the unsharded and the parallel runs ----
+
+
+def model(lora=False):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False, pad_token_id=VOCAB - 1, eos_token_id=VOCAB - 2)  # fmt: skip
+    m = tf.LlamaForCausalLM(cfg)
+    if lora:
+        import peft
+
+        cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"], lora_dropout=0.0)
+        m = peft.get_peft_model(m, cfg)
+        for name, p in m.named_parameters():  # peft zeroes B: make the adapters matter from step 1
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(len(name)))
+    return m
+
+
+def rows(n, seed):
+    ids = torch.randint(0, VOCAB - 2, (n, SEQ), generator=torch.Generator().manual_seed(seed))
+    return [{"input_ids": r, "labels": r.clone(), "attention_mask": torch.ones_like(r)} for r in ids]
+
+
+def arguments(out, batch, config_class=None, **overrides):
+    import transformers as tf
+
+    kw = dict(output_dir=out, per_device_train_batch_size=batch, per_device_eval_batch_size=2,
+              gradient_accumulation_steps=2, max_steps=5, max_grad_norm=1.0, learning_rate=1e-3, logging_steps=1,
+              save_strategy="steps", save_steps=3, report_to=[], seed=0, use_cpu=True, disable_tqdm=True,
+              dataloader_num_workers=0, lr_scheduler_type="linear")  # fmt: skip
+    kw.update(overrides)
+    return (config_class or tf.TrainingArguments)(**kw)
+
+
+def history(trainer):
+    """Each optimizer step's logged loss, grad_norm and learning rate."""
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    return [(h["step"], h["loss"], h["grad_norm"], h["learning_rate"]) for h in logged]
+
+
+def tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(VOCAB - 2)} | {"<eos>": VOCAB - 2, "<pad>": VOCAB - 1}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="t0")
+
+
+def train(trainer_class, m, out, batch, **overrides):
+    """Train, evaluate and predict; what the tests compare."""
+    trainer = trainer_class(model=m, args=arguments(out, batch, **overrides), train_dataset=rows(ROWS, 1),
+                            eval_dataset=rows(EVAL_ROWS, 2))  # fmt: skip
+    trainer.train()
+    result = {"history": history(trainer), "eval_loss": trainer.evaluate()["eval_loss"]}
+    result["predictions"] = torch.as_tensor(trainer.predict(rows(EVAL_ROWS, 2)).predictions)
+    return trainer, result
+
+
+def predicted_by_unsharded(weights, lora=False):
+    """The logits the unsharded model with `weights` gives the evaluation rows."""
+    m = model(lora=lora)
+    m.load_state_dict(weights)
+    with torch.no_grad():
+        return m(torch.stack([r["input_ids"] for r in rows(EVAL_ROWS, 2)])).logits
+
+
+def sft(trainer_class, m, out, batch):
+    import datasets
+    from trl import SFTConfig
+
+    data = datasets.Dataset.from_dict({"input_ids": [r["input_ids"].tolist() for r in rows(ROWS, 1)]})
+    args = arguments(out, batch, SFTConfig, save_strategy="no", max_length=SEQ, bf16=False)
+    trainer = trainer_class(model=m, args=args, train_dataset=data, processing_class=tokenizer())
+    trainer.train()
+    return history(trainer)
+
+
+def accelerate_loop(m, prepare):
+    """A plain accelerate loop: 3 steps of batch 4 with clipping and a scheduler."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+    torch.manual_seed(1)
+    loader = torch.utils.data.DataLoader(rows(ROWS, 1), batch_size=4, shuffle=True)
+    m, opt, loader, sched = prepare(accelerator, m, opt, loader, sched)
+    out = []
+    for step, batch in enumerate(loader):
+        loss = m(**batch).loss
+        accelerator.backward(loss)
+        norm = accelerator.clip_grad_norm_(m.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        out.append((loss.item(), float(norm), sched.get_last_lr()[0]))
+        if step == 2:
+            return out
+
+
+def probe():
+    return torch.randint(0, VOCAB - 2, (2, SEQ), generator=torch.Generator().manual_seed(7))
+
+
+def full_weights(m):
+    return {k: v.detach().clone() for k, v in tplayers.gather_state_dict(m).items()}
+
+
+# ---- the parallel runs ----
+
+
+def world_of_two(rank, world, root):
+    import transformers as tf
+    from trl import SFTTrainer
+
+    mesh = tplayers.init_mesh(tp=2)
+    out = {}
+
+    m = tplayers.parallelize(model(), group=mesh["tp"])
+    trainer, out["tp"] = train(tplayers.hf.Trainer, m, f"{root}/tp", 2)
+    out["tp"]["weights"] = full_weights(m)
+    trainer.save_model(f"{root}/tp-final")
+    out["tp"]["probe_logits"] = m(probe()).logits.detach()
+
+    m = tplayers.parallelize(model(), group=mesh["tp"])
+    trainer = tplayers.hf.Trainer(model=m, args=arguments(f"{root}/tp", 2), train_dataset=rows(ROWS, 1))
+    trainer.train(resume_from_checkpoint=f"{root}/tp/checkpoint-3")
+    out["resumed"] = {"history": history(trainer), "weights": full_weights(m)}
+
+    m = tplayers.parallelize(model(), group=mesh["tp"], sequence_parallel=True)
+    _, out["sp"] = train(tplayers.hf.Trainer, m, f"{root}/sp", 2)
+    out["sp"]["weights"] = full_weights(m)
+
+    m = tplayers.parallelize(model(lora=True), group=mesh["tp"])
+    trainer, out["lora"] = train(tplayers.hf.Trainer, m, f"{root}/lora", 2)
+    out["lora"]["weights"] = full_weights(m)
+    trainer.save_model(f"{root}/lora-final")
+    out["lora"]["probe_logits"] = m(probe()).logits.detach()
+
+    m = tplayers.parallelize(model(lora=True), group=mesh["tp"])
+    out["sft"] = sft(tplayers.hf.parallel_trainer(SFTTrainer), m, f"{root}/sft", 2)
+
+    out["accelerate"] = accelerate_loop(tplayers.parallelize(model(), group=mesh["tp"]), tplayers.hf.prepare)
+
+    m = tplayers.parallelize(model(), group=mesh["tp"])
+    plain = tf.Trainer(model=m, args=arguments(f"{root}/plain", 2), train_dataset=rows(ROWS, 1))
+    try:
+        plain.train()
+        out["plain"] = None
+    except ValueError as e:
+        out["plain"] = str(e)
+    return out if rank == 0 else None
+
+
+def world_of_four(rank, world, root):
+    mesh = tplayers.init_mesh(dp=2, tp=2)
+    out = {}
+
+    m = tplayers.parallelize(model(), group=mesh["tp"])
+    tplayers.data_parallel(m, group=mesh["dp"], zero_stage=3)
+    _, out["zero3"] = train(tplayers.hf.Trainer, m, f"{root}/zero3", 1)
+    out["zero3"]["weights"] = full_weights(m)
+
+    m = tplayers.parallelize(model(), group=mesh["tp"])  # TP 2's checkpoint-3, resumed at TP 2 x DP 2
+    tplayers.data_parallel(m, group=mesh["dp"], zero_stage=0)
+    trainer = tplayers.hf.Trainer(model=m, args=arguments(f"{root}/tp", 1), train_dataset=rows(ROWS, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no RNG file for ranks 2-3: the Trainer warns
+        trainer.train(resume_from_checkpoint=f"{root}/tp/checkpoint-3")
+    out["resumed"] = {"history": history(trainer), "weights": full_weights(m)}
+    return out if rank == 0 else None
+
+
+# ---- the runs, once ----
+
+
+def unsharded(root):
+    import transformers as tf
+    from trl import SFTTrainer
+
+    out = {}
+    m = model()
+    _, out["full"] = train(tf.Trainer, m, f"{root}/ref", 2)
+    out["full"]["weights"] = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    m = model(lora=True)
+    _, out["lora"] = train(tf.Trainer, m, f"{root}/ref-lora", 2)
+    out["lora"]["weights"] = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    out["sft"] = sft(SFTTrainer, model(lora=True), f"{root}/ref-sft", 2)
+    out["accelerate"] = accelerate_loop(model(), lambda acc, *objects: acc.prepare(*objects))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("trainer"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = unsharded(root)
+    two = tplayers.launch(world_of_two, 2, root, timeout=600)[0]
+    four = tplayers.launch(world_of_four, 4, root, timeout=600)[0]
+    return {"root": root, "reference": reference, "two": two, "four": four}
+
+
+# ---- comparisons ----
+
+
+def same_history(got, want, atol=LOSS_ATOL):
+    """Every step's loss and grad_norm within `atol`, the same steps and learning rates."""
+    assert [h[0] for h in got] == [h[0] for h in want], f"steps {[h[0] for h in got]} != {[h[0] for h in want]}"
+    for (step, loss, norm, lr), (_, loss_r, norm_r, lr_r) in zip(got, want, strict=True):
+        assert abs(loss - loss_r) <= atol, f"step {step}: loss {loss} != {loss_r}"
+        assert abs(norm - norm_r) <= atol, f"step {step}: grad_norm {norm} != {norm_r}"
+        assert math.isclose(lr, lr_r, rel_tol=1e-9), f"step {step}: learning rate {lr} != {lr_r}"
+
+
+def same_weights(got, want, exact=False):
+    assert sorted(got) == sorted(want)
+    bound = tolerance(torch.float32, exact=exact)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], **bound, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_negative_control_the_comparisons_catch_a_difference(runs):
+    want = runs["reference"]["full"]["history"]
+    off = [(s, loss + (3e-5 if s == 4 else 0), n, lr) for s, loss, n, lr in want]
+    with pytest.raises(AssertionError, match="step 4: loss"):
+        same_history(off, want)
+    with pytest.raises(AssertionError, match="grad_norm"):
+        same_history([(s, loss, n * 1.001, lr) for s, loss, n, lr in want], want)
+    weights = dict(runs["reference"]["full"]["weights"])
+    name = next(iter(weights))
+    with pytest.raises(AssertionError):
+        same_weights({**weights, name: weights[name] + 1e-3}, weights)
+
+
+@pytest.mark.parametrize("layout", ["tp", "sp"])
+def test_tensor_parallel_trains_as_unsharded(runs, layout):
+    got, want = runs["two"][layout], runs["reference"]["full"]
+    same_history(got["history"], want["history"])
+    assert got["eval_loss"] == pytest.approx(want["eval_loss"], abs=LOSS_ATOL)
+    same_weights(got["weights"], want["weights"])
+    # predict: the logits of the model it trained (5 steps of Adam move the two runs' weights apart within
+    # the table, and their logits by a little more)
+    torch.testing.assert_close(got["predictions"], predicted_by_unsharded(got["weights"]), **tolerance(torch.float32))
+
+
+def test_tensor_and_data_parallel_zero3_trains_as_unsharded(runs):
+    got, want = runs["four"]["zero3"], runs["reference"]["full"]
+    same_history(got["history"], want["history"])
+    assert got["eval_loss"] == pytest.approx(want["eval_loss"], abs=LOSS_ATOL)  # 10 rows over 2 replicas: a tail
+    same_weights(got["weights"], want["weights"])
+    torch.testing.assert_close(got["predictions"], predicted_by_unsharded(got["weights"]), **tolerance(torch.float32))
+
+
+def test_lora_trains_as_unsharded_and_saves_a_peft_adapter(runs):
+    got, want = runs["two"]["lora"], runs["reference"]["lora"]
+    same_history(got["history"], want["history"])
+    assert got["eval_loss"] == pytest.approx(want["eval_loss"], abs=LOSS_ATOL)
+    same_weights(got["weights"], want["weights"])
+    import peft
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = model()
+        loaded = peft.PeftModel.from_pretrained(base, f"{runs['root']}/lora-final")
+    torch.testing.assert_close(loaded(probe()).logits, got["probe_logits"], **tolerance(torch.float32))
+
+
+def test_save_model_writes_a_checkpoint_from_pretrained_loads(runs):
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(f"{runs['root']}/tp-final")
+    got = runs["two"]["tp"]
+    torch.testing.assert_close(loaded(probe()).logits, got["probe_logits"], **tolerance(torch.float32))
+
+
+def test_resume_at_the_same_layout_is_bit_identical(runs):
+    first, resumed = runs["two"]["tp"], runs["two"]["resumed"]
+    assert resumed["history"] == first["history"]  # steps 1-3 from the checkpoint's state, 4-5 trained again
+    same_weights(resumed["weights"], first["weights"], exact=True)
+
+
+def test_resume_at_another_layout_within_tolerance(runs):
+    first, resumed = runs["two"]["tp"], runs["four"]["resumed"]
+    same_history(resumed["history"], first["history"])
+    same_weights(resumed["weights"], first["weights"])
+
+
+def test_trl_sft_trainer_with_lora_trains_as_unsharded(runs):
+    same_history(runs["two"]["sft"], runs["reference"]["sft"])
+
+
+def test_accelerate_loop_trains_as_unsharded(runs):
+    got, want = runs["two"]["accelerate"], runs["reference"]["accelerate"]
+    assert len(got) == len(want) == 3
+    for (loss, norm, lr), (loss_r, norm_r, lr_r) in zip(got, want, strict=True):
+        assert loss == pytest.approx(loss_r, abs=LOSS_ATOL) and norm == pytest.approx(norm_r, abs=LOSS_ATOL)
+        assert lr == lr_r  # stepped once per optimizer step, not once per rank
+
+
+def test_plain_trainer_on_a_parallelized_model_raises(runs):
+    message = runs["two"]["plain"]
+    assert message is not None, "a plain transformers.Trainer trained a parallelized model"
+    assert "tplayers.hf.Trainer" in message and "parallel_trainer" in message

@@ -1,0 +1,166 @@
+"""`tplayers.hf.Trainer`: HF's Trainer on a model tplayers parallelized, and
+`parallel_trainer(cls)`: the same for any Trainer subclass (TRL's SFTTrainer, DPOTrainer, ...).
+
+An unmodified Trainer trains such a model wrongly without an error (DDP broadcasts rank 0's
+shards, each rank reads its own rows, clipping uses each rank's local norm, checkpoints hold
+rank 0's shards). What changes here, each at the Trainer's own extension points:
+
+- the accelerator becomes a `ParallelAccelerator` (`accelerate.py`): no DDP, rows per replica,
+  the global gradient norm (clipped and logged), accumulation through the data-parallel engines'
+  sync switch, metrics gathered once per replica, fp16 overflows agreed on by every rank;
+- `get_tp_size` is the number of ranks that read each batch, which the Trainer already divides
+  its token counts, batch sizes and loss scaling by;
+- `save_model` writes the HF checkpoint from every rank cooperatively (`save_pretrained`: full
+  tensors under HF's names, a peft model's adapter as peft writes it): call it on every rank;
+- `save_strategy` checkpoints hold a tplayers sharded checkpoint in `checkpoint-N/tplayers`
+  (model, optimizer, scheduler, loss scaler, each rank's RNG) beside the Trainer's own
+  `trainer_state.json` and RNG files; resuming reads it at any layout (`load_checkpoint`
+  reshards), exactly at the same one;
+- TRL's fused LM head, which would score labels against one rank's slice of the vocabulary, is
+  computed from the model's whole logits instead (`trl.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import transformers
+from accelerate.optimizer import AcceleratedOptimizer
+
+from tplayers.checkpoint import load_checkpoint, save_checkpoint, save_pretrained
+from tplayers.checkpoint.api import MARKER
+from tplayers.loops.accelerate import adopt
+from tplayers.loops.replicas import replicas_of
+from tplayers.loops.trl import unfuse_lm_head
+
+SHARDED = "tplayers"  # the sharded checkpoint's folder inside checkpoint-N
+
+
+def _inner(optimizer):
+    return optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
+
+
+class ParallelTrainer:
+    """The methods `parallel_trainer` puts before a Trainer class's own (module docstring)."""
+
+    def __init__(self, model=None, args=None, *rest, **kwargs):
+        name = type(self).__name__
+        if model is None:
+            raise ValueError(
+                f"{name}: pass the parallelized model; model_init would build a new, unsharded model for each run"
+            )
+        self._tplayers_replicas = replicas_of(model, name)  # refusals before anything is built
+        self._tplayers_checkpointing = False
+        super().__init__(model, args, *rest, **kwargs)
+        unfuse_lm_head(self.model)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        adopt(self.accelerator, self._tplayers_replicas)
+        # the Trainer bound gather_for_metrics before the accelerator's class changed
+        self.gather_function = functools.partial(
+            self.accelerator.gather_for_metrics, use_gather_object=self.args.eval_use_gather_object
+        )
+
+    def get_tp_size(self) -> int:
+        """The ranks that read each batch (one replica's tensor-parallel group)."""
+        return self._tplayers_replicas.sharing
+
+    def _track_num_input_tokens(self, inputs):
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)  # summed over every rank: each replica's rows `sharing` times
+        seen = self.state.num_input_tokens_seen - before
+        self.state.num_input_tokens_seen = before + seen // self._tplayers_replicas.sharing
+
+    # ---- saving ----
+
+    def _scaler(self):
+        return getattr(self.accelerator, "scaler", None)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        self._tplayers_checkpointing = True  # the Trainer's save_model call inside writes the sharded checkpoint
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._tplayers_checkpointing = False
+
+    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if state_dict is not None:
+            raise ValueError(f"{type(self).__name__}._save: the weights come from the model's shards, not a state_dict")
+        if self._tplayers_checkpointing:
+            everything = not self.args.save_only_model
+            save_checkpoint(
+                Path(output_dir) / SHARDED,
+                model=self.model,
+                optimizer=_inner(self.optimizer) if everything else None,
+                scheduler=self.lr_scheduler if everything else None,
+                scaler=self._scaler() if everything else None,
+            )
+            return
+        save_pretrained(self.model, output_dir)  # every rank: each writes the tensors it gathered
+        if not self.args.should_save:
+            return
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        import torch
+
+        torch.save(self.args, os.path.join(output_dir, transformers.trainer.TRAINING_ARGS_NAME))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        pass  # in the sharded checkpoint, with the model
+
+    def _save_scaler(self, output_dir: str) -> None:
+        pass  # in the sharded checkpoint, with the model
+
+    # ---- resuming ----
+
+    def _sharded(self, checkpoint: str) -> Path:
+        path = Path(checkpoint) / SHARDED
+        if not (path / MARKER).is_file():
+            raise ValueError(
+                f"{type(self).__name__}: {checkpoint} holds no tplayers checkpoint ({SHARDED}/): it was not written by "
+                "tplayers.hf.Trainer. A plain Trainer's checkpoint holds one rank's shards at best; load full HF "
+                "weights into the model with tplayers.load_pretrained instead"
+            )
+        return path
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        load_checkpoint(self._sharded(resume_from_checkpoint), model=model if model is not None else self.model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or self.args.save_only_model:
+            return
+        load_checkpoint(  # the model's weights again too: the names the optimizer state is stored under
+            self._sharded(checkpoint),
+            model=self.model,
+            optimizer=_inner(self.optimizer),
+            scheduler=self.lr_scheduler,
+            scaler=self._scaler(),
+        )
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        pass  # with the optimizer
+
+    def _load_best_model(self) -> None:
+        load_checkpoint(self._sharded(self.state.best_model_checkpoint), model=self.model)
+
+
+@functools.cache
+def parallel_trainer(cls: type) -> type:
+    """`cls` (transformers.Trainer or a subclass, e.g. trl.SFTTrainer) for models tplayers
+    parallelized: a subclass with ParallelTrainer's methods first (module docstring), the same
+    arguments. `parallel_trainer(trl.SFTTrainer)(model=model, args=..., train_dataset=...)`."""
+    if not (isinstance(cls, type) and issubclass(cls, transformers.Trainer)):
+        raise TypeError(f"parallel_trainer: {cls!r} is not a transformers.Trainer class")
+    if issubclass(cls, ParallelTrainer):
+        return cls
+    return type(f"Parallel{cls.__name__}", (ParallelTrainer, cls), {"__doc__": cls.__doc__})
+
+
+class Trainer(ParallelTrainer, transformers.Trainer):
+    """`transformers.Trainer` for a model tplayers parallelized (TP, TP + SP, 2-D grids, TP x DP
+    with `tplayers.data_parallel` at any ZeRO stage, peft LoRA): the same arguments, no extra
+    call. See `tplayers.loops.trainer` for what differs."""
