@@ -163,6 +163,9 @@ def world_of_two(rank, world, root):
     _, out["sp"] = train(tplayers.hf.Trainer, m, f"{root}/sp", 2)
     out["sp"]["weights"] = full_weights(m)
 
+    m = tplayers.parallelize(model(), group=mesh["tp"])
+    _, out["bf16"] = train(tplayers.hf.Trainer, m, f"{root}/bf16", 2, bf16=True)
+
     m = tplayers.parallelize(model(lora=True), group=mesh["tp"])
     trainer, out["lora"] = train(tplayers.hf.Trainer, m, f"{root}/lora", 2)
     out["lora"]["weights"] = full_weights(m)
@@ -174,7 +177,19 @@ def world_of_two(rank, world, root):
 
     out["accelerate"] = accelerate_loop(tplayers.parallelize(model(), group=mesh["tp"]), tplayers.hf.prepare)
 
+    refusals = out["refusals"] = {}
     m = tplayers.parallelize(model(), group=mesh["tp"])
+    for case, call in {
+        "plain_accelerator": lambda: __import__("accelerate").Accelerator().prepare(m),
+        "peft_config": lambda: tplayers.hf.parallel_trainer(SFTTrainer)(
+            model=m, args=arguments(f"{root}/peft", 2), peft_config=__import__("peft").LoraConfig()
+        ),
+    }.items():
+        try:
+            call()
+            refusals[case] = None
+        except ValueError as e:
+            refusals[case] = str(e)
     plain = tf.Trainer(model=m, args=arguments(f"{root}/plain", 2), train_dataset=rows(ROWS, 1))
     try:
         plain.train()
@@ -195,6 +210,11 @@ def world_of_four(rank, world, root):
 
     m = tplayers.parallelize(model(), group=mesh["tp"])  # TP 2's checkpoint-3, resumed at TP 2 x DP 2
     tplayers.data_parallel(m, group=mesh["dp"], zero_stage=0)
+    try:  # TP 2 at a world of 4 without tplayers.data_parallel: two replicas nothing averages
+        tplayers.hf.Trainer(model=tplayers.parallelize(model(), group=mesh["tp"]), args=arguments(f"{root}/x", 1))
+        out["no_data_parallel"] = None
+    except ValueError as e:
+        out["no_data_parallel"] = str(e)
     trainer = tplayers.hf.Trainer(model=m, args=arguments(f"{root}/tp", 1), train_dataset=rows(ROWS, 1))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # no RNG file for ranks 2-3: the Trainer warns
@@ -214,6 +234,7 @@ def unsharded(root):
     m = model()
     _, out["full"] = train(tf.Trainer, m, f"{root}/ref", 2)
     out["full"]["weights"] = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    _, out["bf16"] = train(tf.Trainer, model(), f"{root}/ref-bf16", 2, bf16=True)
     m = model(lora=True)
     _, out["lora"] = train(tf.Trainer, m, f"{root}/ref-lora", 2)
     out["lora"]["weights"] = {k: v.detach().clone() for k, v in m.state_dict().items()}
@@ -276,6 +297,16 @@ def test_tensor_parallel_trains_as_unsharded(runs, layout):
     torch.testing.assert_close(got["predictions"], predicted_by_unsharded(got["weights"]), **tolerance(torch.float32))
 
 
+def test_bf16_autocast_follows_the_unsharded_run_within_bf16s_tolerance(runs):
+    """`bf16=True`: the Trainer's autocast reaches the tensor-parallel GEMMs as it reaches nn.Linear."""
+    got, want = runs["two"]["bf16"], runs["reference"]["bf16"]
+    bound = tolerance(torch.bfloat16)
+    for (step, loss, norm, _), (_, loss_r, norm_r, _) in zip(got["history"], want["history"], strict=True):
+        assert loss == pytest.approx(loss_r, rel=bound["rtol"], abs=bound["atol"]), step
+        assert norm == pytest.approx(norm_r, rel=bound["rtol"], abs=bound["atol"]), step
+    assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=bound["rtol"], abs=bound["atol"])
+
+
 def test_tensor_and_data_parallel_zero3_trains_as_unsharded(runs):
     got, want = runs["four"]["zero3"], runs["reference"]["full"]
     same_history(got["history"], want["history"])
@@ -334,3 +365,23 @@ def test_plain_trainer_on_a_parallelized_model_raises(runs):
     message = runs["two"]["plain"]
     assert message is not None, "a plain transformers.Trainer trained a parallelized model"
     assert "tplayers.hf.Trainer" in message and "parallel_trainer" in message
+
+
+def test_misuse_is_refused_by_name(runs):
+    refusals = runs["two"]["refusals"]
+    assert refusals["plain_accelerator"] is not None and "tplayers.hf.prepare" in refusals["plain_accelerator"]
+    assert refusals["peft_config"] is not None and "tplayers.get_peft_model" in refusals["peft_config"]
+    message = runs["four"]["no_data_parallel"]
+    assert message is not None and "tplayers.data_parallel(model, group=mesh['dp']" in message
+
+
+def test_fp16_grad_scaler_becomes_a_loss_scaler_every_rank_agrees_with():
+    from tplayers.loops.accelerate import _scaler
+
+    torch_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_factor=3.0, backoff_factor=0.25,
+                                        growth_interval=7)  # fmt: skip
+    scaler = _scaler(torch_scaler)
+    assert isinstance(scaler, tplayers.DynamicLossScaler)
+    assert (scaler.get_scale(), scaler.get_growth_factor(), scaler.get_backoff_factor()) == (1024.0, 3.0, 0.25)
+    assert scaler.get_growth_interval() == 7
+    assert _scaler(None) is None and _scaler(scaler) is scaler

@@ -51,6 +51,11 @@ class ParallelTrainer:
             raise ValueError(
                 f"{name}: pass the parallelized model; model_init would build a new, unsharded model for each run"
             )
+        if kwargs.get("peft_config") is not None:
+            raise ValueError(
+                f"{name}: peft_config would have peft wrap layers tplayers already sharded; add the adapters first "
+                "(peft.get_peft_model before parallelize, or tplayers.get_peft_model after) and pass the peft model"
+            )
         self._tplayers_replicas = replicas_of(model, name)  # refusals before anything is built
         self._tplayers_checkpointing = False
         super().__init__(model, args, *rest, **kwargs)

@@ -44,7 +44,7 @@ from torch.distributed.tensor import Shard
 from tplayers.functional.auto_overlap import check_overlap
 from tplayers.functional.collectives import all_gather_sequence, copy_to_tp_region, own_slice
 from tplayers.functional.linear import row_parallel_linear
-from tplayers.nn.linear import _full_linear_init, check_input, tokens_as_sequence
+from tplayers.nn.linear import _full_linear_init, autocast_operands, check_input, tokens_as_sequence
 from tplayers.placement import SharesGroups, seal, set_placement, shard_sizes
 
 AXES = ("tp_r", "tp_c")
@@ -135,7 +135,8 @@ class GridLinear(SharesGroups, nn.Module):
 
     @tokens_as_sequence
     def forward(self, x):
-        check_input(self, x, self.in_features_per_rank, self.sequence_parallel)
+        x, weight, bias = autocast_operands(self, x)
+        check_input(self, x, self.in_features_per_rank, self.sequence_parallel, weight)
         widest = max(self.in_sizes)
         if self.sequence_parallel and self.out_axis == "tp_c":  # row-type: reduce-scattered over tp_r
             r = dist.get_world_size(self.seq_group)
@@ -143,14 +144,14 @@ class GridLinear(SharesGroups, nn.Module):
                 raise ValueError(f"GridLinear: sequence length {x.shape[1]} is not divisible by tp_r ({r})")
             if self.reduce_input_grad:
                 x = copy_to_tp_region(x, self.out_group)
-            return row_parallel_linear(x, self.weight, self.bias, self.in_group, sequence_parallel=True,
+            return row_parallel_linear(x, weight, bias, self.in_group, sequence_parallel=True,
                                        overlap=self.overlap, widest=widest)  # fmt: skip
         if self.sequence_parallel:  # column-type: the sequence gathered over tp_r (backward reduce-scattered)
             x = all_gather_sequence(x, self.out_group)
         elif self.reduce_input_grad:  # whole over the output axis: its gradient summed there
             x = copy_to_tp_region(x, self.out_group)
-        y = row_parallel_linear(x, self.weight, None, self.in_group, overlap=self.overlap, widest=widest)
-        return y + self.bias if self.bias is not None else y
+        y = row_parallel_linear(x, weight, None, self.in_group, overlap=self.overlap, widest=widest)
+        return y + bias if bias is not None else y
 
     def extra_repr(self):
         return (

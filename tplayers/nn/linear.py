@@ -69,14 +69,29 @@ def _full_linear_init(in_features, out_features, bias, device, dtype):
     return full.weight.detach(), (full.bias.detach() if bias else None)
 
 
-def check_input(layer, x, expected_last_dim, sequence_parallel):
+def autocast_operands(layer, x):
+    """(x, weight, bias) as the layer's GEMM takes them: under `torch.autocast` (HF Trainer's and
+    accelerate's bf16 / fp16) all three in autocast's dtype, as torch's own linear takes them;
+    the parameters stay in their dtype and get their gradients through the cast."""
+    weight, bias = layer.weight, layer.bias
+    device = x.device.type if isinstance(x, torch.Tensor) else "cpu"
+    if not (torch.is_autocast_enabled(device) and weight.is_floating_point()):
+        return x, weight, bias
+    dtype = torch.get_autocast_dtype(device)
+    cast = lambda t: t if t is None or t.dtype == dtype else t.to(dtype)
+    return cast(x) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, cast(weight), cast(bias)
+
+
+def check_input(layer, x, expected_last_dim, sequence_parallel, weight=None):
     """The checks every rank makes on its input before any collective (all ranks see the same
-    shapes, so all raise together instead of one hanging in a collective)."""
+    shapes, so all raise together instead of one hanging in a collective). `weight`: what the
+    GEMM multiplies by (autocast's copy), default the layer's."""
     name = type(layer).__name__
+    weight = layer.weight if weight is None else weight
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: input must be a Tensor, got {type(x).__name__}")
-    if x.dtype != layer.weight.dtype:
-        raise TypeError(f"{name}: input dtype {x.dtype} does not match the weight dtype {layer.weight.dtype}")
+    if x.dtype != weight.dtype:
+        raise TypeError(f"{name}: input dtype {x.dtype} does not match the weight dtype {weight.dtype}")
     if x.device != layer.weight.device:
         raise ValueError(f"{name}: input is on {x.device} but the weight is on {layer.weight.device}")
     if x.dim() == 0 or x.shape[-1] != expected_last_dim:
@@ -190,9 +205,10 @@ class ColumnParallelLinear(_ParallelLinear):
 
     @tokens_as_sequence
     def forward(self, x):
-        check_input(self, x, self.in_features, self.sequence_parallel)
+        x, weight, bias = autocast_operands(self, x)
+        check_input(self, x, self.in_features, self.sequence_parallel, weight)
         y = column_parallel_linear(
-            x, self.weight, self.bias, self.group, sequence_parallel=self.sequence_parallel, overlap=self.overlap,
+            x, weight, bias, self.group, sequence_parallel=self.sequence_parallel, overlap=self.overlap,
             reduce_input_grad=self.reduce_input_grad, widest=self.widest,
         )  # fmt: skip
         return gather_from_tp_region(y, self.group, dim=-1, total=self.out_features) if self.gather_output else y
@@ -260,7 +276,8 @@ class RowParallelLinear(_ParallelLinear):
     @tokens_as_sequence
     def forward(self, x):
         expected = self.in_features_per_rank if self.input_is_parallel else self.in_features
-        check_input(self, x, expected, self.sequence_parallel)
+        x, weight, bias = autocast_operands(self, x)
+        check_input(self, x, expected, self.sequence_parallel, weight)
         if self.sequence_parallel and x.shape[1] % self.tp_size:
             raise ValueError(
                 f"RowParallelLinear: sequence length {x.shape[1]} is not divisible by the "
@@ -269,7 +286,7 @@ class RowParallelLinear(_ParallelLinear):
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.group, dim=-1)
         return row_parallel_linear(
-            x, self.weight, self.bias, self.group, sequence_parallel=self.sequence_parallel, overlap=self.overlap,
+            x, weight, bias, self.group, sequence_parallel=self.sequence_parallel, overlap=self.overlap,
             widest=self.widest,
         )  # fmt: skip
 

@@ -32,6 +32,7 @@ from tplayers.nn.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
     _full_linear_init,
+    autocast_operands,
     check_input,
     refuse_own_forward,
     tokens_as_sequence,
@@ -183,9 +184,10 @@ class ParallelMLP(SharesGroups, nn.Module):
             return self.out_proj(h)
         if self.activation == "swiglu":  # the SwiGLU runs in the gate|up GEMM's epilogue
             layer = self.in_proj
-            check_input(layer, x, layer.in_features, layer.sequence_parallel)  # before any collective
+            x, weight, bias = autocast_operands(layer, x)
+            check_input(layer, x, layer.in_features, layer.sequence_parallel, weight)  # before any collective
             h = column_parallel_swiglu(
-                x, layer.weight, layer.bias, layer.group, sequence_parallel=layer.sequence_parallel,
+                x, weight, bias, layer.group, sequence_parallel=layer.sequence_parallel,
                 overlap=layer.overlap, widest=layer.widest,
             )  # fmt: skip
         else:
