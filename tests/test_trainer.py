@@ -208,6 +208,16 @@ def world_of_four(rank, world, root):
     _, out["zero3"] = train(tplayers.hf.Trainer, m, f"{root}/zero3", 1)
     out["zero3"]["weights"] = full_weights(m)
 
+    m = tplayers.parallelize(model(), group=mesh["tp"])
+    tplayers.data_parallel(m, group=mesh["dp"], zero_stage=1)
+    trainer = tplayers.hf.Trainer(model=m, args=arguments(f"{root}/zero1", 1), train_dataset=rows(ROWS, 1))
+    trainer.train()
+    out["zero1"] = {
+        "history": history(trainer),
+        "weights": full_weights(m),
+        "optimizer": type(trainer.optimizer.optimizer).__name__,
+    }
+
     m = tplayers.parallelize(model(), group=mesh["tp"])  # TP 2's checkpoint-3, resumed at TP 2 x DP 2
     tplayers.data_parallel(m, group=mesh["dp"], zero_stage=0)
     try:  # TP 2 at a world of 4 without tplayers.data_parallel: two replicas nothing averages
@@ -313,6 +323,13 @@ def test_tensor_and_data_parallel_zero3_trains_as_unsharded(runs):
     assert got["eval_loss"] == pytest.approx(want["eval_loss"], abs=LOSS_ATOL)  # 10 rows over 2 replicas: a tail
     same_weights(got["weights"], want["weights"])
     torch.testing.assert_close(got["predictions"], predicted_by_unsharded(got["weights"]), **tolerance(torch.float32))
+
+
+def test_tensor_and_data_parallel_zero1_shards_the_trainers_optimizer(runs):
+    got, want = runs["four"]["zero1"], runs["reference"]["full"]
+    assert got["optimizer"] == "ZeroRedundancyOptimizer"
+    same_history(got["history"], want["history"])
+    same_weights(got["weights"], want["weights"])
 
 
 def test_lora_trains_as_unsharded_and_saves_a_peft_adapter(runs):

@@ -12,8 +12,8 @@ placement); never tplayers.hf or anything above it.
 
 from tplayers.data_parallel import guards
 from tplayers.data_parallel.compress import Compression
-from tplayers.data_parallel.wrap import ZeRO3, data_parallel, data_parallel_optimizer
+from tplayers.data_parallel.wrap import ZeRO3, data_parallel, data_parallel_optimizer, shard_optimizer_state
 
 guards.install()
 
-__all__ = ["Compression", "ZeRO3", "data_parallel", "data_parallel_optimizer"]
+__all__ = ["Compression", "ZeRO3", "data_parallel", "data_parallel_optimizer", "shard_optimizer_state"]

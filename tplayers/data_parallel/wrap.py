@@ -29,6 +29,7 @@ What tplayers adds is the composition, through each parameter's placement record
   step tensors the model no longer uses) are errors.
 """
 
+import inspect
 from dataclasses import fields
 
 import torch
@@ -274,6 +275,33 @@ def ZeRO3(module: nn.Module, *, group=None, **kwargs) -> nn.Module:  # noqa: N80
     return data_parallel(module, group=group, zero_stage=3, **kwargs)
 
 
+def _zero1(optimizer, wrapped, params):
+    """torch's ZeroRedundancyOptimizer over the replicas (its broadcasts counted as the all-gather
+    of the parameters they amount to)."""
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    optimizer.register_step_post_hook(lambda *_: comm.record("all_gather", nbytes, wrapped[0], "dp"))
+    return optimizer
+
+
+def shard_optimizer_state(module: nn.Module, optimizer):
+    """ZeRO-1 for an optimizer built elsewhere (HF Trainer's): at stage 1, a ZeroRedundancyOptimizer
+    of the same class, hyperparameters and param groups, its state sharded over the replicas;
+    at the other stages (and for an optimizer already sharded) `optimizer` itself."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    wrapped = getattr(module, _WRAPPED, None)
+    if wrapped is None or wrapped[1] != 1 or isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer
+    if optimizer.state:
+        raise ValueError("shard_optimizer_state: the optimizer has stepped; shard it before its first step")
+    accepted = inspect.signature(type(optimizer).__init__).parameters  # AdamW's defaults hold a key it refuses
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    groups = [{k: v for k, v in g.items() if k == "params" or k in accepted} for g in optimizer.param_groups]
+    params = [p for g in groups for p in g["params"]]
+    sharded = ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=wrapped[0], **defaults)
+    return _zero1(sharded, wrapped, params)
+
+
 def data_parallel_optimizer(module: nn.Module, optimizer_class, **kwargs):
     """The optimizer for a (data-parallel) module's trainable parameters (a frozen base under
     LoRA adapters holds no state and is not moved), the same call at every stage: stage 1 shards
@@ -286,9 +314,5 @@ def data_parallel_optimizer(module: nn.Module, optimizer_class, **kwargs):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         optimizer = ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, process_group=wrapped[0], **kwargs)
-        # each rank's updated partition goes to every replica after the step (torch's broadcasts,
-        # counted as the all-gather of the parameters they amount to)
-        nbytes = sum(p.numel() * p.element_size() for p in params)
-        optimizer.register_step_post_hook(lambda *_: comm.record("all_gather", nbytes, wrapped[0], "dp"))
-        return optimizer
+        return _zero1(optimizer, wrapped, params)
     return optimizer_class(params, **kwargs)

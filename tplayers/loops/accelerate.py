@@ -112,6 +112,13 @@ class ParallelAccelerator:
         self._dataloaders.append(prepared)
         return prepared
 
+    def prepare_optimizer(self, optimizer, device_placement=None):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        if isinstance(optimizer, ZeroRedundancyOptimizer):  # ZeRO-1: its state_dict is a collective; the
+            device_placement = False  # state is made on the parameters' device at its first step anyway
+        return super().prepare_optimizer(optimizer, device_placement=device_placement)
+
     def prepare_scheduler(self, scheduler):
         prepared = super().prepare_scheduler(scheduler)
         prepared.__class__ = ReplicaScheduler

@@ -31,6 +31,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 
 from tplayers.checkpoint import load_checkpoint, save_checkpoint, save_pretrained
 from tplayers.checkpoint.api import MARKER
+from tplayers.data_parallel import shard_optimizer_state
 from tplayers.loops.accelerate import adopt
 from tplayers.loops.replicas import replicas_of
 from tplayers.loops.trl import unfuse_lm_head
@@ -68,6 +69,13 @@ class ParallelTrainer:
         self.gather_function = functools.partial(
             self.accelerator.gather_for_metrics, use_gather_object=self.args.eval_use_gather_object
         )
+
+    def create_optimizer(self, model=None):
+        """The Trainer's optimizer; at ZeRO-1 (`tplayers.data_parallel(..., zero_stage=1)`) with its
+        state sharded over the replicas."""
+        super().create_optimizer(model)
+        self.optimizer = shard_optimizer_state(self.model, self.optimizer)
+        return self.optimizer
 
     def get_tp_size(self) -> int:
         """The ranks that read each batch (one replica's tensor-parallel group)."""
