@@ -75,7 +75,8 @@ def autocast_operands(layer, x):
     the parameters stay in their dtype and get their gradients through the cast."""
     weight, bias = layer.weight, layer.bias
     device = x.device.type if isinstance(x, torch.Tensor) else "cpu"
-    if not (torch.is_autocast_enabled(device) and weight.is_floating_point()):
+    autocasting = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+    if not (autocasting and weight.is_floating_point()):
         return x, weight, bias
     dtype = torch.get_autocast_dtype(device)
     cast = lambda t: t if t is None or t.dtype == dtype else t.to(dtype)
