@@ -107,8 +107,10 @@ def sft(trainer_class, m, out, batch):
     return history(trainer)
 
 
-def accelerate_loop(m, prepare):
-    """A plain accelerate loop: 3 steps of batch 4 with clipping and a scheduler."""
+def accelerate_loop(m, prepare, state=None):
+    """A plain accelerate loop: 3 steps of batch 4 with clipping and a scheduler; with `state`,
+    saved there by `accelerator.save_state` and loaded back into a fresh model, whose weights
+    are returned too."""
     from accelerate import Accelerator
 
     accelerator = Accelerator()
@@ -127,7 +129,22 @@ def accelerate_loop(m, prepare):
         opt.zero_grad()
         out.append((loss.item(), float(norm), sched.get_last_lr()[0]))
         if step == 2:
-            return out
+            break
+    if state is None:
+        return out
+    whole = accelerator.get_state_dict(m)  # what users hand save_pretrained(state_dict=...)
+    assert all(whole[k].equal(v) for k, v in full_weights(m).items()) and len(whole) == len(full_weights(m))
+    accelerator.save_state(state)
+    again = Accelerator()
+    fresh = tplayers.parallelize(model(), group=tplayers.get_placement(next(m.parameters())).group)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    fresh_sched = torch.optim.lr_scheduler.LambdaLR(fresh_opt, lambda step: 1.0 / (1 + step))
+    fresh, fresh_opt, fresh_sched = prepare(again, fresh, fresh_opt, fresh_sched)
+    again.load_state(state)
+    same = fresh_opt.optimizer.state_dict()["state"][0]["exp_avg"].equal(
+        opt.optimizer.state_dict()["state"][0]["exp_avg"]
+    )
+    return out, full_weights(m), full_weights(fresh), same, fresh_sched.get_last_lr()[0]
 
 
 def probe():
@@ -175,11 +192,14 @@ def world_of_two(rank, world, root):
     m = tplayers.parallelize(model(lora=True), group=mesh["tp"])
     out["sft"] = sft(tplayers.hf.parallel_trainer(SFTTrainer), m, f"{root}/sft", 2)
 
-    out["accelerate"] = accelerate_loop(tplayers.parallelize(model(), group=mesh["tp"]), tplayers.hf.prepare)
+    out["accelerate"], *out["accelerate_state"] = accelerate_loop(
+        tplayers.parallelize(model(), group=mesh["tp"]), tplayers.hf.prepare, state=f"{root}/accelerate-state"
+    )
 
     refusals = out["refusals"] = {}
     m = tplayers.parallelize(model(), group=mesh["tp"])
     for case, call in {
+        "save_pretrained": lambda: m.save_pretrained(f"{root}/own-save"),
         "plain_accelerator": lambda: __import__("accelerate").Accelerator().prepare(m),
         "peft_config": lambda: tplayers.hf.parallel_trainer(SFTTrainer)(
             model=m, args=arguments(f"{root}/peft", 2), peft_config=__import__("peft").LoraConfig()
@@ -217,6 +237,20 @@ def world_of_four(rank, world, root):
         "weights": full_weights(m),
         "optimizer": type(trainer.optimizer.optimizer).__name__,
     }
+
+    grid = tplayers.init_mesh(tp=(2, 2))  # a 2-D tensor-parallel grid over the 4 ranks: one replica
+    m = tplayers.parallelize(model(), group=grid["tp_r", "tp_c"])
+    _, out["grid"] = train(tplayers.hf.Trainer, m, f"{root}/grid", 2)
+    out["grid"]["weights"] = full_weights(m)
+
+    sent = out["dp_bytes"] = {}  # one optimizer step at each accumulation count: the replicas reduce once
+    for accumulation in (1, 2):
+        m = tplayers.parallelize(model(), group=mesh["tp"])
+        tplayers.data_parallel(m, group=mesh["dp"], zero_stage=0)
+        args = arguments(f"{root}/bytes", 1, gradient_accumulation_steps=accumulation, max_steps=1, save_strategy="no")
+        with tplayers.count_bytes() as counted:
+            tplayers.hf.Trainer(model=m, args=args, train_dataset=rows(ROWS, 1)).train()
+        sent[accumulation] = counted.by_axis()["dp"]
 
     m = tplayers.parallelize(model(), group=mesh["tp"])  # TP 2's checkpoint-3, resumed at TP 2 x DP 2
     tplayers.data_parallel(m, group=mesh["dp"], zero_stage=0)
@@ -325,11 +359,23 @@ def test_tensor_and_data_parallel_zero3_trains_as_unsharded(runs):
     torch.testing.assert_close(got["predictions"], predicted_by_unsharded(got["weights"]), **tolerance(torch.float32))
 
 
+def test_a_two_dimensional_grid_trains_as_unsharded(runs):
+    got, want = runs["four"]["grid"], runs["reference"]["full"]
+    same_history(got["history"], want["history"])
+    assert got["eval_loss"] == pytest.approx(want["eval_loss"], abs=LOSS_ATOL)
+    same_weights(got["weights"], want["weights"])
+
+
 def test_tensor_and_data_parallel_zero1_shards_the_trainers_optimizer(runs):
     got, want = runs["four"]["zero1"], runs["reference"]["full"]
     assert got["optimizer"] == "ZeroRedundancyOptimizer"
     same_history(got["history"], want["history"])
     same_weights(got["weights"], want["weights"])
+
+
+def test_gradient_accumulation_reduces_over_the_replicas_once_per_step(runs):
+    sent = runs["four"]["dp_bytes"]
+    assert sent[1] > 0 and sent[2] == sent[1]
 
 
 def test_lora_trains_as_unsharded_and_saves_a_peft_adapter(runs):
@@ -378,6 +424,13 @@ def test_accelerate_loop_trains_as_unsharded(runs):
         assert lr == lr_r  # stepped once per optimizer step, not once per rank
 
 
+def test_accelerate_save_state_load_state_round_trip(runs):
+    weights, loaded, same_optimizer_state, lr = runs["two"]["accelerate_state"]
+    same_weights(loaded, weights, exact=True)
+    assert same_optimizer_state
+    assert lr == runs["two"]["accelerate"][-1][2]
+
+
 def test_plain_trainer_on_a_parallelized_model_raises(runs):
     message = runs["two"]["plain"]
     assert message is not None, "a plain transformers.Trainer trained a parallelized model"
@@ -388,6 +441,10 @@ def test_misuse_is_refused_by_name(runs):
     refusals = runs["two"]["refusals"]
     assert refusals["plain_accelerator"] is not None and "tplayers.hf.prepare" in refusals["plain_accelerator"]
     assert refusals["peft_config"] is not None and "tplayers.get_peft_model" in refusals["peft_config"]
+    assert (
+        refusals["save_pretrained"] is not None
+        and "tplayers.save_pretrained(model, path)" in refusals["save_pretrained"]
+    )
     message = runs["four"]["no_data_parallel"]
     assert message is not None and "tplayers.data_parallel(model, group=mesh['dp']" in message
 

@@ -22,7 +22,7 @@ from tplayers.hf.lora import (
     record_weight_maps,
 )
 from tplayers.hf.shard import on_device
-from tplayers.hf.state_dict import EXPORTS, ORIGINAL_KEYS, TIED, export_records
+from tplayers.hf.state_dict import EXPORTS, ORIGINAL_KEYS, TIED, export_records, refuse_own_save_pretrained
 from tplayers.nn.linear import ColumnParallelLinear
 
 
@@ -53,6 +53,7 @@ def get_peft_model(model, config, adapter_name: str = "default", **kwargs):
     setattr(peft_model, EXPORTS, live_records(peft_model, hf_prefix, getattr(hf, EXPORTS)))
     setattr(peft_model, ORIGINAL_KEYS, _peft_key_order(peft_model, hf_prefix, getattr(hf, ORIGINAL_KEYS, [])))
     setattr(peft_model, TIED, {hf_prefix + k: hf_prefix + v for k, v in getattr(hf, TIED, {}).items()})
+    refuse_own_save_pretrained(peft_model)
     return peft_model
 
 

@@ -40,7 +40,7 @@ from tplayers.hf.grid import parallelize_grid
 from tplayers.hf.pipeline_split import SEQUENCE_PARALLEL
 from tplayers.hf.same_inputs import check_same_inputs
 from tplayers.hf.shard import ShardingPass, replace_hidden
-from tplayers.hf.state_dict import EXPORTS, ORIGINAL_KEYS, TIED
+from tplayers.hf.state_dict import EXPORTS, ORIGINAL_KEYS, TIED, refuse_own_save_pretrained
 from tplayers.nn.grid import is_grid
 from tplayers.placement import placement_or_none, seal, set_placement
 
@@ -242,11 +242,13 @@ def parallelize(
             raise ValueError("parallelize: LoRA adapters on a 2-D tensor-parallel mesh are not supported yet")
         if vocab_parallel_logits:
             model.register_forward_pre_hook(_no_labels, with_kwargs=True)
-        return parallelize_grid(model, group, verify=verify, **kwargs)
-    group = resolve_group(group)
-    if layers:
-        return lora.parallelize_peft(model, layers, _parallelize, group=group, verify=verify, **kwargs)
-    return _parallelize(model, group=group, verify=verify, **kwargs)
+        model = parallelize_grid(model, group, verify=verify, **kwargs)
+    elif layers:
+        model = lora.parallelize_peft(model, layers, _parallelize, group=resolve_group(group), verify=verify, **kwargs)
+    else:
+        model = _parallelize(model, group=resolve_group(group), verify=verify, **kwargs)
+    refuse_own_save_pretrained(model)
+    return model
 
 
 def _parallelize(

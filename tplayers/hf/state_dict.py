@@ -2,6 +2,8 @@
 names, and loading one back into the shards. `parallelize` leaves on the model, for each
 swapped module, how to export and load it (`EXPORTS`); nothing else is needed."""
 
+from types import MethodType
+
 from tplayers.placement import copy_into, full_tensor, tensor_parallel_group
 
 EXPORTS = "_tplayers_exports"  # [(prefix, export, load, pieces)] on the model (pieces: tplayers.hf.pieces),
@@ -98,3 +100,23 @@ def load_full_state_dict(model, state_dict, *, group=None) -> None:
     current = model.state_dict(keep_vars=True)
     for key, value in state_dict.items():  # in place: shards of data parallelism included
         copy_into(current[key], value)
+
+
+def _guarded_save_pretrained(self, path, *args, state_dict=None, **kwargs):
+    if state_dict is None:
+        raise ValueError(
+            f"{type(self).__name__}.save_pretrained on a model tplayers parallelized would write this rank's shards "
+            "under tplayers' module names, a checkpoint from_pretrained cannot load: call "
+            "tplayers.save_pretrained(model, path) on every rank (full tensors, HF names; a peft model's adapter as "
+            "peft writes it), as tplayers.hf.Trainer's save_model does"
+        )
+    return type(self).save_pretrained(self, path, *args, state_dict=state_dict, **kwargs)  # HF's, on a full dict
+
+
+def refuse_own_save_pretrained(model) -> None:
+    """Make `model.save_pretrained` (and `push_to_hub`, which calls it; for a peft model its base
+    model's too) refuse to write the shards unless handed the full state dict (as
+    `tplayers.save_pretrained` hands peft's). A bound method: copies of the model rebind it."""
+    for m in (model, *((model.get_base_model(),) if hasattr(model, "get_base_model") else ())):
+        if callable(getattr(type(m), "save_pretrained", None)):
+            object.__setattr__(m, "save_pretrained", MethodType(_guarded_save_pretrained, m))

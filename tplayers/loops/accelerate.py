@@ -17,7 +17,10 @@ Trainer class) that reads the model's replicas from its placement records (`repl
   evaluation set is trimmed as accelerate trims it;
 - schedulers step once per replica per optimizer step, as accelerate's do per process;
 - fp16's GradScaler becomes `tplayers.DynamicLossScaler` with its settings: an overflow on any
-  rank skips the step on every rank (GradScaler decides per rank, and the ranks would diverge).
+  rank skips the step on every rank (GradScaler decides per rank, and the ranks would diverge);
+- `save_state` / `load_state` write and read a tplayers sharded checkpoint (accelerate's own write
+  the main process's state dicts: one rank's shards), and `get_state_dict` is the full state dict
+  (`gather_state_dict`), which `save_pretrained(path, state_dict=...)` writes whole.
 
 `gather` / `reduce` keep accelerate's meaning (over every process): the Trainer's token counts and
 logged losses divide by the ranks sharing a batch (`Trainer.get_tp_size`).
@@ -35,6 +38,8 @@ from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import DistributedType, recursively_apply
 from torch import nn
 
+from tplayers.checkpoint import load_checkpoint, save_checkpoint
+from tplayers.hf import gather_state_dict
 from tplayers.loops.replicas import Replicas, replicas_of
 from tplayers.train import DynamicLossScaler, clip_grad_norm_
 from tplayers.train.step import gradient_syncing_modules
@@ -161,6 +166,38 @@ class ParallelAccelerator:
             trim = lambda t: t[: state.remainder]
             return trim(data) if isinstance(data, list) else recursively_apply(trim, data)
         return data
+
+    def get_state_dict(self, model, unwrap: bool = True):
+        """The full state dict under the model's own names (every rank: a collective), which
+        `save_pretrained(path, state_dict=...)` writes as a whole checkpoint."""
+        return gather_state_dict(model)
+
+    # accelerate's own save_state writes each model's state_dict from the main process: one rank's shards.
+    def save_state(self, output_dir=None, safe_serialization: bool = True, **kwargs):
+        """The model, optimizer, scheduler, loss scaler and each rank's RNG as a tplayers sharded
+        checkpoint in `output_dir` (every rank; `load_state` reads it back at any layout)."""
+        save_checkpoint(self._state_dir(output_dir, "save_state"), **self._state_parts("save_state"))
+        return output_dir
+
+    def load_state(self, input_dir=None, load_kwargs=None, **kwargs):
+        load_checkpoint(self._state_dir(input_dir, "load_state"), **self._state_parts("load_state"))
+
+    @staticmethod
+    def _state_dir(path, caller):
+        if path is None:
+            raise ValueError(f"accelerator.{caller} on a parallelized model: pass the checkpoint directory")
+        return path
+
+    def _state_parts(self, caller) -> dict:
+        if len(self._models) != 1 or len(self._optimizers) > 1 or len(self._schedulers) > 1 or self._custom_objects:
+            raise ValueError(
+                f"accelerator.{caller} on a parallelized model keeps one model with at most one optimizer and one "
+                "scheduler (and no register_for_checkpointing objects); call tplayers.save_checkpoint / "
+                "load_checkpoint for each model instead"
+            )
+        optimizer = self._optimizers[0].optimizer if self._optimizers else None
+        scheduler = self._schedulers[0].scheduler if self._schedulers else None
+        return dict(model=self._models[0], optimizer=optimizer, scheduler=scheduler, scaler=self.scaler)
 
 
 def _scaler(scaler):
