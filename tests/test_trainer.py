@@ -459,3 +459,26 @@ def test_fp16_grad_scaler_becomes_a_loss_scaler_every_rank_agrees_with():
     assert (scaler.get_scale(), scaler.get_growth_factor(), scaler.get_backoff_factor()) == (1024.0, 3.0, 0.25)
     assert scaler.get_growth_interval() == 7
     assert _scaler(None) is None and _scaler(scaler) is scaler
+
+
+def test_the_save_pretrained_guard_keeps_no_model_alive():
+    """The guard lives in the model's own __dict__: held weakly, a dropped model is freed at once (a
+    reference cycle would keep every parallelized model of a process alive until the collector runs)."""
+    import copy
+    import gc
+    import weakref
+
+    from tplayers.hf.state_dict import refuse_own_save_pretrained
+
+    m = model()
+    refuse_own_save_pretrained(m)
+    assert copy.deepcopy(m).save_pretrained._model() is not m  # a copy's guard is the copy's
+    with pytest.raises(ValueError, match="tplayers.save_pretrained"):
+        m.save_pretrained("unused")
+    alive = weakref.ref(m)
+    gc.disable()
+    try:
+        del m
+        assert alive() is None
+    finally:
+        gc.enable()

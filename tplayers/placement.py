@@ -332,6 +332,13 @@ def recorded_groups(params, kind: str) -> list:
     return list(found.values())
 
 
+def spans_ranks(module) -> bool:
+    """Whether the placement records of `module`'s parameters name a group of more than one rank
+    (the module is parallelized across ranks)."""
+    params = [p for p in module.parameters() if placement_or_none(p) is not None]
+    return any(len(ranks_of(g)) > 1 for kind in ("tp", "dp", "pp") for g in recorded_groups(params, kind))
+
+
 def tensor_parallel_group(params, group, caller: str):
     """The tensor-parallel group the records of `params` name (None when nothing is placed);
     an explicit `group` (ProcessGroup or 1-D DeviceMesh) over other ranks is refused."""

@@ -21,7 +21,7 @@ import inspect
 
 import torch.distributed as dist
 
-from tplayers.placement import placement_or_none, ranks_of, recorded_groups, refuse_overlap
+from tplayers.placement import placement_or_none, refuse_overlap, spans_ranks
 
 _GUARDED = "_tplayers_guarded"
 
@@ -82,12 +82,6 @@ _INTEGRATIONS = (
 )
 
 
-def _spans_ranks(module) -> bool:
-    """Whether the placement records of `module` name a group of more than one rank."""
-    params = [p for p in module.parameters() if placement_or_none(p) is not None]
-    return any(len(ranks_of(g)) > 1 for kind in ("tp", "dp", "pp") for g in recorded_groups(params, kind))
-
-
 def guard_accelerate() -> None:
     """Wrap accelerate's `Accelerator.prepare_model` (once) to refuse a parallelized model (module docstring)."""
     try:
@@ -100,7 +94,7 @@ def guard_accelerate() -> None:
 
     @functools.wraps(prepare_model)
     def guarded(self, model, *args, **kwargs):
-        if getattr(self, "_tplayers_replicas", None) is None and _spans_ranks(model):
+        if getattr(self, "_tplayers_replicas", None) is None and spans_ranks(model):
             raise ValueError(
                 f"accelerate.Accelerator.prepare (called by transformers.Trainer and TRL) on a model tplayers "
                 f"parallelized: it would wrap it in DDP over every rank, give each rank its own rows and clip by each "

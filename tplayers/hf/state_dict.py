@@ -2,7 +2,7 @@
 names, and loading one back into the shards. `parallelize` leaves on the model, for each
 swapped module, how to export and load it (`EXPORTS`); nothing else is needed."""
 
-from types import MethodType
+import weakref
 
 from tplayers.placement import copy_into, full_tensor, tensor_parallel_group
 
@@ -102,21 +102,38 @@ def load_full_state_dict(model, state_dict, *, group=None) -> None:
         copy_into(current[key], value)
 
 
-def _guarded_save_pretrained(self, path, *args, state_dict=None, **kwargs):
-    if state_dict is None:
-        raise ValueError(
-            f"{type(self).__name__}.save_pretrained on a model tplayers parallelized would write this rank's shards "
-            "under tplayers' module names, a checkpoint from_pretrained cannot load: call "
-            "tplayers.save_pretrained(model, path) on every rank (full tensors, HF names; a peft model's adapter as "
-            "peft writes it), as tplayers.hf.Trainer's save_model does"
-        )
-    return type(self).save_pretrained(self, path, *args, state_dict=state_dict, **kwargs)  # HF's, on a full dict
+class _GuardedSave:
+    """`model.save_pretrained` on a parallelized model: refuses to write the shards. It holds the
+    model weakly (a bound method in the model's own `__dict__` would be a reference cycle, keeping
+    every dropped model alive until the garbage collector runs); copies of the model get their own."""
+
+    def __init__(self, model):
+        self._model = weakref.ref(model)
+        self.__doc__ = type(model).save_pretrained.__doc__
+
+    def __call__(self, path, *args, state_dict=None, **kwargs):
+        model = self._model()
+        if state_dict is None:
+            raise ValueError(
+                f"{type(model).__name__}.save_pretrained on a model tplayers parallelized would write this rank's "
+                "shards under tplayers' module names, a checkpoint from_pretrained cannot load: call "
+                "tplayers.save_pretrained(model, path) on every rank (full tensors, HF names; a peft model's adapter "
+                "as peft writes it), as tplayers.hf.Trainer's save_model does"
+            )
+        return type(model).save_pretrained(model, path, *args, state_dict=state_dict, **kwargs)  # HF's, on a full dict
+
+    def __deepcopy__(self, memo):
+        model = self._model()
+        return _GuardedSave(memo.get(id(model), model))
+
+    def __reduce__(self):
+        return _GuardedSave, (self._model(),)
 
 
 def refuse_own_save_pretrained(model) -> None:
     """Make `model.save_pretrained` (and `push_to_hub`, which calls it; for a peft model its base
     model's too) refuse to write the shards unless handed the full state dict (as
-    `tplayers.save_pretrained` hands peft's). A bound method: copies of the model rebind it."""
+    `tplayers.save_pretrained` hands peft's)."""
     for m in (model, *((model.get_base_model(),) if hasattr(model, "get_base_model") else ())):
         if callable(getattr(type(m), "save_pretrained", None)):
-            object.__setattr__(m, "save_pretrained", MethodType(_guarded_save_pretrained, m))
+            object.__setattr__(m, "save_pretrained", _GuardedSave(m))

@@ -29,6 +29,7 @@ logged losses divide by the ranks sharing a batch (`Trainer.get_tp_size`).
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
@@ -212,6 +213,11 @@ def _scaler(scaler):
     )
 
 
+@functools.cache
+def _parallel_class(cls: type) -> type:
+    return type(f"Parallel{cls.__name__}", (ParallelAccelerator, cls), {})
+
+
 def adopt(accelerator: Accelerator, replicas: Replicas) -> Accelerator:
     """Make `accelerator` a ParallelAccelerator for models with `replicas` (in place)."""
     if isinstance(accelerator, ParallelAccelerator):
@@ -241,7 +247,7 @@ def adopt(accelerator: Accelerator, replicas: Replicas) -> Accelerator:
             "with rank 0's): call tplayers.hf.prepare before accelerator.prepare"
         )
     accelerator.scaler = _scaler(accelerator.scaler)
-    accelerator.__class__ = type(f"Parallel{type(accelerator).__name__}", (ParallelAccelerator, type(accelerator)), {})
+    accelerator.__class__ = _parallel_class(type(accelerator))
     accelerator._tplayers_replicas = replicas
     return accelerator
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import transformers
 from accelerate.optimizer import AcceleratedOptimizer
+from torch import nn
 
 from tplayers.checkpoint import load_checkpoint, save_checkpoint, save_pretrained
 from tplayers.checkpoint.api import MARKER
@@ -35,6 +36,7 @@ from tplayers.data_parallel import shard_optimizer_state
 from tplayers.loops.accelerate import adopt
 from tplayers.loops.replicas import replicas_of
 from tplayers.loops.trl import unfuse_lm_head
+from tplayers.placement import spans_ranks
 
 SHARDED = "tplayers"  # the sharded checkpoint's folder inside checkpoint-N
 
@@ -46,7 +48,7 @@ def _inner(optimizer):
 class ParallelTrainer:
     """The methods `parallel_trainer` puts before a Trainer class's own (module docstring)."""
 
-    def __init__(self, model=None, args=None, *rest, **kwargs):
+    def __init__(self, model=None, *rest, **kwargs):  # every Trainer takes the model first; the rest as given
         name = type(self).__name__
         if model is None:
             raise ValueError(
@@ -59,8 +61,18 @@ class ParallelTrainer:
             )
         self._tplayers_replicas = replicas_of(model, name)  # refusals before anything is built
         self._tplayers_checkpointing = False
-        super().__init__(model, args, *rest, **kwargs)
-        unfuse_lm_head(self.model)
+        super().__init__(model, *rest, **kwargs)
+        if (
+            getattr(self.args, "train_sampling_strategy", None) == "batch_rebalance"
+            and self._tplayers_replicas.sharing > 1
+        ):
+            raise ValueError(
+                f"{name}: train_sampling_strategy='batch_rebalance' assigns batches by process index, so the ranks of "
+                "one tensor-parallel group would read different rows; use 'random', 'sequential' or 'group_by_length'"
+            )
+        for value in list(vars(self).values()):  # the model, and a reference model beside it (DPO, GRPO, ...)
+            if isinstance(value, nn.Module) and spans_ranks(value):
+                unfuse_lm_head(value)
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
