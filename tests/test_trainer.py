@@ -107,6 +107,21 @@ def sft(trainer_class, m, out, batch):
     return history(trainer)
 
 
+def dpo(trainer_class, m, out):
+    """TRL's DPOTrainer on a LoRA model (the reference: the same model with its adapters off), 3 steps."""
+    import datasets
+    from trl import DPOConfig
+
+    g = torch.Generator().manual_seed(3)
+    words = lambda n: " ".join(f"t{int(i)}" for i in torch.randint(0, VOCAB - 2, (n,), generator=g))
+    data = datasets.Dataset.from_dict({key: [words(4 if key == "prompt" else 3) for _ in range(16)]
+                                       for key in ("prompt", "chosen", "rejected")})  # fmt: skip
+    args = arguments(out, 2, DPOConfig, save_strategy="no", bf16=False, max_length=16, max_steps=3)
+    trainer = trainer_class(model=m, args=args, train_dataset=data, processing_class=tokenizer())
+    trainer.train()
+    return history(trainer)
+
+
 def accelerate_loop(m, prepare, state=None):
     """A plain accelerate loop: 3 steps of batch 4 with clipping and a scheduler; with `state`,
     saved there by `accelerator.save_state` and loaded back into a fresh model, whose weights
@@ -160,7 +175,7 @@ def full_weights(m):
 
 def world_of_two(rank, world, root):
     import transformers as tf
-    from trl import SFTTrainer
+    from trl import DPOTrainer, SFTTrainer
 
     mesh = tplayers.init_mesh(tp=2)
     out = {}
@@ -191,6 +206,9 @@ def world_of_two(rank, world, root):
 
     m = tplayers.parallelize(model(lora=True), group=mesh["tp"])
     out["sft"] = sft(tplayers.hf.parallel_trainer(SFTTrainer), m, f"{root}/sft", 2)
+
+    m = tplayers.parallelize(model(lora=True), group=mesh["tp"])
+    out["dpo"] = dpo(tplayers.hf.parallel_trainer(DPOTrainer), m, f"{root}/dpo")
 
     out["accelerate"], *out["accelerate_state"] = accelerate_loop(
         tplayers.parallelize(model(), group=mesh["tp"]), tplayers.hf.prepare, state=f"{root}/accelerate-state"
@@ -272,7 +290,7 @@ def world_of_four(rank, world, root):
 
 def unsharded(root):
     import transformers as tf
-    from trl import SFTTrainer
+    from trl import DPOTrainer, SFTTrainer
 
     out = {}
     m = model()
@@ -283,6 +301,7 @@ def unsharded(root):
     _, out["lora"] = train(tf.Trainer, m, f"{root}/ref-lora", 2)
     out["lora"]["weights"] = {k: v.detach().clone() for k, v in m.state_dict().items()}
     out["sft"] = sft(SFTTrainer, model(lora=True), f"{root}/ref-sft", 2)
+    out["dpo"] = dpo(DPOTrainer, model(lora=True), f"{root}/ref-dpo")
     out["accelerate"] = accelerate_loop(model(), lambda acc, *objects: acc.prepare(*objects))
     return out
 
@@ -414,6 +433,12 @@ def test_resume_at_another_layout_within_tolerance(runs):
 
 def test_trl_sft_trainer_with_lora_trains_as_unsharded(runs):
     same_history(runs["two"]["sft"], runs["reference"]["sft"])
+
+
+def test_trl_dpo_trainer_with_lora_trains_as_unsharded(runs):
+    """DPO's log-probabilities under the policy and the reference (adapters off) both come from the
+    whole logits: the preference loss and its gradient norm equal the unsharded run's."""
+    same_history(runs["two"]["dpo"], runs["reference"]["dpo"])
 
 
 def test_accelerate_loop_trains_as_unsharded(runs):

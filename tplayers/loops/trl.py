@@ -65,7 +65,7 @@ def unfuse_lm_head(model: nn.Module) -> bool:
         log_probs = log_softmax.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1).masked_fill(~mask, 0)
         entropy = -(log_softmax.exp() * log_softmax).sum(-1).masked_fill(~mask, 0)
         with torch.no_grad():
-            is_top1 = ((logits.argmax(-1) == labels) & mask).to(log_probs.dtype)
+            is_top1 = (logits.argmax(-1) == labels) & mask  # bool, as TRL gives it (DPO ands it with a mask)
             log_sum_sq_probs = torch.logsumexp(2 * log_softmax, -1).masked_fill(~mask, 0)
             mean_logits = logits.mean(-1).masked_fill(~mask, 0)
         count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
