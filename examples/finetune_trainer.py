@@ -12,6 +12,7 @@ loss curve and where the adapter went (`PeftModel.from_pretrained(base, path)` l
 """
 
 import argparse
+import os
 
 import peft
 import torch
@@ -70,6 +71,4 @@ if __name__ == "__main__":
     if args.local:
         tplayers.launch(main, args.local, args)
     else:
-        import os
-
         main(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")), args)

@@ -50,9 +50,10 @@ def main(rank, world_size, args):
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab - 2, (256, 32), generator=torch.Generator().manual_seed(0))
     data = datasets.Dataset.from_dict({"input_ids": ids.tolist()})
+    gpu = torch.cuda.is_available()
     config = SFTConfig(output_dir=args.out, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                        max_steps=args.steps, learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[],
-                       use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(), disable_tqdm=True)  # fmt: skip
+                       use_cpu=not gpu, bf16=gpu, disable_tqdm=True)  # fmt: skip
     trainer = tplayers.hf.parallel_trainer(SFTTrainer)(model=model, args=config, train_dataset=data,
                                                        processing_class=tokenizer)  # fmt: skip
     trainer.train()

@@ -154,10 +154,9 @@ class ParallelAccelerator:
         except TypeError:
             tensors = False
         if use_gather_object or not tensors:
-            parts = [None] * (dist.get_world_size(group) if group is not None else 1)
-            if group is None:
-                parts = [input_data]
-            else:
+            parts = [input_data]
+            if group is not None:
+                parts = [None] * dist.get_world_size(group)
                 dist.all_gather_object(parts, input_data, group=group)
             data = [x for part in parts for x in (part if isinstance(part, list) else [part])]
         else:

@@ -153,12 +153,14 @@ class ParallelTrainer:
         return path
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        load_checkpoint(self._sharded(resume_from_checkpoint), model=model if model is not None else self.model)
+        path = self._sharded(resume_from_checkpoint)  # refused here, before training starts, if it is not ours
+        if self.args.save_only_model:  # otherwise the weights come with the optimizer state, read once
+            load_checkpoint(path, model=model if model is not None else self.model)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None or self.args.save_only_model:
             return
-        load_checkpoint(  # the model's weights again too: the names the optimizer state is stored under
+        load_checkpoint(  # the model's weights with the optimizer state stored under their names
             self._sharded(checkpoint),
             model=self.model,
             optimizer=_inner(self.optimizer),
