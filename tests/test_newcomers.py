@@ -30,6 +30,10 @@ SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_
              num_key_value_heads=2, head_dim=8, max_position_embeddings=64, num_local_experts=4, num_experts=4,
              n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
              output_router_logits=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+# Multi-head latent attention reads its widths under its own names; one key/value head per query head
+# (its forward expands the latent to every head) and the rotary width as head_dim, as its configs set them.
+MLA_SIZES = dict(kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, head_dim=4,
+                 num_key_value_heads=SIZES["num_attention_heads"])  # fmt: skip
 TINY = 5_000_000  # parameters: above this the generic sizes did not reach the model's own
 REFUSALS = (ValueError, VerifyError, PlacementError)
 
@@ -57,6 +61,11 @@ def tiny_reference(model_type):
             for key, value in SIZES.items():
                 if hasattr(cfg, key):
                     setattr(cfg, key, value)
+            if getattr(cfg, "kv_lora_rank", None):
+                for key, value in MLA_SIZES.items():
+                    setattr(cfg, key, value)
+                if getattr(cfg, "q_lora_rank", None):
+                    cfg.q_lora_rank = 16
             for key, value in list(vars(cfg).items()):
                 if type(value) is float and any(n in key for n in ("dropout", "jitter", "pdrop")):
                     setattr(cfg, key, 0.0)

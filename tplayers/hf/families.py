@@ -35,6 +35,7 @@ class Adapter:
     name: str
     matches: Callable[[nn.Module], bool]
     apply: Callable[[ShardingPass, str, nn.Module], None]
+    passes_on: bool = False  # it places part of the module: the next adapter that matches it places the rest
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,13 @@ ADAPTERS = (
     Adapter("GPTBigCode attention", attention.named("GPTBigCodeAttention"), attention.bigcode_attention),
     Adapter("CodeGen attention", attention.named("CodeGenAttention"), attention.codegen_attention),
     Adapter("MPT attention", attention.named("MptAttention"), attention.mpt_attention),
+    Adapter("multi-head latent attention (DeepSeek-V2 / V3, MiniCPM3)", attention.is_mla, attention.mla_attention),
+    Adapter(
+        "routers of an MoE block (by what they are)",
+        lambda m: moe.experts_child(m) is not None,
+        moe.routers,
+        passes_on=True,
+    ),
     Adapter("experts (MoE, transformers 5's fused 3-D layout)", moe.is_experts, moe.experts),
     # recognised by their children
     Adapter(

@@ -1,13 +1,19 @@
-"""Mixture-of-experts blocks (Mixtral, Qwen2-MoE, and any HF experts module in transformers 5's
-fused layout): every expert sharded like a dense MLP, the router replicated.
+"""Mixture-of-experts blocks (Mixtral, Qwen2-MoE, gpt-oss, Llama 4, and any HF experts module in
+transformers 5's fused layouts): every expert sharded like a dense MLP, the router replicated.
 
-transformers 5 keeps all experts of a layer in one module with two 3-D parameters:
-gate_up_proj (E, 2F, H) holding [gate; up] per expert, and down_proj (E, H, F); its forward
-sends each token to its top-k experts and sums act(gate) * up -> down, weighted by the
-router. Each expert's gate and up are split by columns (rank r keeps [gate_r; up_r], its rows
-of each half, F split in 16-byte-aligned blocks as evenly as they go, placement Shard(1)) and
-down by rows (its columns F, Shard(2)), so each rank holds its share of every expert and
-computes a partial sum of the block's output:
+transformers 5 keeps all experts of a layer in one module with two 3-D parameters, in the
+layout its experts decorator names (`is_transposed`, `is_concatenated`, `has_bias`):
+
+    gate_up_proj   (E, 2F, H), or (E, H, 2F) transposed (gpt-oss, Llama 4): each expert's gate
+                   and up features, as [gate; up] halves or interleaved pairs (gpt-oss:
+                   gate_0, up_0, gate_1, up_1, ...)
+    down_proj      (E, H, F), or (E, F, H) transposed
+    biases         gate_up_proj_bias (E, 2F) laid out as gate_up's features; down_proj_bias (E, H)
+
+Its forward sends each token to its top-k experts and sums act(gate) * up -> down, weighted by
+the router. Each rank keeps its share of every expert's F features (16-byte-aligned blocks as
+evenly as they go): its rows of each half, or its whole pairs, of gate_up and its bias; its
+features of down. It computes a partial sum of the block's output:
 
     no sequence parallelism   the tokens and routing weights enter through copy_to_tp_region
                               (their gradients, partial on each rank, are summed), the output
@@ -16,17 +22,25 @@ computes a partial sum of the block's output:
                               weights are all-gathered along the tokens, the output
                               reduce-scattered back to this rank's tokens
 
+down_proj_bias is added once to the summed output: every rank holds it whole, rank 0's forward
+adds it and the others add a zero that carries its gradient (`_bias_once`), so each rank
+computes the whole, equal gradient.
+
+Llama 4's experts take the tokens already weighted and laid out expert by expert ((E * T, H),
+one batched GEMM per expert): the same split, the tokens gathered (or summed) per expert.
+
 The router sees whole tokens on every rank and gets the whole gradient (under sequence
 parallelism, parallelize sums its gradient like a norm's). Expert parallelism (whole experts per
 rank) is not done here.
 """
 
+import functools
 import inspect
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from tplayers.functional.collectives import (
     all_gather_dim,
@@ -40,10 +54,18 @@ from tplayers.hf import pieces
 from tplayers.hf.shard import ShardingPass, copy_in, gather
 from tplayers.placement import even_sizes, set_placement
 
-EXPERT_INPUTS = ("hidden_states", "top_k_index", "top_k_weights")
-# Flags HF's experts decorator sets; any other value is a layout or math this module does not know.
-KNOWN_FLAGS = {"has_gate": True, "is_concatenated": True, "is_transposed": False, "has_bias": False,
-               "has_post_expert_norm": False}  # fmt: skip
+# (tokens, the experts each picks, their weights): transformers 5's names, and gpt-oss's
+EXPERT_INPUTS = (
+    ("hidden_states", "top_k_index", "top_k_weights"),
+    ("hidden_states", "router_indices", "routing_weights"),
+)
+# Flags HF's experts decorator sets (with their defaults); the values this module splits exactly.
+LAYOUT_FLAGS = {"is_concatenated": True, "is_transposed": False, "has_bias": False}
+KNOWN_FLAGS = {"has_gate": (True,), "has_post_expert_norm": (False,), "is_concatenated": (True, False),
+               "is_transposed": (True, False), "has_bias": (True, False)}  # fmt: skip
+# Experts whose forward is not the decorator's but whose layout tplayers read from their source:
+# class name -> (decorator flags, takes the tokens laid out expert by expert)
+UNDECORATED = {"Llama4TextExperts": ({"is_transposed": True}, True)}
 
 
 def is_experts(module) -> bool:
@@ -51,21 +73,33 @@ def is_experts(module) -> bool:
     return isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3
 
 
-def _check(name, module):
-    unknown = {k: getattr(module, k) for k, v in KNOWN_FLAGS.items() if getattr(module, k, v) != v}
-    experts, two_f, hidden = module.gate_up_proj.shape
-    if unknown or two_f % 2 or tuple(module.down_proj.shape) != (experts, hidden, two_f // 2):
+def _layout(name, module) -> tuple[dict, bool]:
+    """(the decorator's flags, whether the forward takes tokens laid out expert by expert) of an
+    experts module whose layout and forward tplayers knows; anything else is refused by name."""
+    flags, by_expert = UNDECORATED.get(type(module).__name__, ({}, False))
+    flags = {k: getattr(module, k, flags.get(k, default)) for k, default in LAYOUT_FLAGS.items()}
+    unknown = {k: getattr(module, k) for k, ok in KNOWN_FLAGS.items() if getattr(module, k, ok[0]) not in ok}
+    experts, *gate_up = module.gate_up_proj.shape
+    two_f, hidden = reversed(gate_up) if flags["is_transposed"] else gate_up
+    down = (experts, two_f // 2, hidden) if flags["is_transposed"] else (experts, hidden, two_f // 2)
+    biases = {"gate_up_proj_bias": (experts, two_f), "down_proj_bias": (experts, hidden)} if flags["has_bias"] else {}
+    shapes_ok = all(tuple(getattr(getattr(module, k, None), "shape", ())) == v for k, v in biases.items())
+    if unknown or two_f % 2 or tuple(module.down_proj.shape) != down or not shapes_ok:
         raise ValueError(
             f"parallelize: {name} ({type(module).__name__}) holds experts in a layout tplayers does not know "
             f"(gate_up_proj {tuple(module.gate_up_proj.shape)}, down_proj {tuple(module.down_proj.shape)}"
             f"{', ' + str(unknown) if unknown else ''}); pass a plan for this model"
         )
-    params = list(inspect.signature(type(module).forward).parameters)[1:4]
-    if tuple(params) != EXPERT_INPUTS:
-        raise ValueError(f"parallelize: {name} ({type(module).__name__}) takes {params}, not {list(EXPERT_INPUTS)}")
+    params = tuple(inspect.signature(type(module).forward).parameters)[1:]
+    expected = [("hidden_states",)] if by_expert else [names for names in EXPERT_INPUTS]
+    if not any(params[: len(names)] == names for names in expected):
+        raise ValueError(f"parallelize: {name} ({type(module).__name__}) takes {list(params)}, not {expected[0]}")
+    return flags, by_expert
 
 
 def _expert_hooks(module, group, sequence_parallel):
+    """Tokens, expert indices and routing weights in (whole, or gathered along the tokens under
+    sequence parallelism), the partial output summed (or reduce-scattered) out."""
     if sequence_parallel:
         prepare = (
             lambda h: all_gather_sequence(h, group, 0),
@@ -76,13 +110,43 @@ def _expert_hooks(module, group, sequence_parallel):
     else:
         prepare = (lambda h: copy_to_tp_region(h, group), lambda i: i, lambda w: copy_to_tp_region(w, group))
         finish = lambda y: reduce_from_tp_region(y, group)  # noqa: E731
+    names = next(n for n in EXPERT_INPUTS if tuple(inspect.signature(type(module).forward).parameters)[1:4] == n)
 
     def before(mod, args, kwargs):
-        values = list(args) + [kwargs.pop(k) for k in EXPERT_INPUTS[len(args) :]]
+        values = list(args) + [kwargs.pop(k) for k in names[len(args) :]]
         return tuple(f(v) for f, v in zip(prepare, values, strict=True)), kwargs
 
     module.register_forward_pre_hook(before, with_kwargs=True)
     module.register_forward_hook(lambda mod, args, out: finish(out))
+
+
+def _by_expert_hooks(module, group, sequence_parallel, experts):
+    """Llama 4: the tokens come laid out expert by expert, (E * T, H); under sequence parallelism
+    each expert's rows are gathered along its tokens, and its output rows reduce-scattered back."""
+
+    def per_expert(fn):
+        return lambda t: fn(t.view(experts, -1, t.shape[-1])).reshape(-1, t.shape[-1])
+
+    if sequence_parallel:
+        prepare = per_expert(lambda t: all_gather_sequence(t, group, 1))
+        finish = per_expert(lambda t: reduce_scatter_sequence(t, group, 1))
+    else:
+        prepare, finish = (lambda h: copy_to_tp_region(h, group)), (lambda y: reduce_from_tp_region(y, group))
+    module.register_forward_pre_hook(lambda mod, args: (prepare(args[0]), *args[1:]))
+    module.register_forward_hook(lambda mod, args, out: finish(out))
+
+
+@functools.cache
+def _bias_once(cls):
+    """`cls` with down_proj_bias read as the parameter on the rank that adds it (`_adds_bias`) and
+    as a zero carrying its gradient on the others: the output, summed over the ranks, has the bias
+    once, and every rank's gradient of it is the whole one (its output gradient is whole there)."""
+
+    def down_proj_bias(self):
+        bias = self._parameters["down_proj_bias"]
+        return bias if self._adds_bias or bias is None else bias - bias.detach()
+
+    return type(cls.__name__, (cls,), {"down_proj_bias": property(down_proj_bias), "__module__": cls.__module__})
 
 
 def aligned_unit(f, n) -> int:
@@ -94,48 +158,106 @@ def aligned_unit(f, n) -> int:
 
 def experts(sp: ShardingPass, name, module):
     """Shard every expert of `module` over the group (see the module docstring)."""
-    _check(name, module)
-    f = module.gate_up_proj.shape[1] // 2  # any size: its aligned blocks as evenly as they go
+    flags, by_expert = _layout(name, module)
+    n_experts = module.gate_up_proj.shape[0]
+    fa, fd = (2, 1) if flags["is_transposed"] else (1, 2)  # the F axis of gate_up_proj, of down_proj
+    f = module.gate_up_proj.shape[fa] // 2  # any size: its aligned blocks as evenly as they go
     unit = aligned_unit(f, sp.n)
     blocks = even_sizes(f // unit, sp.n)
     sizes = [unit * s for s in blocks]
+    pairs = not flags["is_concatenated"]  # gpt-oss: gate / up interleaved, a rank keeps whole pairs
 
     def own(t, dim):
         return own_slice(t, dim, sp.group, unit, blocks)
 
+    def own_gate_up(t, dim):  # [gate_r; up_r], or this rank's whole pairs
+        if pairs:
+            return own_slice(t, dim, sp.group, 2 * unit, blocks)
+        gate, up = t.chunk(2, dim)
+        return torch.cat([own(gate, dim), own(up, dim)], dim)
+
+    split = {"gate_up_proj": (fa, own_gate_up), "down_proj": (fd, own)}
+    if flags["has_bias"]:
+        split["gate_up_proj_bias"] = (1, own_gate_up)
     with torch.no_grad():
-        gate, up = module.gate_up_proj.detach().chunk(2, 1)
-        local = {
-            "gate_up_proj": torch.cat([own(gate, 1), own(up, 1)], 1),
-            "down_proj": own(module.down_proj.detach(), 2),
-        }
-    for key, dim in (("gate_up_proj", 1), ("down_proj", 2)):
+        local = {key: cut(getattr(module, key).detach(), dim) for key, (dim, cut) in split.items()}
+    for key, (dim, _) in split.items():
         param = nn.Parameter(local[key].clone(), requires_grad=getattr(module, key).requires_grad)
         setattr(module, key, param)
         set_placement(param, sp.group, Shard(dim))
-    if isinstance(getattr(module, "intermediate_dim", None), int):
-        module.intermediate_dim = sizes[dist.get_rank(sp.group)]
-    _expert_hooks(module, sp.group, sp.sp)
+    if flags["has_bias"]:  # whole on every rank, added once (`_bias_once`)
+        set_placement(module.down_proj_bias, sp.group, Replicate())
+        module.__class__ = _bias_once(type(module))
+        module._adds_bias = dist.get_rank(sp.group) == 0
+    for attr in ("intermediate_dim", "intermediate_size", "expert_dim"):
+        if getattr(module, attr, None) == f:
+            setattr(module, attr, sizes[dist.get_rank(sp.group)])
+    if by_expert:
+        _by_expert_hooks(module, sp.group, sp.sp, n_experts)
+    else:
+        _expert_hooks(module, sp.group, sp.sp)
+
+    def gathered_gate_up(t, dim):
+        if t is None or pairs:
+            return t
+        halves = [rank.chunk(2, dim) for rank in t.split([2 * s for s in sizes], dim)]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim)  # [gate; up]
 
     def export(pick, group):
         out = {}
-        gate_up = gather(pick(module.gate_up_proj), 1, group)
-        if gate_up is not None:  # [gate_0; up_0; gate_1; up_1; ...] -> [gate; up]
-            halves = [rank.chunk(2, 1) for rank in gate_up.split([2 * s for s in sizes], 1)]
-            out["gate_up_proj"] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], 1)
-        down = gather(pick(module.down_proj), 2, group)
-        if down is not None:
-            out["down_proj"] = down
+        for key, (dim, _) in split.items():
+            full = gather(pick(module._parameters[key]), dim, group)
+            full = full if key == "down_proj" else gathered_gate_up(full, dim)
+            if full is not None:
+                out[key] = full
+        if flags["has_bias"] and pick(module._parameters["down_proj_bias"]) is not None:
+            out["down_proj_bias"] = pick(module._parameters["down_proj_bias"])
         return out
 
     def load(full):
-        gate, up = full["gate_up_proj"].chunk(2, 1)
-        copy_in(module.gate_up_proj, torch.cat([own(gate, 1), own(up, 1)], 1))
-        copy_in(module.down_proj, own(full["down_proj"], 2))
+        for key, (dim, cut) in split.items():
+            copy_in(module._parameters[key], cut(full[key], dim))
+        if flags["has_bias"]:
+            copy_in(module._parameters["down_proj_bias"], full["down_proj_bias"])
 
-    def layout():  # gate_up holds [gate_r | up_r] along dim 1: this rank's 1/n of each half
-        return [*pieces.halves("gate_up_proj", module.gate_up_proj, 1, sp.group, f, unit=unit, sizes=blocks),
-                pieces.split("down_proj", module.down_proj, 2, sp.group, total=f, unit=unit, sizes=blocks)]  # fmt: skip
+    def layout():
+        def gate_up_pieces(key, dim):  # [gate_r | up_r] along dim: this rank's 1/n of each half; or its pairs
+            param = module._parameters[key]
+            if pairs:
+                return [pieces.split(key, param, dim, sp.group, total=2 * f, unit=2 * unit, sizes=blocks)]
+            return pieces.halves(key, param, dim, sp.group, f, unit=unit, sizes=blocks)
+
+        out = [*gate_up_pieces("gate_up_proj", fa),
+               pieces.split("down_proj", module.down_proj, fd, sp.group, total=f, unit=unit, sizes=blocks)]  # fmt: skip
+        if flags["has_bias"]:
+            down_bias = pieces.whole("down_proj_bias", module._parameters["down_proj_bias"])
+            out += [*gate_up_pieces("gate_up_proj_bias", 1), down_bias]
+        return out
 
     sp.exports.append((name, export, load, layout))
     sp.done.add(name)
+
+
+def experts_child(block) -> nn.Module | None:
+    """The experts module directly under `block` (an MoE block), if any."""
+    return next((m for m in block.children() if is_experts(m)), None)
+
+
+def routers(sp: ShardingPass, name, block):
+    """An MoE block's routers, found by what they are: a linear layer whose outputs are one score
+    per expert, held directly (Llama 4's `router`, PhiMoE's `router`) or as the only weight of a
+    child (Hunyuan-MoE's `gate.wg`). Each is replicated: it sees whole tokens and gets its whole
+    gradient (the routing weights' gradient is summed where they enter the experts), or under
+    sequence parallelism sees this rank's tokens and has its gradient summed like a norm's."""
+    n_experts = experts_child(block).gate_up_proj.shape[0]
+    for child_name, child in block.named_children():
+        if is_experts(child):
+            continue
+        linears = [(k, m) for k, m in child.named_modules() if isinstance(m, nn.Linear)]
+        if len(linears) != 1 or len(list(child.parameters())) != len(list(linears[0][1].parameters())):
+            continue  # a shared expert, a gate of its own kind: the other adapters see it
+        key, linear = linears[0]
+        if linear.out_features == n_experts:
+            router = f"{name}.{child_name}" + (f".{key}" if key else "")
+            sp.done.add(router)
+            sp.whole.add(router)

@@ -58,8 +58,16 @@ def _shared_input_hooks(modules, group, sequence_parallel):
     """Before each module whose column projections share one input: copy_to_tp_region (forward
     identity, backward one all-reduce of the summed partial input gradients), or under sequence
     parallelism all_gather_sequence (forward one all-gather, backward one reduce-scatter). HF
-    attention reshapes with its input's sequence length, so it must see the whole sequence."""
-    prepare = all_gather_sequence if sequence_parallel else copy_to_tp_region
+    attention reshapes with its input's sequence length, so it must see the whole sequence; a
+    flattened (tokens, H) input is gathered along its tokens, which the row layer after it
+    reduce-scatters back in the same order."""
+    if sequence_parallel:  # a (tokens, H) input (an MoE block's shared expert): gathered along its tokens
+
+        def prepare(h, group):
+            return all_gather_sequence(h, group, 1 if h.dim() == 3 else 0)
+
+    else:
+        prepare = copy_to_tp_region
     for module in modules:
         module.register_forward_pre_hook(replace_hidden(lambda h: prepare(h, group)), with_kwargs=True)
 

@@ -275,9 +275,11 @@ class ShardingPass:
             if name in self.plan:
                 self.apply_plan(name, module, self.plan[name])
                 continue
-            adapter = next((a for a in adapters if a.matches(module)), None)
-            if adapter is not None:
-                adapter.apply(self, name, module)
+            for adapter in adapters:  # the first that matches; one that passes on lets the next see it too
+                if adapter.matches(module):
+                    adapter.apply(self, name, module)
+                    if not adapter.passes_on:
+                        break
         unplaced = [
             name
             for name, module in self.model.named_modules()
