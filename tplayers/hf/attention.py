@@ -344,30 +344,35 @@ def gpt2_attention(sp: ShardingPass, name, attn):
     sp.done.add(name)
 
 
+def _fused_qkv(sp: ShardingPass, name, attn, proj, out, heads, kv_heads, head_dim) -> tuple[int, int]:
+    """One projection `proj` holding [q; k; v] row blocks: rank r holds [q_r; k_r; v_r] (no
+    gathered output); with heads that do not split evenly, or fewer key/value heads than ranks,
+    whole query heads per rank, each computing the key / value head it reads (see qkvo). `out`
+    row-parallel by the same heads. Returns (local query heads, local key/value heads)."""
+    sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    linear = getattr(attn, proj)
+    if linear.out_features != sum(sizes):
+        raise ValueError(f"parallelize: {name}.{proj} has {linear.out_features} rows, not q+k+v {sizes}")
+    if heads % sp.n == 0 and kv_heads % sp.n == 0:
+        fused_column(sp, f"{name}.{proj}", linear, part_rows(sizes, sp.n))
+        sp.row(f"{name}.{out}", getattr(attn, out))
+        return heads // sp.n, kv_heads // sp.n
+    split, local_heads, kv_rows = _heads_and_kv_rows(name, heads, kv_heads, head_dim, sp)
+    kv_rows = kv_rows[dist.get_rank(sp.group)]
+    rows = torch.cat([kv_rows, kv_heads * head_dim + kv_rows])  # [k; v] of the [k; v] block
+    multi_query_column(sp, f"{name}.{proj}", linear, heads * head_dim, head_dim=head_dim, kv_rows=rows, split=split)
+    sp.row(f"{name}.{out}", getattr(attn, out), split_unit=head_dim, split_sizes=split)
+    attn.num_key_value_groups = 1
+    return local_heads, local_heads
+
+
 def fused_qkv_attention(sp: ShardingPass, name, attn):
     """Phi-3: one qkv_proj holding [q; k; v] row blocks, sliced by the forward at
-    config.num_attention_heads * head_dim. Rank r holds [q_r; k_r; v_r] (no gathered output); the
-    attention gets its own copy of the config with the local head counts, which its forward reads."""
+    config.num_attention_heads * head_dim (`_fused_qkv`); the attention gets its own copy of the
+    config with the local head counts, which its forward reads."""
     head_dim, config = attn.head_dim, attn.config
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
-    if attn.qkv_proj.out_features != sum(sizes):
-        raise ValueError(f"parallelize: {name}.qkv_proj has {attn.qkv_proj.out_features} rows, not q+k+v {sizes}")
-    if heads % sp.n == 0 and kv_heads % sp.n == 0:
-        local_heads = heads // sp.n
-        local_kv = kv_heads // sp.n
-        fused_column(sp, f"{name}.qkv_proj", attn.qkv_proj, part_rows(sizes, sp.n))
-        sp.row(f"{name}.o_proj", attn.o_proj)
-    else:  # whole query heads per rank, each computing the key / value head it reads (see qkvo)
-        split, local_heads, kv_rows = _heads_and_kv_rows(name, heads, kv_heads, head_dim, sp)
-        kv_rows = kv_rows[dist.get_rank(sp.group)]
-        local_kv = local_heads
-        rows = torch.cat([kv_rows, kv_heads * head_dim + kv_rows])  # [k; v] of the [k; v] block
-        multi_query_column(
-            sp, f"{name}.qkv_proj", attn.qkv_proj, heads * head_dim, head_dim=head_dim, kv_rows=rows, split=split
-        )
-        sp.row(f"{name}.o_proj", attn.o_proj, split_unit=head_dim, split_sizes=split)
-        attn.num_key_value_groups = 1
+    local_heads, local_kv = _fused_qkv(sp, name, attn, "qkv_proj", "o_proj", heads, kv_heads, head_dim)
     attn.config = copy.copy(config)  # this module's own: the model's config stays global
     attn.config.num_attention_heads, attn.config.num_key_value_heads = local_heads, local_kv
     localize_attributes(
@@ -378,6 +383,16 @@ def fused_qkv_attention(sp: ShardingPass, name, attn):
     )
     sp.shared_input.append(attn)
     sp.done.add(name)
+
+
+def dbrx_attention(sp: ShardingPass, name, attn):
+    """DBRX: Wqkv holding [q; k; v] row blocks (`_fused_qkv`), sliced by the forward at its own
+    hidden_size and num_key_value_heads * head_dim, set to the local widths; clip_qkv clamps each
+    element alike, so it applies to any rows."""
+    heads, kv_heads, head_dim = attn.num_heads, attn.num_key_value_heads, attn.head_dim
+    local_heads, local_kv = _fused_qkv(sp, name, attn, "Wqkv", "out_proj", heads, kv_heads, head_dim)
+    local = {**dict.fromkeys(HEAD_COUNTS, local_heads), **dict.fromkeys(KV_HEAD_COUNTS, local_kv)}
+    _finish_attention(sp, name, attn, {**local, "hidden_size": local_heads * head_dim})
 
 
 def named(*names):

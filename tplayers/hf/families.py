@@ -115,6 +115,8 @@ ADAPTERS = (
         moe.routers,
         passes_on=True,
     ),
+    Adapter("DBRX experts (w1 / v1 / w2 stacked by expert)", moe.is_dbrx_experts, moe.dbrx_experts),
+    Adapter("DBRX attention (fused Wqkv, clip_qkv)", attention.named("DbrxAttention"), attention.dbrx_attention),
     Adapter("experts (MoE, transformers 5's fused 3-D layout)", moe.is_experts, moe.experts),
     # recognised by their children
     Adapter(

@@ -52,7 +52,7 @@ from tplayers.functional.collectives import (
 )
 from tplayers.hf import pieces
 from tplayers.hf.shard import ShardingPass, copy_in, gather
-from tplayers.placement import even_sizes, set_placement
+from tplayers.placement import even_sizes, set_placement, shard_range
 
 # (tokens, the experts each picks, their weights): transformers 5's names, and gpt-oss's
 EXPERT_INPUTS = (
@@ -240,7 +240,11 @@ def experts(sp: ShardingPass, name, module):
 
 def experts_child(block) -> nn.Module | None:
     """The experts module directly under `block` (an MoE block), if any."""
-    return next((m for m in block.children() if is_experts(m)), None)
+    return next((m for m in block.children() if is_experts(m) or is_dbrx_experts(m)), None)
+
+
+def expert_count(experts) -> int:
+    return experts.num_experts if is_dbrx_experts(experts) else experts.gate_up_proj.shape[0]
 
 
 def routers(sp: ShardingPass, name, block):
@@ -249,9 +253,9 @@ def routers(sp: ShardingPass, name, block):
     child (Hunyuan-MoE's `gate.wg`). Each is replicated: it sees whole tokens and gets its whole
     gradient (the routing weights' gradient is summed where they enter the experts), or under
     sequence parallelism sees this rank's tokens and has its gradient summed like a norm's."""
-    n_experts = experts_child(block).gate_up_proj.shape[0]
+    n_experts = expert_count(experts_child(block))
     for child_name, child in block.named_children():
-        if is_experts(child):
+        if is_experts(child) or is_dbrx_experts(child):
             continue
         linears = [(k, m) for k, m in child.named_modules() if isinstance(m, nn.Linear)]
         if len(linears) != 1 or len(list(child.parameters())) != len(list(linears[0][1].parameters())):
@@ -261,3 +265,51 @@ def routers(sp: ShardingPass, name, block):
             router = f"{name}.{child_name}" + (f".{key}" if key else "")
             sp.done.add(router)
             sp.whole.add(router)
+
+
+def is_dbrx_experts(module) -> bool:
+    """DBRX's experts: mlp.w1 / v1 / w2, each (E * F, H), viewed (E, F, H) by its forward."""
+    glu = getattr(module, "mlp", None)
+    return type(module).__name__ == "DbrxExperts" and all(
+        isinstance(getattr(glu, k, None), nn.Parameter) for k in ("w1", "v1", "w2")
+    )
+
+
+def dbrx_experts(sp: ShardingPass, name, module):
+    """DBRX: gate (w1), up (v1) and down (w2, applied transposed) of every expert stacked as
+    (E * F, H). Rank r keeps its F features of each expert (the rows e * F + its block, for every
+    e), stacked the same way, and the forward's view reads the local F (ffn_hidden_size set
+    locally); the tokens go in and out as for the fused layouts (`_expert_hooks`)."""
+    glu, n_experts, f, hidden = module.mlp, module.num_experts, module.ffn_hidden_size, module.hidden_size
+    for key in ("w1", "v1", "w2"):
+        if tuple(getattr(glu, key).shape) != (n_experts * f, hidden):
+            raise ValueError(f"parallelize: {name}.mlp.{key} is not ({n_experts} x {f}, {hidden})")
+    unit = aligned_unit(f, sp.n)
+    blocks = even_sizes(f // unit, sp.n)
+    start, size = (unit * v for v in shard_range(f // unit, sp.n, dist.get_rank(sp.group), blocks))
+    own_rows = (torch.arange(n_experts)[:, None] * f + torch.arange(start, start + size)).flatten()
+    for key in ("w1", "v1", "w2"):
+        full = getattr(glu, key)
+        param = nn.Parameter(full.detach()[own_rows].clone(), requires_grad=full.requires_grad)
+        setattr(glu, key, param)
+        set_placement(param, sp.group, Shard(0))  # rows per expert: the record below maps them exactly
+    module.ffn_hidden_size = size
+    _expert_hooks(module, sp.group, sp.sp)
+
+    def export(pick, group):
+        out = {}
+        for key in ("w1", "v1", "w2"):
+            local = pick(getattr(glu, key))
+            if local is not None:  # (E, F_r, H) of each rank -> (E, F, H) -> (E * F, H)
+                out[f"mlp.{key}"] = gather(local.view(n_experts, -1, hidden), 1, group).reshape(-1, hidden)
+        return out
+
+    def load(full):
+        for key in ("w1", "v1", "w2"):
+            copy_in(getattr(glu, key), full[f"mlp.{key}"][own_rows])
+
+    def layout():
+        return [pieces.rows(f"mlp.{key}", getattr(glu, key), own_rows, n_experts * f) for key in ("w1", "v1", "w2")]
+
+    sp.exports.append((name, export, load, layout))
+    sp.done.add(name)

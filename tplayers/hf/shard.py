@@ -151,6 +151,38 @@ class ShardingPass:
         unknown = {k: v for k, v in self.plan.items() if v not in PLAN_KINDS}
         if unknown:
             raise ValueError(f"parallelize: plan values must be one of {PLAN_KINDS}, got {unknown}")
+        self.plan_used: set[str] = set()  # plan keys that named a module
+
+    def planned(self, name) -> str | None:
+        """The plan's kind for module `name`: its own entry, else the one kind of the patterns
+        (fnmatch: `"*.mlp.router"`, `"model.layers.*.mlp.gate.wg"`) that match its full name; two
+        patterns giving it different kinds are refused, naming both."""
+        if name is None:
+            return None
+        if name in self.plan:
+            self.plan_used.add(name)
+            return self.plan[name]
+        hits = {k: v for k, v in self.plan.items() if any(c in k for c in "*?[") and fnmatch.fnmatchcase(name, k)}
+        if len(set(hits.values())) > 1:
+            raise ValueError(f"parallelize: plan patterns {sorted(hits)} give {name} different kinds {hits}")
+        self.plan_used.update(hits)
+        return next(iter(hits.values()), None)
+
+    def check_plan_used(self):
+        """A plan entry that named no module (a typo, another model's name) is refused, naming it:
+        the module the user meant would otherwise be placed by the adapters, or not at all."""
+        unused = sorted(set(self.plan) - self.plan_used)
+        if not unused:
+            return
+        names = [n for n, _ in self.model.named_modules()]
+        inside = {k: next(d for d in sorted(self.done) if _under(n, {d}))
+                  for k in unused for n in names if fnmatch.fnmatchcase(n, k) and _under(n, self.done)}  # fmt: skip
+        if inside:
+            raise ValueError(
+                f"parallelize: plan entries {sorted(inside)} name modules inside {sorted(set(inside.values()))}, which "
+                "tplayers placed as a whole (an attention or MLP layout); plan the enclosing module instead"
+            )
+        raise ValueError(f"parallelize: plan entries {unused} name no module of {type(self.model).__name__}")
 
     def release(self):
         """Drop the pass's references to the model and its modules, which the export records
@@ -229,10 +261,10 @@ class ShardingPass:
         emb = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
         head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
         names = {id(m): n for n, m in self.model.named_modules()}
-        if isinstance(emb, nn.Embedding) and names.get(id(emb)) not in self.plan:
+        if isinstance(emb, nn.Embedding) and self.planned(names.get(id(emb))) is None:
             tied = head is not None and head.weight is emb.weight
             new_emb = self.vocab_parallel(names[id(emb)], emb)
-            if isinstance(head, nn.Linear) and names.get(id(head)) not in self.plan:
+            if isinstance(head, nn.Linear) and self.planned(names.get(id(head))) is None:
                 # the LM head sees the whole sequence: sequence parallelism ends after the last block
                 new_head = self.column(
                     names[id(head)], head, sequence_parallel=False, gather_output=not self.vocab_parallel_logits
@@ -272,14 +304,16 @@ class ShardingPass:
         for name, module in list(self.model.named_modules()):
             if not name or _under(name, self.done):
                 continue
-            if name in self.plan:
-                self.apply_plan(name, module, self.plan[name])
+            kind = self.planned(name)
+            if kind is not None:
+                self.apply_plan(name, module, kind)
                 continue
             for adapter in adapters:  # the first that matches; one that passes on lets the next see it too
                 if adapter.matches(module):
                     adapter.apply(self, name, module)
                     if not adapter.passes_on:
                         break
+        self.check_plan_used()
         unplaced = [
             name
             for name, module in self.model.named_modules()
