@@ -27,7 +27,13 @@ VOCAB = 96
 EXACT = ["llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "gemma", "gemma2", "gemma3_text", "phi", "phi3",
          "gpt2", "gptj", "gpt_neox", "gpt_bigcode", "gpt_bigcode-mha", "falcon", "falcon-new", "falcon-alibi", "opt",
          "bloom", "stablelm", "starcoder2", "olmo", "olmo2", "cohere", "granite", "smollm3", "glm4", "codegen",
-         "mpt", "nemotron", "exaone4", "arcee"]  # fmt: skip
+         "mpt", "nemotron", "exaone4", "arcee", "deepseek_v3", "deepseek_v2-lite", "gpt_oss", "llama4_text", "dbrx",
+         "phimoe", "bitnet", "gemma4_text", "gemma3n_text"]  # fmt: skip
+# Multi-head latent attention: a query latent of 16, a key/value latent of 12, heads of [8 | 4 rope] for q and k
+# and 6 for v; the rotary width is head_dim, one key/value head per query head (the latents expand to every head)
+MLA = dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
+           v_head_dim=6, head_dim=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+           n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1)  # fmt: skip
 # Variants: (model type, config overrides) for a family's other layouts.
 VARIANTS = {
     "gpt_bigcode-mha": ("gpt_bigcode", dict(multi_query=False)),  # per-head [q, k, v] c_attn
@@ -35,21 +41,81 @@ VARIANTS = {
     "falcon-alibi": ("falcon", dict(alibi=True)),  # multi-query with ALiBi
     # CodeGen's qkv_proj holds 4 blocks of heads: 16 heads go over 4 ranks
     "codegen": ("codegen", dict(num_attention_heads=16, hidden_size=64, rotary_dim=4, head_dim=4)),
+    "deepseek_v3": ("deepseek_v3", MLA),  # MLA with a query latent, interleaved rope, a shared expert, top-k groups
+    "deepseek_v2-lite": ("deepseek_v2", dict(MLA, q_lora_rank=None)),  # V2-Lite: queries without a latent
+    # experts transposed with interleaved gate / up pairs and biases, attention sinks, sliding / full layers
+    "gpt_oss": (
+        "gpt_oss",
+        dict(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+    ),  # fmt: skip
+    # transposed experts fed expert by expert, a shared expert, sigmoid top-1 router, chunked and NoPE layers
+    "llama4_text": (
+        "llama4_text",
+        dict(
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            intermediate_size_mlp=48,
+            interleave_moe_layer_step=1,
+            attention_chunk_size=4,
+            no_rope_layers=[1, 0],
+        ),
+    ),
+    # fused Wqkv with clip_qkv, experts stacked (E * F, H), the router as router.layer
+    "dbrx": (
+        "dbrx",
+        dict(
+            d_model=32,
+            n_heads=4,
+            n_layers=2,
+            max_seq_len=64,
+            attn_config=dict(kv_n_heads=2, clip_qkv=0.5, rope_theta=10000.0),
+            ffn_config=dict(moe_num_experts=4, moe_top_k=2, ffn_hidden_size=24),
+        ),
+    ),  # fmt: skip
+    "phimoe": ("phimoe", dict(num_local_experts=4, num_experts_per_tok=2)),  # the router as mlp.router
+    # per-layer inputs on the residual stream (their own vocabulary, tiny here: the default is 262144 x 2 x 256)
+    "gemma4_text": ("gemma4_text", dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB)),
+    # AltUp, LAuReL and per-layer inputs on the residual stream
+    "gemma3n_text": (
+        "gemma3n_text",
+        dict(
+            hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=VOCAB,
+            laurel_rank=4,
+            altup_num_inputs=2,
+            num_kv_shared_layers=0,
+            activation_sparsity_pattern=[0.0, 0.0],
+            intermediate_size=[64, 64],
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+    ),  # fmt: skip
 }
 # Not known exactly: each is refused with the module that stops it (see the README's table).
 REFUSED = {
-    "gpt_oss": r"experts \(GptOssExperts\) holds experts in a layout tplayers does not know",
     "persimmon": r"could not place \[.*query_key_value",  # per-head q/k layer norms inside a fused projection
     "xglm": r"model.embed_tokens is a XGLMScaledWordEmbedding whose forward tplayers does not know",
 }
 SP_REFUSED = {
-    "gpt_oss": r"experts \(GptOssExperts\) holds experts in a layout tplayers does not know",
+    # per-layer inputs over the whole sequence beside the hidden states (Gemma 3n: AltUp's stacked states too)
+    "gemma4_text": r"takes a per-layer input over the whole sequence.*sequence_parallel=False",
+    "gemma3n_text": r"takes a per-layer input over the whole sequence.*sequence_parallel=False",
     "persimmon": r"could not place \[.*query_key_value",  # per-head q/k layer norms inside a fused projection
     "xglm": r"model.embed_tokens is a XGLMScaledWordEmbedding whose forward tplayers does not know",
 }
 
 # Every family at every TP size here: none refused for its shapes.
-TP_REFUSED: dict = {}
+TP_REFUSED: dict = {
+    # Not a shape: the self-check's fp32 tolerance (1e-5 + 1e-5 |x|) is below the rounding of Gemma 4's summed
+    # embedding gradient at TP 3 on its probe batch (1.5e-5 on values up to 1.4, where the unsharded model's own
+    # fp32 gradient is 6e-6 from its fp64 one; every other gradient and the logits agree, and at TP 2 and 4 it
+    # passes). Kept here, named, until the table scales its atol with what a gradient sums: this fails then.
+    ("gemma4_text", 3): r"parallelize\(verify\).*model\.embed_tokens\.weight \(largest \|difference\| 1\.\d+e-05",
+}
 
 
 def tiny_model(family, dtype=torch.float32, vocab=None, ffn=None, **config):
@@ -339,8 +405,9 @@ def test_uneven_splits_with_zero3_through_check_parallel():
 def test_family_tp2_sp_zero3_through_check_parallel(family):
     """Parameters after parallelize, logits, loss, every gradient and parameter after two SGD
     steps, at TP 2 + SP x DP 2 with ZeRO-3, against the unsharded model."""
+    sequence_parallel = family not in SP_REFUSED  # refused up front there: ZeRO-3 over TP 2 alone
     check_parallel(functools.partial(tiny_model, family), family_parallelize, FAMILY_IDS, steps=2,
-                   layouts=[Layout(tp=2, dp=2, zero_stage=3, sequence_parallel=True)])  # fmt: skip
+                   layouts=[Layout(tp=2, dp=2, zero_stage=3, sequence_parallel=sequence_parallel)])  # fmt: skip
 
 
 # ---- hypothesis: any heads, key/value heads, vocabulary and MLP width, through check_parallel -------

@@ -28,6 +28,7 @@ from tplayers.functional.collectives import all_gather_any, own_slice
 from tplayers.hf import pieces
 from tplayers.hf.fused import ReplicatedKVProjection, codegen_rows, fused_column, multi_query_column, part_rows
 from tplayers.hf.shard import ShardingPass, copy_in, has_linears, on_device
+from tplayers.nn.linear import RowParallelLinear
 from tplayers.nn.norm import ComputedRowsRMSNorm, ParallelRMSNorm
 from tplayers.placement import even_sizes, set_placement, shard_range
 from tplayers.tolerances import TOLERANCES
@@ -290,6 +291,26 @@ def _norm_over_projection(sp: ShardingPass, name, norm, projection):
     sp.record(name, layer, dim, False)
 
 
+# RMSNorms over a row projection's whole input (BitNet's sub-norms): {norm: the projection after it}
+NORMS_BEFORE_PROJECTION = {"attn_sub_norm": "o_proj", "ffn_sub_norm": "down_proj"}
+
+
+def norm_before_row(sp: ShardingPass, name, norm, row):
+    """BitNet's attn_sub_norm / ffn_sub_norm: an RMSNorm over all heads' (all features') output,
+    just before the row-parallel projection `row`: a ParallelRMSNorm over the same split as the
+    row layer's input (its sum of squares summed over the group)."""
+    eps = rms_norm_eps(norm)
+    if eps is None:
+        raise ValueError(
+            f"parallelize: {name} ({type(norm).__name__}) spans every head's features and is not an RMSNorm "
+            "tplayers knows"
+        )
+    layer = ParallelRMSNorm.from_weight(norm.weight, eps, group=sp.group, split_unit=row.split_unit,
+                                        split_sizes=row.split_sizes)  # fmt: skip
+    sp.swap(name, layer)
+    sp.record(name, layer, 0, False)
+
+
 def _per_head_weights(sp: ShardingPass, name, attn, head_dim, projections):
     """Other weights inside the attention. Acting on each head alike (Qwen3's q_norm / k_norm):
     replicated, but each rank's heads give only part of their gradient, so it is summed. An
@@ -299,6 +320,12 @@ def _per_head_weights(sp: ShardingPass, name, attn, head_dim, projections):
     it."""
     for child_name, child in attn.named_children():
         if child_name in projections:
+            continue
+        row = getattr(attn, NORMS_BEFORE_PROJECTION.get(child_name, ""), None)
+        if isinstance(row, RowParallelLinear) and tuple(getattr(child, "weight", torch.empty(0)).shape) == (
+            row.in_features,
+        ):
+            norm_before_row(sp, f"{name}.{child_name}", child, row)
             continue
         projection = NORMS_OVER_PROJECTION.get(child_name)
         width = getattr(getattr(attn, projection, None), "out_features", None) if projection else None

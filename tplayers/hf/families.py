@@ -110,6 +110,12 @@ ADAPTERS = (
     Adapter("MPT attention", attention.named("MptAttention"), attention.mpt_attention),
     Adapter("multi-head latent attention (DeepSeek-V2 / V3, MiniCPM3)", attention.is_mla, attention.mla_attention),
     Adapter(
+        "token-wise modules on the residual stream (Gemma 3n's AltUp, LAuReL; per-layer inputs)",
+        mlp.holds_residual_stream_modules,
+        mlp.residual_stream_modules,
+        passes_on=True,
+    ),
+    Adapter(
         "routers of an MoE block (by what they are)",
         lambda m: moe.experts_child(m) is not None,
         moe.routers,

@@ -15,6 +15,7 @@ from torch import nn
 
 from tplayers.functional.collectives import own_slice
 from tplayers.hf import pieces
+from tplayers.hf.attention import NORMS_BEFORE_PROJECTION, norm_before_row
 from tplayers.hf.fused import fused_column, part_rows
 from tplayers.hf.shard import ShardingPass, as_linear, copy_in, gather, has_linears, on_device
 from tplayers.nn.mlp import ParallelMLP, fuse_gate_up, unfuse_gate_up
@@ -92,10 +93,19 @@ def fused_gate_up(sp: ShardingPass, name, mlp):
 
 
 def gated_mlp(sp: ShardingPass, name, mlp):
-    if not is_silu(getattr(mlp, "act_fn", None)) or sp.keeps(name, ("gate_proj", "up_proj")):
+    """down(act(gate(x)) * up(x)): with SiLU and nothing else holding weights, ParallelMLP (one
+    fused gate|up GEMM with the SwiGLU epilogue); else gate, up column-parallel and down
+    row-parallel, with BitNet's ffn_sub_norm before down a ParallelRMSNorm over the same split."""
+    others = [c for c, m in mlp.named_children() if c not in ("gate_proj", "up_proj", "down_proj")
+              and next(m.parameters(), None) is not None]  # fmt: skip
+    if others or not is_silu(getattr(mlp, "act_fn", None)) or sp.keeps(name, ("gate_proj", "up_proj")):
         sp.shared_input_column(f"{name}.gate_proj", mlp.gate_proj)
         sp.shared_input_column(f"{name}.up_proj", mlp.up_proj)
-        sp.row(f"{name}.down_proj", mlp.down_proj)
+        down = sp.row(f"{name}.down_proj", mlp.down_proj)
+        for child in others:
+            norm = getattr(mlp, child)
+            if child in NORMS_BEFORE_PROJECTION and tuple(norm.weight.shape) == (down.in_features,):
+                norm_before_row(sp, f"{name}.{child}", norm, down)
         sp.shared_input.append(mlp)
         sp.done.add(name)
         return
@@ -176,3 +186,34 @@ def gpt2_mlp(sp: ShardingPass, name, mlp):
     sp.column(f"{name}.c_fc", mlp.c_fc)
     sp.row(f"{name}.c_proj", mlp.c_proj)
     sp.done.add(name)
+
+
+# Modules on the residual stream that act token by token on the whole hidden state (Gemma 3n's
+# AltUp and LAuReL; Gemma 3n / 4's per-layer inputs), by the class holding them: kept whole on
+# every rank, read from their source. Their inputs are whole (or, under sequence parallelism,
+# this rank's tokens, with their gradients summed like a norm's), so they compute what the
+# unsharded model does.
+RESIDUAL_STREAM = {
+    "Gemma3nTextDecoderLayer": ("altup", "laurel", "per_layer_input_gate", "per_layer_projection"),
+    "Gemma3nTextModel": ("per_layer_model_projection", "altup_projections", "altup_unembed_projections"),
+    "Gemma4TextDecoderLayer": ("per_layer_input_gate", "per_layer_projection"),
+    "Gemma4TextModel": ("per_layer_model_projection",),
+}
+
+
+def holds_residual_stream_modules(module) -> bool:
+    return type(module).__name__ in RESIDUAL_STREAM
+
+
+def residual_stream_modules(sp: ShardingPass, name, module):
+    if sp.sp and "DecoderLayer" in type(module).__name__:
+        raise ValueError(
+            f"parallelize: {name} ({type(module).__name__}) takes a per-layer input over the whole sequence beside "
+            "its hidden states (and Gemma 3n's AltUp stacks several hidden states); sequence parallelism would split "
+            "the hidden states and not the rest. Use sequence_parallel=False for this model"
+        )
+    for child in RESIDUAL_STREAM[type(module).__name__]:
+        if getattr(module, child, None) is not None:
+            full = f"{name}.{child}" if name else child
+            sp.done.add(full)
+            sp.whole.add(full)

@@ -22,9 +22,9 @@ features of down. It computes a partial sum of the block's output:
                               weights are all-gathered along the tokens, the output
                               reduce-scattered back to this rank's tokens
 
-down_proj_bias is added once to the summed output: every rank holds it whole, rank 0's forward
-adds it and the others add a zero that carries its gradient (`_bias_once`), so each rank
-computes the whole, equal gradient.
+down_proj_bias is added once to the summed output: every rank holds it whole and its forward
+adds it, and every rank but rank 0 takes its (weighted) bias terms off its partial output before
+the sum; each rank's gradient of it is then the whole one.
 
 Llama 4's experts take the tokens already weighted and laid out expert by expert ((E * T, H),
 one batched GEMM per expert): the same split, the tokens gathered (or summed) per expert.
@@ -34,7 +34,6 @@ parallelism, parallelize sums its gradient like a norm's). Expert parallelism (w
 rank) is not done here.
 """
 
-import functools
 import inspect
 
 import torch
@@ -97,9 +96,23 @@ def _layout(name, module) -> tuple[dict, bool]:
     return flags, by_expert
 
 
-def _expert_hooks(module, group, sequence_parallel):
+def _bias_terms(module, indices, weights):
+    """sum_k weights[t, k] * down_proj_bias[indices[t, k]] for every token t (an index past the
+    experts, HF's padding, adds nothing); the bias detached: its gradient is the forward's."""
+    bias = module.down_proj_bias.detach()
+    padded = torch.cat([bias, bias.new_zeros(1, bias.shape[1])])
+    return (weights.unsqueeze(-1).to(bias.dtype) * padded[indices.clamp(max=bias.shape[0])]).sum(1)
+
+
+def _expert_hooks(module, group, sequence_parallel, bias_once=False):
     """Tokens, expert indices and routing weights in (whole, or gathered along the tokens under
-    sequence parallelism), the partial output summed (or reduce-scattered) out."""
+    sequence parallelism), the partial output summed (or reduce-scattered) out.
+
+    `bias_once`: the forward adds down_proj_bias (weighted) to each rank's partial output, so the
+    sum would hold it n times: every rank but rank 0 takes its bias terms off before the sum
+    (`_bias_terms`, one rounding as the addition itself). The routing weights' gradient then sums
+    to the unsharded one, and down_proj_bias's gradient is whole on every rank (the output
+    gradient is whole there): a replicated parameter, with no hook on it."""
     if sequence_parallel:
         prepare = (
             lambda h: all_gather_sequence(h, group, 0),
@@ -116,8 +129,13 @@ def _expert_hooks(module, group, sequence_parallel):
         values = list(args) + [kwargs.pop(k) for k in names[len(args) :]]
         return tuple(f(v) for f, v in zip(prepare, values, strict=True)), kwargs
 
+    def after(mod, args, out):
+        if bias_once and dist.get_rank(group) != 0:
+            out = out - _bias_terms(mod, args[1], args[2]).to(out.dtype).view_as(out)
+        return finish(out)
+
     module.register_forward_pre_hook(before, with_kwargs=True)
-    module.register_forward_hook(lambda mod, args, out: finish(out))
+    module.register_forward_hook(after)
 
 
 def _by_expert_hooks(module, group, sequence_parallel, experts):
@@ -134,19 +152,6 @@ def _by_expert_hooks(module, group, sequence_parallel, experts):
         prepare, finish = (lambda h: copy_to_tp_region(h, group)), (lambda y: reduce_from_tp_region(y, group))
     module.register_forward_pre_hook(lambda mod, args: (prepare(args[0]), *args[1:]))
     module.register_forward_hook(lambda mod, args, out: finish(out))
-
-
-@functools.cache
-def _bias_once(cls):
-    """`cls` with down_proj_bias read as the parameter on the rank that adds it (`_adds_bias`) and
-    as a zero carrying its gradient on the others: the output, summed over the ranks, has the bias
-    once, and every rank's gradient of it is the whole one (its output gradient is whole there)."""
-
-    def down_proj_bias(self):
-        bias = self._parameters["down_proj_bias"]
-        return bias if self._adds_bias or bias is None else bias - bias.detach()
-
-    return type(cls.__name__, (cls,), {"down_proj_bias": property(down_proj_bias), "__module__": cls.__module__})
 
 
 def aligned_unit(f, n) -> int:
@@ -185,17 +190,15 @@ def experts(sp: ShardingPass, name, module):
         param = nn.Parameter(local[key].clone(), requires_grad=getattr(module, key).requires_grad)
         setattr(module, key, param)
         set_placement(param, sp.group, Shard(dim))
-    if flags["has_bias"]:  # whole on every rank, added once (`_bias_once`)
+    if flags["has_bias"]:  # whole on every rank, added once to the sum (`_expert_hooks`)
         set_placement(module.down_proj_bias, sp.group, Replicate())
-        module.__class__ = _bias_once(type(module))
-        module._adds_bias = dist.get_rank(sp.group) == 0
     for attr in ("intermediate_dim", "intermediate_size", "expert_dim"):
         if getattr(module, attr, None) == f:
             setattr(module, attr, sizes[dist.get_rank(sp.group)])
     if by_expert:
         _by_expert_hooks(module, sp.group, sp.sp, n_experts)
     else:
-        _expert_hooks(module, sp.group, sp.sp)
+        _expert_hooks(module, sp.group, sp.sp, bias_once=flags["has_bias"])
 
     def gathered_gate_up(t, dim):
         if t is None or pairs:
@@ -206,23 +209,23 @@ def experts(sp: ShardingPass, name, module):
     def export(pick, group):
         out = {}
         for key, (dim, _) in split.items():
-            full = gather(pick(module._parameters[key]), dim, group)
+            full = gather(pick(getattr(module, key)), dim, group)
             full = full if key == "down_proj" else gathered_gate_up(full, dim)
             if full is not None:
                 out[key] = full
-        if flags["has_bias"] and pick(module._parameters["down_proj_bias"]) is not None:
-            out["down_proj_bias"] = pick(module._parameters["down_proj_bias"])
+        if flags["has_bias"] and pick(module.down_proj_bias) is not None:
+            out["down_proj_bias"] = pick(module.down_proj_bias)
         return out
 
     def load(full):
         for key, (dim, cut) in split.items():
-            copy_in(module._parameters[key], cut(full[key], dim))
+            copy_in(getattr(module, key), cut(full[key], dim))
         if flags["has_bias"]:
-            copy_in(module._parameters["down_proj_bias"], full["down_proj_bias"])
+            copy_in(module.down_proj_bias, full["down_proj_bias"])
 
     def layout():
         def gate_up_pieces(key, dim):  # [gate_r | up_r] along dim: this rank's 1/n of each half; or its pairs
-            param = module._parameters[key]
+            param = getattr(module, key)
             if pairs:
                 return [pieces.split(key, param, dim, sp.group, total=2 * f, unit=2 * unit, sizes=blocks)]
             return pieces.halves(key, param, dim, sp.group, f, unit=unit, sizes=blocks)
@@ -230,7 +233,7 @@ def experts(sp: ShardingPass, name, module):
         out = [*gate_up_pieces("gate_up_proj", fa),
                pieces.split("down_proj", module.down_proj, fd, sp.group, total=f, unit=unit, sizes=blocks)]  # fmt: skip
         if flags["has_bias"]:
-            down_bias = pieces.whole("down_proj_bias", module._parameters["down_proj_bias"])
+            down_bias = pieces.whole("down_proj_bias", module.down_proj_bias)
             out += [*gate_up_pieces("gate_up_proj_bias", 1), down_bias]
         return out
 
