@@ -41,12 +41,46 @@ PUBLISHED = {
     "bloom-560m": ("bloom", 250880, 16, 16, True),
 }
 HEAD_DIM = 8
+# The 2026 families: (family, vocabulary, config) with head counts, key/value heads, latent ranks, expert top-k and
+# the layer pattern as each config.json gives them; heads 8 wide (MLA: [8 nope | 4 rope] for q and k, 8 for v), the
+# hidden and expert widths cut, experts cut to 8 or 16 (never below the published top-k) to fit a CPU.
+MLA_HEADS = dict(qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, head_dim=4, hidden_size=64,
+                 moe_intermediate_size=16, intermediate_size=64, n_routed_experts=8,
+                 first_k_dense_replace=1)  # fmt: skip
+PUBLISHED_2026 = {
+    "DeepSeek-V2-Lite": ("deepseek_v2", 102400, dict(MLA_HEADS, num_attention_heads=16, num_key_value_heads=16,
+                         q_lora_rank=None, kv_lora_rank=512, num_experts_per_tok=6, n_shared_experts=2)),
+    "DeepSeek-V3": ("deepseek_v3", 129280, dict(MLA_HEADS, num_attention_heads=128, num_key_value_heads=128,
+                    q_lora_rank=1536, kv_lora_rank=512, num_experts_per_tok=8, n_shared_experts=1, n_group=8,
+                    topk_group=4, n_routed_experts=16)),  # two experts per group: its group top-2 needs them
+    "Kimi-K2": ("deepseek_v3", 163840, dict(MLA_HEADS, num_attention_heads=64, num_key_value_heads=64,
+                q_lora_rank=1536, kv_lora_rank=512, num_experts_per_tok=8, n_shared_experts=1, n_group=1,
+                topk_group=1)),
+    "MiniCPM3-4B": ("minicpm3", 73448, dict(MLA_HEADS, num_attention_heads=40, num_key_value_heads=40,
+                    q_lora_rank=768, kv_lora_rank=256, hidden_size=80,  # its config wants hidden % heads == 0
+                    scale_emb=1.0, dim_model_base=80)),  # its x12 embedding and x3.2 logits scales make logits
+    # of 14 here, whose fp32 rounding (1e-5, 1 ulp) passes the table's atol; they decide no split
+    "gpt-oss-20b": ("gpt_oss", 201088, dict(num_attention_heads=64, num_key_value_heads=8, head_dim=HEAD_DIM,
+                    hidden_size=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=4,
+                    sliding_window=128, layer_types=["sliding_attention", "full_attention"])),
+    "Llama-4-Scout": ("llama4_text", 202048, dict(num_attention_heads=40, num_key_value_heads=8, head_dim=HEAD_DIM,
+                      hidden_size=64, intermediate_size=32, intermediate_size_mlp=64, num_local_experts=8,
+                      num_experts_per_tok=1, interleave_moe_layer_step=1, attention_chunk_size=8192,
+                      no_rope_layers=[1, 0])),
+    "gemma-3n-E4B": ("gemma3n_text", 262400, dict(num_attention_heads=8, num_key_value_heads=2, head_dim=HEAD_DIM,
+                     hidden_size=64, intermediate_size=[64, 64], hidden_size_per_layer_input=8,
+                     vocab_size_per_layer_input=262144, laurel_rank=64, altup_num_inputs=4, num_kv_shared_layers=0,
+                     activation_sparsity_pattern=[0.0, 0.0], layer_types=["sliding_attention", "full_attention"])),
+}  # fmt: skip
 
 
 @functools.lru_cache(maxsize=1)
 def published_model(name):
     """The model of checkpoint `name` (built once per rank and reused for every TP size: the
     tests run the sizes of one shape in a row; callers deep-copy it)."""
+    if name in PUBLISHED_2026:
+        family, vocab, config = PUBLISHED_2026[name]
+        return tiny_model(family, vocab=vocab, **config)
     family, vocab, heads, kv_heads, tied = PUBLISHED[name]
     config = dict(num_attention_heads=heads, num_key_value_heads=kv_heads, hidden_size=HEAD_DIM * heads,
                   head_dim=HEAD_DIM, tie_word_embeddings=tied, intermediate_size=4 * HEAD_DIM * heads)  # fmt: skip
@@ -74,7 +108,7 @@ def matches_unsharded(rank, tp, group, name, shifted=False):
         start = tplayers.placement.shard_range(full_q.shape[0] // HEAD_DIM, tp, 1, q_split(name, tp))[0] * HEAD_DIM
         with torch.no_grad():
             q.copy_(full_q[start + 1 : start + 1 + q.shape[0]])
-    vocab = PUBLISHED[name][1]
+    vocab = (PUBLISHED | PUBLISHED_2026)[name][1]
     ids = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(1))
     ids[0, :4] = torch.tensor([vocab - 1, vocab - 2, 0, 1])  # the first and the last rank's rows
     out = model(ids, labels=ids)
@@ -117,6 +151,15 @@ def test_a_rank_one_row_off_fails_the_comparison(tplayers_pool):
 @pytest.mark.parametrize("tp", [2, 3, 4, 8])
 @pytest.mark.parametrize("name", list(PUBLISHED))
 def test_published_shapes(tplayers_pool, name, tp):
+    tplayers_pool.run(matches_unsharded, tp, name)
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+@pytest.mark.parametrize("name", list(PUBLISHED_2026))
+def test_published_2026_shapes(tplayers_pool, name, tp):
+    """MLA (DeepSeek-V2-Lite's 16 heads without a query latent, DeepSeek-V3's 128, Kimi-K2's 64,
+    MiniCPM3's 40: 5 per rank at TP 8), gpt-oss's 64 / 8 heads with sinks and its 201088 tokens,
+    Llama 4 Scout's 40 / 8, Gemma 3n E4B's 8 / 2 with AltUp over 4 streams."""
     tplayers_pool.run(matches_unsharded, tp, name)
 
 

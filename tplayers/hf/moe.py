@@ -34,6 +34,7 @@ parallelism, parallelize sums its gradient like a norm's). Expert parallelism (w
 rank) is not done here.
 """
 
+import copy
 import inspect
 
 import torch
@@ -161,6 +162,20 @@ def aligned_unit(f, n) -> int:
     return next(u for u in (16, 8, 4, 2, 1) if f % u == 0 and f // u >= n or u == 1)
 
 
+ALIGNED_ENTRIES = 8  # 16 bytes of bf16 / fp16: the row stride HF's grouped GEMM (torch._grouped_mm) needs
+
+
+def _eager_where_unaligned(module, sizes):
+    """A split too fine for 16-byte rows (a small F over many ranks: 16 over 8 leaves 2 per rank)
+    cannot run HF's grouped GEMM, which needs them; that module alone runs HF's eager experts
+    forward (the same math, one expert at a time), through its own copy of the config."""
+    config = getattr(module, "config", None)
+    if config is None or all(s % ALIGNED_ENTRIES == 0 for s in sizes):
+        return
+    module.config = copy.copy(config)
+    module.config._experts_implementation = "eager"
+
+
 def experts(sp: ShardingPass, name, module):
     """Shard every expert of `module` over the group (see the module docstring)."""
     flags, by_expert = _layout(name, module)
@@ -192,6 +207,7 @@ def experts(sp: ShardingPass, name, module):
         set_placement(param, sp.group, Shard(dim))
     if flags["has_bias"]:  # whole on every rank, added once to the sum (`_expert_hooks`)
         set_placement(module.down_proj_bias, sp.group, Replicate())
+    _eager_where_unaligned(module, sizes)
     for attr in ("intermediate_dim", "intermediate_size", "expert_dim"):
         if getattr(module, attr, None) == f:
             setattr(module, attr, sizes[dist.get_rank(sp.group)])
