@@ -122,6 +122,33 @@ def test_plan_for_an_unrecognised_model(pool):
     pool.run(plan_for_custom_model, 2)
 
 
+class TwoBlocks(nn.Module):
+    """Two blocks of Custom's up / down: a plan written as patterns over both."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Custom() for _ in range(2))
+
+    def forward(self, ids):
+        return self.blocks[1].down(torch.relu(self.blocks[1].up(self.blocks[0](ids))))
+
+
+def plan_by_patterns(rank, tp, group):
+    torch.manual_seed(0)
+    model = TwoBlocks()
+    reference = copy.deepcopy(model)
+    plan = {"blocks.*.up": "colwise", "blocks.*.down": "rowwise", "blocks.0.emb": "vocab", "*.emb": "replicate"}
+    tplayers.parallelize(model, group=group, plan=plan)  # blocks.0.emb: its own entry wins over the pattern
+    assert type(model.blocks[0].emb).__name__ == "VocabParallelEmbedding" and type(model.blocks[1].emb) is nn.Embedding
+    assert all(type(b.up).__name__ == "ColumnParallelLinear" for b in model.blocks)
+    ids = torch.tensor([[1, 5, 11, 0]])
+    assert_close(model(ids), reference(ids))
+
+
+def test_plan_entries_may_be_patterns(pool):
+    pool.run(plan_by_patterns, 2)
+
+
 def test_plan_with_splits_that_do_not_divide(pool):
     """A vocabulary of 10 and a width of 16 on 3 ranks: [4, 4, 2] and [6, 6, 4] rows."""
     pool.run(plan_for_custom_model, 3, 10)
@@ -134,6 +161,12 @@ def bad_input(rank, tp, group, case):
         tplayers.parallelize(tiny_model("two_heads"), group=group)  # 2 heads on 3 ranks: one would hold none
     elif case == "bad_plan":
         tplayers.parallelize(Custom(), group=group, plan={"up": "diagonal"})
+    elif case == "plan_typo":
+        tplayers.parallelize(Custom(), group=group, plan={"emb": "vocab", "upp": "colwise", "down": "rowwise"})
+    elif case == "plan_conflict":
+        tplayers.parallelize(TwoBlocks(), group=group, plan={"*.up": "colwise", "blocks.0.*": "replicate"})
+    elif case == "plan_inside":
+        tplayers.parallelize(tiny_model("llama"), group=group, plan={"*.self_attn.q_proj": "replicate"})
     elif case == "too_long":
         model = tplayers.parallelize(tiny_model("gpt2"), group=group)
         model(torch.zeros(1, 65, dtype=torch.long))
@@ -146,6 +179,9 @@ CASES = {
     "unrecognised": r"could not place \['up', 'down'\]",
     "heads": r"2 attention heads over 3 ranks leave 1 ranks without a head.*use at most 2 ranks",
     "bad_plan": r"plan values must be one of",
+    "plan_typo": r"plan entries \['upp'\] name no module of Custom",
+    "plan_conflict": r"plan patterns \['\*\.up', 'blocks\.0\.\*'\] give blocks\.0\.up different kinds",
+    "plan_inside": r"plan entries \['\*\.self_attn\.q_proj'\] name modules inside \['model\.layers\.0\.self_attn'",
     "too_long": r"input of 65 positions is longer than the model's 64",
     "sp_sequence": r"sequence length \(3,\) is not divisible by the tensor-parallel size \(2\)",
 }

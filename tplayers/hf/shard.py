@@ -175,11 +175,12 @@ class ShardingPass:
         if not unused:
             return
         names = [n for n, _ in self.model.named_modules()]
-        inside = {k: next(d for d in sorted(self.done) if _under(n, {d}))
+        inside = {(k, next(d for d in sorted(self.done) if _under(n, {d})))
                   for k in unused for n in names if fnmatch.fnmatchcase(n, k) and _under(n, self.done)}  # fmt: skip
         if inside:
             raise ValueError(
-                f"parallelize: plan entries {sorted(inside)} name modules inside {sorted(set(inside.values()))}, which "
+                f"parallelize: plan entries {sorted({k for k, _ in inside})} name modules inside "
+                f"{sorted({d for _, d in inside})}, which "
                 "tplayers placed as a whole (an attention or MLP layout); plan the enclosing module instead"
             )
         raise ValueError(f"parallelize: plan entries {unused} name no module of {type(self.model).__name__}")
