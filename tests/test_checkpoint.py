@@ -552,3 +552,36 @@ def param_groups_after_load(rank, world, group, path):
 def test_the_optimizers_hyperparameters_are_restored(pool, tmp_path):
     for groups in pool.run(param_groups_after_load, 2, str(tmp_path / "ckpt")):
         assert [(g["lr"], g["betas"], g["weight_decay"]) for g in groups] == [(1.25e-3, (0.8, 0.95), 0.3)]
+
+
+def save_family(rank, world, group, path, family):
+    from test_families import tiny_model
+
+    model = tplayers.parallelize(tiny_model(family), group=group, verify=False)
+    tplayers.save_checkpoint(path, model=model, group=group)
+    return tplayers.gather_state_dict(model, group=group)
+
+
+def load_family(rank, world, group, path, family):
+    from test_families import tiny_model
+
+    torch.manual_seed(7)  # other weights: everything must come from the checkpoint
+    model = tiny_model(family)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    tplayers.parallelize(model, group=group, verify=False)
+    tplayers.load_checkpoint(path, model=model, group=group)
+    return tplayers.gather_state_dict(model, group=group)
+
+
+# MLA (latents whole, heads split, experts in 3-D), gpt-oss (experts in gate / up pairs with biases, the down
+# bias whole), DBRX (experts stacked by expert): saved at TP 2, read at TP 3 and 4
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss", "dbrx"])
+def test_2026_layouts_load_at_other_sizes(pool, tmp_path, family):
+    saved = pool.run(save_family, 2, tmp_path / "ckpt", family)[0]
+    for tp in (3, 4):
+        loaded = pool.run(load_family, tp, tmp_path / "ckpt", family)[0]
+        assert list(loaded) == list(saved)
+        for key, value in saved.items():
+            assert torch.equal(loaded[key], value), f"{family} {key} at TP {tp}"

@@ -27,6 +27,8 @@ TARGETS = {
     "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     "gpt2": ["c_attn", "c_proj", "c_fc"],  # c_attn: [q; k; v] in one Conv1D
     "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],  # both fused
+    # MLA: adapters on the latent (replicated) and per-head (split) projections alike
+    "deepseek_v3": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
 }
 
 

@@ -176,7 +176,16 @@ def _replicated_like(base: ReplicatedKVProjection, b: nn.Linear) -> ReplicatedKV
     return layer
 
 
+def replicated_base(base) -> bool:
+    """A plain nn.Linear tplayers keeps whole on every rank (MLA's latent projections, a router):
+    its adapter is whole too, its gradients summed where the base's are."""
+    record = placement_or_none(getattr(base, "weight", None)) if type(base) is nn.Linear else None
+    return record is not None and isinstance(record.placement, Replicate)
+
+
 def base_group(base):
+    if replicated_base(base):
+        return placement_or_none(base.weight).group
     return base.query.group if isinstance(base, MultiQueryProjection) else base.group
 
 
@@ -226,6 +235,18 @@ def _dropout(layer, adapter, base):
         layer.lora_dropout[adapter] = ShardedDropout(dropout.p, 1, None, None, base.group)
 
 
+def place_whole_adapter(layer, adapter):
+    """An adapter on a base kept whole (`replicated_base`): its factors whole on every rank (the
+    same values: rank 0's), summed over the group where the base's gradient is."""
+    base = layer.get_base_layer()
+    factors = [*layer.lora_A[adapter].parameters(), *layer.lora_B[adapter].parameters()]
+    record = placement_or_none(base.weight)
+    _broadcast(factors, record.group)
+    for p in factors:
+        if placement_or_none(p) is None:
+            _whole(p, record.group, partial=record.grad_summed)
+
+
 def shard_adapter(layer, adapter):
     """Replace `adapter`'s whole factors in `layer` (a TensorParallelLoraLinear) by their sharded
     forms (module docstring), with export records for them."""
@@ -248,6 +269,9 @@ def shard_adapter(layer, adapter):
         new_a, new_b = _row_like(base, a, _map(base, 1)), b
         for p in b.parameters():
             _whole(p, group, partial=base.sequence_parallel)
+    elif replicated_base(base):  # whole like the base; each rank's heads give part of its gradient where they do
+        new_a, new_b = a, b
+        place_whole_adapter(layer, adapter)
     else:
         _refuse(type(base).__name__, "not a column / row layer tplayers knows")
     for old, new in ((a, new_a), (b, new_b)):  # trainable as peft made them (inference_mode: not)
@@ -434,7 +458,7 @@ def parallelize_peft(model, layers: dict, shard, *, group, verify, **kwargs):
             base = hf.get_submodule(rel)
         except AttributeError:
             _refuse(name, "tplayers fused it into another module; it cannot carry an adapter")
-        if not isinstance(base, SUPPORTED):
+        if not isinstance(base, SUPPORTED) and not replicated_base(base):
             _refuse(name, f"tplayers holds it as {type(base).__name__}, not a column / row layer; drop it from "
                           "target_modules")  # fmt: skip
         layer.base_layer = base

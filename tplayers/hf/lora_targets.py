@@ -19,7 +19,9 @@ from tplayers.hf.lora import (
     _set_child,
     live_records,
     lora_class,
+    place_whole_adapter,
     record_weight_maps,
+    replicated_base,
 )
 from tplayers.hf.shard import on_device
 from tplayers.hf.state_dict import EXPORTS, ORIGINAL_KEYS, TIED, export_records, refuse_own_save_pretrained
@@ -49,6 +51,10 @@ def get_peft_model(model, config, adapter_name: str = "default", **kwargs):
     cls = lora_class()
     config._register_custom_module(dict.fromkeys(SUPPORTED, cls))
     peft_model = peft.get_peft_model(model, config, adapter_name=adapter_name, **kwargs)
+    for layer in peft_model.modules():  # peft's own layer on a linear kept whole (MLA's latents): adapters whole
+        if hasattr(layer, "lora_A") and replicated_base(getattr(layer, "base_layer", None)):
+            for adapter in layer.lora_A:
+                place_whole_adapter(layer, adapter)
     hf, hf_prefix = _inner_model(peft_model)
     setattr(peft_model, EXPORTS, live_records(peft_model, hf_prefix, getattr(hf, EXPORTS)))
     setattr(peft_model, ORIGINAL_KEYS, _peft_key_order(peft_model, hf_prefix, getattr(hf, ORIGINAL_KEYS, [])))
@@ -163,7 +169,11 @@ def _peft_key_order(peft_model, hf_prefix, hf_keys) -> list[str]:
     """The keys the unsharded peft model's state dict lists, in its order: the HF model's keys,
     a wrapped module's under `base_layer`, followed by its adapters' factors (peft's order:
     every lora_A, then every lora_B)."""
-    wrapped = {n[len(hf_prefix) :]: m for n, m in peft_model.named_modules() if isinstance(m, lora_class())}
+    wrapped = {
+        n[len(hf_prefix) :]: m
+        for n, m in peft_model.named_modules()
+        if isinstance(m, lora_class()) or (hasattr(m, "lora_A") and replicated_base(getattr(m, "base_layer", None)))
+    }
     out, done = [], set()
     for key in hf_keys:
         module, _, leaf = key.rpartition(".")
