@@ -446,6 +446,8 @@ SPLIT_FAMILIES = {
     "cohere": r"stages do not compute what its forward does \(largest difference",  # logits x logit_scale
     "gemma2": r"uses sliding-window attention",
     "gpt2": r"not a decoder layout tplayers knows \(missing \['embed_tokens'",
+    "deepseek_v3": "split",  # MLA and its MoE (shared expert, group-limited routing) across stages
+    "gpt_oss": r"uses sliding-window attention", "llama4_text": r"uses sliding-window attention",  # chunked too
 }  # fmt: skip
 
 
