@@ -27,7 +27,7 @@ from torch.distributed.tensor import Shard
 from tplayers.functional.collectives import all_gather_any, own_slice
 from tplayers.hf import pieces
 from tplayers.hf.fused import ReplicatedKVProjection, codegen_rows, fused_column, multi_query_column, part_rows
-from tplayers.hf.shard import ShardingPass, copy_in, has_linears, on_device
+from tplayers.hf.shard import ShardingPass, copy_in, on_device
 from tplayers.nn.linear import RowParallelLinear
 from tplayers.nn.norm import ComputedRowsRMSNorm, ParallelRMSNorm
 from tplayers.placement import even_sizes, set_placement, shard_range
@@ -105,53 +105,6 @@ def qkvo_attention(sp: ShardingPass, name, attn):
     _held_per_head(sp, name, attn, heads, None)
     sp.shared_input.append(attn)
     sp.done.add(name)
-
-
-# Multi-head latent attention (DeepSeek-V2 / V3, Kimi K2, MiniCPM3, GLM-4-MoE-Lite, LongCat-Flash,
-# Youtu, A.X K1): children by role. The latent (down) side is shared by every head, the up side is per head.
-MLA_LATENT = ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm")
-MLA_PER_HEAD = ("q_proj", "q_b_proj", "kv_b_proj", "o_proj")
-
-
-def is_mla(module) -> bool:
-    return has_linears(module, ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj")) and (
-        has_linears(module, ("q_b_proj",)) or has_linears(module, ("q_proj",))
-    )
-
-
-def mla_attention(sp: ShardingPass, name, attn):
-    """Multi-head latent attention, split as its math splits: the query's up projection (q_b_proj,
-    or q_proj without a query latent) and kv_b_proj column-parallel by whole heads (each head's
-    [nope | rope] query rows, its [k_nope | v] rows), o_proj row-parallel by the same heads. The
-    latent side (q_a_proj, kv_a_proj_with_mqa with the decoupled RoPE key shared by all heads, and
-    their norms) is whole on every rank: each rank's heads give part of its gradient, summed over
-    the group. The KV cache holds the latents, which are whole, so generate() runs as it is.
-    A child in any other role (an output gate, a sparse-attention indexer) is refused by name."""
-    known = MLA_LATENT + MLA_PER_HEAD
-    extra = [c for c, m in attn.named_children() if c not in known and next(m.parameters(), None) is not None]
-    if extra:
-        raise ValueError(
-            f"parallelize: {name} ({type(attn).__name__}) is multi-head latent attention with "
-            f"{', '.join(f'{name}.{c}' for c in extra)}, which tplayers does not know how to split; pass a plan "
-            "for this model"
-        )
-    heads, nope, v_dim = attn.num_heads, attn.qk_nope_head_dim, attn.v_head_dim
-    query = "q_b_proj" if isinstance(getattr(attn, "q_b_proj", None), nn.Linear) else "q_proj"
-    qk_dim = getattr(attn, query).out_features // heads
-    if qk_dim * heads != getattr(attn, query).out_features or attn.kv_b_proj.out_features != heads * (nope + v_dim):
-        raise ValueError(f"parallelize: {name}'s projections do not hold {heads} heads of MLA's widths")
-    split, _, local = _local_heads(name, heads, sp)
-    sp.shared_input_column(f"{name}.{query}", getattr(attn, query), split_unit=qk_dim, split_sizes=split)
-    # the latent is computed whole on every rank: its gradient stays partial here, summed with the rest
-    # of the block's input gradient by the shared-input hook (each latent weight's gradient by its own sum)
-    sp.shared_input_column(f"{name}.kv_b_proj", attn.kv_b_proj, split_unit=nope + v_dim, split_sizes=split)
-    sp.row(f"{name}.o_proj", attn.o_proj, split_unit=v_dim, split_sizes=split)
-    for child in MLA_LATENT:
-        module = getattr(attn, child, None)
-        if isinstance(module, nn.Module):
-            sp.partial_grads.extend(module.parameters())
-    _held_per_head(sp, name, attn, heads, split)
-    _finish_attention(sp, name, attn, dict.fromkeys(HEAD_COUNTS, local))
 
 
 def head_split(name, heads, n) -> list[int]:

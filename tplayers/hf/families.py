@@ -4,8 +4,11 @@ by the class that reads it), side by side in `ADAPTERS`. The adapters themselves
 
     tplayers.hf.attention   attention layouts split by heads (q/k/v/o, fused [q; k; v], per-head
                             and grouped query_key_value, multi-query, CodeGen's blocks, ALiBi)
-    tplayers.hf.mlp         gated (-> ParallelMLP's fused SwiGLU), fused gate|up, two-layer MLPs
-    tplayers.hf.moe         experts in transformers 5's fused 3-D layout, sharded like MLPs
+    tplayers.hf.mla         multi-head latent attention (DeepSeek-V2 / V3, MiniCPM3, ...)
+    tplayers.hf.mlp         gated (-> ParallelMLP's fused SwiGLU), fused gate|up, two-layer MLPs;
+                            modules on the residual stream kept whole (Gemma 3n / 4)
+    tplayers.hf.moe         experts in transformers 5's fused 3-D layouts (and DBRX's), sharded
+                            like MLPs; routers found by what they are
 
     input embeddings: nn.Embedding -> VocabParallelEmbedding; Gemma's scaled embedding (times
         sqrt(hidden)) -> the same with its scale kept; any other nn.Embedding subclass is refused
@@ -22,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tplayers.hf import attention, mlp, moe
+from tplayers.hf import attention, mla, mlp, moe
 from tplayers.hf.shard import ShardingPass, has_conv1ds, has_linears
 from tplayers.nn.embedding import VocabParallelEmbedding
 
@@ -108,7 +111,7 @@ ADAPTERS = (
     Adapter("GPTBigCode attention", attention.named("GPTBigCodeAttention"), attention.bigcode_attention),
     Adapter("CodeGen attention", attention.named("CodeGenAttention"), attention.codegen_attention),
     Adapter("MPT attention", attention.named("MptAttention"), attention.mpt_attention),
-    Adapter("multi-head latent attention (DeepSeek-V2 / V3, MiniCPM3)", attention.is_mla, attention.mla_attention),
+    Adapter("multi-head latent attention (DeepSeek-V2 / V3, MiniCPM3)", mla.is_mla, mla.mla_attention),
     Adapter(
         "token-wise modules on the residual stream (Gemma 3n's AltUp, LAuReL; per-layer inputs)",
         mlp.holds_residual_stream_modules,
