@@ -235,13 +235,20 @@ def _dropout(layer, adapter, base):
         layer.lora_dropout[adapter] = ShardedDropout(dropout.p, 1, None, None, base.group)
 
 
-def place_whole_adapter(layer, adapter):
+def on_whole_base(layer) -> bool:
+    """A peft LoRA layer whose base tplayers keeps whole (`replicated_base`)."""
+    return hasattr(layer, "lora_A") and replicated_base(getattr(layer, "base_layer", None))
+
+
+def place_whole_adapter(layer, adapter, *, broadcast=True):
     """An adapter on a base kept whole (`replicated_base`): its factors whole on every rank (the
-    same values: rank 0's), summed over the group where the base's gradient is."""
+    same values: rank 0's, unless the caller broadcast them already), summed over the group where
+    the base's gradient is."""
     base = layer.get_base_layer()
     factors = [*layer.lora_A[adapter].parameters(), *layer.lora_B[adapter].parameters()]
     record = placement_or_none(base.weight)
-    _broadcast(factors, record.group)
+    if broadcast:
+        _broadcast(factors, record.group)
     for p in factors:
         if placement_or_none(p) is None:
             _whole(p, record.group, partial=record.grad_summed)
@@ -271,7 +278,7 @@ def shard_adapter(layer, adapter):
             _whole(p, group, partial=base.sequence_parallel)
     elif replicated_base(base):  # whole like the base; each rank's heads give part of its gradient where they do
         new_a, new_b = a, b
-        place_whole_adapter(layer, adapter)
+        place_whole_adapter(layer, adapter, broadcast=False)  # broadcast above
     else:
         _refuse(type(base).__name__, "not a column / row layer tplayers knows")
     for old, new in ((a, new_a), (b, new_b)):  # trainable as peft made them (inference_mode: not)

@@ -19,9 +19,9 @@ from tplayers.hf.lora import (
     _set_child,
     live_records,
     lora_class,
+    on_whole_base,
     place_whole_adapter,
     record_weight_maps,
-    replicated_base,
 )
 from tplayers.hf.shard import on_device
 from tplayers.hf.state_dict import EXPORTS, ORIGINAL_KEYS, TIED, export_records, refuse_own_save_pretrained
@@ -52,7 +52,7 @@ def get_peft_model(model, config, adapter_name: str = "default", **kwargs):
     config._register_custom_module(dict.fromkeys(SUPPORTED, cls))
     peft_model = peft.get_peft_model(model, config, adapter_name=adapter_name, **kwargs)
     for layer in peft_model.modules():  # peft's own layer on a linear kept whole (MLA's latents): adapters whole
-        if hasattr(layer, "lora_A") and replicated_base(getattr(layer, "base_layer", None)):
+        if on_whole_base(layer):
             for adapter in layer.lora_A:
                 place_whole_adapter(layer, adapter)
     hf, hf_prefix = _inner_model(peft_model)
@@ -170,9 +170,7 @@ def _peft_key_order(peft_model, hf_prefix, hf_keys) -> list[str]:
     a wrapped module's under `base_layer`, followed by its adapters' factors (peft's order:
     every lora_A, then every lora_B)."""
     wrapped = {
-        n[len(hf_prefix) :]: m
-        for n, m in peft_model.named_modules()
-        if isinstance(m, lora_class()) or (hasattr(m, "lora_A") and replicated_base(getattr(m, "base_layer", None)))
+        n[len(hf_prefix) :]: m for n, m in peft_model.named_modules() if isinstance(m, lora_class()) or on_whole_base(m)
     }
     out, done = [], set()
     for key in hf_keys:

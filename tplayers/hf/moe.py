@@ -257,9 +257,13 @@ def experts(sp: ShardingPass, name, module):
     sp.done.add(name)
 
 
+def is_any_experts(module) -> bool:
+    return is_experts(module) or is_dbrx_experts(module)
+
+
 def experts_child(block) -> nn.Module | None:
     """The experts module directly under `block` (an MoE block), if any."""
-    return next((m for m in block.children() if is_experts(m) or is_dbrx_experts(m)), None)
+    return next((m for m in block.children() if is_any_experts(m)), None)
 
 
 def expert_count(experts) -> int:
@@ -274,7 +278,7 @@ def routers(sp: ShardingPass, name, block):
     sequence parallelism sees this rank's tokens and has its gradient summed like a norm's."""
     n_experts = expert_count(experts_child(block))
     for child_name, child in block.named_children():
-        if is_experts(child) or is_dbrx_experts(child):
+        if is_any_experts(child):
             continue
         linears = [(k, m) for k, m in child.named_modules() if isinstance(m, nn.Linear)]
         if len(linears) != 1 or len(list(child.parameters())) != len(list(linears[0][1].parameters())):
