@@ -135,10 +135,31 @@ def _summed_grads(params, group):
     for p in params:
         if placement_or_none(p) is None:
             set_placement(p, group, Replicate(), grad_summed=True)
-            trainable = p.requires_grad  # a frozen weight (an inactive adapter) may be trained later:
-            p.requires_grad_(True)  # its hook goes on now, and stays through requires_grad_ toggles
-            p.register_hook(lambda g: _summed(g, group))
-            p.requires_grad_(trainable)
+            _sum_hook(p, group)
+
+
+_SUMMED = "_tplayers_grad_summed_hook"  # on a tensor whose gradient hook sums it over the group
+
+
+def _sum_hook(p, group):
+    trainable = p.requires_grad  # a frozen weight (an inactive adapter) may be trained later:
+    p.requires_grad_(True)  # its hook goes on now, and stays through requires_grad_ toggles
+    p.register_hook(lambda g: _summed(g, group))
+    p.requires_grad_(trainable)
+    setattr(p, _SUMMED, True)
+
+
+def _rehook_summed(module, incompatible_keys=None):
+    """A load_state_dict post-hook on the parallelized model: a tensor put in the slot of a
+    parameter whose gradient is summed (`load_state_dict(assign=True)`) gets its record back from
+    the slot (`tplayers.placement`) and its summing hook here; without it, each rank would keep
+    its own part of that gradient, silently."""
+    for p in module.parameters():
+        if getattr(p, _SUMMED, False):
+            continue
+        record = placement_or_none(p)
+        if record is not None and record.grad_summed:
+            _sum_hook(p, record.group)
 
 
 def _inside_sharded_modules(model, done, whole, group):
@@ -288,6 +309,7 @@ def _parallelize(
     for p in model.parameters():  # everything else is whole on every rank, with its whole gradient
         if placement_or_none(p) is None:
             set_placement(p, group, Replicate())
+    model.register_load_state_dict_post_hook(_rehook_summed)  # a tensor assigned in: its hook again
     setattr(model, SEQUENCE_PARALLEL, group if sequence_parallel else None)  # for pipeline_split
     setattr(model, EXPORTS, parallelizer.exports)
     setattr(model, ORIGINAL_KEYS, keys)
