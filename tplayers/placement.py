@@ -72,6 +72,10 @@ class ParamPlacement:
     # Replicated, but each TP rank computes only part of its gradient (weights that see part of
     # the sequence under SP, per-head norms): a hook sums it over `group` as it is computed.
     grad_summed: bool = False
+    # Shard(0) whose ranks' rows overlap (key / value heads the query heads of several ranks read,
+    # `tplayers.functional.shared_rows`): the local rows [a, b) this rank counts in norms, those no
+    # lower rank holds; None: every row is this rank's alone
+    counted: tuple[int, int] | None = None
     # Pipeline parallelism (tplayers.pipeline): the group of stages, each holding disjoint parameters
     pp_group: dist.ProcessGroup | None = None
     # a weight shared by two stages (tied embeddings) is counted by the first stage's norm only
@@ -123,6 +127,21 @@ def copy_into(param, value) -> None:
         raise ValueError(f"shape {tuple(value.shape)} does not give this rank's shard {tuple(param.shape)}")
     with torch.no_grad():
         param.copy_(value)
+
+
+def counted_rows(record, t):
+    """The part of `t` (a parameter, its gradient, or a state like it: TP-local, or this replica's
+    ZeRO 2-3 shard of it) that this rank counts in a norm: all of it, or for rows several ranks
+    hold (`counted`) those no lower rank holds."""
+    local = local_tensor(t)
+    if record is None or record.counted is None:
+        return local
+    a, b = record.counted
+    if isinstance(t, DTensor):  # this replica's rows [lo, hi) of the TP-local tensor (torch.chunk's split)
+        size = -(-t.shape[0] // t.device_mesh.size())
+        lo = min(t.device_mesh.get_local_rank() * size, t.shape[0])
+        a, b = min(max(a - lo, 0), local.shape[0]), min(max(b - lo, 0), local.shape[0])
+    return local[a:b]
 
 
 def local_tensor(t):

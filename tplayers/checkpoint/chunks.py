@@ -73,11 +73,15 @@ def _dp_rows(t) -> tuple[int, int]:
     return min(r * size, rows), min((r + 1) * size, rows)
 
 
-def _runs(glob: torch.Tensor):
-    """Positions of `glob` grouped into runs of consecutive values, in increasing order."""
+def _runs(glob: torch.Tensor, unit=0):
+    """Positions of `glob` grouped into runs of consecutive values, in increasing order (with
+    `unit`, a run also ends at each multiple of it: one run per shared head)."""
     order = torch.argsort(glob)
     values = glob[order]
-    breaks = (torch.nonzero(values[1:] - values[:-1] != 1).flatten() + 1).tolist()
+    ends = values[1:] - values[:-1] != 1
+    if unit:
+        ends |= values[1:] % unit == 0
+    breaks = (torch.nonzero(ends).flatten() + 1).tolist()
     bounds = [0, *breaks, values.numel()]
     return [order[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
 
@@ -102,7 +106,7 @@ def piece_chunks(piece: Piece, tensor) -> tuple[tuple[int, ...], list[Chunk]]:
         if piece.dim == 0:  # the replica's rows of the local tensor
             keep = (local >= a) & (local < b)
             local, glob = local[keep] - a, glob[keep]
-        for run in _runs(glob):
+        for run in _runs(glob, piece.unit):
             offsets = [base[0] + a if piece.dim != 0 else 0, *base[1:]]
             offsets[piece.dim] = int(glob[run[0]])
             sizes = list(source.shape)

@@ -20,7 +20,7 @@ AXES = ("tp", "dp", "pp")
 
 class ByteCount(Counter):
     """Bytes this rank sent inside a `count_bytes()` block: by op kind (the Counter's keys:
-    "all_reduce", "all_gather", "reduce_scatter", "send") and by parallelism axis (`by_axis()`)."""
+    "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send") and by parallelism axis (`by_axis()`)."""
 
     def __init__(self):
         super().__init__()
@@ -84,6 +84,16 @@ def all_reduce(t, group, *, async_op=False, axis="tp"):
         return _Done() if async_op else None
     _record("all_reduce", 2 * (n - 1) / n * _nbytes(t), axis)
     return dist.all_reduce(t, group=group, async_op=async_op)
+
+
+def all_to_all(out, t, splits, group, *, axis="tp"):
+    """Send rows `t[sum(splits[:s]) : sum(splits[:s + 1])]` to rank s of `group` and receive as
+    many rows from it into the same place of `out` (symmetric splits: ranks exchange equal
+    blocks). Counted as the bytes sent to the other ranks."""
+    r = dist.get_rank(group)
+    row = _nbytes(t) // max(t.shape[0], 1)
+    _record("all_to_all", (sum(splits) - splits[r]) * row, axis)
+    return dist.all_to_all_single(out, t, list(splits), list(splits), group=group)
 
 
 def control_device(group) -> torch.device:

@@ -2,7 +2,8 @@
 
     q/k/v_proj and o_proj / out_proj / dense (Llama, Mistral, Qwen2/3, Gemma 1-3, OLMo/OLMo2,
         Cohere, Granite, StableLM, OPT, GPT-J, Phi, ...): q, k, v column-parallel split by heads
-        (key/value heads fewer than ranks: each rank computes the one its queries use), the
+        (key/value heads fewer than ranks, or not following uneven query heads: each rank holds
+        and computes only the key/value heads its queries read, `SharedKVProjection`), the
         output projection row-parallel; OLMo2's q_norm / k_norm over the whole projection ->
         ParallelRMSNorm; per-head norms (Qwen3) replicated with their gradients summed
     GPT-2's Conv1D c_attn [q; k; v], Phi-3's qkv_proj [q; k; v], MPT's Wqkv: rank r holds
@@ -26,7 +27,14 @@ from torch.distributed.tensor import Shard
 
 from tplayers.functional.collectives import all_gather_any, own_slice
 from tplayers.hf import pieces
-from tplayers.hf.fused import ReplicatedKVProjection, codegen_rows, fused_column, multi_query_column, part_rows
+from tplayers.hf.fused import (
+    SharedKVProjection,
+    codegen_rows,
+    fused_column,
+    multi_query_column,
+    part_rows,
+    shared_rows_record,
+)
 from tplayers.hf.shard import ShardingPass, copy_in, on_device
 from tplayers.nn.linear import RowParallelLinear
 from tplayers.nn.norm import ComputedRowsRMSNorm, ParallelRMSNorm
@@ -90,7 +98,7 @@ def qkvo_attention(sp: ShardingPass, name, attn):
         sp.shared_input_column(f"{name}.v_proj", attn.v_proj)
     else:  # fewer key/value heads than ranks: each rank computes the one its query heads use
         block = torch.arange(head_dim)
-        _replicated_kv(sp, name, attn, [r // (sp.n // kv_heads) * head_dim + block for r in range(sp.n)])
+        _shared_kv(sp, name, attn, [r // (sp.n // kv_heads) * head_dim + block for r in range(sp.n)], head_dim)
         attn.num_key_value_groups = heads // sp.n  # local query heads per (one) local kv head
     sp.row(f"{name}.{out}", o_proj)
     local_kv = max(kv_heads // sp.n, 1)
@@ -133,31 +141,27 @@ def _heads_and_kv_rows(name, heads, kv_heads, head_dim, sp: ShardingPass):
     return sizes, sizes[dist.get_rank(sp.group)], rows
 
 
-def _replicated_kv(sp: ShardingPass, name, attn, rows: list[torch.Tensor]):
-    """k_proj and v_proj whole on every rank, rank r computing `rows[r]` of each (read through a
-    slice where they are contiguous: a view, where an index would copy the rows every step)."""
-    own = rows[dist.get_rank(sp.group)]
-    first = int(own[0]) if own.numel() else 0
-    if torch.equal(own, torch.arange(first, first + own.numel())):
-        own = slice(first, first + own.numel())
+def _shared_kv(sp: ShardingPass, name, attn, rows: list[torch.Tensor], head_dim):
+    """k_proj and v_proj held where they are read: rank r holds the key/value heads among
+    `rows[r]` (the rows its query heads read) and computes those rows (`SharedKVProjection`)."""
     for proj in ("k_proj", "v_proj"):
         module = getattr(attn, proj)
-        layer = on_device(ReplicatedKVProjection.from_linear(module, group=sp.group), module.weight.device)
-        layer.rows, layer.rows_of_ranks = own, rows
+        layer = on_device(SharedKVProjection(module, rows, group=sp.group, unit=head_dim), module.weight.device)
         sp.swap(f"{name}.{proj}", layer)
-        sp.record(f"{name}.{proj}", layer, None, False)
+        sp.exports.append(shared_rows_record(f"{name}.{proj}", layer))
 
 
 def _qkvo_by_whole_heads(sp: ShardingPass, name, attn, out, head_dim, heads, kv_heads):
     """Heads that do not split evenly (9 over 2: 5 and 4; 14 over 4: 4, 4, 3, 3), or key/value
     groups that do not follow the query heads: the query heads split whole (`head_split`); each
-    rank computes, for each of its query heads, the key / value head it reads (rows of the key /
-    value weights kept whole on every rank, their gradients summed over the group), so its heads
+    rank holds the key / value heads its query heads read and computes, for each query head, the
+    one it reads (`SharedKVProjection`: a head shared by several ranks has its gradient summed
+    over them), so its heads
     pair one to one (num_key_value_groups 1) even where its queries straddle two key/value groups.
     The output projection splits its input by the same heads."""
     sizes, local, rows = _heads_and_kv_rows(name, heads, kv_heads, head_dim, sp)
     sp.shared_input_column(f"{name}.q_proj", attn.q_proj, split_unit=head_dim, split_sizes=sizes)
-    _replicated_kv(sp, name, attn, rows)
+    _shared_kv(sp, name, attn, rows, head_dim)
     attn.num_key_value_groups = 1  # one key / value head computed per local query head
     sp.row(f"{name}.{out}", getattr(attn, out), split_unit=head_dim, split_sizes=sizes)
     widths = {w: local * head_dim for w in HIDDEN_WIDTHS if getattr(attn, w, None) == heads * head_dim}
@@ -230,7 +234,7 @@ def _norm_over_projection(sp: ShardingPass, name, norm, projection):
             f"parallelize: {name} ({type(norm).__name__}) spans all heads and is not an RMSNorm tplayers knows"
         )
     source = getattr(sp.model.get_submodule(name.rpartition(".")[0]), projection)
-    if isinstance(source, ReplicatedKVProjection):
+    if isinstance(source, SharedKVProjection):
         layer = on_device(
             ComputedRowsRMSNorm(norm.weight, eps, source.rows_of_ranks, group=sp.group), norm.weight.device
         )
@@ -338,8 +342,7 @@ def _fused_qkv(sp: ShardingPass, name, attn, proj, out, heads, kv_heads, head_di
         sp.row(f"{name}.{out}", getattr(attn, out))
         return heads // sp.n, kv_heads // sp.n
     split, local_heads, kv_rows = _heads_and_kv_rows(name, heads, kv_heads, head_dim, sp)
-    kv_rows = kv_rows[dist.get_rank(sp.group)]
-    rows = torch.cat([kv_rows, kv_heads * head_dim + kv_rows])  # [k; v] of the [k; v] block
+    rows = [torch.cat([r, kv_heads * head_dim + r]) for r in kv_rows]  # [k; v] of the [k; v] block
     multi_query_column(sp, f"{name}.{proj}", linear, heads * head_dim, head_dim=head_dim, kv_rows=rows, split=split)
     sp.row(f"{name}.{out}", getattr(attn, out), split_unit=head_dim, split_sizes=split)
     attn.num_key_value_groups = 1
@@ -480,7 +483,8 @@ def falcon_attention(sp: ShardingPass, name, attn):
 
 def _falcon_grouped_by_heads(sp: ShardingPass, name, attn):
     """Falcon's grouped query_key_value with fewer key/value groups than ranks: the query heads
-    split whole (`head_split`), the key / value rows whole on every rank (gradients summed), and
+    split whole (`head_split`), each rank holding the key / value rows of its heads' groups
+    (`SharedKVProjection`), and
     each rank lays out, for each of its query heads, [q, k, v] of that head's group: the model's
     own forward then reads its local heads as groups of one."""
     heads, head_dim, groups = attn.num_heads, attn.head_dim, attn.num_kv_heads
@@ -494,8 +498,11 @@ def _falcon_grouped_by_heads(sp: ShardingPass, name, attn):
     queries = [hf_rows(*divmod(h, per_group)) for h in range(heads)]
     keys_values = [hf_rows(g, per_group + i) for g in range(groups) for i in (0, 1)]  # [k0; v0; k1; v1; ...]
     order = torch.cat(queries + keys_values)
-    own_groups = torch.arange(start, start + local) // per_group
-    kv_rows = torch.cat([2 * g * head_dim + torch.arange(2 * head_dim) for g in own_groups.tolist()])
+    kv_rows = []  # every rank's [k, v] rows of its query heads' groups
+    for r in range(sp.n):
+        first, count = shard_range(heads, sp.n, r, split)
+        groups_read = (torch.arange(first, first + count) // per_group).tolist()
+        kv_rows.append(torch.cat([2 * g * head_dim + torch.arange(2 * head_dim) for g in groups_read]))
     # local output [q_0 .. q_{L-1}; k_0, v_0, k_1, v_1, ...] -> [q_0, k_0, v_0, q_1, k_1, v_1, ...]
     interleave = torch.cat(
         [

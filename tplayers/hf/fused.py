@@ -18,14 +18,15 @@ the order its local forward reads them.
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import Shard
 
-from tplayers.functional.collectives import copy_to_tp_region, own_slice
+from tplayers.functional.collectives import own_slice
 from tplayers.functional.linear import column_parallel_linear
+from tplayers.functional.shared_rows import SharedRows, share_rows
 from tplayers.hf import pieces
 from tplayers.hf.shard import ShardingPass, as_linear, copy_in, gather, is_conv1d, on_device
-from tplayers.nn.attention import ReplicatedLinear
 from tplayers.nn.linear import ColumnParallelLinear
-from tplayers.placement import shard_range
+from tplayers.placement import PlacedModule, shard_range, update_placement
 
 
 def part_rows(sizes, n, unit=1, split=None) -> list[torch.Tensor]:
@@ -112,19 +113,88 @@ def fused_column(sp: ShardingPass, name, linear, rows, *, shared_input=True):
     return layer
 
 
-class ReplicatedKVProjection(ReplicatedLinear):
-    """Key / value rows whole on every rank (placement Replicate), when the TP size exceeds the
-    key/value heads; each rank multiplies only the rows its query heads use (`rows`). The weight
-    enters through copy_to_tp_region, whose backward sums the gradient over the group: each rank
-    contributed its heads' part, so every rank ends with the whole gradient. dx, as for any
-    column layer, is summed over the group by the caller."""
+class SharedKVProjection(PlacedModule):
+    """Key / value rows that the query heads of several ranks read (more ranks than key/value
+    heads, or query heads that do not split with them). Rank r holds only the whole heads its
+    query heads read (`held`: rows of the unsharded weight), as Megatron does, and computes
+    `rows` of them in its forward's order (one head per local query head, or per local key/value
+    head). Placement Shard(0) with overlapping rows: a shared head's gradient is summed over the
+    ranks holding it (`share_rows`: one exchange per layer), and norms count it on the first of
+    them (`counted`). dx, as for any column layer, is summed over the group by the caller."""
 
-    rows: slice = slice(None)
+    _placements = {"weight": Shard(0), "bias": Shard(0)}
+
+    def __init__(self, linear: nn.Linear, rows_of_ranks: list[torch.Tensor], *, group, unit: int):
+        super().__init__()
+        self.group = group
+        self.in_features, self.out_features, self.unit = linear.in_features, linear.out_features, unit
+        self.rows_of_ranks = [torch.as_tensor(r, dtype=torch.long) for r in rows_of_ranks]
+        self.hf_rows = torch.arange(self.out_features)  # its rows' place in the HF tensor (set by its record)
+        self.plan = SharedRows([torch.unique(r) for r in self.rows_of_ranks], group)
+        self.held = self.plan.held[dist.get_rank(group)]  # the unsharded rows this rank holds
+        rows = torch.searchsorted(self.held, self.rows_of_ranks[dist.get_rank(group)])
+        first = int(rows[0]) if rows.numel() else 0
+        # read through a slice where contiguous: a view, where an index copies the rows every step
+        contiguous = torch.equal(rows, torch.arange(first, first + rows.numel()))
+        self.rows = slice(first, first + rows.numel()) if contiguous else rows
+        device = linear.weight.device
+        self.weight = nn.Parameter(linear.weight.detach()[self.held.to(device)].clone())
+        bias = linear.bias.detach()[self.held.to(device)].clone() if linear.bias is not None else None
+        self.bias = nn.Parameter(bias) if bias is not None else None
+        self._keep_placements()
+
+    def _tag_parameters(self, *_):
+        for p in (self.weight, self.bias):
+            if p is not None:
+                update_placement(p, counted=self.plan.counted)
+        super()._tag_parameters()
 
     def forward(self, x):
-        weight = copy_to_tp_region(self.weight, self.group)[self.rows]
-        bias = copy_to_tp_region(self.bias, self.group)[self.rows] if self.bias is not None else None
-        return column_parallel_linear(x, weight, bias, self.group, reduce_input_grad=False)
+        weight, bias = share_rows(self.weight, self.bias, self.plan)
+        rows = self.rows if isinstance(self.rows, slice) else self.rows.to(weight.device)
+        bias = bias[rows] if bias is not None else None
+        return column_parallel_linear(x, weight[rows], bias, self.group, reduce_input_grad=False)
+
+    def extra_repr(self):
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, holds {self.held.numel()} rows "
+            f"in heads of {self.unit}, bias={self.bias is not None}"
+        )
+
+
+def shared_rows_record(name, layer: SharedKVProjection, transpose=False, *, at=None, total=None):
+    """(name, export, load, layout) of a `SharedKVProjection` whose rows are rows `at` (default:
+    the same) of an HF tensor of `total` rows: each rank exports and loads the heads it holds;
+    its checkpoint pieces are one per head, so ranks sharing a head name the same chunk (written
+    once)."""
+    keys = ("weight", "bias") if layer.bias is not None else ("weight",)
+    at = torch.arange(layer.out_features) if at is None else at
+    total = layer.out_features if total is None else total
+    glob = at[layer.held]  # the HF rows this rank holds
+    layer.hf_rows = at
+
+    def export(pick, group):
+        out = {}
+        for key in keys:
+            t = gather(pick(getattr(layer, key)), 0, group)
+            if t is not None:
+                full = t.new_zeros((total, *t.shape[1:]))
+                full[at[torch.cat(layer.plan.held)].to(t.device)] = t
+                out[key] = _stored(full, key, transpose)
+        return out
+
+    def load(full_tensors):
+        for key in keys:
+            t = _stored(full_tensors[key], key, transpose)
+            copy_in(getattr(layer, key), t[glob.to(t.device)])
+
+    def layout():
+        return [
+            pieces.rows(key, getattr(layer, key), glob, total, transpose and key == "weight", unit=layer.unit)
+            for key in keys
+        ]
+
+    return name, export, load, layout
 
 
 class MultiQueryProjection(nn.Module):
@@ -133,7 +203,7 @@ class MultiQueryProjection(nn.Module):
     forward expects: [q_r; k; v]. The input is prepared once for the attention (its gradient
     summed, or the sequence gathered) by the hook parallelize puts before it."""
 
-    def __init__(self, query: ColumnParallelLinear, key_value: ReplicatedKVProjection, interleave=None):
+    def __init__(self, query: ColumnParallelLinear, key_value: SharedKVProjection, interleave=None):
         super().__init__()
         self.query, self.key_value = query, key_value
         # the output columns in the order the model's forward reads them (None: [q_r; k; v] as is)
@@ -159,10 +229,11 @@ def multi_query_column(
 ):  # fmt: skip
     """Shard a multi-query [q; k; v] projection whose first `query_rows` rows are the queries: the
     queries split in whole heads of `head_dim` rows (`split`: every rank's heads; default as
-    torch.chunk splits them), the key / value rows whole on every rank, each rank computing
-    `kv_rows` of them (default: all). `order`: the HF rows in that [queries; keys / values] order,
-    where the HF layout interleaves them (Falcon's groups); `interleave`: the local output columns
-    in the order the model's forward reads them."""
+    torch.chunk splits them); of the key / value rows each rank holds and computes `kv_rows[r]`
+    (every rank's rows of that block; default: all of them on every rank), shared heads summed
+    over the ranks holding them (`SharedKVProjection`). `order`: the HF rows in that
+    [queries; keys / values] order, where the HF layout interleaves them (Falcon's groups);
+    `interleave`: the local output columns in the order the model's forward reads them."""
     full = as_linear(linear, name)
     device = linear.weight.device
     w, b = full.weight.detach(), (full.bias.detach() if full.bias is not None else None)
@@ -173,25 +244,28 @@ def multi_query_column(
         split_unit=head_dim, split_sizes=split,
     )  # fmt: skip
     query = on_device(query, device)
-    key_value = ReplicatedKVProjection.from_linear(
-        _linear_of(w[query_rows:], None if b is None else b[query_rows:]), group=sp.group
+    every = [torch.arange(w.shape[0] - query_rows)] * sp.n if kv_rows is None else kv_rows
+    key_value = SharedKVProjection(
+        _linear_of(w[query_rows:], None if b is None else b[query_rows:]), every, group=sp.group, unit=head_dim
     )
     key_value = on_device(key_value, device)
-    if kv_rows is not None:
-        key_value.rows = kv_rows
     sp.swap(name, on_device(MultiQueryProjection(query, key_value, interleave), device))
     transpose = is_conv1d(linear)
     keys = ("weight", "bias") if b is not None else ("weight",)
+    total = w.shape[0]  # not `w` in the closure: it is the unsharded weight
+    key_value.hf_rows = order[query_rows:]
+    held_rows = order[query_rows + key_value.held]  # the HF rows of the keys / values this rank holds
+    all_held = order[query_rows + torch.cat(key_value.plan.held)]
 
     def export(pick, group):
         out = {}
         for key in keys:
             q = gather(pick(getattr(query, key)), 0, group)
-            kv = pick(getattr(key_value, key))
+            kv = gather(pick(getattr(key_value, key)), 0, group)
             if q is not None and kv is not None:
-                ordered = torch.cat([q, kv], 0)
-                hf = torch.empty_like(ordered)
-                hf[order.to(hf.device)] = ordered
+                hf = q.new_empty((total, *q.shape[1:]))
+                hf[order[:query_rows].to(hf.device)] = q
+                hf[all_held.to(hf.device)] = kv
                 out[key] = _stored(hf, key, transpose)
         return out
 
@@ -200,9 +274,7 @@ def multi_query_column(
             t = _stored(full_tensors[key], key, transpose)
             t = t[order.to(t.device)]
             copy_in(getattr(query, key), own_slice(t[:query_rows], 0, sp.group, head_dim, query.split_sizes))
-            copy_in(getattr(key_value, key), t[query_rows:])
-
-    total = w.shape[0]  # not `w` in the closure: it is the unsharded weight
+            copy_in(getattr(key_value, key), t[query_rows:][key_value.held.to(t.device)])
 
     def layout():
         out = []
@@ -212,8 +284,7 @@ def multi_query_column(
             rank = dist.get_rank(sp.group)
             start, size = (head_dim * v for v in shard_range(query_rows // head_dim, sp.n, rank, query.split_sizes))
             out.append(pieces.Piece(key, q, 0, torch.arange(size), order[start : start + size], total, t))
-            kv_rows = torch.arange(kv.shape[0])
-            out.append(pieces.Piece(key, kv, 0, kv_rows, order[query_rows + kv_rows], total, t))
+            out.append(pieces.rows(key, kv, held_rows, total, t, unit=head_dim))
         return out
 
     sp.exports.append((name, export, load, layout))

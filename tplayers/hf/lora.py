@@ -23,8 +23,9 @@ computes exactly the unsharded adapter's contribution to this rank's part of the
         lora_A  a RowParallelLinear (in -> r) holding the base's columns of A: its (tokens x r)
                 output all-reduced (reduce-scattered along the sequence under SP)
         lora_B  whole (out, r), replicated; under SP its gradient (this rank's tokens) summed
-    key / value rows whole on every rank (`ReplicatedKVProjection`, more ranks than kv heads)
-        lora_A  whole, its gradient summed; lora_B whole, the same rows read, its gradient summed
+    key / value heads held where read (`SharedKVProjection`: more ranks than kv heads, uneven heads)
+        lora_A  whole, its gradient summed; lora_B holds the base's rows (a SharedKVProjection),
+                each shared head's gradient summed over the ranks holding it
 
 The extra collectives are (tokens x r) or (r x in) wide: r / in of the base's. Each factor's
 initial values are broadcast from the group's first rank before slicing (peft draws lora_A at
@@ -48,7 +49,7 @@ from torch.distributed.tensor import Replicate
 
 from tplayers.functional.collectives import all_gather_any
 from tplayers.hf import pieces
-from tplayers.hf.fused import MultiQueryProjection, ReplicatedKVProjection
+from tplayers.hf.fused import MultiQueryProjection, SharedKVProjection
 from tplayers.hf.same_inputs import check_same_inputs
 from tplayers.hf.shard import copy_in, on_device
 from tplayers.hf.state_dict import EXPORTS, ORIGINAL_KEYS, TIED
@@ -57,9 +58,9 @@ from tplayers.placement import placement_or_none, seal, set_placement
 
 WEIGHT_MAP = "_tplayers_weight_map"  # on a swapped layer: (dim, the HF rows / columns it holds)
 SIMPLE_INITS = (True, False, "gaussian")  # the ones that do not read the base weight
-# the tplayers layers an adapter can sit on (ReplicatedKVProjection before RowParallelLinear
+# the tplayers layers an adapter can sit on (SharedKVProjection before RowParallelLinear
 # does not matter: neither subclasses the other)
-SUPPORTED = (ColumnParallelLinear, RowParallelLinear, ReplicatedKVProjection, MultiQueryProjection)
+SUPPORTED = (ColumnParallelLinear, RowParallelLinear, SharedKVProjection, MultiQueryProjection)
 
 
 def lora_layers(model) -> dict[str, nn.Module]:
@@ -162,18 +163,15 @@ def _row_like(base: RowParallelLinear, a: nn.Linear, columns) -> RowParallelLine
     return on_device(layer, a.weight.device)
 
 
-def _replicated_like(base: ReplicatedKVProjection, b: nn.Linear) -> ReplicatedKVProjection:
-    """B's rows of the HF weight `base` holds whole (all, or the key / value block of a
-    multi-query [q; k; v]), the same rows of them computed."""
-    recorded = getattr(base, WEIGHT_MAP, None)
-    rows = slice(None) if recorded is None else recorded[1].to(b.weight.device)
+def _shared_like(base: SharedKVProjection, b: nn.Linear) -> SharedKVProjection:
+    """B's rows of the key / value block `base` holds part of (all of B, or the key / value block
+    of a multi-query [q; k; v]), held and computed as `base` holds and computes them."""
+    rows = base.hf_rows.to(b.weight.device)
     whole = nn.Linear(b.in_features, base.out_features, bias=b.bias is not None, device="meta")
     whole.weight = nn.Parameter(b.weight.detach()[rows].clone())
     if b.bias is not None:
         whole.bias = nn.Parameter(b.bias.detach()[rows].clone())
-    layer = on_device(ReplicatedKVProjection.from_linear(whole, group=base.group), b.weight.device)
-    layer.rows, layer.rows_of_ranks = base.rows, getattr(base, "rows_of_ranks", None)
-    return layer
+    return on_device(SharedKVProjection(whole, base.rows_of_ranks, group=base.group, unit=base.unit), b.weight.device)
 
 
 def replicated_base(base) -> bool:
@@ -264,10 +262,10 @@ def shard_adapter(layer, adapter):
     _broadcast([*a.parameters(), *b.parameters()], group)
     if isinstance(base, MultiQueryProjection):  # [q_r; k; v]: B's query rows split, its kv rows whole
         query = _column_like(base.query, b, _map(base.query, 0))
-        new_a, new_b = a, MultiQueryProjection(query, _replicated_like(base.key_value, b), base.interleave)
+        new_a, new_b = a, MultiQueryProjection(query, _shared_like(base.key_value, b), base.interleave)
         _whole(a.weight, group, partial=True)
-    elif isinstance(base, ReplicatedKVProjection):
-        new_a, new_b = a, _replicated_like(base, b)
+    elif isinstance(base, SharedKVProjection):
+        new_a, new_b = a, _shared_like(base, b)
         _whole(a.weight, group, partial=True)
     elif isinstance(base, ColumnParallelLinear):
         new_a, new_b = a, _column_like(base, b, _map(base, 0))
@@ -354,7 +352,10 @@ def _factor_record(prefix, parts, total, group):
     def layout():
         return [
             pieces.whole(key, getattr(m, key)) if dim_of(key, dim) is None
-            else pieces.Piece(key, getattr(m, key), dim_of(key, dim), torch.arange(index.numel()), index, total)
+            else pieces.Piece(
+                key, getattr(m, key), dim_of(key, dim), torch.arange(index.numel()), index, total,
+                unit=m.unit if isinstance(m, SharedKVProjection) else 0,
+            )
             for key in keys for m, dim, index, _ in parts
         ]  # fmt: skip
 
@@ -374,9 +375,10 @@ def adapter_records(name, layer) -> list:
             a_parts = [(a, 1, _map(base, 1), True)]
         elif isinstance(base, ColumnParallelLinear):
             b_parts = [(b, 0, _map(base, 0), True)]
+        elif isinstance(base, SharedKVProjection):
+            b_parts = [(b, 0, _map(base, 0), True)]
         elif isinstance(base, MultiQueryProjection):
-            kv = getattr(base.key_value, WEIGHT_MAP)[1]
-            b_parts = [(b.query, 0, _map(base.query, 0), True), (b.key_value, 0, kv, False)]
+            b_parts = [(b.query, 0, _map(base.query, 0), True), (b.key_value, 0, _map(base.key_value, 0), True)]
         out.append(_factor_record(f"{name}.lora_A.{adapter}", a_parts, n_in, group))
         out.append(_factor_record(f"{name}.lora_B.{adapter}", b_parts, n_out, group))
     return out

@@ -32,6 +32,9 @@ class Piece:
     # the other dims (a block: dim None, the whole local tensor at `offset`)
     shape: tuple[int, ...] | None = None
     offset: tuple[int, ...] | None = None
+    # rows several ranks hold (shared key / value heads): chunks never span two blocks of `unit`
+    # global indices, so the ranks sharing a head name the same chunk, which is written once
+    unit: int = 0
 
 
 def block(key, param, shape, offset, dim=None, local=None, glob=None) -> Piece:
@@ -63,9 +66,10 @@ def split(key, param, dim, group, transpose=False, total=None, unit=1, sizes=Non
     return Piece(key, param, dim, torch.arange(size), torch.arange(start, start + size), total, transpose)
 
 
-def rows(key, param, own: torch.Tensor, total: int, transpose=False) -> Piece:
-    """A row map: local row i is row own[i] of the HF tensor's `total`."""
-    return Piece(key, param, 0, torch.arange(own.numel()), own, total, transpose)
+def rows(key, param, own: torch.Tensor, total: int, transpose=False, unit=0) -> Piece:
+    """A row map: local row i is row own[i] of the HF tensor's `total` (`unit`: rows other ranks
+    hold too, in blocks of that many: see `Piece.unit`)."""
+    return Piece(key, param, 0, torch.arange(own.numel()), own, total, transpose, unit=unit)
 
 
 def halves(key, param, dim, group, total, transpose=False, unit=1, sizes=None) -> list[Piece]:

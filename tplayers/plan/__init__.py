@@ -70,9 +70,11 @@ Parallel layout conventions
   over all r x c). Priced as tplayers runs it whatever `Assumptions.implementation` says
   (Megatron has no grid), the attention core repeated on the c ranks of a row; sequence
   parallelism on a grid splits the sequence over tp_r (the residual stream T / r x H / c).
-* Key / value heads: TP needs `kv_heads % tp == 0` (heads split) or `tp % kv_heads == 0`
-  (each kv head replicated on tp / kv_heads ranks, k / v weights held whole on every rank,
-  their gradients all-reduced over TP), exactly what `tplayers.ParallelAttention` accepts.
+* Key / value heads: split with the query heads where both divide; otherwise each rank holds
+  the key/value heads its whole query heads read (`specs.kv_heads_read`, as `tplayers.hf`'s
+  SharedKVProjection holds them), and the gradients of the heads several ranks share are summed
+  over those ranks in backward (`specs.kv_rows_exchanged`: the shared rows sent to each sharer,
+  or one all-reduce where every rank holds the same single head).
 
 What is left out (see each function): the optimizer's temporary buffers, NCCL / CUDA context
 memory (covered by `Assumptions.hbm_reserve_fraction`), allocator fragmentation, the

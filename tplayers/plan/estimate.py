@@ -44,7 +44,7 @@ from tplayers.plan.specs import (
     GiB,
     ModelSpec,
     Precision,
-    _kv_sharded,
+    kv_rows_exchanged,
     _layer_params,
     _norm_params,
     ceil_share,
@@ -322,8 +322,9 @@ def _stage_flops_per_microbatch(ctx: _Context, stage: int) -> float:
 
 def _stage_tp_bytes_per_microbatch(ctx: _Context, stage: int) -> float:
     """TP bytes per GPU per micro-batch: the layers' collectives (`tp_bytes_per_layer`), plus,
-    when tp > kv_heads, the all-reduce of the replicated k / v weights' (and biases') gradients
-    in each backward (as `tplayers.ParallelAttention` does); under sequence parallelism the
+    where key/value heads are shared by several ranks, the exchange of their gradients in each
+    backward (`kv_rows_exchanged`: all-to-all with the ranks sharing them, or an all-reduce where
+    all hold the same one); under sequence parallelism the
     all-reduce of the gradients of the replicated weights that saw a sequence slice (the two
     norms; Megatron also its row-parallel biases); the vocab-parallel embedding's forward
     all-reduce (stage 0); the LM head's backward all-reduce and the cross-entropy's three
@@ -341,9 +342,10 @@ def _stage_tp_bytes_per_microbatch(ctx: _Context, stage: int) -> float:
     tplayers = ctx.assumptions.implementation == "tplayers"
     per_layer = tp_bytes_per_layer(model, mb, tp, layout.recompute, d)
     grad_bytes = ctx.precision.param_bytes
-    if not _kv_sharded(model, tp):
-        kv_params = 2 * model.kv_dim * (model.hidden + (1 if model.linear_bias else 0))
-        per_layer += all_reduce_bytes(kv_params * grad_bytes, tp)
+    rows, same = kv_rows_exchanged(model, tp)
+    if rows:  # the shared key/value heads' gradients, k and v: all-reduced, or exchanged with each sharer
+        kv_bytes = 2 * rows * (model.hidden + (1 if model.linear_bias else 0)) * grad_bytes
+        per_layer += all_reduce_bytes(kv_bytes, tp) if same else kv_bytes
     if layout.sequence_parallel:
         seq_sliced = 2 * _norm_params(model) + (2 * model.hidden if model.linear_bias and not tplayers else 0)
         per_layer += all_reduce_bytes(seq_sliced * grad_bytes, tp)

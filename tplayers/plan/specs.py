@@ -338,7 +338,7 @@ class LocalDims:
 
     heads: int  # query heads
     q: int  # query rows (heads * head_dim); o's columns alike
-    kv: int  # key (or value) rows held: its share when the kv heads split with the queries, else all
+    kv: int  # key (or value) rows held: its share when the kv heads split with the queries, else the heads read
     kv_heads_computed: int  # key/value heads computed per token (activations)
     ffn: int  # ffn columns
 
@@ -348,10 +348,34 @@ def local_dims(model: ModelSpec, tp: int, rank: int = 0) -> LocalDims:
     if _kv_sharded(model, tp):
         kv, computed = model.kv_dim // tp, model.kv_heads // tp
     elif model.heads % tp == 0 and tp % model.kv_heads == 0:
-        kv, computed = model.kv_dim, 1  # the one kv head its queries read
-    else:  # whole heads per rank: one kv head computed per local query head
-        kv, computed = model.kv_dim, heads
+        kv, computed = model.head_dim, 1  # the one kv head its queries read, held here
+    else:  # whole heads per rank: one kv head computed per local query head, those read held
+        first, last = kv_heads_read(model, tp, rank)
+        kv, computed = (last - first) * model.head_dim, heads
     return LocalDims(heads, heads * model.head_dim, kv, computed, ceil_share(model.ffn_hidden, tp, rank))
+
+
+def kv_heads_read(model: ModelSpec, tp: int, rank: int) -> tuple[int, int]:
+    """The key/value heads [first, last) that TP rank `rank`'s query heads read (whole query heads
+    split as evenly as they go, `head_share`): what it holds of k / v when they are not split
+    with the queries (`tplayers.hf`'s SharedKVProjection)."""
+    start = sum(head_share(model.heads, tp, r) for r in range(rank))
+    heads, per_group = head_share(model.heads, tp, rank), model.heads // model.kv_heads
+    return (start // per_group, -(-(start + heads) // per_group)) if heads else (0, 0)
+
+
+def kv_rows_exchanged(model: ModelSpec, tp: int, rank: int = 0) -> tuple[int, bool]:
+    """(key/value heads' rows that TP rank `rank` shares with the other ranks, summed over them;
+    whether every rank holds the same heads). Their gradients are summed over the ranks holding
+    them in backward: one all-to-all of those rows per projection, or an all-reduce where every
+    rank holds the same heads (one key/value head)."""
+    if _kv_sharded(model, tp):
+        return 0, False
+    held = [range(*kv_heads_read(model, tp, r)) for r in range(tp)]
+    if all(h == held[0] for h in held):
+        return len(held[0]) * model.head_dim, True
+    mine = set(held[rank])
+    return sum(len(mine & set(h)) for r, h in enumerate(held) if r != rank) * model.head_dim, False
 
 
 def tp_imbalance(model: ModelSpec, tp: int) -> float:
@@ -365,8 +389,8 @@ def _layer_params(model: ModelSpec, tp: int = 1, rank: int = 0) -> float:
     whole layer).
 
     Attention: q and o are h x (heads*head_dim) each, k and v h x (kv_heads*head_dim) each,
-    column-parallel (q, k, v) / row-parallel (o), k / v whole when kv heads are not split with the
-    queries (`local_dims`). MLP: 3 h x ffn matrices gated (gate, up, down), 2 non-gated. Biases:
+    column-parallel (q, k, v) / row-parallel (o), of k / v the heads its queries read when kv heads
+    are not split with the queries (`local_dims`). MLP: 3 h x ffn matrices gated (gate, up, down), 2 non-gated. Biases:
     the column-parallel ones are sharded, the row-parallel ones (o, down) replicated. Two norms,
     replicated.
     """

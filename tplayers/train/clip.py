@@ -9,6 +9,8 @@ by the same factor on every rank. Each parameter is counted once by construction
 - a replicated gradient (placement `Replicate()`, or a parameter tplayers does not manage) is
   whole and identical on every rank of its group, so it is counted locally, once, and never
   reduced (reducing it is the classic bug that inflates the norm by up to the TP size);
+- rows several ranks of G hold (`counted`: key / value heads the query heads of several ranks
+  read) are counted by the first rank holding them, and summed over G like a shard;
 - a parameter passed twice (tied / shared weights: the same Parameter object) counts once;
 - under ZeRO 2-3 (`tplayers.data_parallel`) each replica holds a disjoint shard of every
   gradient (a DTensor over the data-parallel group): its local part is summed over the
@@ -25,7 +27,7 @@ import torch.distributed as dist
 
 from tplayers.distributed import resolve_group
 from tplayers.functional import comm
-from tplayers.placement import get_placement, local_tensor, ranks_of, recorded_groups, refuse_overlap
+from tplayers.placement import counted_rows, get_placement, local_tensor, ranks_of, recorded_groups, refuse_overlap
 
 _EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
 _OVERLAP = (
@@ -53,6 +55,9 @@ def _local_norms(grads: list, norm_type: float, foreach: bool | None, known=None
     if not grads:
         return []
     norms: list = [known(g) if known is not None else None for g in grads]
+    for i, g in enumerate(grads):  # nothing held or counted here (no identity for the inf-norm of none)
+        if norms[i] is None and g.numel() == 0:
+            norms[i] = torch.zeros((), dtype=_norm_dtype(g.dtype), device=g.device)
     by_key: dict = {}
     for i, g in enumerate(grads):
         if norms[i] is None:
@@ -141,7 +146,8 @@ def clip_grad_norm_(
         refuse_overlap(every, extra, "clip_grad_norm_", ("tp", "dp"), _OVERLAP)
     is_max = math.isinf(norm_type)
 
-    grads = [local_tensor(p.grad) for p in params if p.grad is not None]
+    # rows several ranks hold (shared key / value heads) are counted by the first of them only
+    grads = [counted_rows(get_placement(p), p.grad) for p in params if p.grad is not None]
     norms = _local_norms(grads, norm_type, foreach, _known_norms)
     if grads:
         device = grads[0].device
