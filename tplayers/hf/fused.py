@@ -86,30 +86,7 @@ def fused_column(sp: ShardingPass, name, linear, rows, *, shared_input=True):
     kwargs["split_sizes"] = [len(r) for r in rows]  # what the map gives each rank, however uneven
     layer = on_device(ColumnParallelLinear.from_linear(fused, group=sp.group, **kwargs), linear.weight.device)
     sp.swap(name, layer)
-    keys = ("weight", "bias") if layer.bias is not None else ("weight",)
-    own = rows[dist.get_rank(sp.group)]
-
-    def export(pick, group):
-        out = {}
-        for key in keys:
-            t = gather(pick(getattr(layer, key)), 0, group)
-            if t is not None:
-                unfused = torch.empty_like(t)
-                unfused[order.to(t.device)] = t
-                out[key] = _stored(unfused, key, transpose)
-        return out
-
-    def load(full_tensors):
-        for key in keys:
-            t = _stored(full_tensors[key], key, transpose)
-            copy_in(getattr(layer, key), t[own.to(t.device)])
-
-    total = full.out_features  # not `full` in the closure: it holds the unsharded weight
-
-    def layout():
-        return [pieces.rows(key, getattr(layer, key), own, total, transpose and key == "weight") for key in keys]
-
-    sp.exports.append((name, export, load, layout))
+    sp.exports.append(row_map_record(name, layer, rows, full.out_features, transpose))
     return layer
 
 
@@ -167,11 +144,18 @@ def shared_rows_record(name, layer: SharedKVProjection, transpose=False, *, at=N
     the same) of an HF tensor of `total` rows: each rank exports and loads the heads it holds;
     its checkpoint pieces are one per head, so ranks sharing a head name the same chunk (written
     once)."""
-    keys = ("weight", "bias") if layer.bias is not None else ("weight",)
     at = torch.arange(layer.out_features) if at is None else at
-    total = layer.out_features if total is None else total
-    glob = at[layer.held]  # the HF rows this rank holds
     layer.hf_rows = at
+    rows = [at[held] for held in layer.plan.held]  # the HF rows each rank holds
+    return row_map_record(name, layer, rows, layer.out_features if total is None else total, transpose, layer.unit)
+
+
+def row_map_record(name, layer, rows, total, transpose=False, unit=0):
+    """(name, export, load, layout) of a layer whose rank r holds rows `rows[r]` of an HF tensor
+    of `total` rows (Conv1D's weight stored transposed: `transpose`), each covered once (a fused
+    projection) or, with `unit`, also by other ranks in blocks of that many (shared heads)."""
+    keys = ("weight", "bias") if layer.bias is not None else ("weight",)
+    order, own = torch.cat(rows), rows[dist.get_rank(layer.group)]
 
     def export(pick, group):
         out = {}
@@ -179,20 +163,17 @@ def shared_rows_record(name, layer: SharedKVProjection, transpose=False, *, at=N
             t = gather(pick(getattr(layer, key)), 0, group)
             if t is not None:
                 full = t.new_zeros((total, *t.shape[1:]))
-                full[at[torch.cat(layer.plan.held)].to(t.device)] = t
+                full[order.to(t.device)] = t
                 out[key] = _stored(full, key, transpose)
         return out
 
     def load(full_tensors):
         for key in keys:
             t = _stored(full_tensors[key], key, transpose)
-            copy_in(getattr(layer, key), t[glob.to(t.device)])
+            copy_in(getattr(layer, key), t[own.to(t.device)])
 
     def layout():
-        return [
-            pieces.rows(key, getattr(layer, key), glob, total, transpose and key == "weight", unit=layer.unit)
-            for key in keys
-        ]
+        return [pieces.rows(key, getattr(layer, key), own, total, transpose and key == "weight", unit) for key in keys]
 
     return name, export, load, layout
 

@@ -44,10 +44,10 @@ from tplayers.plan.specs import (
     GiB,
     ModelSpec,
     Precision,
-    kv_rows_exchanged,
     _layer_params,
     _norm_params,
     ceil_share,
+    kv_rows_exchanged,
     padded_vocab,
     tp_imbalance,
 )
