@@ -116,11 +116,14 @@ def _held(run):
     return sorted(model_pieces(run.model))
 
 
-SAVED_AT = {"tp2-dp2-zero3": dict(tp=2, dp=2, zero=3), "pp2": dict(pp=2), "tp2-dp2-zero1": dict(tp=2, dp=2, zero=1)}
+# tp4: 2 key/value heads over 4 ranks, each held by the two ranks that read it (their AdamW state too)
+SAVED_AT = {"tp2-dp2-zero3": dict(tp=2, dp=2, zero=3), "pp2": dict(pp=2), "tp2-dp2-zero1": dict(tp=2, dp=2, zero=1),
+            "tp4": dict(tp=4)}  # fmt: skip
 LOADED_AT = {
     "tp2-dp2-zero3": ["tp4", "tp1", "pp2-tp2-sp", "tp2-dp2-zero1"],
     "pp2": ["tp1", "tp2-dp2-zero2"],
     "tp2-dp2-zero1": ["tp2-dp2-zero3"],  # ZeRO-1: each replica wrote the optimizer state it owns
+    "tp4": ["tp2-dp2-zero3", "tp1"],
 }
 LAYOUTS = {"tp4": dict(tp=4), "tp1": dict(), "pp2-tp2-sp": dict(pp=2, tp=2, sp=True),
            "tp2-dp2-zero2": dict(tp=2, dp=2, zero=2), "tp2-dp2-zero1": dict(tp=2, dp=2, zero=1),
