@@ -295,14 +295,15 @@ def test_tp_bytes_per_layer():
 
 
 def test_tp_bytes_of_a_stage_by_hand():
-    """tp = 4 > 2 kv heads: per layer 4 all-reduces of s*b*h plus the replicated k / v weights'
-    gradient all-reduce; the embedding's forward and LM head's backward all-reduce, and the
-    cross-entropy's 3 all-reduces of s*b fp32 values."""
+    """tp = 4 > 2 kv heads: per layer 4 all-reduces of s*b*h plus, for k and v, the gradient of the
+    one key/value head (8 rows of h) each rank holds sent to the one other rank holding it; the
+    embedding's forward and LM head's backward all-reduce, and the cross-entropy's 3 all-reduces
+    of s*b fp32 values."""
     est = estimate(tiny_gqa(), ClusterSpec.preset("h100", num_gpus=4), Layout(tp=4))
     ar = 2 * 3 / 4  # ring all-reduce factor for 4 ranks
     sbh = 16 * 64 * 2
-    kv_grads = 2 * 64 * 16 * 2
-    expected = 2 * (4 * ar * sbh + ar * kv_grads) + 2 * ar * sbh + 3 * ar * 16 * 4
+    kv_grads = 2 * 8 * 64 * 2
+    expected = 2 * (4 * ar * sbh + kv_grads) + 2 * ar * sbh + 3 * ar * 16 * 4
     assert est.comm_bytes_by_group["tp"] == pytest.approx(expected)
     assert est.comm_bytes == {"intra_node": pytest.approx(expected), "inter_node": 0.0}
 
@@ -751,8 +752,8 @@ def test_first_stage_keeps_embedding_masks_of_the_micro_batches_in_flight(m, hel
 
 def test_uneven_splits_are_priced_at_the_most_loaded_rank():
     """28 heads / 4 kv heads, ffn 18944, vocabulary 152064 (Qwen2-7B) at TP 8: no refusal; rank 0
-    holds ceil shares (4 heads, 2368 ffn columns, 19008 rows) and the whole k / v (the kv heads do
-    not split with the queries), its FLOPs set the time, and the report names the imbalance."""
+    holds ceil shares (4 heads, 2368 ffn columns, 19008 rows) and of k / v the one head its queries
+    read (rank 3's heads 12-15 read two), its FLOPs set the time, and the report names the imbalance."""
     from tplayers.plan.estimate import model_state_bytes_per_rank
     from tplayers.plan.specs import _layer_params, local_dims
 
@@ -762,7 +763,8 @@ def test_uneven_splits_are_priced_at_the_most_loaded_rank():
     est = estimate(model, cluster, Layout(tp=8), assumptions=tplayers_edges)
     assert [local_dims(model, 8, r).heads for r in range(8)] == [4, 4, 4, 4, 3, 3, 3, 3]
     first, last = local_dims(model, 8, 0), local_dims(model, 8, 7)
-    assert (first.ffn, last.ffn, first.kv, first.kv_heads_computed) == (2368, 2368, 4 * 128, 4)
+    assert (first.ffn, last.ffn, first.kv, first.kv_heads_computed) == (2368, 2368, 128, 4)
+    assert local_dims(model, 8, 3).kv == 2 * 128
     per_rank = [model_state_bytes_per_rank(model, Layout(tp=8), assumptions=tplayers_edges, tp_rank=r)[0][0]
                 for r in range(8)]  # fmt: skip
     assert est.memory.params == per_rank[0] == max(per_rank) > per_rank[7]
