@@ -155,7 +155,7 @@ class _Context:
     layout: Layout
     precision: Precision
     assumptions: Assumptions
-    tp_rank: int = 0  # whose share of uneven splits: 0, the most loaded, unless asked per rank
+    tp_rank: int = 0  # whose share of uneven splits: the most loaded (`_most_loaded_rank`), unless asked per rank
 
     @property
     def vocab(self) -> int:
@@ -276,7 +276,7 @@ def model_state_bytes_per_rank(
     tp_rank: int = 0,
 ) -> list[tuple]:  # fmt: skip
     """(params, grads, optimizer) bytes of each data-parallel replica of pipeline `stage` on TP rank
-    `tp_rank` (0: the most loaded where splits are uneven), tensor by tensor
+    `tp_rank` (0 by default; `estimate` prices the most loaded), tensor by tensor
     (`zero_state_bytes_per_rank`); needs the model's dimensions."""
     ctx = _Context(model, None, layout, _resolve_precision(precision), assumptions or Assumptions(), tp_rank)
     return zero_state_bytes_per_rank(
@@ -487,6 +487,15 @@ def estimate(
     return est
 
 
+def _most_loaded_rank(model: ModelSpec, layout: Layout) -> int:
+    """The TP rank holding the most of a layer (the first of them): rank 0 for ceil shares, another
+    where its query heads read more key/value heads (28 heads / 4 over 8: rank 1's read two)."""
+    if layout.tp_grid or not model.has_dims or layout.tp == 1:
+        return 0
+    per_rank = [_layer_params(model, layout.tp, r) for r in range(layout.tp)]
+    return per_rank.index(max(per_rank))
+
+
 def _estimate(model, cluster, layout, precision, assumptions) -> Estimate:
     """`estimate`, returning an invalid layout as `valid=False` with its reasons (for `search`)."""
     precision = _resolve_precision(precision)
@@ -496,7 +505,7 @@ def _estimate(model, cluster, layout, precision, assumptions) -> Estimate:
     invalid = validate_layout(model, cluster, layout)
     if invalid:
         return Estimate(**base, reasons=tuple(invalid), valid=False)
-    ctx = _Context(model, cluster, layout, precision, assumptions)
+    ctx = _Context(model, cluster, layout, precision, assumptions, _most_loaded_rank(model, layout))
     links = {g: group_link(cluster, layout, g) for g in GROUPS}
     if layout.tp_grid:
         links.update(grid_links(cluster, layout))
