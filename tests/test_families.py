@@ -464,15 +464,18 @@ def test_a_rank_holding_none_of_a_split_under_zero3():
                    layouts=[Layout(tp=2, dp=2, zero_stage=3)], steps=2)  # fmt: skip
 
 
-def assign_loaded_grads(rank, tp, group, family, sequence_parallel):
-    """The largest gradient difference from the unsharded model after the user reloads the
-    parallelized model's own state dict with load_state_dict(assign=True) (new tensors in every
-    slot)."""
+def assign_loaded_grads(rank, tp, group, family, sequence_parallel, how):
+    """Every gradient against the unsharded model's after the user reloads the parallelized
+    model's own state dict with load_state_dict(assign=True) (new tensors in every slot), or
+    deep-copies it (copy.deepcopy keeps a tensor's attributes but not its hooks)."""
     from tplayers.hf import gather_grads
 
     reference = tiny_model(family)
     model = tplayers.parallelize(copy.deepcopy(reference), group=group, sequence_parallel=sequence_parallel)
-    model.load_state_dict(model.state_dict(), assign=True)
+    if how == "assign":
+        model.load_state_dict(model.state_dict(), assign=True)
+    else:
+        model = copy.deepcopy(model)
     ids = torch.randint(3, VOCAB, (2, 8), generator=torch.Generator().manual_seed(3))
     model(ids, labels=ids).loss.backward()
     reference(ids, labels=ids).loss.backward()
@@ -481,10 +484,12 @@ def assign_loaded_grads(rank, tp, group, family, sequence_parallel):
         assert_close(grads[name], p.grad, msg=lambda m, name=name: f"{family} {name} after an assign load: {m}")
 
 
+@pytest.mark.parametrize("how", ["assign", "deepcopy"])
 @pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
-def test_gradients_summed_over_the_group_survive_an_assign_load(pool, family, sequence_parallel):
+def test_gradients_summed_over_the_group_survive_an_assign_load_or_a_deepcopy(pool, family, sequence_parallel, how):
     """Qwen3's per-head q / k norms and MLA's latent projections: each rank computes part of their
-    gradient, summed by a hook; a tensor assigned into their slot gets that hook back (before, each
-    rank silently kept its own part: 0.08 off on DeepSeek-V3's kv_a_proj_with_mqa)."""
-    pool.run(assign_loaded_grads, 2, family, sequence_parallel)
+    gradient, summed by a hook; a tensor assigned into their slot, or a deep copy of the model,
+    gets that hook back (before, each rank silently kept its own part: 0.08 off on DeepSeek-V3's
+    kv_a_proj_with_mqa), and only once."""
+    pool.run(assign_loaded_grads, 2, family, sequence_parallel, how)

@@ -24,6 +24,7 @@ from tplayers.placement import even_sizes, get_placement, shard_range
 from tplayers.plan import ModelSpec
 from tplayers.plan.specs import kv_rows_exchanged
 from tplayers.testing import assert_close
+from tplayers.testing.meshes import layout_mesh
 
 pytestmark = pytest.mark.multirank
 
@@ -196,3 +197,24 @@ def test_clip_counts_each_shared_head_once_and_the_copies_stay_identical(tplayer
     for norm, expected in tplayers_pool.run(clip_and_step, 4, False):  # negative control
         with pytest.raises(AssertionError):
             assert_close(torch.tensor(norm), torch.tensor(expected))
+
+
+def clip_under_zero(rank, world, group, zero_stage):
+    """TP 4 x DP 2 with ZeRO: each replica holds half of each TP rank's rows of a shared head."""
+    mesh = layout_mesh(2, 1, 4)
+    config = dict(num_attention_heads=14, num_key_value_heads=2, head_dim=8, hidden_size=112)
+    model = tiny_model("qwen2", **config)
+    reference = copy.deepcopy(model)
+    tplayers.parallelize(model, group=mesh["tp"])
+    tplayers.data_parallel(model, group=mesh["dp"], zero_stage=zero_stage)
+    ids = torch.randint(3, VOCAB, (4, 8), generator=torch.Generator().manual_seed(1))
+    model(ids.chunk(2)[mesh["dp"].get_local_rank()], labels=ids.chunk(2)[mesh["dp"].get_local_rank()]).loss.backward()
+    reference(ids, labels=ids).loss.backward()
+    norm = tplayers.clip_grad_norm_(model.parameters(), 0.5)
+    return norm.item(), torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5).item()
+
+
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_clip_under_zero_counts_each_shared_head_once(tplayers_pool, zero_stage):
+    for norm, expected in tplayers_pool.run(clip_under_zero, 8, zero_stage, mesh=(2, 1, 4)):
+        assert_close(torch.tensor(norm), torch.tensor(expected))

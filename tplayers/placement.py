@@ -267,7 +267,7 @@ def _recover(param, *, strict):
     return None
 
 
-def _shared(value, memo) -> None:
+def shared(value, memo) -> None:
     """Put the process groups and meshes in `value` into `memo` as themselves: shared, never copied."""
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -275,10 +275,10 @@ def _shared(value, memo) -> None:
         memo[id(value)] = value
     elif isinstance(value, dict):
         for item in value.values():
-            _shared(item, memo)
+            shared(item, memo)
     elif isinstance(value, list | tuple):
         for item in value:
-            _shared(item, memo)
+            shared(item, memo)
 
 
 class SharesGroups:
@@ -287,7 +287,7 @@ class SharesGroups:
 
     def __deepcopy__(self, memo):
         for value in self.__dict__.values():
-            _shared(value, memo)
+            shared(value, memo)
         copy = self.__class__.__new__(self.__class__)
         memo[id(self)] = copy
         for key, value in self.__dict__.items():

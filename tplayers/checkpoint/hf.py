@@ -27,6 +27,7 @@ from torch import nn
 from tplayers.checkpoint.chunks import chunked, model_pieces, parameters
 from tplayers.checkpoint.planners import CheckpointError
 from tplayers.hf import lora
+from tplayers.hf.parallelize import carry_sum_hook
 from tplayers.hf.state_dict import export_records, record_name, under_records
 from tplayers.placement import covering_group, full_tensor, tensor_parallel_group
 
@@ -67,6 +68,7 @@ def materialize(model, device) -> None:
                     new.register_hook(hook)
                 for hook in (p._post_accumulate_grad_hooks or OrderedDict()).values():
                     new.register_post_accumulate_grad_hook(hook)
+                carry_sum_hook(p, new)
                 memo[id(p)] = new
             module._parameters[name] = memo[id(p)]
 

@@ -45,6 +45,9 @@ class SharedRows:
         self._index = torch.cat(self.sent)
         self._devices: dict = {}
 
+    def __deepcopy__(self, memo):
+        return self  # a plan over the same ranks (a deep copy of a layer computes over them too)
+
     def index(self, device) -> torch.Tensor:
         if device not in self._devices:
             self._devices[device] = self._index.to(device)

@@ -55,7 +55,7 @@ from tplayers.hf.mlp import is_silu
 from tplayers.hf.pipeline_split import SEQUENCE_PARALLEL
 from tplayers.hf.same_inputs import check_same_inputs
 from tplayers.hf.shard import ShardingPass, copy_in, replace_hidden
-from tplayers.hf.state_dict import EXPORTS, ORIGINAL_KEYS, TIED
+from tplayers.hf.state_dict import EXPORTS, ORIGINAL_KEYS, TIED, Records
 from tplayers.nn.grid import GridLinear, grid_groups
 from tplayers.nn.grid_attention import grid_head_split
 from tplayers.nn.mlp import ParallelMLP, fuse_gate_up, unfuse_gate_up
@@ -293,7 +293,7 @@ def parallelize_grid(model, mesh, *, sequence_parallel=False, plan=None, vocab_p
         else:
             update_placement(p, tp_all=whole)
     setattr(model, SEQUENCE_PARALLEL, groups["tp_r"] if sequence_parallel else None)  # for pipeline_split
-    setattr(model, EXPORTS, edges.exports + grid.records)
+    setattr(model, EXPORTS, Records(edges.exports + grid.records))
     setattr(model, ORIGINAL_KEYS, keys)
     setattr(model, TIED, edges.tied)
     edges.release()

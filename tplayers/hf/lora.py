@@ -52,7 +52,7 @@ from tplayers.hf import pieces
 from tplayers.hf.fused import MultiQueryProjection, SharedKVProjection
 from tplayers.hf.same_inputs import check_same_inputs
 from tplayers.hf.shard import copy_in, on_device
-from tplayers.hf.state_dict import EXPORTS, ORIGINAL_KEYS, TIED
+from tplayers.hf.state_dict import EXPORTS, ORIGINAL_KEYS, TIED, LiveRecords
 from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear
 from tplayers.placement import placement_or_none, seal, set_placement
 
@@ -399,7 +399,7 @@ def live_records(root, hf_prefix: str, hf_records: list):
             out += adapter_records(name, layer)
         return out
 
-    return records
+    return LiveRecords(records)
 
 
 # -- order 1: parallelize a peft model -----------------------------------------------------------

@@ -19,6 +19,8 @@ the replicated weights applied to sequence shards (norms) get their gradients su
 group, so every `.grad` is complete.
 """
 
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -40,7 +42,7 @@ from tplayers.hf.grid import parallelize_grid
 from tplayers.hf.pipeline_split import SEQUENCE_PARALLEL
 from tplayers.hf.same_inputs import check_same_inputs
 from tplayers.hf.shard import ShardingPass, replace_hidden
-from tplayers.hf.state_dict import EXPORTS, ORIGINAL_KEYS, TIED, refuse_own_save_pretrained
+from tplayers.hf.state_dict import EXPORTS, ORIGINAL_KEYS, TIED, Records, refuse_own_save_pretrained
 from tplayers.nn.grid import is_grid
 from tplayers.placement import placement_or_none, seal, set_placement
 
@@ -138,7 +140,9 @@ def _summed_grads(params, group):
             _sum_hook(p, group)
 
 
-_SUMMED = "_tplayers_grad_summed_hook"  # on a tensor whose gradient hook sums it over the group
+# The tensors whose gradient hook sums them over the group, by identity: a copy of one (deepcopy
+# copies a tensor's Python attributes, never its hooks) is not among them.
+_HOOKED: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
 
 
 def _sum_hook(p, group):
@@ -146,16 +150,24 @@ def _sum_hook(p, group):
     p.requires_grad_(True)  # its hook goes on now, and stays through requires_grad_ toggles
     p.register_hook(lambda g: _summed(g, group))
     p.requires_grad_(trainable)
-    setattr(p, _SUMMED, True)
+    _HOOKED[id(p)] = p
 
 
-def _rehook_summed(module, incompatible_keys=None):
-    """A load_state_dict post-hook on the parallelized model: a tensor put in the slot of a
-    parameter whose gradient is summed (`load_state_dict(assign=True)`) gets its record back from
-    the slot (`tplayers.placement`) and its summing hook here; without it, each rank would keep
-    its own part of that gradient, silently."""
+def carry_sum_hook(old, new) -> None:
+    """`new` replaces `old` with `old`'s hooks copied onto it (a meta parameter materialised): it
+    has the summing hook too, if `old` had it."""
+    if _HOOKED.get(id(old)) is old:
+        _HOOKED[id(new)] = new
+
+
+def _rehook_summed(module, *_):
+    """Every parameter whose gradient is summed over the group (its record says so) has its summing
+    hook: a tensor put in its slot (`load_state_dict(assign=True)`) or a deep copy of the model
+    (`copy.deepcopy` drops tensor hooks) gets it again, from the slot's record (`tplayers.placement`);
+    without it each rank would keep its own part of that gradient, silently. Run after every
+    load_state_dict and before every forward of the parallelized model."""
     for p in module.parameters():
-        if getattr(p, _SUMMED, False):
+        if _HOOKED.get(id(p)) is p:
             continue
         record = placement_or_none(p)
         if record is not None and record.grad_summed:
@@ -310,8 +322,9 @@ def _parallelize(
         if placement_or_none(p) is None:
             set_placement(p, group, Replicate())
     model.register_load_state_dict_post_hook(_rehook_summed)  # a tensor assigned in: its hook again
+    model.register_forward_pre_hook(_rehook_summed)  # and a deep copy's tensors, before they get a gradient
     setattr(model, SEQUENCE_PARALLEL, group if sequence_parallel else None)  # for pipeline_split
-    setattr(model, EXPORTS, parallelizer.exports)
+    setattr(model, EXPORTS, Records(parallelizer.exports))
     setattr(model, ORIGINAL_KEYS, keys)
     setattr(model, TIED, parallelizer.tied)
     lora.record_weight_maps(model, parallelizer.exports)  # what adapters added later follow

@@ -16,7 +16,7 @@ from torch import nn
 from tplayers.functional.collectives import all_gather_any, own_slice
 from tplayers.hf import pieces
 from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear, _ParallelLinear, refuse_own_forward
-from tplayers.placement import copy_into
+from tplayers.placement import SharesGroups, copy_into
 
 PLAN_KINDS = ("colwise", "rowwise", "vocab", "replicate")
 
@@ -128,7 +128,7 @@ def _under(name, done) -> bool:
     return any(name == d or name.startswith(d + ".") for d in done)
 
 
-class ShardingPass:
+class ShardingPass(SharesGroups):
     """One pass over the model: each module an adapter recognises is swapped for its
     tensor-parallel form; what the adapters need (column / row swaps, export records, inputs
     shared by several column layers, weights whose gradient each rank holds only part of) is here."""

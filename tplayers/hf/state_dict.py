@@ -2,14 +2,67 @@
 names, and loading one back into the shards. `parallelize` leaves on the model, for each
 swapped module, how to export and load it (`EXPORTS`); nothing else is needed."""
 
+import copy
+import types
 import weakref
 
-from tplayers.placement import copy_into, full_tensor, tensor_parallel_group
+from tplayers.placement import copy_into, full_tensor, shared, tensor_parallel_group
 
 EXPORTS = "_tplayers_exports"  # [(prefix, export, load, pieces)] on the model (pieces: tplayers.hf.pieces),
 # or a function returning them as the model is now (a peft model: tplayers.hf.lora.live_records)
 ORIGINAL_KEYS = "_tplayers_original_keys"  # model.state_dict() keys before parallelize
 TIED = "_tplayers_tied"  # {LM head name: embedding name} where they share one Parameter
+
+
+class Records(list):
+    """A model's export records (`EXPORTS`): closures over its swapped modules. A deep copy of the
+    model gets records over its own modules (`_rebind`), never the original's (whose weights a
+    copy's export would otherwise return, silently)."""
+
+    def __deepcopy__(self, memo):
+        return _rebind(self, memo)
+
+
+class LiveRecords:
+    """A function returning the model's records as it is now (a peft model's), rebound like
+    `Records` in a deep copy of the model."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self):
+        return self.fn()
+
+    def __deepcopy__(self, memo):
+        return LiveRecords(_rebind(self.fn, memo))
+
+
+def _rebind(value, memo):
+    """`value` deep-copied through `memo` (the deep copy of the model in progress: a module or a
+    tensor of the model is its copy), functions included: a closure is rebuilt over copies of what
+    it captured. Process groups and meshes are shared, never copied."""
+    if id(value) in memo:
+        return memo[id(value)]
+    if isinstance(value, types.FunctionType) and value.__closure__:
+        cells = tuple(types.CellType() for _ in value.__closure__)
+        new = types.FunctionType(value.__code__, value.__globals__, value.__name__, value.__defaults__, cells)
+        new.__kwdefaults__ = value.__kwdefaults__
+        memo[id(value)] = new
+        for old, cell in zip(value.__closure__, cells, strict=True):
+            try:
+                cell.cell_contents = _rebind(old.cell_contents, memo)
+            except ValueError:  # an empty cell (a name not yet bound when the closure was made)
+                continue
+        return new
+    if type(value) in (list, Records):
+        new = type(value)()
+        memo[id(value)] = new  # before its items: a record's closure may reach this list again
+        new.extend(_rebind(v, memo) for v in value)
+        return new
+    if type(value) is tuple:
+        return tuple(_rebind(v, memo) for v in value)
+    shared(value, memo)
+    return copy.deepcopy(value, memo)
 
 
 def export_records(model) -> list:
