@@ -15,6 +15,18 @@ def run_cli(*args, cwd):
     )
 
 
+def run_main(*args, capsys) -> tuple[int, str]:
+    """(exit code, stderr) of the command line run in this process: for inputs refused before any
+    work (no interpreter to start: the exit code of a real process is checked once, below)."""
+    from tplayers.tools.cli import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as e:  # argparse's own refusals
+        code = e.code
+    return code, capsys.readouterr().err
+
+
 DEMO_STEPS = 20  # enough to learn: the loss ends below 0.7 x its start in every case here
 
 
@@ -97,10 +109,10 @@ def test_demo_on_triton_backend(tmp_path):
         (["--tp", "2y2"], "--tp takes a size (8) or a grid RxC (4x4), got '2y2'"),
     ],
 )
-def test_demo_bad_input_exit_code_2(tmp_path, flags, said):
-    result = run_cli("demo", *flags, cwd=tmp_path)
-    assert result.returncode == 2
-    assert said in result.stderr
+def test_demo_bad_input_exit_code_2(capsys, flags, said):
+    code, err = run_main("demo", *flags, capsys=capsys)
+    assert code == 2
+    assert said in err
 
 
 @pytest.mark.parametrize(
@@ -172,10 +184,16 @@ def test_plan_estimate_search_and_csv(tmp_path):
         (["--model", "llama3-8b", "--gpus", "24", "--tp", "6", "--dp", "4"], "some TP groups would span two nodes"),
     ],
 )
-def test_plan_bad_input_exit_code_2(tmp_path, args, message):
-    result = run_cli("plan", *args, cwd=tmp_path)
+def test_plan_bad_input_exit_code_2(capsys, args, message):
+    code, err = run_main("plan", *args, capsys=capsys)
+    assert code == 2, err
+    assert message in err
+
+
+def test_a_refused_input_exits_the_process_with_code_2(tmp_path):
+    result = run_cli("plan", "--model", "llama9-1t", cwd=tmp_path)
     assert result.returncode == 2, (result.stdout, result.stderr)
-    assert message in result.stderr
+    assert "unknown model preset 'llama9-1t'" in result.stderr
 
 
 def test_bench_runs_scripts_into_one_csv_and_png(tmp_path):

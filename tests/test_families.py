@@ -180,6 +180,15 @@ def test_family_matches_unsharded(pool, family, tp, sequence_parallel):
     pool.run(matches_unsharded, tp, family, sequence_parallel, torch.float32)
 
 
+# The 2026 layouts (issue 35) also at TP 4 with sequence parallelism (Gemma 3n refuses it by name)
+NEW_2026 = ["deepseek_v3", "deepseek_v2-lite", "gpt_oss", "llama4_text", "dbrx", "phimoe", "bitnet"]
+
+
+@pytest.mark.parametrize("family", NEW_2026)
+def test_2026_layouts_at_tp4_with_sequence_parallelism(pool, family):
+    pool.run(matches_unsharded, 4, family, True, torch.float32)
+
+
 def test_gemma4_text_per_layer_inputs(pool):
     """Gemma 4 text (per-layer inputs kept whole on the residual stream) at TP 2; sequence
     parallelism refused by name. Not in the TP 3 / 4 matrix: at random init its embedding gradient
