@@ -380,3 +380,27 @@ def scaled_and_clipped(rank, world, group):
 
 def test_loss_scaler_and_clipping_over_the_adapters(pool):
     assert all(pool.run(scaled_and_clipped, 2))
+
+
+def deep_copy_exports_its_own(rank, world, group):
+    """A deep copy of a parallelized peft model, trained a step, exports its own weights and
+    gradients, and the original keeps its own (a copy's export records are rebuilt over it)."""
+    import copy
+
+    model = sharded("qwen2", 1, group, False)
+    before = tplayers.gather_state_dict(model, group=group)
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD([p for p in twin.parameters() if p.requires_grad], lr=0.5)
+    twin(input_ids=IDS, labels=IDS).loss.backward()
+    grads = gather_grads(twin, group=group)
+    assert grads and all("lora_" in k for k in grads), sorted(grads)[:3]
+    opt.step()
+    after = tplayers.gather_state_dict(twin, group=group)
+    moved = [k for k in after if "lora_" in k and not torch.equal(after[k], before[k])]
+    assert moved, "the copy's export does not show its own step"
+    original = tplayers.gather_state_dict(model, group=group)
+    assert all(torch.equal(original[k], before[k]) for k in before), "the original changed"
+
+
+def test_a_deep_copy_of_a_peft_model_exports_its_own_weights(pool):
+    pool.run(deep_copy_exports_its_own, 4)  # 2 key/value heads over 4 ranks: lora_B holds shared heads too
