@@ -137,11 +137,19 @@ def counted_rows(record, t):
     if record is None or record.counted is None:
         return local
     a, b = record.counted
-    if isinstance(t, DTensor):  # this replica's rows [lo, hi) of the TP-local tensor (torch.chunk's split)
-        size = -(-t.shape[0] // t.device_mesh.size())
-        lo = min(t.device_mesh.get_local_rank() * size, t.shape[0])
-        a, b = min(max(a - lo, 0), local.shape[0]), min(max(b - lo, 0), local.shape[0])
-    return local[a:b]
+    lo, hi = replica_rows(t)
+    return local[min(max(a, lo), hi) - lo : min(max(b, lo), hi) - lo]
+
+
+def replica_rows(t) -> tuple[int, int]:
+    """The rows [a, b) along dim 0 of the TP-local tensor that this replica holds: a ZeRO 2-3
+    DTensor's local shard (torch.chunk's split: ceil(rows / n) each, the last ones short or
+    empty); (0, rows) for anything else."""
+    if not isinstance(t, DTensor):
+        return 0, t.shape[0] if t.dim() else 0
+    rows, n, r = t.shape[0], t.device_mesh.size(), t.device_mesh.get_local_rank()
+    size = -(-rows // n)
+    return min(r * size, rows), min((r + 1) * size, rows)
 
 
 def local_tensor(t):

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from tplayers.hf.pieces import Piece, split, whole
 from tplayers.hf.state_dict import export_records, record_name, under_records
-from tplayers.placement import get_placement, local_tensor
+from tplayers.placement import get_placement, local_tensor, replica_rows
 
 
 @dataclass
@@ -62,15 +62,11 @@ class ChunkedTensor:
 
 
 def _dp_rows(t) -> tuple[int, int]:
-    """The rows [a, b) along dim 0 that a ZeRO 2-3 DTensor's local shard holds (torch.chunk's
-    split: ceil(rows / n) each, the last ones short or empty); (0, rows) for anything else."""
-    if not isinstance(t, DTensor):
-        return 0, t.shape[0] if t.dim() else 0
-    if len(t.placements) != 1 or t.placements[0] != Shard(0):
+    """The rows [a, b) along dim 0 that a ZeRO 2-3 DTensor's local shard holds (`replica_rows`);
+    (0, rows) for anything else."""
+    if isinstance(t, DTensor) and (len(t.placements) != 1 or t.placements[0] != Shard(0)):
         raise ValueError(f"checkpoint: a DTensor placed {t.placements}, not ZeRO's Shard(0), is not supported")
-    rows, n, r = t.shape[0], t.device_mesh.size(), t.device_mesh.get_local_rank()
-    size = -(-rows // n)
-    return min(r * size, rows), min((r + 1) * size, rows)
+    return replica_rows(t)
 
 
 def _runs(glob: torch.Tensor, unit=0):

@@ -128,7 +128,9 @@ class SharedKVProjection(PlacedModule):
 
     def forward(self, x):
         weight, bias = share_rows(self.weight, self.bias, self.plan)
-        rows = self.rows if isinstance(self.rows, slice) else self.rows.to(weight.device)
+        if not isinstance(self.rows, slice) and self.rows.device != weight.device:
+            self.rows = self.rows.to(weight.device)  # moved once, not copied to the device every step
+        rows = self.rows
         bias = bias[rows] if bias is not None else None
         return column_parallel_linear(x, weight[rows], bias, self.group, reduce_input_grad=False)
 
