@@ -31,6 +31,29 @@ def register_grid_group(ranks, group: dist.ProcessGroup) -> None:
     _GRID_GROUPS[tuple(int(r) for r in ranks)] = group
 
 
+# (data-parallel ranks, expert-parallel ranks) -> this rank's expert-data-parallel group: the
+# replicas of its experts (expert parallelism folded over the data-parallel ranks)
+_EXPERT_DATA_GROUPS: dict[tuple, dist.ProcessGroup] = {}
+
+
+def register_expert_data_group(dp_ranks, ep_ranks, group: dist.ProcessGroup) -> None:
+    """The expert-data-parallel group of this rank, for its data-parallel and expert-parallel
+    groups (`init_mesh(ep=)`, the test pools' meshes): `expert_data_group` looks it up."""
+    _EXPERT_DATA_GROUPS[tuple(int(r) for r in dp_ranks), tuple(int(r) for r in ep_ranks)] = group
+
+
+def expert_data_group(dp_group, ep_group) -> dist.ProcessGroup:
+    """The group of this rank's expert replicas: the ranks of `dp_group` holding the same experts
+    as this one (the same position in their expert group). Made by `init_mesh(dp=..., ep=...)`."""
+    dp, ep = (tuple(dist.get_process_group_ranks(g)) for g in (dp_group, ep_group))
+    if (dp, ep) not in _EXPERT_DATA_GROUPS:
+        raise ValueError(
+            f"the expert group {list(ep)} and the data-parallel group {list(dp)} do not come from one mesh: make "
+            "them with tplayers.init_mesh(dp=..., ep=...) (mesh['dp'], mesh['ep'])"
+        )
+    return _EXPERT_DATA_GROUPS[dp, ep]
+
+
 def resolve_group(group) -> dist.ProcessGroup:
     """A ProcessGroup from `group` (ProcessGroup, 1-D DeviceMesh or None for the default group).
     A 2-D tensor-parallel mesh (`init_mesh(tp=(r, c))["tp_r", "tp_c"]`) gives its every rank, the
@@ -65,16 +88,26 @@ def _init_cpu_process_group(rank: int, world_size: int, port: int) -> None:
     )
 
 
-def init_mesh(*, dp: int = 1, pp: int = 1, tp: int | tuple[int, int] = 1) -> DeviceMesh:
+def init_mesh(*, dp: int = 1, pp: int = 1, tp: int | tuple[int, int] = 1, ep: int = 1) -> DeviceMesh:
     """A (dp, pp, tp) DeviceMesh; initialises torch.distributed from torchrun's env vars if needed.
     `tp=(r, c)`: a (dp, pp, tp_r, tp_c) mesh, whose `mesh["tp_r", "tp_c"]` is the 2-D
-    tensor-parallel grid (`tplayers.nn.GridLinear`)."""
+    tensor-parallel grid (`tplayers.nn.GridLinear`).
+
+    `ep`: expert parallelism folded over the data-parallel ranks (`ep` divides `dp`): the mesh's
+    dims are then ("edp", "ep", "pp", "tp"), with "dp" their first two flattened; `mesh["ep"]`
+    is the expert group (consecutive data-parallel ranks, for `parallelize(expert_group=)`),
+    `mesh["edp"]` the replicas of each rank's experts (`data_parallel` reduces expert weights
+    over it)."""
     grid = tp if isinstance(tp, tuple) else None
     if grid is not None and len(grid) != 2:
         raise ValueError(f"tp must be an int or a pair (r, c), got {tp!r}")
     for name, size in (("dp", dp), ("pp", pp), *((("tp_r", grid[0]), ("tp_c", grid[1])) if grid else (("tp", tp),))):
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"{name} must be a positive int, got {size!r}")
+    if not isinstance(ep, int) or ep < 1 or dp % ep:
+        raise ValueError(f"ep must be a positive int dividing dp ({dp}): expert parallelism folds over the replicas, got {ep!r}")
+    if ep > 1 and grid:
+        raise ValueError("init_mesh: ep with a 2-D tensor-parallel grid is not supported")
     tp_size = grid[0] * grid[1] if grid else tp
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     if world_size != dp * pp * tp_size:
@@ -101,7 +134,16 @@ def init_mesh(*, dp: int = 1, pp: int = 1, tp: int | tuple[int, int] = 1) -> Dev
         grid = mesh["tp_r", "tp_c"]
         register_grid_group(grid.mesh.flatten().tolist(), grid._flatten("tp").get_group())
         return mesh
+    if ep > 1:
+        mesh = init_device_mesh(device_type, (dp // ep, ep, pp, tp), mesh_dim_names=("edp", "ep", "pp", "tp"))
+        flat = mesh["edp", "ep"]._flatten("dp")
+        register_expert_data_group(_ranks(flat), _ranks(mesh["ep"]), mesh["edp"].get_group())
+        return mesh
     return init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+
+
+def _ranks(mesh) -> list:
+    return dist.get_process_group_ranks(mesh.get_group())
 
 
 def free_port() -> int:

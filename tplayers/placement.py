@@ -80,6 +80,10 @@ class ParamPlacement:
     pp_group: dist.ProcessGroup | None = None
     # a weight shared by two stages (tied embeddings) is counted by the first stage's norm only
     counted_by_another_stage: bool = False
+    # Expert parallelism (tplayers.nn.experts): the group whose ranks hold disjoint whole experts
+    # (dim 0 of the stacked expert weights, split as `even_sizes` splits it); `dp_group` is then
+    # the expert-data-parallel group, the replicas of this rank's experts
+    ep_group: dist.ProcessGroup | None = None
     # 2-D tensor parallelism (tplayers.nn.grid): ((group, placement), ...) of the further sharded
     # dimensions, `group` / `placement` being the first
     grid: tuple = ()
@@ -94,7 +98,10 @@ class ParamPlacement:
     def reduce_groups(self) -> tuple:
         """The groups a per-rank partial norm of this parameter's gradient is summed over."""
         grid = tuple((g, isinstance(p, Shard)) for g, p in self.grid)
-        return tuple(g for g, on in ((self.group, self.is_sharded), *grid, (self.dp_group, self.dp_sharded)) if on)
+        experts = (self.ep_group, self.ep_group is not None)
+        return tuple(
+            g for g, on in ((self.group, self.is_sharded), *grid, experts, (self.dp_group, self.dp_sharded)) if on
+        )
 
     def __deepcopy__(self, memo):
         return self  # immutable, and a process group is shared, never copied
@@ -336,7 +343,7 @@ class PlacedModule(SharesGroups, nn.Module):
 # rank before any collective (on a mesh every rank's records have the same shape).
 
 
-_KIND_NAMES = {"tp": "tensor-parallel", "dp": "data-parallel", "pp": "pipeline"}
+_KIND_NAMES = {"tp": "tensor-parallel", "dp": "data-parallel", "pp": "pipeline", "ep": "expert-parallel"}
 
 
 def ranks_of(pg) -> tuple[int, ...]:
@@ -346,8 +353,8 @@ def ranks_of(pg) -> tuple[int, ...]:
 
 def recorded_groups(params, kind: str) -> list:
     """The distinct groups (by their ranks) that the records of `params` name, of `kind`:
-    "tp" (the placement's group), "dp" or "pp"."""
-    attr = {"tp": "group", "dp": "dp_group", "pp": "pp_group"}[kind]
+    "tp" (the placement's group), "dp", "pp" or "ep"."""
+    attr = {"tp": "group", "dp": "dp_group", "pp": "pp_group", "ep": "ep_group"}[kind]
     found = {}
     for p in params:
         record = get_placement(p)

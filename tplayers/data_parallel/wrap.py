@@ -45,8 +45,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tplayers.data_parallel.compress import Compression, Compressor, compressed_mean
-from tplayers.distributed import resolve_group
+from tplayers.distributed import expert_data_group, resolve_group
 from tplayers.functional import comm
+from tplayers.nn.experts import ParallelExperts
 from tplayers.placement import TIED_ACROSS_STAGES, get_placement, refuse_overlap, seal, update_placement
 
 STAGES = (0, 1, 2, 3)
@@ -81,6 +82,26 @@ def _check(module, pg, stage):
     refuse_overlap(module.parameters(), pg, "data_parallel", ("tp", "pp"),
                    "replicas must hold the same shards of the same stage (use init_mesh(dp=..., tp=..., pp=...) "
                    "and pass mesh['dp'])", role="the data-parallel group")  # fmt: skip
+
+
+def _check_experts(experts, pg, stage):
+    """Expert-parallel layers: their expert groups inside the data-parallel group (expert
+    parallelism folds over the replicas), their replicas known; ZeRO-1 (one optimizer sharding
+    state over every replica) would broadcast one rank's experts over another's: refused."""
+    members = set(dist.get_process_group_ranks(pg))
+    for m in experts:
+        ep = dist.get_process_group_ranks(m.expert_group)
+        if not set(ep) <= members:
+            raise ValueError(
+                f"data_parallel: the expert group {ep} of {type(m).__name__} is not inside the data-parallel group "
+                f"{sorted(members)}: expert parallelism folds over the replicas (tplayers.init_mesh(dp=..., ep=...))"
+            )
+        expert_data_group(pg, m.expert_group)  # raises, naming init_mesh, where the mesh does not give it
+    if experts and stage == 1:
+        raise ValueError(
+            "data_parallel: ZeRO-1 with expert parallelism is not supported (its optimizer shards state over every "
+            "replica, whose experts differ); use zero_stage 0, 2 or 3"
+        )
 
 
 def _check_mixed_precision(module, stage, param_dtype):
@@ -212,10 +233,21 @@ def data_parallel(
     if param_dtype is not None:
         _check_mixed_precision(module, zero_stage, param_dtype)
     records = {name: get_placement(p) for name, p in module.named_parameters()}
+    experts = [m for m in module.modules() if isinstance(m, ParallelExperts)]
+    _check_experts(experts, pg, zero_stage)
+    # Each expert's gradient sums its expert group's batches: the mean over every replica is the
+    # mean over the expert's own replicas of it divided by the expert group's size (`grad_divisor`)
     if zero_stage <= 1:
         from torch.distributed._composable import replicate  # torch's composable DDP, in place
 
-        replicate(module, process_group=pg, bucket_cap_mb=bucket_cap_mb)
+        for m in experts:  # over their own replicas, then the rest over every replica
+            edp = expert_data_group(pg, m.expert_group)
+            replicate(m, process_group=edp, bucket_cap_mb=bucket_cap_mb)
+            m.register_comm_hook(edp, _counted_all_reduce)
+            m.grad_divisor = dist.get_world_size(pg) // dist.get_world_size(edp)
+            for p in m.parameters():
+                update_placement(p, dp_group=edp)
+        replicate(module, process_group=pg, bucket_cap_mb=bucket_cap_mb, ignored_modules=experts)
         if compression is None:
             module.register_comm_hook(pg, _counted_all_reduce)
         else:
@@ -223,7 +255,8 @@ def data_parallel(
             module.register_comm_hook(compressor, compressed_mean)
             object.__setattr__(module, "_tplayers_compressor", compressor)
         for p in module.parameters():
-            update_placement(p, dp_group=pg)
+            if getattr(get_placement(p), "ep_group", None) is None:
+                update_placement(p, dp_group=pg)
     else:
         summed = [p for p in module.parameters() if getattr(get_placement(p), "grad_summed", False)]
         # a rank holding none of an uneven tensor-parallel split: nothing to shard (FSDP2 cannot
@@ -234,6 +267,10 @@ def data_parallel(
         reduce_dtype = torch.bfloat16 if compression is not None else torch.float32  # bf16: the only one here
         if param_dtype is not None or compression is not None:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        for m in experts:  # over their own replicas first: the blocks' units then leave them out
+            edp = expert_data_group(pg, m.expert_group)
+            fully_shard(m, **{**kwargs, "mesh": DeviceMesh.from_group(edp, mesh.device_type)})
+            m.grad_divisor = dist.get_world_size(pg) // dist.get_world_size(edp)
         for unit in sharding_units(module):
             fully_shard(unit, **kwargs)
         fully_shard(module, **kwargs)
@@ -246,7 +283,9 @@ def data_parallel(
                 setattr(old[name], _REPLACED, name)
                 if records[name] is not None:  # the whole record: TP placement, pipeline group, ...
                     update_placement(p, **{f.name: getattr(records[name], f.name) for f in fields(records[name])})
-                update_placement(p, dp_group=pg, dp_sharded=True)
+                expert_group = getattr(records[name], "ep_group", None)
+                replicas = expert_data_group(pg, expert_group) if expert_group is not None else pg
+                update_placement(p, dp_group=replicas, dp_sharded=True)
         for p in empty:
             update_placement(p, dp_group=pg)
         units = [*sharding_units(module), module]

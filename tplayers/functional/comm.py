@@ -3,19 +3,20 @@
 Each call records the bytes this rank puts on the wire: exact bytes for point-to-point sends,
 and the ring algorithm's cost for collectives ((n-1)/n of the gathered / reduced buffer per
 AllGather or ReduceScatter, 2(n-1)/n per AllReduce) — the minimum any algorithm needs — by op
-kind and by parallelism axis ("tp", "dp", "pp"). The engines tplayers drives record theirs too:
+kind and by parallelism axis ("tp", "dp", "pp", "ep": expert-parallel dispatch). The engines tplayers drives record theirs too:
 DDP's buckets through a comm hook, FSDP2's gathers and reduce-scatters through its custom
 collectives, the pipeline's sends through the stage (`tplayers.data_parallel`, `tplayers.pipeline`).
 `count_bytes()` collects them; `tplayers demo`, the benchmarks and the tests read it.
 """
 
 import contextlib
+import math
 from collections import Counter
 
 import torch
 import torch.distributed as dist
 
-AXES = ("tp", "dp", "pp")
+AXES = ("tp", "dp", "pp", "ep")
 
 
 class ByteCount(Counter):
@@ -27,7 +28,7 @@ class ByteCount(Counter):
         self.axes = Counter()
 
     def by_axis(self) -> dict[str, int]:
-        """{"tp": ..., "dp": ..., "pp": ...}: bytes sent over each axis (0 where none)."""
+        """{"tp": ..., "dp": ..., "pp": ..., "ep": ...}: bytes sent over each axis (0 where none)."""
         return {axis: self.axes[axis] for axis in AXES}
 
 
@@ -94,6 +95,19 @@ def all_to_all(out, t, splits, group, *, axis="tp"):
     row = _nbytes(t) // max(t.shape[0], 1)
     _record("all_to_all", (sum(splits) - splits[r]) * row, axis)
     return dist.all_to_all_single(out, t, list(splits), list(splits), group=group)
+
+
+def all_to_all_rows(out, t, out_splits, in_splits, group, *, axis="ep"):
+    """Send rows `t[sum(in_splits[:s]) : sum(in_splits[:s + 1])]` to rank s of `group`, receiving
+    `out_splits[s]` rows from it into `out` in rank order (uneven blocks: expert-parallel
+    dispatch). Counted as the rows sent to the other ranks."""
+    r = dist.get_rank(group)
+    row = t.element_size() * math.prod(t.shape[1:])
+    _record("all_to_all", (sum(in_splits) - in_splits[r]) * row, axis)
+    if dist.get_world_size(group) == 1:
+        out.copy_(t)
+        return None
+    return dist.all_to_all_single(out, t, list(out_splits), list(in_splits), group=group)
 
 
 def control_device(group) -> torch.device:

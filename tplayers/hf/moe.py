@@ -30,8 +30,8 @@ Llama 4's experts take the tokens already weighted and laid out expert by expert
 one batched GEMM per expert): the same split, the tokens gathered (or summed) per expert.
 
 The router sees whole tokens on every rank and gets the whole gradient (under sequence
-parallelism, parallelize sums its gradient like a norm's). Expert parallelism (whole experts per
-rank) is not done here.
+parallelism, parallelize sums its gradient like a norm's). With an expert group, whole experts
+are placed over it instead (`tplayers.hf.expert_parallel`).
 """
 
 import copy
@@ -50,8 +50,9 @@ from tplayers.functional.collectives import (
     reduce_from_tp_region,
     reduce_scatter_sequence,
 )
-from tplayers.hf import pieces
+from tplayers.hf import expert_parallel, pieces
 from tplayers.hf.shard import ShardingPass, copy_in, gather
+from tplayers.nn.experts import aligned_unit
 from tplayers.placement import even_sizes, set_placement, shard_range
 
 # (tokens, the experts each picks, their weights): transformers 5's names, and gpt-oss's
@@ -155,13 +156,6 @@ def _by_expert_hooks(module, group, sequence_parallel, experts):
     module.register_forward_hook(lambda mod, args, out: finish(out))
 
 
-def aligned_unit(f, n) -> int:
-    """The unit F splits in: HF's grouped GEMM over the experts needs the rows of down_proj (E, H,
-    F) 16-byte aligned, so F splits in whole blocks of up to 16 entries (16 bytes in any dtype
-    from fp8 to fp32), the largest that divides F and leaves every rank a block."""
-    return next(u for u in (16, 8, 4, 2, 1) if f % u == 0 and f // u >= n or u == 1)
-
-
 ALIGNED_ENTRIES = 8  # 16 bytes of bf16 / fp16: the row stride HF's grouped GEMM (torch._grouped_mm) needs
 
 
@@ -177,8 +171,11 @@ def _eager_where_unaligned(module, sizes):
 
 
 def experts(sp: ShardingPass, name, module):
-    """Shard every expert of `module` over the group (see the module docstring)."""
+    """Shard every expert of `module` over the group (see the module docstring); with an expert
+    group, place whole experts over it (`tplayers.hf.expert_parallel`)."""
     flags, by_expert = _layout(name, module)
+    if sp.expert_group is not None:
+        return expert_parallel.experts(sp, name, module, flags, by_expert)
     n_experts = module.gate_up_proj.shape[0]
     fa, fd = (2, 1) if flags["is_transposed"] else (1, 2)  # the F axis of gate_up_proj, of down_proj
     f = module.gate_up_proj.shape[fa] // 2  # any size: its aligned blocks as evenly as they go
@@ -303,6 +300,8 @@ def dbrx_experts(sp: ShardingPass, name, module):
     (E * F, H). Rank r keeps its F features of each expert (the rows e * F + its block, for every
     e), stacked the same way, and the forward's view reads the local F (ffn_hidden_size set
     locally); the tokens go in and out as for the fused layouts (`_expert_hooks`)."""
+    if sp.expert_group is not None:
+        expert_parallel.refuse(name, module, "its experts are stacked (E * F, H) in w1 / v1 / w2")
     glu, n_experts, f, hidden = module.mlp, module.num_experts, module.ffn_hidden_size, module.hidden_size
     for key in ("w1", "v1", "w2"):
         if tuple(getattr(glu, key).shape) != (n_experts * f, hidden):

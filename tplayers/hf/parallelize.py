@@ -247,8 +247,9 @@ def _decoder_blocks(model, placed):
 
 
 def parallelize(
-    model, *, group=None, sequence_parallel=False, plan=None, vocab_parallel_logits=False, verify=None, overlap="auto"
-):
+    model, *, group=None, sequence_parallel=False, plan=None, vocab_parallel_logits=False, verify=None, overlap="auto",
+    expert_group=None,
+):  # fmt: skip
     """Shard `model` in place over `group` (see the module docstring); returns it.
 
     A peft model (LoRA adapters made by `peft.get_peft_model`) is sharded with its adapters, each
@@ -272,13 +273,23 @@ def parallelize(
 
     overlap: every tensor-parallel layer's overlap mode ("auto": per op and shape, the path the
     cost model expects to be faster; True / False force the ring / the plain collectives).
+
+    expert_group: MoE experts placed whole over this group (ProcessGroup or 1-D DeviceMesh, e.g.
+    `init_mesh(dp=4, ep=2)["ep"]`), the tokens dispatched to them by all-to-all
+    (`tplayers.hf.expert_parallel`); each expert's features still split over `group`. Its ranks
+    feed different batches (it folds over the data-parallel ranks): `tplayers.data_parallel`
+    then reduces the expert weights over the expert-data-parallel group.
     """
     check_overlap(overlap, "parallelize")
     guards.guard_accelerate()  # a plain Trainer / Accelerator handed the result raises (accelerate is loaded by now)
     kwargs = dict(sequence_parallel=sequence_parallel, plan=plan, vocab_parallel_logits=vocab_parallel_logits,
                   overlap=overlap)  # fmt: skip
     layers = lora.lora_layers(model)
+    if expert_group is not None:
+        kwargs["expert_group"] = _expert_group(expert_group, group)
     if is_grid(group):  # a 2-D tensor-parallel mesh (tplayers.hf.grid)
+        if expert_group is not None:
+            raise ValueError("parallelize: expert_group with a 2-D tensor-parallel mesh is not supported")
         if layers:
             raise ValueError("parallelize: LoRA adapters on a 2-D tensor-parallel mesh are not supported yet")
         if vocab_parallel_logits:
@@ -292,15 +303,28 @@ def parallelize(
     return model
 
 
+def _expert_group(expert_group, group):
+    """The expert group as a ProcessGroup; one sharing two ranks with the tensor-parallel group is
+    refused (those ranks hold the same tokens: expert parallelism folds over data-parallel ranks)."""
+    pg, tp = resolve_group(expert_group), resolve_group(group)
+    shared = sorted(set(dist.get_process_group_ranks(pg)) & set(dist.get_process_group_ranks(tp)))
+    if len(shared) > 1:
+        raise ValueError(
+            f"parallelize: expert_group shares ranks {shared} with the tensor-parallel group; the expert group folds "
+            "over data-parallel ranks, which feed different batches (tplayers.init_mesh(dp=..., ep=...)['ep'])"
+        )
+    return pg
+
+
 def _parallelize(
     model, *, group, sequence_parallel=False, plan=None, vocab_parallel_logits=False, verify=None, overlap="auto",
-    keep=frozenset(),
+    keep=frozenset(), expert_group=None,
 ):  # fmt: skip
     """`parallelize` of a model without adapters; `keep`: modules no sharding layout may fuse
     with another (they carry LoRA adapters)."""
     probe = verification.before(model, verify, dist.get_world_size(group), vocab_parallel=vocab_parallel_logits)
     keys = list(model.state_dict().keys())
-    parallelizer = ShardingPass(model, group, sequence_parallel, plan, vocab_parallel_logits, overlap, keep)
+    parallelizer = ShardingPass(model, group, sequence_parallel, plan, vocab_parallel_logits, overlap, keep, expert_group)
     parallelizer.run(families.ADAPTERS, families.EMBEDDINGS, families.LINEAR_EQUIVALENTS)  # read per call: patchable
     if sequence_parallel:
         blocks = _decoder_blocks(model, parallelizer.shared_input)
@@ -330,6 +354,6 @@ def _parallelize(
     lora.record_weight_maps(model, parallelizer.exports)  # what adapters added later follow
     parallelizer.release()  # the export records outlive the pass: they must not hold the model
     seal(model)
-    verification.after(probe, model, group=group, vocab_parallel=vocab_parallel_logits)
+    verification.after(probe, model, group=group, vocab_parallel=vocab_parallel_logits, expert_group=expert_group)
     check_same_inputs(model, group)  # armed after the self-check: the user's first forward is checked
     return model

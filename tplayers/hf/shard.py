@@ -133,8 +133,12 @@ class ShardingPass(SharesGroups):
     tensor-parallel form; what the adapters need (column / row swaps, export records, inputs
     shared by several column layers, weights whose gradient each rank holds only part of) is here."""
 
-    def __init__(self, model, group, sequence_parallel, plan, vocab_parallel_logits, overlap="auto", keep=frozenset()):
+    def __init__(
+        self, model, group, sequence_parallel, plan, vocab_parallel_logits, overlap="auto", keep=frozenset(),
+        expert_group=None,
+    ):  # fmt: skip
         self.model, self.group, self.sp, self.overlap = model, group, sequence_parallel, overlap
+        self.expert_group = expert_group  # MoE experts placed whole over it (tplayers.hf.expert_parallel)
         self.keep = keep  # modules that must stay one layer each (they carry LoRA adapters)
         self.n = dist.get_world_size(group)
         self.plan = dict(plan or {})

@@ -27,6 +27,7 @@ from torch import nn
 
 from tplayers.functional.collectives import all_gather_any, all_gather_dim
 from tplayers.tolerances import tolerance
+from tplayers.placement import placement_or_none
 
 PROBE_BATCH = 2
 PROBE_TOKENS_PER_RANK = 4  # a multiple of the TP size, so sequence parallelism can split it
@@ -221,8 +222,10 @@ def before(model, verify, n, *, vocab_parallel=False) -> Probe | None:
     return probe
 
 
-def after(probe: Probe | None, model, *, group, vocab_parallel=False) -> None:
-    """Run the sharded model on the probe batch and compare (every rank raises, or none)."""
+def after(probe: Probe | None, model, *, group, vocab_parallel=False, expert_group=None) -> None:
+    """Run the sharded model on the probe batch and compare (every rank raises, or none).
+    `expert_group`: every rank of it ran the probe batch, and an expert's gradient sums the batches
+    of the ranks that sent it tokens: it is compared divided by the group's size."""
     if probe is None:
         return
     if probe.mode == "logits":
@@ -242,6 +245,11 @@ def after(probe: Probe | None, model, *, group, vocab_parallel=False) -> None:
                 f"unsharded model ran: {type(e).__name__}: {e}. tplayers does not handle something in this model "
                 "exactly; the model was sharded in place and is not usable"
             ) from e
+        if expert_group is not None:
+            n = dist.get_world_size(expert_group)
+            for p in params:
+                if p.grad is not None and getattr(placement_or_none(p), "ep_group", None) is not None:
+                    p.grad.div_(n)
         check(probe.logits, sharded_logits, group=group, vocab_parallel=False)
         # the loss of a 16-bit model is computed in fp32 from 16-bit logits: the logits' tolerance
         check(probe.loss.reshape(1), loss.reshape(1), group=group, vocab_parallel=False, what="loss",

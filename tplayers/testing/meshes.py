@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from tplayers.distributed import register_grid_group
+from tplayers.distributed import register_expert_data_group, register_grid_group
 
 DIMS = ("dp", "pp", "tp")
 GRID_DIMS = ("dp", "pp", "tp_r", "tp_c")
@@ -35,6 +35,9 @@ def prepare_mesh(*sizes: int) -> None:
     key = tuple(sizes)
     if key in _meshes:
         return
+    if key and key[0] == "ep":
+        _meshes[key] = _expert_groups(*key[1:])
+        return
     if len(key) not in (3, 4):
         raise ValueError(f"prepare_mesh: (dp, pp, tp) or (dp, pp, tp_r, tp_c), got {key}")
     grid, rank = _grid(*key), dist.get_rank()
@@ -50,6 +53,43 @@ def prepare_mesh(*sizes: int) -> None:
             if rank in ranks:
                 register_grid_group(ranks, group)
     _meshes[key] = mine
+
+
+EXPERT_DIMS = ("edp", "ep", "pp", "tp")
+
+
+def mesh_ranks(key) -> int:
+    """The ranks a mesh key spans: dp * pp * tp (* the grid's r * c); ("ep", dp, ep, pp, tp): dp * pp * tp."""
+    return math.prod(key[1:]) // key[2] if key[0] == "ep" else math.prod(key)
+
+
+def _expert_groups(dp, ep, pp, tp) -> dict:
+    """An ("edp", "ep", "pp", "tp") mesh's groups over its first dp * pp * tp ranks (expert
+    parallelism folded over dp, as `tplayers.init_mesh(ep=)` lays it out), with "dp" the first
+    two dims flattened; this rank's expert-data-parallel group registered."""
+    grid, rank, mine = _grid(dp // ep, ep, pp, tp), dist.get_rank(), {}
+    for dim, name in enumerate(EXPERT_DIMS):
+        for ranks in _lines(grid, dim):
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine[name] = group
+    for ranks in _lines(grid.reshape(dp, pp, tp), 0):
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine["dp"] = group
+    if len(mine) == len(EXPERT_DIMS) + 1:
+        ranks = {name: dist.get_process_group_ranks(g) for name, g in mine.items()}
+        register_expert_data_group(ranks["dp"], ranks["ep"], mine["edp"])
+    return mine
+
+
+def expert_mesh(dp, ep, pp, tp) -> dict:
+    """This rank's groups {"dp", "edp", "ep", "pp", "tp"} of the mesh `prepare_mesh("ep", dp, ep,
+    pp, tp)` made (`WorkerPool.run(..., mesh=("ep", dp, ep, pp, tp))`)."""
+    groups = _meshes.get(("ep", dp, ep, pp, tp))
+    if groups is None:
+        raise RuntimeError(f"expert_mesh: the {(dp, ep, pp, tp)} mesh was not prepared (run the task with mesh=)")
+    return groups
 
 
 def _lines(grid, dim):

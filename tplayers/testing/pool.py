@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from tplayers.distributed import RankError, free_port
-from tplayers.testing.meshes import prepare_mesh
+from tplayers.testing.meshes import mesh_ranks, prepare_mesh
 
 # After one rank fails, how long the others get to report (they may be failing too).
 _GRACE_S = 3.0
@@ -173,8 +173,8 @@ class WorkerPool:
         timeout_s: this task's deadline (default the pool's): ranks still running then have
         their stacks dumped, the pool restarts, and a TimeoutError shows where each was.
         mesh: (dp, pp, tp) or (dp, pp, tp_r, tp_c), `tp` ranks in all: the task may call
-        `layout_mesh(*mesh)`."""
-        if mesh is not None and math.prod(mesh) != tp:
+        `layout_mesh(*mesh)`; ("ep", dp, ep, pp, tp): `expert_mesh(dp, ep, pp, tp)`."""
+        if mesh is not None and mesh_ranks(mesh) != tp:
             raise ValueError(f"mesh {mesh} does not have {tp} ranks")
         if not 1 <= tp <= self.world_size:
             raise ValueError(f"tp must be in 1..{self.world_size}, got {tp}")

@@ -1,0 +1,269 @@
+"""Expert parallelism: whole experts over `expert_group`, tokens moved by all-to-all
+(`tplayers.nn.ParallelExperts`, `tplayers.functional.dispatch`), composed with data parallelism
+(expert weights reduced over their own replicas), ZeRO, clipping and tensor parallelism.
+
+The reference is the unsharded HF model run on each data-parallel rank's micro-batch (its
+auxiliary loss per micro-batch, as HF computes it), gradients averaged over the replicas.
+"""
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tplayers
+from tests.test_families import MLA, VOCAB, tiny_model
+from tplayers.hf.state_dict import gather_grads
+from tplayers.kernels.grouped_matmul_ref import grouped_matmul_ref, grouped_weight_grad_ref
+from tplayers.nn.experts import ParallelExperts
+from tplayers.placement import even_sizes, get_placement
+from tplayers.testing import assert_close, examples
+from tplayers.testing.meshes import expert_mesh
+
+pytestmark = pytest.mark.multirank
+
+AUX = dict(output_router_logits=True, router_aux_loss_coef=0.1)
+# six experts of width 16, top 2 (DeepSeek-V3: two groups of three, the top group only, a shared expert)
+MOE = {
+    "qwen3_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True, **AUX),
+    "mixtral": dict(num_local_experts=6, num_experts_per_tok=2, intermediate_size=16, **AUX),
+    "olmoe": dict(num_experts=6, num_experts_per_tok=2, intermediate_size=16, **AUX),
+    "deepseek_v3": dict(MLA, n_routed_experts=6, n_group=2, topk_group=1),
+}
+MICRO = 2  # sequences per data-parallel rank
+STEPS = 3
+
+
+def batch(step, dp, masked):
+    ids = torch.randint(3, VOCAB, (dp * MICRO, 8), generator=torch.Generator().manual_seed(step))
+    mask = torch.ones_like(ids)
+    if masked:
+        mask[:, -3:] = 0  # right padding: every query still sees a key
+    return ids, mask
+
+
+def experts_of(model):
+    return [m for m in model.modules() if isinstance(m, ParallelExperts)]
+
+
+def matches_unsharded(rank, world, _, family, dp, ep, tp, sp, stage, masked):
+    g = expert_mesh(dp, ep, 1, tp)
+    model = tiny_model(family, **MOE[family])
+    reference = copy.deepcopy(model)
+    tplayers.parallelize(model, group=g["tp"], expert_group=g["ep"], sequence_parallel=sp)
+    layers = experts_of(model)
+    assert layers, family
+    n_experts, r = layers[0].num_experts, torch.distributed.get_rank(g["ep"])
+    for m in layers:  # whole experts, as evenly as they go
+        assert m.gate_up_proj.shape[0] == even_sizes(n_experts, ep)[r]
+    tplayers.data_parallel(model, group=g["dp"], zero_stage=stage)
+    opt = tplayers.data_parallel_optimizer(model, torch.optim.AdamW, lr=1e-3)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    me = torch.distributed.get_rank(g["dp"])
+    for step in range(STEPS):
+        ids, mask = batch(step, dp, masked)
+        mine = slice(me * MICRO, (me + 1) * MICRO)
+        out = model(ids[mine], attention_mask=mask[mine], labels=ids[mine])
+        for r in range(dp):
+            part = slice(r * MICRO, (r + 1) * MICRO)
+            expected = reference(ids[part], attention_mask=mask[part], labels=ids[part])
+            (expected.loss / dp).backward()
+            if r == me:
+                assert_close(out.logits, expected.logits, msg=lambda m: f"{family} step {step} logits: {m}")
+                assert_close(out.loss, expected.loss, msg=lambda m: f"{family} step {step} loss: {m}")
+        out.loss.backward()
+        if step == 0:  # every gradient: router, experts, shared experts, attention
+            grads = gather_grads(model)
+            for name, p in reference.named_parameters():
+                assert_close(grads[name], p.grad, msg=lambda m, k=name: f"{family} grad {k}: {m}")
+        norm = tplayers.clip_grad_norm_(model.parameters(), 0.05)
+        assert_close(norm, torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05))
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    full = tplayers.gather_state_dict(model)
+    for key, value in reference.state_dict().items():
+        assert_close(full[key], value, msg=lambda m, k=key: f"{family} {k} after {STEPS} AdamW steps: {m}")
+    return True
+
+
+# (family, dp, ep, tp, sequence parallel, ZeRO stage, padding mask)
+CASES = [
+    *[(f, 2, 2, 1, False, 3, False) for f in MOE],  # EP 2: three experts each
+    *[(f, 4, 4, 1, False, 3, f == "qwen3_moe") for f in MOE],  # EP 4: 6 experts as 2, 2, 1, 1
+    ("qwen3_moe", 4, 2, 1, False, 0, True),  # EP 2 folded over 4 replicas: experts averaged over 2, DDP
+    ("mixtral", 2, 2, 2, True, 2, True),  # EP 2 x TP 2 with SP: tokens dispatched without a gather
+    ("deepseek_v3", 2, 2, 2, False, 3, True),  # EP 2 x TP 2, shared expert column / row parallel
+]
+
+
+@pytest.mark.parametrize("family, dp, ep, tp, sp, stage, masked", CASES,
+                         ids=[f"{c[0]}-dp{c[1]}-ep{c[2]}-tp{c[3]}{'-sp' if c[4] else ''}-zero{c[5]}" for c in CASES])  # fmt: skip
+def test_expert_parallel_matches_unsharded(tplayers_pool, family, dp, ep, tp, sp, stage, masked):
+    tplayers_pool.run(
+        matches_unsharded, dp * tp, family, dp, ep, tp, sp, stage, masked, mesh=("ep", dp, ep, 1, tp)
+    )
+
+
+def routed_away(rank, world, _):
+    """Every token routed to experts 0-3 (ranks 0 and 1 of 6 experts over EP 4): ranks 2 and 3
+    receive nothing, still join every all-to-all, and get zero gradients."""
+    g = expert_mesh(4, 4, 1, 1)
+    model = tiny_model("qwen3_moe", **MOE["qwen3_moe"])
+    reference = copy.deepcopy(model)
+    tplayers.parallelize(model, group=g["tp"], expert_group=g["ep"])
+    for m in (model, reference):
+        for block in m.model.layers:
+            block.mlp.experts.register_forward_pre_hook(lambda mod, args: (args[0], args[1] % 4, args[2]))
+    ids, _ = batch(0, 4, False)
+    mine = slice(rank * MICRO, (rank + 1) * MICRO)
+    with tplayers.count_bytes():
+        model(ids[mine], labels=ids[mine]).loss.backward()
+    reference(ids[mine], labels=ids[mine]).loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if "experts" in n}
+    assert all(g is not None for g in grads.values()), "an expert without tokens has grad None"
+    if rank >= 2:
+        assert all(g.abs().sum() == 0 for g in grads.values())
+    for name, p in model.named_parameters():  # this rank's own micro-batch: dense gradients are its own
+        if "experts" not in name:
+            assert_close(p.grad, dict(reference.named_parameters())[name].grad)
+    return rank
+
+
+def test_a_rank_that_receives_no_tokens(tplayers_pool):
+    assert tplayers_pool.run(routed_away, 4, mesh=("ep", 4, 4, 1, 1), timeout_s=120) == [0, 1, 2, 3]
+
+
+def dispatch_bytes(rank, world, _, ep):
+    """One step's "ep" bytes equal the formula from the reference routing, each token sent once
+    per destination rank other than its own: forward tokens (H fp32), local expert indices (k
+    int32) and weights (k fp32) out, results (H) back; backward the same rows the other way
+    (results' gradients out, tokens' and weights' gradients back); 8 bytes per rank pair of counts."""
+    g = expert_mesh(ep, ep, 1, 1)
+    model = tiny_model("qwen3_moe", **MOE["qwen3_moe"])
+    reference = copy.deepcopy(model)
+    tplayers.parallelize(model, group=g["tp"], expert_group=g["ep"], verify=False)
+    ids, _ = batch(0, ep, False)
+    picks = []
+    for block in reference.model.layers:
+        block.mlp.experts.register_forward_hook(lambda mod, args, out: picks.append(args[1]))
+    owner = torch.repeat_interleave(torch.arange(ep), torch.tensor(even_sizes(6, ep)))
+    with torch.no_grad():
+        sent = {r: 0 for r in range(ep)}
+        received = {r: 0 for r in range(ep)}
+        for r in range(ep):  # every rank's micro-batch: who sends what to whom
+            picks.clear()
+            reference(ids[r * MICRO : (r + 1) * MICRO])
+            for layer in picks:
+                for dest in range(ep):
+                    rows = int((owner[layer] == dest).any(1).sum()) if dest != r else 0
+                    sent[r] += rows
+                    received[dest] += rows
+    hidden, k, layers = 32, 2, len(reference.model.layers)
+    formula = sent[rank] * (8 * hidden + 8 * k) + received[rank] * (8 * hidden + 4 * k) + layers * 8 * (ep - 1)
+    with tplayers.count_bytes() as counted:
+        model(ids[rank * MICRO : (rank + 1) * MICRO], labels=ids[rank * MICRO : (rank + 1) * MICRO]).loss.backward()
+    return counted.by_axis()["ep"], formula
+
+
+def test_dispatch_bytes_follow_the_routing(tplayers_pool):
+    for counted, formula in tplayers_pool.run(dispatch_bytes, 4, 4, mesh=("ep", 4, 4, 1, 1)):
+        assert counted == formula
+
+
+def refusals(rank, world, _):
+    g = expert_mesh(2, 2, 1, 1)
+    model = tiny_model("gpt_oss", num_local_experts=4, num_experts_per_tok=2)
+    with pytest.raises(ValueError, match=r"mlp.experts \(GptOssExperts\) cannot be placed whole.*laid out"):
+        tplayers.parallelize(model, group=g["tp"], expert_group=g["ep"])
+    model = tiny_model("qwen3_moe", **MOE["qwen3_moe"])
+    tplayers.parallelize(model, group=g["tp"], expert_group=g["ep"])
+    with pytest.raises(ValueError, match="ZeRO-1 with expert parallelism"):
+        tplayers.data_parallel(model, group=g["dp"], zero_stage=1)
+    return True
+
+
+def test_refusals_name_the_module(tplayers_pool):
+    assert all(tplayers_pool.run(refusals, 2, mesh=("ep", 2, 2, 1, 1)))
+
+
+def test_init_mesh_refuses_ep_that_does_not_divide_dp():
+    with pytest.raises(ValueError, match="ep must be a positive int dividing dp"):
+        tplayers.init_mesh(dp=4, ep=3)
+
+
+# ------------------------------------------------------------------------- the grouped GEMM's reference
+def naive(x, w, counts, gather, scale, swiglu):
+    """Pair by pair, in fp64: the reference's reference."""
+    expert = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    rows = []
+    for p in range(int(counts.sum())):
+        y = w[expert[p]].double() @ x[gather[p]].double()
+        if swiglu:
+            gate, up = y.chunk(2)
+            y = torch.nn.functional.silu(gate) * up
+        rows.append(y * scale[p].double())
+    return torch.stack(rows) if rows else torch.zeros(0, w.shape[1] // (2 if swiglu else 1), dtype=torch.float64)
+
+
+@settings(max_examples=examples(20), deadline=None)
+@given(st.data())
+def test_grouped_matmul_ref_matches_pair_by_pair(data):
+    experts = data.draw(st.integers(0, 5), label="experts")
+    counts = torch.tensor(data.draw(st.lists(st.integers(0, 4), min_size=experts, max_size=experts)), dtype=torch.long)
+    dtype = data.draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+    swiglu = data.draw(st.booleans())
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 99)))
+    rows, k, n = 5, 8, 6
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    w = torch.randn(experts, n, k, generator=gen).to(dtype)
+    pairs = int(counts.sum())
+    gather = torch.randint(0, rows, (pairs,), generator=gen)
+    scale = torch.rand(pairs, generator=gen)
+    out = grouped_matmul_ref(x, w, counts, gather=gather, scale=scale, swiglu=swiglu)
+    assert_close(out, naive(x, w, counts, gather, scale, swiglu).to(dtype))
+    scatter = torch.randperm(pairs + 2, generator=gen)[:pairs]
+    spread = grouped_matmul_ref(x, w, counts, gather=gather, scale=scale, swiglu=swiglu, scatter=scatter,
+                                out_rows=pairs + 2)  # fmt: skip
+    assert torch.equal(spread[scatter], out) and spread.abs().sum() == out.abs().sum()
+    dy = torch.randn(pairs, n, generator=gen)
+    expected = torch.zeros(experts, n, k, dtype=torch.float64)
+    for p, e in enumerate(torch.repeat_interleave(torch.arange(experts), counts).tolist()):
+        expected[e] += dy[p].double()[:, None] * x[gather[p]].double()[None, :]
+    assert_close(grouped_weight_grad_ref(dy, x.float(), counts, gather=gather), expected.float())
+
+
+def test_negative_control_a_misrouted_pair_fails():
+    counts, gather = torch.tensor([2, 1]), torch.tensor([0, 1, 2])
+    x, w, scale = torch.randn(3, 4), torch.randn(2, 3, 4), torch.ones(3)
+    wrong = grouped_matmul_ref(x, w, torch.tensor([1, 2]), gather=gather, scale=scale)
+    with pytest.raises(AssertionError):
+        assert_close(wrong, naive(x, w, counts, gather, scale, False).float())
+
+
+def test_empty_experts_get_zero_gradients_not_none():
+    w = torch.randn(3, 4, 2, requires_grad=True)
+    x = torch.randn(2, 2, requires_grad=True)
+    out = grouped_matmul_ref(x, w, torch.tensor([0, 2, 0]), gather=torch.tensor([1, 0]), scale=torch.ones(2))
+    out.sum().backward()
+    assert w.grad is not None and w.grad[0].abs().sum() == 0 and w.grad[2].abs().sum() == 0
+    none = torch.zeros(0, 4, 2, requires_grad=True)
+    grouped_matmul_ref(x[:0], none, torch.zeros(0, dtype=torch.long)).sum().backward()
+    assert none.grad is not None
+
+
+def test_placement_records_the_expert_group(tplayers_pool):
+    assert all(tplayers_pool.run(_records, 2, mesh=("ep", 2, 2, 1, 1)))
+
+
+def _records(rank, world, _):
+    g = expert_mesh(2, 2, 1, 1)
+    model = tiny_model("mixtral", **MOE["mixtral"])
+    tplayers.parallelize(model, group=g["tp"], expert_group=g["ep"], verify=False)
+    record = get_placement(model.model.layers[0].mlp.experts.gate_up_proj)
+    assert record.ep_group is g["ep"] and g["ep"] in record.reduce_groups()
+    assert get_placement(model.model.layers[0].mlp.gate.weight).ep_group is None
+    return True

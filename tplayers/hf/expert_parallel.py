@@ -1,0 +1,98 @@
+"""Expert parallelism for HF MoE models: `parallelize(model, expert_group=mesh["ep"])` replaces
+each experts module with a `tplayers.nn.ParallelExperts` holding whole experts over the expert
+group (and each expert's features split over the tensor-parallel group), under HF's own names
+(`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`).
+
+The replacement runs its own forward (dispatch, grouped GEMM, combine), so it is taken only for
+experts whose math tplayers knows exactly: transformers 5's standard experts, whose forward is
+the one 50-odd families share (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, Granite-MoE, ...):
+act(x W_gate^T) * (x W_up^T) -> W_down, scaled by the routing weight, summed over the top k.
+Anything else (gpt-oss's clamped, interleaved experts with biases, Llama 4's experts fed expert
+by expert, DBRX's stacked ones, PhiMoE's) is refused by name under an expert group; without one,
+their experts are split over the tensor-parallel group as before.
+"""
+
+import inspect
+
+import torch
+import torch.distributed as dist
+
+from tplayers.hf import pieces
+from tplayers.hf.shard import ShardingPass, copy_in, gather, on_device
+from tplayers.nn.experts import ParallelExperts
+from tplayers.placement import shard_range
+
+STANDARD_FLAGS = {"is_concatenated": True, "is_transposed": False, "has_bias": False}
+
+
+def refuse(name, module, why):
+    raise ValueError(
+        f"parallelize(expert_group=...): {name} ({type(module).__name__}) cannot be placed whole over the expert "
+        f"group: {why}, a forward tplayers' expert-parallel layer does not compute. Parallelize without "
+        "expert_group (its experts are then split over the tensor-parallel group, exactly)"
+    )
+
+
+def _source(fn) -> str:
+    return inspect.getsource(inspect.unwrap(fn)).strip()
+
+
+def _standard_forward() -> str:
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    return _source(MixtralExperts.forward)
+
+
+def is_standard(module) -> bool:
+    """Whether `module`'s forward is transformers' standard experts forward, line for line."""
+    try:
+        return _source(type(module).forward) == _standard_forward()
+    except (OSError, TypeError):  # no source to read: not known
+        return False
+
+
+def experts(sp: ShardingPass, name, module, flags, by_expert):
+    """Replace `module` (transformers 5's standard experts) with its expert-parallel form."""
+    if by_expert:
+        refuse(name, module, "it takes the tokens laid out expert by expert")
+    odd = {k: v for k, v in flags.items() if STANDARD_FLAGS.get(k, v) != v}
+    if odd:
+        refuse(name, module, f"its experts are laid out {odd}")
+    if not is_standard(module):
+        refuse(name, module, "its forward is not transformers' standard experts forward")
+    new = ParallelExperts.from_weights(
+        module.gate_up_proj, module.down_proj, expert_group=sp.expert_group, group=sp.group,
+        sequence_parallel=sp.sp, act_fn=module.act_fn,
+    )  # fmt: skip
+    new = on_device(new, module.gate_up_proj.device)
+    sp.swap(name, new)
+    hidden, f = new.hidden_size, new.ffn_size
+    tp_sizes = [new.unit * b for b in new.ffn_blocks]
+
+    def export(pick, group):
+        out = {}
+        gate_up, down = pick(new.gate_up_proj), pick(new.down_proj)
+        if gate_up is not None:  # every TP rank's [gate_r; up_r] -> [gate; up], then the experts in order
+            halves = [part.chunk(2, 1) for part in gather(gate_up, 1, group).split([2 * s for s in tp_sizes], 1)]
+            full = torch.cat([h[0] for h in halves] + [h[1] for h in halves], 1)
+            out["gate_up_proj"] = gather(full, 0, new.expert_group)
+        if down is not None:
+            out["down_proj"] = gather(gather(down, 2, group), 0, new.expert_group)
+        return out
+
+    def load(full):
+        copy_in(new.gate_up_proj, new.own_gate_up(full["gate_up_proj"]))
+        copy_in(new.down_proj, new.own_down(full["down_proj"]))
+
+    def layout():
+        n_tp, r_tp = dist.get_world_size(new.group), dist.get_rank(new.group)
+        start, size = (new.unit * v for v in shard_range(f // new.unit, n_tp, r_tp, new.ffn_blocks))
+        own, offset = torch.arange(start, start + size), (new.first_expert, 0, 0)
+        return [
+            pieces.block("gate_up_proj", new.gate_up_proj, (new.num_experts, 2 * f, hidden), offset, dim=1,
+                         local=torch.arange(2 * size), glob=torch.cat([own, own + f])),
+            pieces.block("down_proj", new.down_proj, (new.num_experts, hidden, f), offset, dim=2,
+                         local=torch.arange(size), glob=own),
+        ]  # fmt: skip
+
+    sp.exports.append((name, export, load, layout))

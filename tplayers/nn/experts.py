@@ -1,0 +1,143 @@
+"""`ParallelExperts`: the experts of one MoE layer placed whole over an expert-parallel group,
+the tokens moved to them (`tplayers.functional.dispatch`), each expert's features optionally
+split over the tensor-parallel group too (Megatron's expert tensor parallelism).
+
+E experts over n expert-parallel ranks: rank r holds `even_sizes(E, n)[r]` consecutive experts
+(6 over 4: 2, 2, 1, 1; 2 over 4: 1, 1, 0, 0), in transformers 5's layout:
+
+    gate_up_proj   (E_r, 2 f, H): each expert's [gate; up] rows, f = this TP rank's share of F
+    down_proj      (E_r, H, f)
+
+f splits F over the TP group in 16-byte-aligned blocks as evenly as they go (as the
+tensor-parallel experts of `tplayers.hf.moe` do); one TP rank: f = F.
+
+Forward(hidden_states (T, H), top_k_index (T, k), top_k_weights (T, k)) -> (T, H), HF's experts
+call. The ranks of the expert group feed different tokens (expert parallelism folds over the
+data-parallel ranks); within a TP group:
+
+    no sequence parallelism   every TP rank holds the same tokens and dispatches them to its
+                              peers of the same TP index; each computes its features' partial
+                              sum, and the TP group sums the combined outputs (one all-reduce,
+                              as a dense MLP); the tokens' and weights' gradients are summed too
+    sequence parallelism      each TP rank holds its own tokens and dispatches only those; the
+                              rows its TP group received are gathered over the group, and the
+                              partial outputs reduce-scattered back to the rank that received each
+
+The weights' gradients: an expert's gradient sums the pairs of every rank of the expert group
+that sent it tokens. The mean over all data-parallel replicas is the mean over the expert's own
+replicas (the expert-data-parallel group, over which `tplayers.data_parallel` reduces it) divided
+by the expert group's size: `data_parallel` sets `grad_divisor` so, and the weights' gradient is
+divided by it as it is computed.
+"""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import Shard
+
+from tplayers.distributed import resolve_group
+from tplayers.functional import dispatch
+from tplayers.functional.collectives import copy_to_tp_region, own_slice, reduce_from_tp_region
+from tplayers.functional.experts import expert_mlp, scale_grad
+from tplayers.placement import PlacedModule, even_sizes, shard_range, update_placement
+
+
+def aligned_unit(f, n) -> int:
+    """The unit F splits in over n TP ranks: HF's grouped GEMM over the experts needs the rows of
+    down_proj (E, H, F) 16-byte aligned, so F splits in whole blocks of up to 16 entries (16 bytes
+    in any dtype from fp8 to fp32), the largest that divides F and leaves every rank a block."""
+    return next(u for u in (16, 8, 4, 2, 1) if f % u == 0 and f // u >= n or u == 1)
+
+
+class ParallelExperts(PlacedModule):
+    """`num_experts` SwiGLU-style experts (act(gate) * up -> down) of width `ffn_size` over
+    `hidden_size`, whole over `expert_group`, each split over `group` (see the module docstring).
+    `act_fn`: the activation of the gate (SiLU by default; SiLU runs fused in the grouped GEMM)."""
+
+    def __init__(
+        self, num_experts, hidden_size, ffn_size, *, expert_group=None, group=None, sequence_parallel=False,
+        act_fn=None, device=None, dtype=None,
+    ):  # fmt: skip
+        super().__init__()
+        self.expert_group, self.group = resolve_group(expert_group), resolve_group(group)
+        self.num_experts, self.hidden_size, self.ffn_size = num_experts, hidden_size, ffn_size
+        self.sequence_parallel = sequence_parallel
+        self.act_fn = act_fn if act_fn is not None else nn.SiLU()
+        n_ep, n_tp = dist.get_world_size(self.expert_group), dist.get_world_size(self.group)
+        self.expert_sizes = even_sizes(num_experts, n_ep)
+        self.first_expert, self.local_experts = shard_range(
+            num_experts, n_ep, dist.get_rank(self.expert_group), self.expert_sizes
+        )
+        self.unit = aligned_unit(ffn_size, n_tp)
+        self.ffn_blocks = even_sizes(ffn_size // self.unit, n_tp)
+        f = self.unit * self.ffn_blocks[dist.get_rank(self.group)]
+        kw = dict(device=device, dtype=dtype)
+        self.gate_up_proj = nn.Parameter(torch.empty(self.local_experts, 2 * f, hidden_size, **kw))
+        self.down_proj = nn.Parameter(torch.empty(self.local_experts, hidden_size, f, **kw))
+        self._placements = {"gate_up_proj": Shard(1), "down_proj": Shard(2)}
+        self._keep_placements()
+        # the weights' gradients are divided by it (`tplayers.data_parallel`: the replicas' mean)
+        self.grad_divisor = 1
+
+    def _tag_parameters(self, *_):
+        super()._tag_parameters()
+        for name in self._placements:
+            update_placement(getattr(self, name), ep_group=self.expert_group)
+
+    # -- this rank's slice of the unsharded (E, 2F, H) / (E, H, F) tensors ----------------------
+    def own_ffn(self, t, dim):
+        return own_slice(t, dim, self.group, self.unit, self.ffn_blocks)
+
+    def own_gate_up(self, full):
+        """This rank's [gate_r; up_r] of its experts, from the unsharded (E, 2F, H)."""
+        gate, up = full[self.first_expert : self.first_expert + self.local_experts].chunk(2, 1)
+        return torch.cat([self.own_ffn(gate, 1), self.own_ffn(up, 1)], 1)
+
+    def own_down(self, full):
+        return self.own_ffn(full[self.first_expert : self.first_expert + self.local_experts], 2)
+
+    @classmethod
+    def from_weights(cls, gate_up, down, **kwargs):
+        """The layer holding this rank's slice of the unsharded gate_up (E, 2F, H) and down (E, H, F)."""
+        experts, two_f, hidden = gate_up.shape
+        layer = cls(experts, hidden, two_f // 2, device="meta", dtype=gate_up.dtype, **kwargs)
+        with torch.no_grad():
+            layer.gate_up_proj = nn.Parameter(layer.own_gate_up(gate_up.detach()).clone(), gate_up.requires_grad)
+            layer.down_proj = nn.Parameter(layer.own_down(down.detach()).clone(), down.requires_grad)
+        layer._tag_parameters()
+        return layer
+
+    def extra_repr(self):
+        return (
+            f"experts {self.first_expert}..{self.first_expert + self.local_experts - 1} of {self.num_experts}, "
+            f"hidden {self.hidden_size}, ffn {self.ffn_size} (local {self.down_proj.shape[-1]}), "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        if hidden_states.dim() != 2 or top_k_index.shape != top_k_weights.shape:
+            raise ValueError(
+                f"ParallelExperts: hidden_states (tokens, H) and top_k_index / top_k_weights (tokens, k), got "
+                f"{tuple(hidden_states.shape)}, {tuple(top_k_index.shape)}, {tuple(top_k_weights.shape)}"
+            )
+        tp_split = dist.get_world_size(self.group) > 1
+        if tp_split and not self.sequence_parallel:  # every TP rank the same tokens: gradients summed
+            hidden_states = copy_to_tp_region(hidden_states, self.group)
+            top_k_weights = copy_to_tp_region(top_k_weights, self.group)
+        r = dispatch.route(top_k_index, self.expert_sizes, self.num_experts, self.expert_group)
+        x, local, w = dispatch.dispatch(hidden_states, top_k_weights, r, self.expert_group)
+        sizes = [x.shape[0]]
+        if tp_split and self.sequence_parallel:  # the TP group's received rows, each rank its features
+            sizes = dispatch.row_counts(x.shape[0], self.group, x.device)
+            x, w = dispatch.gather_rows(x, sizes, self.group), dispatch.gather_rows(w, sizes, self.group)
+            local = dispatch.gather_rows(local, sizes, self.group)
+        p = dispatch.pairs(local, self.local_experts)
+        gate_up, down = (scale_grad(t, 1 / self.grad_divisor) for t in (self.gate_up_proj, self.down_proj))
+        out = expert_mlp(x, p.gather, p.counts, gate_up, down, w[p.gather, p.pick], self.act_fn)
+        out = dispatch.sum_pairs(out, p, x.shape[0], local.shape[1])
+        if len(sizes) > 1:
+            out = dispatch.reduce_scatter_rows(out, sizes, self.group)
+        out = dispatch.combine(out, r, hidden_states.shape[0], self.expert_group)
+        if tp_split and not self.sequence_parallel:
+            out = reduce_from_tp_region(out, self.group)
+        return out.to(hidden_states.dtype)
