@@ -73,7 +73,9 @@ def grouped_matmul_ref(x, w, counts, *, gather=None, scale=None, swiglu=False, s
 def grouped_weight_grad_ref(dy, x, counts, *, gather=None):
     """dW (E, N, K) in fp32: each expert's pairs' dy^T @ x rows."""
     rows = x.index_select(0, gather) if gather is not None else x
-    grads = [d.float().t() @ r.float() for d, r in zip(dy.split(counts.tolist()), rows.split(counts.tolist()), strict=True)]
+    grads = [
+        d.float().t() @ r.float() for d, r in zip(dy.split(counts.tolist()), rows.split(counts.tolist()), strict=True)
+    ]
     if grads:
         return torch.stack(grads)
     return dy.new_zeros(0, dy.shape[1], x.shape[1], dtype=torch.float32)

@@ -12,11 +12,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tplayers.kernels.grouped_matmul_ref import grouped_matmul_ref, grouped_weight_grad_ref
 
 import tplayers
 from tests.test_families import MLA, VOCAB, tiny_model
 from tplayers.hf.state_dict import gather_grads
-from tplayers.kernels.grouped_matmul_ref import grouped_matmul_ref, grouped_weight_grad_ref
 from tplayers.nn.experts import ParallelExperts
 from tplayers.placement import even_sizes, get_placement
 from tplayers.testing import assert_close, examples
@@ -71,8 +71,8 @@ def matches_unsharded(rank, world, _, family, dp, ep, tp, sp, stage, masked):
             expected = reference(ids[part], attention_mask=mask[part], labels=ids[part])
             (expected.loss / dp).backward()
             if r == me:
-                assert_close(out.logits, expected.logits, msg=lambda m: f"{family} step {step} logits: {m}")
-                assert_close(out.loss, expected.loss, msg=lambda m: f"{family} step {step} loss: {m}")
+                assert_close(out.logits, expected.logits, msg=lambda m, s=step: f"{family} step {s} logits: {m}")
+                assert_close(out.loss, expected.loss, msg=lambda m, s=step: f"{family} step {s} loss: {m}")
         out.loss.backward()
         if step == 0:  # every gradient: router, experts, shared experts, attention
             grads = gather_grads(model)
@@ -100,12 +100,12 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("family, dp, ep, tp, sp, stage, masked", CASES,
-                         ids=[f"{c[0]}-dp{c[1]}-ep{c[2]}-tp{c[3]}{'-sp' if c[4] else ''}-zero{c[5]}" for c in CASES])  # fmt: skip
+IDS = [f"{c[0]}-dp{c[1]}-ep{c[2]}-tp{c[3]}{'-sp' if c[4] else ''}-zero{c[5]}" for c in CASES]
+
+
+@pytest.mark.parametrize("family, dp, ep, tp, sp, stage, masked", CASES, ids=IDS)
 def test_expert_parallel_matches_unsharded(tplayers_pool, family, dp, ep, tp, sp, stage, masked):
-    tplayers_pool.run(
-        matches_unsharded, dp * tp, family, dp, ep, tp, sp, stage, masked, mesh=("ep", dp, ep, 1, tp)
-    )
+    tplayers_pool.run(matches_unsharded, dp * tp, family, dp, ep, tp, sp, stage, masked, mesh=("ep", dp, ep, 1, tp))
 
 
 def routed_away(rank, world, _):

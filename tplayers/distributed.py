@@ -105,7 +105,9 @@ def init_mesh(*, dp: int = 1, pp: int = 1, tp: int | tuple[int, int] = 1, ep: in
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"{name} must be a positive int, got {size!r}")
     if not isinstance(ep, int) or ep < 1 or dp % ep:
-        raise ValueError(f"ep must be a positive int dividing dp ({dp}): expert parallelism folds over the replicas, got {ep!r}")
+        raise ValueError(
+            f"ep must be a positive int dividing dp ({dp}): expert parallelism folds over the replicas, got {ep!r}"
+        )
     if ep > 1 and grid:
         raise ValueError("init_mesh: ep with a 2-D tensor-parallel grid is not supported")
     tp_size = grid[0] * grid[1] if grid else tp

@@ -233,7 +233,7 @@ def data_parallel(
     if param_dtype is not None:
         _check_mixed_precision(module, zero_stage, param_dtype)
     records = {name: get_placement(p) for name, p in module.named_parameters()}
-    experts = [m for m in module.modules() if isinstance(m, ParallelExperts)]
+    experts = [m for m in module.modules() if isinstance(m, ParallelExperts) and m.expert_group is not None]
     _check_experts(experts, pg, zero_stage)
     # Each expert's gradient sums its expert group's batches: the mean over every replica is the
     # mean over the expert's own replicas of it divided by the expert group's size (`grad_divisor`)

@@ -94,7 +94,11 @@ def dispatch(hidden, weights, r: Route, group):
     """(tokens, their local expert indices, their routing weights) this rank receives, the
     senders in rank order."""
     local = _exchange(r.local.to(torch.int32), r.send, r.recv, group).long()  # integers: no gradient
-    return all_to_all(hidden[r.token], r.send, r.recv, group), local, all_to_all(weights[r.token], r.send, r.recv, group)
+    return (
+        all_to_all(hidden[r.token], r.send, r.recv, group),
+        local,
+        all_to_all(weights[r.token], r.send, r.recv, group),
+    )
 
 
 def combine(out, r: Route, tokens, group):
@@ -124,12 +128,6 @@ def pairs(local, n_local) -> Pairs:
     row, pick, expert = row[order], pick[order], expert[order]
     counts = torch.bincount(expert, minlength=n_local) if n_local else expert.new_zeros(0)
     return Pairs(row, row * local.shape[1] + pick, pick, counts)
-
-
-def sum_pairs(out, p: Pairs, rows, k):
-    """Each received token's pairs' outputs (`out`, in pair order) summed in pick order: (rows, H)."""
-    grid = out.new_zeros(rows * k, out.shape[-1]).index_copy(0, p.scatter, out)
-    return grid.view(rows, k, out.shape[-1]).sum(1)
 
 
 # ------------------------------------------------------------------- uneven rows over the TP group

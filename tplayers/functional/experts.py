@@ -16,23 +16,25 @@ def is_silu(act) -> bool:
     return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation" or act is torch.nn.functional.silu
 
 
-def expert_mlp(x, gather, counts, gate_up, down, scale, act):
-    """Per pair p of expert e (rows sorted by expert, `counts[e]` each): scale[p] * W_down[e]
-    (act(gate) * up) of x[gather[p]], with gate_up[e] = [W_gate; W_up] (2F, H) and down[e] (H, F).
-    Returns (pairs, H) in x's dtype."""
-    if uses_triton(x):
+def expert_mlp(x, pairs, k, gate_up, down, scale, act):
+    """Each received row's sum over its (token, expert) pairs (`tplayers.functional.dispatch.Pairs`:
+    rows of x through `gather`, sorted by expert) of scale[p] * W_down[e] (act(gate) * up), with
+    gate_up[e] = [W_gate; W_up] (2F, H) and down[e] (H, F); the pairs summed in pick order.
+    Returns (rows, H) in x's dtype."""
+    rows = x.shape[0]
+    if uses_triton(x) and is_silu(act):
         from tplayers.kernels.grouped_matmul import grouped_mlp
 
-        if is_silu(act):
-            return grouped_mlp(x, gather, counts, gate_up, down, scale)
+        return grouped_mlp(x, pairs.gather, pairs.scatter, k, pairs.counts, gate_up, down, scale)
     from tplayers.kernels.grouped_matmul_ref import grouped_matmul_ref
 
     if is_silu(act):
-        h = grouped_matmul_ref(x, gate_up, counts, gather=gather, swiglu=True)
+        h = grouped_matmul_ref(x, gate_up, pairs.counts, gather=pairs.gather, swiglu=True)
     else:
-        gate, up = grouped_matmul_ref(x, gate_up, counts, gather=gather).chunk(2, dim=-1)
+        gate, up = grouped_matmul_ref(x, gate_up, pairs.counts, gather=pairs.gather).chunk(2, dim=-1)
         h = act(gate) * up
-    return grouped_matmul_ref(h, down, counts, scale=scale)
+    cells = grouped_matmul_ref(h, down, pairs.counts, scale=scale, scatter=pairs.scatter, out_rows=rows * k)
+    return cells.view(rows, k, down.shape[1]).sum(1)
 
 
 class _ScaleGrad(torch.autograd.Function):

@@ -1,7 +1,9 @@
 """Expert parallelism for HF MoE models: `parallelize(model, expert_group=mesh["ep"])` replaces
 each experts module with a `tplayers.nn.ParallelExperts` holding whole experts over the expert
 group (and each expert's features split over the tensor-parallel group), under HF's own names
-(`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`).
+(`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`). Without an expert group, standard experts
+are replaced the same way (every expert on every rank, its features split over the TP group), so
+the grouped GEMM kernel runs them too.
 
 The replacement runs its own forward (dispatch, grouped GEMM, combine), so it is taken only for
 experts whose math tplayers knows exactly: transformers 5's standard experts, whose forward is
@@ -51,8 +53,14 @@ def is_standard(module) -> bool:
         return False
 
 
+def standard(module, flags, by_expert) -> bool:
+    """Whether `module` is transformers 5's standard experts: its layout and its forward."""
+    return not by_expert and all(flags.get(k, v) == v for k, v in STANDARD_FLAGS.items()) and is_standard(module)
+
+
 def experts(sp: ShardingPass, name, module, flags, by_expert):
-    """Replace `module` (transformers 5's standard experts) with its expert-parallel form."""
+    """Replace `module` (transformers 5's standard experts) with a `ParallelExperts`: whole
+    experts over the expert group if there is one, each expert's features over the TP group."""
     if by_expert:
         refuse(name, module, "it takes the tokens laid out expert by expert")
     odd = {k: v for k, v in flags.items() if STANDARD_FLAGS.get(k, v) != v}
@@ -75,10 +83,13 @@ def experts(sp: ShardingPass, name, module, flags, by_expert):
         if gate_up is not None:  # every TP rank's [gate_r; up_r] -> [gate; up], then the experts in order
             halves = [part.chunk(2, 1) for part in gather(gate_up, 1, group).split([2 * s for s in tp_sizes], 1)]
             full = torch.cat([h[0] for h in halves] + [h[1] for h in halves], 1)
-            out["gate_up_proj"] = gather(full, 0, new.expert_group)
+            out["gate_up_proj"] = whole_experts(full)
         if down is not None:
-            out["down_proj"] = gather(gather(down, 2, group), 0, new.expert_group)
+            out["down_proj"] = whole_experts(gather(down, 2, group))
         return out
+
+    def whole_experts(t):
+        return gather(t, 0, new.expert_group) if new.expert_group is not None else t
 
     def load(full):
         copy_in(new.gate_up_proj, new.own_gate_up(full["gate_up_proj"]))

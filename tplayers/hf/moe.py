@@ -171,10 +171,11 @@ def _eager_where_unaligned(module, sizes):
 
 
 def experts(sp: ShardingPass, name, module):
-    """Shard every expert of `module` over the group (see the module docstring); with an expert
-    group, place whole experts over it (`tplayers.hf.expert_parallel`)."""
+    """Shard every expert of `module` over the group (see the module docstring); transformers'
+    standard experts, and any experts under an expert group, become `ParallelExperts`
+    (`tplayers.hf.expert_parallel`: whole experts over the expert group, the grouped GEMM)."""
     flags, by_expert = _layout(name, module)
-    if sp.expert_group is not None:
+    if sp.expert_group is not None or expert_parallel.standard(module, flags, by_expert):
         return expert_parallel.experts(sp, name, module, flags, by_expert)
     n_experts = module.gate_up_proj.shape[0]
     fa, fd = (2, 1) if flags["is_transposed"] else (1, 2)  # the F axis of gate_up_proj, of down_proj

@@ -324,7 +324,9 @@ def _parallelize(
     with another (they carry LoRA adapters)."""
     probe = verification.before(model, verify, dist.get_world_size(group), vocab_parallel=vocab_parallel_logits)
     keys = list(model.state_dict().keys())
-    parallelizer = ShardingPass(model, group, sequence_parallel, plan, vocab_parallel_logits, overlap, keep, expert_group)
+    parallelizer = ShardingPass(
+        model, group, sequence_parallel, plan, vocab_parallel_logits, overlap, keep, expert_group
+    )
     parallelizer.run(families.ADAPTERS, families.EMBEDDINGS, families.LINEAR_EQUIVALENTS)  # read per call: patchable
     if sequence_parallel:
         blocks = _decoder_blocks(model, parallelizer.shared_input)

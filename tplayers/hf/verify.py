@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch import nn
 
 from tplayers.functional.collectives import all_gather_any, all_gather_dim
-from tplayers.tolerances import tolerance
 from tplayers.placement import placement_or_none
+from tplayers.tolerances import tolerance
 
 PROBE_BATCH = 2
 PROBE_TOKENS_PER_RANK = 4  # a multiple of the TP size, so sequence parallelism can split it

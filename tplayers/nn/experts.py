@@ -59,15 +59,18 @@ class ParallelExperts(PlacedModule):
         act_fn=None, device=None, dtype=None,
     ):  # fmt: skip
         super().__init__()
-        self.expert_group, self.group = resolve_group(expert_group), resolve_group(group)
+        # None: no expert parallelism, every expert here (its features split over `group`)
+        self.expert_group = resolve_group(expert_group) if expert_group is not None else None
+        self.group = resolve_group(group)
         self.num_experts, self.hidden_size, self.ffn_size = num_experts, hidden_size, ffn_size
         self.sequence_parallel = sequence_parallel
         self.act_fn = act_fn if act_fn is not None else nn.SiLU()
-        n_ep, n_tp = dist.get_world_size(self.expert_group), dist.get_world_size(self.group)
-        self.expert_sizes = even_sizes(num_experts, n_ep)
-        self.first_expert, self.local_experts = shard_range(
-            num_experts, n_ep, dist.get_rank(self.expert_group), self.expert_sizes
+        n_tp = dist.get_world_size(self.group)
+        n_ep, r_ep = (
+            (dist.get_world_size(self.expert_group), dist.get_rank(self.expert_group)) if expert_group else (1, 0)
         )
+        self.expert_sizes = even_sizes(num_experts, n_ep)
+        self.first_expert, self.local_experts = shard_range(num_experts, n_ep, r_ep, self.expert_sizes)
         self.unit = aligned_unit(ffn_size, n_tp)
         self.ffn_blocks = even_sizes(ffn_size // self.unit, n_tp)
         f = self.unit * self.ffn_blocks[dist.get_rank(self.group)]
@@ -124,8 +127,12 @@ class ParallelExperts(PlacedModule):
         if tp_split and not self.sequence_parallel:  # every TP rank the same tokens: gradients summed
             hidden_states = copy_to_tp_region(hidden_states, self.group)
             top_k_weights = copy_to_tp_region(top_k_weights, self.group)
-        r = dispatch.route(top_k_index, self.expert_sizes, self.num_experts, self.expert_group)
-        x, local, w = dispatch.dispatch(hidden_states, top_k_weights, r, self.expert_group)
+        if self.expert_group is not None:
+            r = dispatch.route(top_k_index, self.expert_sizes, self.num_experts, self.expert_group)
+            x, local, w = dispatch.dispatch(hidden_states, top_k_weights, r, self.expert_group)
+        else:  # every expert here: HF's padding index (num_experts) picks none
+            x, w = hidden_states, top_k_weights
+            local = torch.where((top_k_index >= 0) & (top_k_index < self.num_experts), top_k_index, -1)
         sizes = [x.shape[0]]
         if tp_split and self.sequence_parallel:  # the TP group's received rows, each rank its features
             sizes = dispatch.row_counts(x.shape[0], self.group, x.device)
@@ -133,11 +140,11 @@ class ParallelExperts(PlacedModule):
             local = dispatch.gather_rows(local, sizes, self.group)
         p = dispatch.pairs(local, self.local_experts)
         gate_up, down = (scale_grad(t, 1 / self.grad_divisor) for t in (self.gate_up_proj, self.down_proj))
-        out = expert_mlp(x, p.gather, p.counts, gate_up, down, w[p.gather, p.pick], self.act_fn)
-        out = dispatch.sum_pairs(out, p, x.shape[0], local.shape[1])
+        out = expert_mlp(x, p, local.shape[1], gate_up, down, w[p.gather, p.pick], self.act_fn)
         if len(sizes) > 1:
             out = dispatch.reduce_scatter_rows(out, sizes, self.group)
-        out = dispatch.combine(out, r, hidden_states.shape[0], self.expert_group)
+        if self.expert_group is not None:
+            out = dispatch.combine(out, r, hidden_states.shape[0], self.expert_group)
         if tp_split and not self.sequence_parallel:
             out = reduce_from_tp_region(out, self.group)
         return out.to(hidden_states.dtype)

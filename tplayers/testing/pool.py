@@ -10,7 +10,6 @@ seconds, not a collective timeout.
 
 import datetime
 import faulthandler
-import math
 import multiprocessing as mp
 import os
 import pickle
