@@ -16,6 +16,14 @@ dtype of torch's output) and then timed with triton.testing.do_bench (median):
                         repeated calls leave the gradients as they were
     vocab_ce            vocab_ce_stats + the loss from its columns against F.cross_entropy
                         (reduction="none", label smoothing 0.1: every column is used)
+    grouped_matmul      the experts' gate|up GEMM with the SwiGLU epilogue, rows read through
+                        the pairs' gather index, against torch's grouped GEMM
+                        (torch._grouped_mm on the gathered rows, then silu(gate) * up) and
+                        against a loop of F.linear per expert; the down GEMM with the routing
+                        weight scale, written through the scatter index, likewise; and the
+                        experts' MLP forward + backward (grouped_mlp) against the loop under
+                        autograd. Shapes of Qwen3-30B-A3B and DeepSeek-V3 experts at EP 8 and
+                        of Mixtral's at EP 1, random balanced routing, top 2 of the rank's experts
 torch runs each op in the inputs' dtype, as eager code does.
 
     python bench/kernels.py [--quick] [--out bench/out/kernels]      (or: tplayers bench --kernels)
@@ -23,7 +31,9 @@ torch runs each op in the inputs' dtype, as eager code does.
 Writes <out>/kernels.csv and <out>/kernels.png (triton / torch time per pair) and prints a
 table. Ratios below 1 favour Triton. TFLOP/s counts 2 M N K per GEMM; GB/s counts the least
 traffic of the op (each input read once, each output written once), the same bytes for both
-providers. Exits 2 without a CUDA GPU, 1 if a pair disagrees beyond the tolerance.
+providers. Without a CUDA GPU it says so and runs the same cases on tiny shapes in Triton's
+interpreter (a check of the kernels and of this script; the times mean nothing). Exits 1 if a
+pair disagrees beyond the tolerance.
 """
 
 import argparse
@@ -77,6 +87,7 @@ class Shapes:
     swiglu: tuple  # (M, N): tokens, FFN columns per rank
     grads: Decoder  # whose parameters' gradients grad_stats reads
     vocab: tuple  # (R, V): rows (tokens), vocabulary
+    grouped: tuple  # (P, E, H, F): (token, expert) pairs, experts, hidden, expert width
     warmup_ms: int  # do_bench's warmup and rep, per provider of each pair
     rep_ms: int
 
@@ -87,6 +98,8 @@ SHAPES = Shapes(
     swiglu=((8192, 14336), (16384, 5504)),
     grads=Decoder("100m", hidden=768, layers=8, ffn=2048, kv_hidden=768, vocab=32000),  # 105.8M elements
     vocab=((8192, 32000), (4096, 128256)),  # Llama 2 and Llama 3 vocabularies
+    # Qwen3-30B-A3B (128 experts of 768) and DeepSeek-V3 (256 of 2048) at EP 8; Mixtral (8 of 14336)
+    grouped=((16384, 16, 2048, 768), (16384, 32, 7168, 2048), (8192, 8, 4096, 14336)),
     warmup_ms=10,
     rep_ms=50,
 )
@@ -95,8 +108,19 @@ QUICK_SHAPES = Shapes(
     swiglu=((1024, 2048),),
     grads=Decoder("tiny", hidden=128, layers=2, ffn=344, kv_hidden=64, vocab=4096),
     vocab=((1024, 32000),),
+    grouped=((2048, 8, 512, 256),),
     warmup_ms=5,
     rep_ms=10,
+)
+# Without a GPU: the same cases in Triton's interpreter, shapes it runs in seconds
+INTERPRETER_SHAPES = Shapes(
+    gemms=((32, 48, 16),),
+    swiglu=((8, 32),),
+    grads=Decoder("tiny", hidden=16, layers=1, ffn=32, kv_hidden=8, vocab=50),
+    vocab=((8, 100),),
+    grouped=((24, 3, 16, 8),),
+    warmup_ms=0,
+    rep_ms=0,
 )
 GEMM_DTYPES = (torch.bfloat16, torch.float16)
 # name -> (bias, activation, residual, swiglu): the fused epilogues of kernels/matmul.py
@@ -111,8 +135,8 @@ EPILOGUES = {
 GRAD_DTYPES = (torch.float32, torch.float16)
 LABEL_SMOOTHING = 0.1
 NO_GPU = (
-    "no CUDA GPU is visible (torch.cuda.is_available() is False): this times the Triton kernels on one; "
-    "on a CPU they would run in Triton's interpreter, which times numpy, not Triton"
+    "no CUDA GPU is visible (torch.cuda.is_available() is False): running the same checks on tiny shapes in "
+    "Triton's interpreter instead; its times are numpy's, not Triton's, and say nothing about a GPU"
 )
 LOSS_SCALE = 2.0**16
 FIELDS = (
@@ -232,6 +256,90 @@ def vocab_ce_pair(R, V, dtype, impl, device):
     return Pair(triton_fn, torch_fn)
 
 
+def _routing(P, E, device, gen):
+    """P pairs over E experts at random (balanced on average), sorted by expert; each of the P / 2
+    tokens picked by two of them."""
+    expert = torch.randint(E, (P,), generator=gen, device=device).sort().values
+    counts = torch.bincount(expert, minlength=E)
+    gather = torch.randint(P // 2, (P,), generator=gen, device=device)
+    return counts, gather
+
+
+def _per_expert(x, counts, fn):
+    """fn(e, rows of expert e) for each expert, concatenated: the loop MoE code writes."""
+    return torch.cat([fn(e, part) for e, part in enumerate(x.split(counts.tolist()))])
+
+
+def grouped_pair(P, E, H, F_, dtype, impl, device, *, op, baseline):
+    gen = torch.Generator(device=device).manual_seed(0)
+    counts, gather = _routing(P, E, device, gen)
+    offs = counts.cumsum(0).to(torch.int32)
+    if op == "gate_up+swiglu":
+        x = _randn((P // 2, H), dtype, device, gen)
+        w = _randn((E, 2 * F_, H), dtype, device, gen, scale=H**-0.5)
+
+        def triton_fn():
+            return impl.grouped_matmul(x, w, counts, gather=gather, swiglu=True)
+
+        def torch_fn():
+            rows = x[gather]
+            if baseline == "_grouped_mm":
+                y = torch._grouped_mm(rows, w.transpose(1, 2), offs=offs)
+            else:
+                y = _per_expert(rows, counts, lambda e, r: F.linear(r, w[e]))
+            return F.silu(y[:, :F_]) * y[:, F_:]
+
+        return Pair(triton_fn, torch_fn)
+    h = _randn((P, F_), dtype, device, gen)
+    w = _randn((E, H, F_), dtype, device, gen, scale=F_**-0.5)
+    scale = torch.rand(P, generator=gen, device=device)
+    scatter = torch.randperm(P, generator=gen, device=device)
+
+    def triton_down():
+        return impl.grouped_matmul(h, w, counts, scale=scale, scatter=scatter, out_rows=P)
+
+    def torch_down():
+        if baseline == "_grouped_mm":
+            y = torch._grouped_mm(h, w.transpose(1, 2), offs=offs)
+        else:
+            y = _per_expert(h, counts, lambda e, r: F.linear(r, w[e]))
+        out = torch.zeros_like(y)
+        out[scatter] = (y.float() * scale[:, None]).to(dtype)
+        return out
+
+    return Pair(triton_down, torch_down)
+
+
+def grouped_mlp_pair(P, E, H, F_, dtype, impl, device):
+    """The experts' MLP forward and backward (every gradient) against the loop under autograd."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    counts, _ = _routing(P, E, device, gen)
+    rows, k = P // 2, 2
+    scatter = torch.randperm(rows * k, generator=gen, device=device)[:P]  # each pair's (row, pick) cell
+    gather = scatter // k  # read from the row it is written to
+    x = _randn((rows, H), dtype, device, gen).requires_grad_()
+    gate_up = _randn((E, 2 * F_, H), dtype, device, gen, scale=H**-0.5).requires_grad_()
+    down = _randn((E, H, F_), dtype, device, gen, scale=F_**-0.5).requires_grad_()
+    scale = torch.rand(P, generator=gen, device=device).requires_grad_()
+    dout = _randn((rows, H), dtype, device, gen)
+    inputs = (x, gate_up, down, scale)
+
+    def triton_fn():
+        out = impl.grouped_mlp(x, gather, scatter, k, counts, gate_up, down, scale)
+        return (out, *(g.to(dtype) for g in torch.autograd.grad(out, inputs, dout)))  # scale's at the compute dtype
+
+    def torch_fn():
+        def expert(e, r):
+            gate, up = F.linear(r, gate_up[e]).chunk(2, -1)
+            return F.linear(F.silu(gate) * up, down[e])
+
+        y = _per_expert(x[gather], counts, expert) * scale[:, None].to(dtype)
+        out = y.new_zeros(rows * k, H).index_copy(0, scatter, y).view(rows, k, H).sum(1)
+        return (out, *(g.to(dtype) for g in torch.autograd.grad(out, inputs, dout)))
+
+    return Pair(triton_fn, torch_fn)
+
+
 def cases(shapes):
     """Every pair of `shapes`, in the order they run."""
     out = []
@@ -256,6 +364,15 @@ def cases(shapes):
         for R, V in shapes.vocab:
             out.append(Case("vocab_ce", "vocab_ce_stats+loss", dtype, f"R{R} V{V}", partial(vocab_ce_pair, R, V, dtype),
                             nbytes=R * V * _size(dtype)))  # fmt: skip
+    for dtype in GEMM_DTYPES:
+        for P, E, H, F_ in shapes.grouped:
+            shape = f"P{P} E{E} H{H} F{F_}"
+            for op, flops in (("gate_up+swiglu", 4.0 * P * H * F_), ("down+scale+scatter", 2.0 * P * H * F_)):
+                for baseline in ("_grouped_mm", "loop"):
+                    build = partial(grouped_pair, P, E, H, F_, dtype, op=op, baseline=baseline)
+                    out.append(Case("grouped_matmul", f"{op} vs {baseline}", dtype, shape, build, flops=flops))
+            out.append(Case("grouped_matmul", "grouped_mlp fwd+bwd vs loop", dtype, shape,
+                            partial(grouped_mlp_pair, P, E, H, F_, dtype), flops=18.0 * P * H * F_))  # fmt: skip
     return out
 
 
@@ -329,22 +446,35 @@ def bench_case(case, impl, device, timer):
 
 def triton_kernels():
     from tplayers.kernels.grad_stats import unscale_and_stats_
+    from tplayers.kernels.grouped_matmul import grouped_matmul, grouped_mlp
     from tplayers.kernels.matmul import matmul
     from tplayers.kernels.swiglu import swiglu, swiglu_backward
     from tplayers.kernels.vocab_ce import vocab_ce_stats
 
     return SimpleNamespace(matmul=matmul, swiglu=swiglu, swiglu_backward=swiglu_backward,
-                           unscale_and_stats_=unscale_and_stats_, vocab_ce_stats=vocab_ce_stats)  # fmt: skip
+                           unscale_and_stats_=unscale_and_stats_, vocab_ce_stats=vocab_ce_stats,
+                           grouped_matmul=grouped_matmul, grouped_mlp=grouped_mlp)  # fmt: skip
 
 
 def reference_kernels():
     """The pure-torch `<op>_ref`s in the launchers' place: the whole pipeline without a GPU (tests)."""
+    from tplayers.kernels.grouped_matmul_ref import grouped_matmul_ref
     from tplayers.kernels.matmul_ref import matmul_ref
     from tplayers.kernels.swiglu_ref import swiglu_backward_ref, swiglu_ref
     from tplayers.kernels.vocab_ce_ref import vocab_ce_stats_ref
 
     return SimpleNamespace(matmul=matmul_ref, swiglu=swiglu_ref, swiglu_backward=swiglu_backward_ref,
-                           unscale_and_stats_=unscale_and_stats_ref, vocab_ce_stats=vocab_ce_stats_ref)  # fmt: skip
+                           unscale_and_stats_=unscale_and_stats_ref, vocab_ce_stats=vocab_ce_stats_ref,
+                           grouped_matmul=grouped_matmul_ref, grouped_mlp=_grouped_mlp_ref)  # fmt: skip
+
+
+def _grouped_mlp_ref(x, gather, scatter, k, counts, gate_up, down, scale):
+    """The experts' MLP from the reference GEMMs (autograd through them): grouped_mlp's contract."""
+    from tplayers.kernels.grouped_matmul_ref import grouped_matmul_ref
+
+    h = grouped_matmul_ref(x, gate_up, counts, gather=gather, swiglu=True)
+    cells = grouped_matmul_ref(h, down, counts, scale=scale, scatter=scatter, out_rows=x.shape[0] * k)
+    return cells.view(x.shape[0], k, down.shape[1]).sum(1)
 
 
 def run(case_list, impl, device, timer, log=None):
@@ -417,23 +547,37 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def _interpreting() -> bool:
+    """Whether the kernels will run in Triton's interpreter: TRITON_INTERPRET=1 set before
+    triton is imported (here, unless something imported triton already)."""
+    if "triton" not in sys.modules:
+        os.environ["TRITON_INTERPRET"] = "1"
+    from tplayers.kernels import matmul
+
+    return matmul.INTERPRET
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    refusal = None
-    if not torch.cuda.is_available():
-        refusal = NO_GPU
-    elif os.environ.get("TRITON_INTERPRET", "0") == "1":
-        refusal = "TRITON_INTERPRET=1 would run the kernels in Triton's interpreter: unset it"
-    if refusal:
-        print(f"bench/kernels.py: {refusal}", file=sys.stderr)
+    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") == "1":
+        print("bench/kernels.py: TRITON_INTERPRET=1 would run the kernels in Triton's interpreter: unset it",
+              file=sys.stderr)  # fmt: skip
         return 2
-    shapes = QUICK_SHAPES if args.quick else SHAPES
-    device = torch.device("cuda", torch.cuda.current_device())
-    info = dict(device=torch.cuda.get_device_name(device), torch=torch.__version__, triton=version("triton"))
+    if torch.cuda.is_available():
+        shapes = QUICK_SHAPES if args.quick else SHAPES
+        device = torch.device("cuda", torch.cuda.current_device())
+        info = dict(device=torch.cuda.get_device_name(device), torch=torch.__version__, triton=version("triton"))
+        timer = do_bench_timer(shapes.warmup_ms, shapes.rep_ms)
+    else:
+        print(f"bench/kernels.py: {NO_GPU}", file=sys.stderr)
+        if not _interpreting():
+            print("bench/kernels.py: triton was imported before TRITON_INTERPRET could be set", file=sys.stderr)
+            return 2
+        shapes, device, timer = INTERPRETER_SHAPES, torch.device("cpu"), wall_clock_timer(1)
+        info = dict(device="cpu (Triton interpreter)", torch=torch.__version__, triton=version("triton"))
     print("Triton kernels against torch's ops, " + ", ".join(f"{k}={v}" for k, v in info.items()))
     print(HEADER, flush=True)  # the rows follow as the cases run (the first GEMMs autotune and compile)
-    rows = run(cases(shapes), triton_kernels(), device, do_bench_timer(shapes.warmup_ms, shapes.rep_ms),
-               log=lambda tri, ref: print(_line(tri, ref), flush=True))  # fmt: skip
+    rows = run(cases(shapes), triton_kernels(), device, timer, log=lambda tri, ref: print(_line(tri, ref), flush=True))
     print(FOOTNOTE)
     for row in rows:
         row.update(info)

@@ -12,8 +12,9 @@ nn.Linear's layout (any strides: a transposed view serves the backward). Kernels
                           weight; optionally the pre-activation [gate | up] stored too (the
                           backward's input)
     _weight_grad_kernel   dW[e] = sum over e's pairs of dy^T x: one program per (expert, N tile,
-                          K tile), looping over the expert's rows in fp32; no atomics, so the
-                          result does not depend on scheduling
+                          K tile), looping over the expert's rows in fp32 (the gather index
+                          one tile ahead, so the loads pipeline); no atomics, so the result
+                          does not depend on scheduling
 
 The tile table is built on the device from the per-expert counts (no host sync): tile t belongs
 to the expert whose cumulative tile count first exceeds t; `ceil(P / BLOCK_M) + E` programs are
@@ -128,10 +129,10 @@ def _grouped_kernel(
 
 @triton.jit
 def _weight_grad_kernel(
-    dy_ptr, x_ptr, dw_ptr, gather_ptr, scale_ptr, offsets_ptr,
+    dy_ptr, x_ptr, dw_ptr, gather_ptr, offsets_ptr,
     N, K,
     stride_dym, stride_dyn, stride_xm, stride_xk, stride_we, stride_wn, stride_wk,
-    HAS_GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    HAS_GATHER: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     expert, pid = tl.program_id(0), tl.program_id(1)
@@ -142,24 +143,30 @@ def _weight_grad_kernel(
     start = tl.load(offsets_ptr + expert)
     end = tl.load(offsets_ptr + expert + 1)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    # the gather index of the next row tile is loaded one tile ahead: x's rows then come from a
+    # loop-carried value, which the software pipeliner can prefetch like a pointer increment
+    offs_p = start + tl.arange(0, BLOCK_M)
+    if HAS_GATHER:
+        rows = tl.load(gather_ptr + offs_p, mask=offs_p < end, other=0).to(tl.int64)
+    else:
+        rows = offs_p.to(tl.int64)
     for p0 in range(start, end, BLOCK_M):
         offs_p = p0 + tl.arange(0, BLOCK_M)
         p_mask = offs_p < end
+        next_p = offs_p + BLOCK_M
         if HAS_GATHER:
-            rows = tl.load(gather_ptr + offs_p, mask=p_mask, other=0).to(tl.int64)
+            next_rows = tl.load(gather_ptr + next_p, mask=next_p < end, other=0).to(tl.int64)
         else:
-            rows = offs_p.to(tl.int64)
+            next_rows = next_p.to(tl.int64)
         dy = tl.load(dy_ptr + offs_p.to(tl.int64)[None, :] * stride_dym + offs_n[:, None] * stride_dyn,
                      mask=n_mask[:, None] & p_mask[None, :], other=0.0)  # fmt: skip
         x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
                     mask=p_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
-        if HAS_SCALE:  # the routing weight of each pair, applied to its output gradient
-            s = tl.load(scale_ptr + offs_p, mask=p_mask, other=0.0).to(tl.float32)
-            dy = (dy.to(tl.float32) * s[None, :]).to(dy.dtype)
         if UPCAST:
             dy = dy.to(tl.float32)
             x = x.to(tl.float32)
         acc = tl.dot(dy, x, acc, input_precision=INPUT_PRECISION)
+        rows = next_rows
     dw = dw_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
     tl.store(dw, acc, mask=n_mask[:, None] & k_mask[None, :])
 
@@ -177,9 +184,9 @@ _grouped_autotuned = triton.autotune(
     prune_configs_by=_PRUNE,
     restore_value=["out_ptr"],
 )(_grouped_kernel)
-_weight_grad_autotuned = triton.autotune(
-    configs=WGRAD_CONFIGS, key=["N", "K", "HAS_GATHER", "HAS_SCALE"], prune_configs_by=_PRUNE
-)(_weight_grad_kernel)
+_weight_grad_autotuned = triton.autotune(configs=WGRAD_CONFIGS, key=["N", "K", "HAS_GATHER"], prune_configs_by=_PRUNE)(
+    _weight_grad_kernel
+)
 
 
 def _block_m():
@@ -246,18 +253,18 @@ def grouped_matmul(x, w, counts, *, gather=None, scale=None, swiglu=False, scatt
     return out
 
 
-def grouped_weight_grad(dy, x, counts, *, gather=None, scale=None):
-    """dW (E, N, K) in fp32: each expert's pairs' (scale * dy)^T @ x rows (see the reference)."""
+def grouped_weight_grad(dy, x, counts, *, gather=None):
+    """dW (E, N, K) in fp32: each expert's pairs' dy^T @ x rows (see the reference)."""
     _check_device(x)
     experts, n, k = counts.numel(), dy.shape[1], x.shape[1]
     dw = torch.zeros((experts, n, k), device=x.device, dtype=torch.float32)
     if experts == 0 or n == 0 or k == 0:
         return dw
     offsets = F.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
-    args = (dy, x, dw, gather if gather is not None else offsets, scale if scale is not None else dw, offsets,
-            n, k, *dy.stride(), *x.stride(), *dw.stride())  # fmt: skip
-    flags = dict(HAS_GATHER=gather is not None, HAS_SCALE=scale is not None,
-                 UPCAST=INTERPRET and x.dtype == torch.bfloat16, INPUT_PRECISION=_precision(x))  # fmt: skip
+    args = (dy, x, dw, gather if gather is not None else offsets, offsets, n, k, *dy.stride(), *x.stride(),
+            *dw.stride())  # fmt: skip
+    flags = dict(HAS_GATHER=gather is not None, UPCAST=INTERPRET and x.dtype == torch.bfloat16,
+                 INPUT_PRECISION=_precision(x))  # fmt: skip
 
     def grid(meta):
         return (experts, triton.cdiv(n, meta["BLOCK_N"]) * triton.cdiv(k, meta["BLOCK_K"]))
@@ -291,7 +298,8 @@ class _GroupedMLP(torch.autograd.Function):
         gh = grouped_matmul(dy, down.transpose(1, 2), counts)  # dy W_down[e], before the routing weight
         dscale = (gh.float() * h.float()).sum(1).to(scale.dtype)
         dh = (gh.float() * scale.float()[:, None]).to(x.dtype)
-        ddown = grouped_weight_grad(dy, h, counts, scale=scale).to(down.dtype)
+        scaled = (dy.float() * scale.float()[:, None]).to(dy.dtype)  # the GEMM's operand as is: pipelined loads
+        ddown = grouped_weight_grad(scaled, h, counts).to(down.dtype)
         dpre = torch.empty_like(pre)
         swiglu_backward(dh, pre[:, :f], pre[:, f:], dgate=dpre[:, :f], dup=dpre[:, f:])
         dgate_up = grouped_weight_grad(dpre, x, counts, gather=gather).to(gate_up.dtype)
@@ -304,5 +312,7 @@ class _GroupedMLP(torch.autograd.Function):
 def grouped_mlp(x, gather, scatter, k, counts, gate_up, down, scale):
     """The experts' SwiGLU MLP over pairs (rows of x through `gather`, sorted by expert, `counts`
     per expert), each pair's output scaled by `scale` and written to cell `scatter` of a (rows, k)
-    grid, summed per row: (rows, H). Differentiable in x, gate_up, down and scale."""
+    grid, summed per row: (rows, H). Differentiable in x, gate_up, down and scale. Each pair's
+    cell is in the row it reads (scatter[p] // k == gather[p], as `dispatch.pairs` lays them out):
+    the backward writes each pair's input gradient to that cell too, summed per row without atomics."""
     return _GroupedMLP.apply(x, gather, scatter, k, counts, gate_up, down, scale)

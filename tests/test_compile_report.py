@@ -13,10 +13,11 @@ import sys
 import pytest
 
 from tplayers.tools import compile_report as cr
+from tplayers.tools.kernel_launches import GROUPED_VARIANTS
 
 pytestmark = pytest.mark.compile
 
-GEMMS = set(cr.GEMM_VARIANTS)
+GEMMS = set(cr.GEMM_VARIANTS) | {*GROUPED_VARIANTS, "grouped-wgrad"}  # the experts' grouped GEMM too
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +191,8 @@ def calls(dtype):
     grads = [t(1000), t(40, 50), t(30, 20).T]
     vocab_ce_stats = cr.kernel_module("vocab_ce").vocab_ce_stats
     unscale_and_stats_ = cr.kernel_module("grad_stats").unscale_and_stats_
+    grouped = cr.kernel_module("grouped_matmul")
+    counts, index = torch.tensor([M // 2, M // 2]), torch.arange(M)  # two experts, M pairs
     return {
         "gemm": lambda: matmul(t(M, K), t(N, K), bias=t(N)),
         "gemm+swiglu": lambda: matmul(t(M, K), t(N, K), bias=t(N), swiglu_out=t(M, N // 2)),
@@ -205,6 +208,15 @@ def calls(dtype):
         "vocab-ce-stats": lambda: vocab_ce_stats(t(M, V), torch.zeros(M, dtype=torch.int64), vocab_start=V),
         "grad-stats+unscale": lambda: unscale_and_stats_(grads, torch.ones(1)),
         "grad-stats": lambda: unscale_and_stats_(grads, None),
+        # the experts' MLP: gate|up with SwiGLU through the gather index, down scaled into the grid,
+        # the input gradient through transposed weights, gate|up's weight gradient
+        "grouped+swiglu": lambda: grouped.grouped_matmul(t(M, K), t(2, N, K), counts, gather=index, swiglu=True,
+                                                         pre=t(M, N)),
+        "grouped+scale+scatter": lambda: grouped.grouped_matmul(t(M, K), t(2, N, K), counts, scatter=index,
+                                                                scale=t(M, dtype=torch.float32), out_rows=2 * M),
+        "grouped-dgrad+scatter": lambda: grouped.grouped_matmul(t(M, K), t(2, K, N).transpose(1, 2), counts,
+                                                                scatter=index, out_rows=2 * M),
+        "grouped-wgrad": lambda: grouped.grouped_weight_grad(t(M, N), t(M, K), counts, gather=index),
     }
 
 backend = make_backend(GPUTarget("cuda", 90, 32))

@@ -1,14 +1,15 @@
 """Ahead-of-time compile report for every Triton kernel in kernels/: GPU readiness checked without a GPU.
 
-KERNELS is one table: each row is a kernel launched one way (the GEMM's four epilogue variants,
-the SwiGLU epilogue forward and backward, the vocab-parallel cross-entropy statistics pass, the
-fused gradient unscale + statistics pass with and without the unscale), with the arguments its
-launcher passes, its configs for sm_80 / sm_90a and the dtypes it is launched with. Every
+KERNELS (`tplayers.tools.kernel_launches`) is one table: each row is a kernel launched one way
+(the GEMM's four epilogue variants, the SwiGLU epilogue forward and backward, the vocab-parallel
+cross-entropy statistics pass, the fused gradient unscale + statistics pass with and without the
+unscale, the experts' grouped GEMM's three launches and its weight gradient), with the arguments
+its launcher passes, its configs for sm_80 / sm_90a and the dtypes it is launched with. Every
 (kernel, arch, config, dtype) is compiled with `triton.compile` for its target, specialised as
 the JIT would specialise that launch, and the cubin is inspected with the wheel's `cuobjdump`
 for registers, stack (spills), shared memory and tensor-core instructions (HMMA on sm_80, HGMMA
 = wgmma on sm_90a). A row is ok when its cubin is for its arch, nothing spills, its shared
-memory fits one block and, for the GEMM rows only, tensor-core instructions were emitted (the
+memory fits one block and, for the GEMM rows only (plain and grouped), tensor-core instructions were emitted (the
 elementwise and reduction kernels have no tl.dot).
 
     python -m tplayers.tools.compile_report [--kernel K] [--arch CC] [--dtype D] [--csv PATH] [--json]
@@ -26,13 +27,11 @@ import re
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
-DTYPES = ("fp16", "bf16", "fp32")
+from tplayers.tools.kernel_launches import DTYPES, GEMM_VARIANTS, KERNELS, KernelSpec, Ptr  # noqa: F401 (re-exported)
+
 ARCHS = {80: "sm_80", 90: "sm_90a"}
 TENSOR_CORE_OP = {80: "HMMA", 90: "HGMMA"}
 # Per-SM shared memory; CUDA reserves 1 KiB of it per resident block, hence the per-block limit.
@@ -54,208 +53,6 @@ class ToolchainMissing(RuntimeError):
 
 class SpecMismatch(RuntimeError):
     """A KERNELS row no longer describes its kernel's parameters (the kernel changed)."""
-
-
-class Ptr(NamedTuple):
-    """A pointer argument: its element type and whether its address is a multiple of 16 bytes."""
-
-    dtype: str
-    aligned: bool = True
-
-
-# The JIT specialises an int argument on its value only: 1 becomes a constexpr, a multiple of 16
-# gets tt.divisibility=16, anything else neither. The launch tables below give each int argument
-# a representative value: 1, DIV16 or ANY. We assume sizes and non-unit strides are multiples of
-# 16 (hidden sizes, vocab shards and token counts are; stride 0 is too) and counts are anything.
-DIV16, ANY = 16, 3
-
-
-@dataclass(frozen=True)
-class KernelSpec:
-    """One row family of the report.
-
-    module / attr: the @triton.jit function (kernels/<module>.py). launch(dtype) -> (runtime
-    arguments {name: Ptr | int | float}, constexpr arguments {name: value}) as the launcher
-    passes them, without the config's constexprs. configs(module, cc) -> the launcher's configs
-    for that arch, each a dict of constexprs (BLOCK_*) plus the options it sets (num_warps,
-    num_stages; triton's defaults otherwise). dtypes: the input dtypes it is launched with.
-    tensor_cores: the cubin must contain HMMA / HGMMA (GEMMs only).
-    """
-
-    module: str
-    attr: str
-    launch: Callable
-    configs: Callable
-    dtypes: tuple
-    tensor_cores: bool = False
-
-
-def _tl_dtype(dtype):
-    import triton.language as tl
-
-    return {"fp16": tl.float16, "bf16": tl.bfloat16, "fp32": tl.float32}[dtype]
-
-
-def _gpu_config(module, cc):
-    """A kernel whose launcher uses one GPU_CONFIG on every arch."""
-    return [dict(module.GPU_CONFIG)]
-
-
-# -- GEMM (kernels/matmul.py): four specialisations of one kernel --------------------------------
-
-# The four specialisations the layers launch: constexpr flags, which strides are 1 (the JIT
-# turns an int argument equal to 1 into a constexpr), C's dtype (None: the input dtype) and
-# whether BATCH is a runtime value (3-D reduce_batch) or the constexpr 1 of a 2-D GEMM.
-# The weight gradient reads transposed views of contiguous activations (a = dY^T, b = X^T),
-# so its unit strides are along M and N: it also covers the dgrad layout (b = W^T).
-GEMM_VARIANTS = {
-    "gemm": dict(
-        flags=dict(HAS_BIAS=True, ACTIVATION=0, HAS_RESIDUAL=False, ACCUMULATE=False, REDUCE_BATCH=False, SWIGLU=False),
-        unit_strides=("stride_ak", "stride_bk", "stride_cn"),
-        out_dtype=None,
-        batched=False,
-    ),
-    "gemm+swiglu": dict(
-        flags=dict(HAS_BIAS=True, ACTIVATION=0, HAS_RESIDUAL=False, ACCUMULATE=False, REDUCE_BATCH=False, SWIGLU=True),
-        unit_strides=("stride_ak", "stride_bk", "stride_cn", "stride_hn"),
-        out_dtype=None,
-        batched=False,
-    ),
-    "gemm+bias+gelu+residual": dict(
-        flags=dict(HAS_BIAS=True, ACTIVATION=1, HAS_RESIDUAL=True, ACCUMULATE=False, REDUCE_BATCH=False, SWIGLU=False),
-        unit_strides=("stride_ak", "stride_bk", "stride_cn", "stride_rn"),
-        out_dtype=None,
-        batched=False,
-    ),
-    "wgrad-accumulate": dict(
-        flags=dict(HAS_BIAS=False, ACTIVATION=0, HAS_RESIDUAL=False, ACCUMULATE=True, REDUCE_BATCH=True, SWIGLU=False),
-        unit_strides=("stride_am", "stride_bn", "stride_cn"),
-        out_dtype="fp32",
-        batched=True,
-    ),
-}
-# (batch, row, column) strides of a, b, c, the residual and the SwiGLU output h
-GEMM_STRIDES = (
-    "stride_ab stride_am stride_ak stride_bb stride_bn stride_bk stride_cb stride_cm stride_cn "
-    "stride_rb stride_rm stride_rn stride_hb stride_hm stride_hn"
-).split()
-
-
-def _gemm_launch(variant):
-    spec = GEMM_VARIANTS[variant]
-    flags = spec["flags"]
-
-    def launch(dtype):
-        out = spec["out_dtype"] or dtype
-        args = dict(
-            a_ptr=Ptr(dtype),
-            b_ptr=Ptr(dtype),
-            c_ptr=Ptr(out),
-            # the launcher passes `out` in place of an absent bias / residual / SwiGLU output
-            bias_ptr=Ptr(dtype if flags["HAS_BIAS"] else out),
-            res_ptr=Ptr(dtype if flags["HAS_RESIDUAL"] else out),
-            h_ptr=Ptr(dtype if flags["SWIGLU"] else out),
-            M=DIV16, N=DIV16, K=DIV16, BATCH=ANY if spec["batched"] else 1, scale=1.0,
-        )  # fmt: skip
-        args.update({name: 1 if name in spec["unit_strides"] else DIV16 for name in GEMM_STRIDES})
-        return args, dict(flags, UPCAST=False, INPUT_PRECISION="ieee", INT64_OFFSETS=False)
-
-    return launch
-
-
-def _gemm_configs(matmul, cc):
-    configs = matmul.SM80_CONFIGS if cc == 80 else matmul.SM90_CONFIGS
-    return [dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) for c in configs]
-
-
-# -- elementwise and reduction kernels -----------------------------------------------------------
-
-
-def _swiglu_fwd_launch(dtype):
-    """`swiglu(gate, up)` on the layout the backward reads (the layers fuse the forward into the
-    GEMM's epilogue): gate / up the column halves y[:, 0::2] / y[:, 1::2] of an interleaved
-    (M, 2f) [gate, up] output (up starts one element in: not 16-byte aligned), h a new (M, f)."""
-    args = dict(
-        gate_ptr=Ptr(dtype), up_ptr=Ptr(dtype, aligned=False), h_ptr=Ptr(dtype), M=DIV16, N=DIV16,
-        stride_gm=DIV16, stride_gn=2, stride_um=DIV16, stride_un=2, stride_hm=DIV16, stride_hn=1,
-    )  # fmt: skip
-    return args, dict(INT64_OFFSETS=False)
-
-
-def _swiglu_bwd_launch(dtype):
-    """The general strided kernel, on a layout the paired one does not take: dh contiguous
-    (M, f); gate / up the stride-2 halves of an interleaved (M, 2f) y; dgate / dup new (M, f)."""
-    args = dict(
-        dh_ptr=Ptr(dtype), gate_ptr=Ptr(dtype), up_ptr=Ptr(dtype, aligned=False),
-        dgate_ptr=Ptr(dtype), dup_ptr=Ptr(dtype), M=DIV16, N=DIV16,
-        stride_dhm=DIV16, stride_dhn=1, stride_gm=DIV16, stride_gn=2, stride_um=DIV16, stride_un=2,
-        stride_dgm=DIV16, stride_dgn=1, stride_dum=DIV16, stride_dun=1,
-    )  # fmt: skip
-    return args, dict(INT64_OFFSETS=False)
-
-
-def _swiglu_bwd_pairs_launch(dtype):
-    """As ColumnSwiGLUFn.backward launches it: dh contiguous (M, f), the saved GEMM output y and
-    the new dy both (M, 2f) with interleaved [gate, up] columns, read and written as pairs."""
-    args = dict(
-        dh_ptr=Ptr(dtype), y_ptr=Ptr(dtype), dy_ptr=Ptr(dtype), M=DIV16, N=DIV16,
-        stride_dhm=DIV16, stride_dhn=1, stride_ym=DIV16, stride_dym=DIV16,
-    )  # fmt: skip
-    return args, dict(INT64_OFFSETS=False)
-
-
-def _vocab_ce_launch(dtype):
-    """logits (R, V_local) contiguous (the LM head's output, reshaped), target (R,) int64 global
-    ids, stats a new fp32 (R, 4); vocab_start = rank * V_local."""
-    args = dict(
-        logits_ptr=Ptr(dtype), target_ptr=Ptr("i64"), stats_ptr=Ptr("fp32"),
-        R=DIV16, V=DIV16, vocab_start=DIV16, stride_lr=DIV16, stride_lv=1, stride_t=1,
-    )  # fmt: skip
-    return args, {}
-
-
-# The launcher picks its tile from the shard size: every shard over 2048 columns gets the 4096
-# tile on 8 warps, smaller ones a tile of at most 2048 on 4 warps (2048 is the heaviest of those).
-VOCAB_SHARDS = (4096, 2048)
-
-
-def _vocab_ce_configs(vocab_ce, cc):
-    configs = []
-    for meta, warps in map(vocab_ce._gpu_config, VOCAB_SHARDS):
-        if dict(meta, num_warps=warps) not in configs:
-            configs.append(dict(meta, num_warps=warps))
-    return configs
-
-
-def _grad_stats_launch(unscale):
-    def launch(dtype):
-        """One launch per dtype group: the int64 tables of data pointers and of blocks, inv_scale
-        fp32 [1] (the partials in its place without UNSCALE) and the fp32 partials, all from the
-        caching allocator, with 16-byte aligned gradients; n_blocks is any count."""
-        args = dict(
-            ptr_table_ptr=Ptr("i64"), block_table_ptr=Ptr("i64"), inv_scale_ptr=Ptr("fp32"), partials_ptr=Ptr("fp32"),
-            n_blocks=ANY,
-        )  # fmt: skip
-        return args, dict(DTYPE=_tl_dtype(dtype), UNSCALE=unscale, ALIGNED=True, EMULATE_BF16=False)
-
-    return launch
-
-
-KERNELS = {
-    **{
-        name: KernelSpec("matmul", "_matmul_kernel", _gemm_launch(name), _gemm_configs, ("fp16", "bf16"), True)
-        for name in GEMM_VARIANTS
-    },
-    "swiglu-fwd": KernelSpec("swiglu", "_swiglu_fwd_kernel", _swiglu_fwd_launch, _gpu_config, DTYPES),
-    "swiglu-bwd": KernelSpec("swiglu", "_swiglu_bwd_kernel", _swiglu_bwd_launch, _gpu_config, DTYPES),
-    "swiglu-bwd-pairs": KernelSpec("swiglu", "_swiglu_bwd_pairs_kernel", _swiglu_bwd_pairs_launch, _gpu_config, DTYPES),
-    "vocab-ce-stats": KernelSpec("vocab_ce", "_vocab_ce_stats_kernel", _vocab_ce_launch, _vocab_ce_configs, DTYPES),
-    # DynamicLossScaler.unscale_ (UNSCALE), and statistics only (inv_scale None)
-    "grad-stats+unscale": KernelSpec(
-        "grad_stats", "_unscale_stats_kernel", _grad_stats_launch(True), _gpu_config, DTYPES
-    ),
-    "grad-stats": KernelSpec("grad_stats", "_unscale_stats_kernel", _grad_stats_launch(False), _gpu_config, DTYPES),
-}
 
 
 # -- compiling and inspecting --------------------------------------------------------------------
