@@ -267,3 +267,76 @@ def _records(rank, world, _):
     assert record.ep_group is g["ep"] and g["ep"] in record.reduce_groups()
     assert get_placement(model.model.layers[0].mlp.gate.weight).ep_group is None
     return True
+
+
+# ------------------------------------------------------------------------------------- checkpoints
+NO_AUX = dict(MOE["qwen3_moe"], output_router_logits=False)  # the loss then splits over micro-batches exactly
+
+
+def _checkpoint_run(dp, ep, tp, stage, seed):
+    """(model, optimizer, this rank's micro-batch index, dp) at a layout; ep = 0: no expert group."""
+    torch.manual_seed(seed)
+    model = tiny_model("qwen3_moe", **NO_AUX)
+    if dp * tp > 1:
+        g = expert_mesh(dp, max(ep, 1), 1, tp)
+        tplayers.parallelize(model, group=g["tp"], expert_group=g["ep"] if ep else None, verify=False)
+        if dp > 1:
+            tplayers.data_parallel(model, group=g["dp"], zero_stage=stage)
+        me = torch.distributed.get_rank(g["dp"])
+    else:
+        me = 0
+    if seed:  # another model's weights: everything must come from the checkpoint
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    opt = tplayers.data_parallel_optimizer(model, torch.optim.AdamW, lr=1e-2, eps=1e-4)
+    return model, opt, me, dp
+
+
+def _copied(model):
+    """gather_state_dict, copied: it returns a replicated parameter itself, which a step changes."""
+    return {k: v.detach().clone() for k, v in tplayers.gather_state_dict(model).items()}
+
+
+def _step(model, opt, me, dp, step):
+    ids, _ = batch(10 + step, 4, False)
+    part = ids.chunk(dp)[me]
+    model(part, labels=part).loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def save_at_ep4(rank, world, group, path):
+    model, opt, me, dp = _checkpoint_run(4, 4, 1, 3, 0)
+    _step(model, opt, me, dp, 0)
+    tplayers.save_checkpoint(path, model=model, optimizer=opt, group=group)
+    full = _copied(model)
+    _step(model, opt, me, dp, 1)
+    return full, _copied(model)
+
+
+def load_and_step(rank, world, group, path, dp, ep, tp, stage):
+    model, opt, me, dp = _checkpoint_run(dp, ep, tp, stage, 7)
+    tplayers.load_checkpoint(path, model=model, optimizer=opt, group=group)
+    loaded = _copied(model)
+    _step(model, opt, me, dp, 1)
+    return loaded, _copied(model)
+
+
+# (dp, ep, tp, ZeRO stage): EP 2 with ZeRO-3, TP 2 (the experts split by features), unsharded
+LOAD_AT = {"ep2-zero3": (2, 2, 1, 3), "tp2": (1, 0, 2, 0), "unsharded": (1, 0, 1, 0)}
+
+
+def test_a_checkpoint_saved_at_ep4_loads_at_ep2_tp2_and_unsharded(tplayers_pool, tmp_path):
+    """Saved at EP 4 with ZeRO-3 (6 experts as 2, 2, 1, 1, each rank's AdamW state): every other
+    layout loads the same weights bitwise, and one more step (its state loaded too) lands where
+    the EP 4 run's did."""
+    path = str(tmp_path / "ep4")
+    saved, stepped = tplayers_pool.run(save_at_ep4, 4, path, mesh=("ep", 4, 4, 1, 1))[0]
+    for name, (dp, ep, tp, stage) in LOAD_AT.items():
+        mesh = ("ep", dp, max(ep, 1), 1, tp)
+        loaded, after = tplayers_pool.run(load_and_step, dp * tp, path, dp, ep, tp, stage, mesh=mesh)[0]
+        assert list(loaded) == list(saved), name
+        for key, value in saved.items():
+            assert_close(loaded[key], value, exact=True, msg=lambda m, k=key, n=name: f"{n} {k}: {m}")
+            assert_close(after[key], stepped[key], msg=lambda m, k=key, n=name: f"{n} {k} after a step: {m}")
