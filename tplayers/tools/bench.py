@@ -28,7 +28,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPTS = ("linear", "overlap", "transformer", "amp", "zero", "pipeline", "checkpoint", "compress", "grid")
+SCRIPTS = ("linear", "overlap", "transformer", "amp", "zero", "pipeline", "checkpoint", "compress", "grid", "moe")
 FIELDS = (
     "op", "provider", "mode", "shape", "device", "version", "time_ms", "baseline", "ratio_to_baseline",
     "tflops_per_rank", "gbps", "overlap_pays_off", "auto_took", "auto_vs_faster", "script",
@@ -47,6 +47,7 @@ RATIO_OF = {
     "checkpoint": ("ratio_to_single_writer", "single-writer"),
     "compress": ("bytes_ratio", "fp32"),  # dp bytes over the uncompressed reduction's
     "grid": ("time_ratio", "1d tp4"),  # the 2 x 2 grid (and the planner's q x q) over 1-D TP
+    "moe": ("time_ratio", "tplayers-ep"),  # experts split over TP, and HF's expert parallelism, over ours
 }
 
 
