@@ -379,3 +379,44 @@ def pipelined(rank, world, _):
 
 def test_pipeline_stages_with_expert_parallelism(tplayers_pool):
     assert tplayers_pool.run(pipelined, 4, mesh=("ep", 2, 2, 2, 1)) == [False, True, False, True]
+
+
+# ------------------------------------------------------------------------------------ HF checkpoints
+def from_hf_checkpoint(rank, world, group, source, dp, ep, tp):
+    """A model built on meta, parallelized with whole experts over EP (and TP), filled from a HF
+    directory that stores each expert's projections one by one: each rank reads only its experts'
+    rows; the weights then equal the unsharded model's."""
+    import transformers as tf
+
+    from tplayers.checkpoint import hf
+
+    read = [0]
+    original = hf._Reader.read
+
+    def counted(self, *args):
+        out = original(self, *args)
+        read[0] += out.numel()
+        return out
+
+    g = expert_mesh(dp, ep, 1, tp)
+    hf._Reader.read = counted
+    try:
+        with tplayers.parameters_on_meta():
+            model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.from_pretrained(source))
+        tplayers.parallelize(model, group=g["tp"], expert_group=g["ep"], verify=False)
+        tplayers.load_pretrained(model, source, group=group)
+    finally:
+        hf._Reader.read = original
+    held = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    return read[0], held, tplayers.gather_state_dict(model)
+
+
+@pytest.mark.parametrize("dp, ep, tp", [(2, 2, 1), (4, 4, 1), (2, 2, 2)], ids=["ep2", "ep4", "ep2-tp2"])
+def test_hf_checkpoint_of_per_expert_tensors_loads_only_this_ranks_experts(tplayers_pool, tmp_path, dp, ep, tp):
+    reference = tiny_model("qwen3_moe", **MOE["qwen3_moe"])
+    reference.save_pretrained(tmp_path / "source")  # transformers writes experts.{e}.gate_proj.weight, ...
+    mesh = ("ep", dp, ep, 1, tp)
+    for read, held, full in tplayers_pool.run(from_hf_checkpoint, dp * tp, tmp_path / "source", dp, ep, tp, mesh=mesh):
+        assert read == held  # exactly the slices this rank holds
+        for key, value in reference.state_dict().items():
+            assert_close(full[key], value, exact=True, msg=lambda m, k=key: f"{k}: {m}")

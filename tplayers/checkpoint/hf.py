@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tplayers.checkpoint.chunks import chunked, model_pieces, parameters
+from tplayers.checkpoint.experts import stacked_sources
 from tplayers.checkpoint.planners import CheckpointError
 from tplayers.hf import lora
 from tplayers.hf.parallelize import carry_sum_hook
@@ -142,9 +143,10 @@ def load_pretrained(model, path, *, device=None, group=None, allow_pickle: bool 
     reader = _Reader()
     pieces = model_pieces(model)
     shared = _tied_aliases(pieces)
+    stacked = {n: s for n, s in stacked_sources(files).items() if n in pieces and n not in files}
     errors, plan = [], []
     for name, ps in pieces.items():
-        if name not in files:
+        if name not in files and name not in stacked:
             if name not in shared or shared[name] not in files:
                 errors.append(f"{name} is not in the checkpoint")
             continue
@@ -153,6 +155,7 @@ def load_pretrained(model, path, *, device=None, group=None, allow_pickle: bool 
     dist.all_gather_object(held, ([n for n, _ in plan], errors), group=pg)
     errors = sorted({e for _, errs in held for e in errs})
     used = {n for names, _ in held for n in names} | set(shared)
+    used |= {part for n, source in stacked.items() if n in used for part in source.names()}
     buffers = {name for name, _ in model.named_buffers()}
     errors += [
         f"{n} is in the checkpoint but not in the model" for n in sorted(files) if n not in used and n not in buffers
@@ -161,7 +164,7 @@ def load_pretrained(model, path, *, device=None, group=None, allow_pickle: bool 
         more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
         raise CheckpointError(
             f"load_pretrained: {path} does not fit the model: " + "; ".join(errors[:5]) + more + ". (transformers 5 "
-            "renames or fuses some families' weights as it loads them, mixtures of experts among them: load those "
+            "renames or fuses some families' weights as it loads them, beyond experts stored one by one: load those "
             "with from_pretrained and tplayers.load_full_state_dict)"
         )
     if device is None:
@@ -170,11 +173,15 @@ def load_pretrained(model, path, *, device=None, group=None, allow_pickle: bool 
     pieces = model_pieces(model)  # the real parameters now
     for name, _ in plan:
         target = chunked(pieces[name])
-        saved = reader.shape(files[name], name)
+        saved = stacked[name].shape(reader) if name in stacked else reader.shape(files[name], name)
         if saved != tuple(target.shape):
             raise CheckpointError(f"load_pretrained: {name} is {saved} in the checkpoint, {tuple(target.shape)} here")
         for chunk in target.chunks:
-            chunk.write(reader.read(files[name], name, chunk.offsets, chunk.sizes).to(chunk.source.device))
+            if name in stacked:  # experts stored one by one: this rank's experts' rows of theirs
+                value = stacked[name].read(reader, chunk.offsets, chunk.sizes)
+            else:
+                value = reader.read(files[name], name, chunk.offsets, chunk.sizes)
+            chunk.write(value.to(chunk.source.device))
 
 
 def _tied_aliases(pieces) -> dict[str, str]:
