@@ -255,7 +255,27 @@ def _hf_get(cfg: dict, *keys, default=None):
     return default
 
 
+# keys a mixture-of-experts config counts its experts under
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _refuse_experts(cfg: dict) -> None:
+    """A mixture of experts is not a dense model with its expert's width: the planner does not
+    price experts (their memory, all-to-all and grouped GEMM time) yet, and a dense estimate of
+    such a model would be silently wrong."""
+    experts = {k: cfg[k] for k in EXPERT_KEYS if isinstance(cfg.get(k), int) and cfg[k] > 1}
+    experts.update({k: cfg["ffn_config"][k] for k in EXPERT_KEYS if isinstance(cfg.get("ffn_config"), dict)
+                    and isinstance(cfg["ffn_config"].get(k), int) and cfg["ffn_config"][k] > 1})  # fmt: skip
+    if experts:
+        raise ValueError(
+            f"ModelSpec.from_hf_config: {cfg.get('model_type', 'this model')} is a mixture of experts ({experts}); "
+            "the planner prices dense decoders only, and estimating it as one would be wrong. Give its dimensions "
+            "and num_params yourself to plan its dense part"
+        )
+
+
 def _spec_from_hf(cfg: dict) -> ModelSpec:
+    _refuse_experts(cfg)
     gpt2_style = "n_embd" in cfg or "n_layer" in cfg
     layers = _hf_get(cfg, "num_hidden_layers", "n_layer")
     hidden = _hf_get(cfg, "hidden_size", "n_embd")
