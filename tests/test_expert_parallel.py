@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from tplayers.kernels.grouped_matmul_ref import grouped_matmul_ref, grouped_weight_grad_ref
 
 import tplayers
-from tests.test_families import MLA, VOCAB, tiny_model
+from tests.test_families import MLA, VARIANTS, VOCAB, tiny_model
 from tplayers.hf.state_dict import gather_grads
 from tplayers.nn.experts import ParallelExperts
 from tplayers.placement import even_sizes, get_placement
@@ -31,6 +31,8 @@ MOE = {
     "mixtral": dict(num_local_experts=6, num_experts_per_tok=2, intermediate_size=16, **AUX),
     "olmoe": dict(num_experts=6, num_experts_per_tok=2, intermediate_size=16, **AUX),
     "deepseek_v3": dict(MLA, n_routed_experts=6, n_group=2, topk_group=1),
+    # clamped, interleaved gate / up pairs with biases, a router with a bias, sliding / full layers
+    "gpt_oss": dict(VARIANTS["gpt_oss"][1], num_local_experts=6, intermediate_size=16, **AUX),
 }
 MICRO = 2  # sequences per data-parallel rank
 STEPS = 3
@@ -175,9 +177,12 @@ def test_dispatch_bytes_follow_the_routing(tplayers_pool):
 
 
 def refusals(rank, world, _):
-    g = expert_mesh(2, 2, 1, 1)
-    model = tiny_model("gpt_oss", num_local_experts=4, num_experts_per_tok=2)
-    with pytest.raises(ValueError, match=r"mlp.experts \(GptOssExperts\) cannot be placed whole.*laid out"):
+    g = expert_mesh(2, 2, 1, 2)
+    model = tiny_model("gpt_oss", **MOE["gpt_oss"])
+    with pytest.raises(ValueError, match=r"mlp.experts \(GptOssExperts\) cannot be placed whole.*not split over TP"):
+        tplayers.parallelize(model, group=g["tp"], expert_group=g["ep"])
+    model = tiny_model("llama4_text", **VARIANTS["llama4_text"][1])
+    with pytest.raises(ValueError, match=r"experts \(Llama4TextExperts\) cannot be placed whole.*expert by expert"):
         tplayers.parallelize(model, group=g["tp"], expert_group=g["ep"])
     model = tiny_model("qwen3_moe", **MOE["qwen3_moe"])
     tplayers.parallelize(model, group=g["tp"], expert_group=g["ep"])
@@ -187,7 +192,7 @@ def refusals(rank, world, _):
 
 
 def test_refusals_name_the_module(tplayers_pool):
-    assert all(tplayers_pool.run(refusals, 2, mesh=("ep", 2, 2, 1, 1)))
+    assert all(tplayers_pool.run(refusals, 4, mesh=("ep", 2, 2, 1, 2)))
 
 
 def test_init_mesh_refuses_ep_that_does_not_divide_dp():

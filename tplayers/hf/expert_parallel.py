@@ -9,9 +9,10 @@ The replacement runs its own forward (dispatch, grouped GEMM, combine), so it is
 experts whose math tplayers knows exactly: transformers 5's standard experts, whose forward is
 the one 50-odd families share (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, Granite-MoE, ...):
 act(x W_gate^T) * (x W_up^T) -> W_down, scaled by the routing weight, summed over the top k.
-Anything else (gpt-oss's clamped, interleaved experts with biases, Llama 4's experts fed expert
-by expert, DBRX's stacked ones, PhiMoE's) is refused by name under an expert group; without one,
-their experts are split over the tensor-parallel group as before.
+gpt-oss's experts (clamped, interleaved gate / up pairs with biases) go whole over the expert
+group as `ClampedGluExperts` (one tensor-parallel rank). Anything else (Llama 4's experts fed
+expert by expert, DBRX's stacked ones, PhiMoE's) is refused by name under an expert group;
+without one, their experts are split over the tensor-parallel group as before.
 """
 
 import inspect
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 from tplayers.hf import pieces
 from tplayers.hf.shard import ShardingPass, copy_in, gather, on_device
-from tplayers.nn.experts import ParallelExperts
+from tplayers.nn.experts import ClampedGluExperts, ParallelExperts
 from tplayers.placement import shard_range
 
 STANDARD_FLAGS = {"is_concatenated": True, "is_transposed": False, "has_bias": False}
@@ -30,8 +31,8 @@ STANDARD_FLAGS = {"is_concatenated": True, "is_transposed": False, "has_bias": F
 def refuse(name, module, why):
     raise ValueError(
         f"parallelize(expert_group=...): {name} ({type(module).__name__}) cannot be placed whole over the expert "
-        f"group: {why}, a forward tplayers' expert-parallel layer does not compute. Parallelize without "
-        "expert_group (its experts are then split over the tensor-parallel group, exactly)"
+        f"group: {why}. Parallelize without expert_group (its experts are then split over the tensor-parallel "
+        "group, exactly)"
     )
 
 
@@ -58,16 +59,27 @@ def standard(module, flags, by_expert) -> bool:
     return not by_expert and all(flags.get(k, v) == v for k, v in STANDARD_FLAGS.items()) and is_standard(module)
 
 
+def is_gpt_oss(module) -> bool:
+    """gpt-oss's experts: its class, whose forward tplayers' ClampedGluExperts computes."""
+    if type(module).__name__ != "GptOssExperts":
+        return False
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    return _source(type(module).forward) == _source(GptOssExperts.forward)
+
+
 def experts(sp: ShardingPass, name, module, flags, by_expert):
     """Replace `module` (transformers 5's standard experts) with a `ParallelExperts`: whole
     experts over the expert group if there is one, each expert's features over the TP group."""
+    if sp.expert_group is not None and is_gpt_oss(module):
+        return gpt_oss_experts(sp, name, module)
     if by_expert:
-        refuse(name, module, "it takes the tokens laid out expert by expert")
+        refuse(name, module, "it takes the tokens laid out expert by expert, which the dispatch does not compute")
     odd = {k: v for k, v in flags.items() if STANDARD_FLAGS.get(k, v) != v}
     if odd:
-        refuse(name, module, f"its experts are laid out {odd}")
+        refuse(name, module, f"its experts are laid out {odd}, a forward the dispatch does not compute")
     if not is_standard(module):
-        refuse(name, module, "its forward is not transformers' standard experts forward")
+        refuse(name, module, "its forward is not transformers' standard experts forward, which the dispatch computes")
     new = ParallelExperts.from_weights(
         module.gate_up_proj, module.down_proj, expert_group=sp.expert_group, group=sp.group,
         sequence_parallel=sp.sp, act_fn=module.act_fn,
@@ -105,5 +117,30 @@ def experts(sp: ShardingPass, name, module, flags, by_expert):
             pieces.block("down_proj", new.down_proj, (new.num_experts, hidden, f), offset, dim=2,
                          local=torch.arange(size), glob=own),
         ]  # fmt: skip
+
+    sp.exports.append((name, export, load, layout))
+
+
+def gpt_oss_experts(sp: ShardingPass, name, module):
+    """gpt-oss's experts whole over the expert group (`ClampedGluExperts`), under HF's names."""
+    if sp.n > 1:
+        why = "under expert parallelism its clamped, interleaved gate / up pairs are not split over TP (use tp=1)"
+        refuse(name, module, why)
+    new = on_device(ClampedGluExperts.from_hf(module, expert_group=sp.expert_group, group=sp.group,
+                                              sequence_parallel=sp.sp), module.gate_up_proj.device)  # fmt: skip
+    sp.swap(name, new)
+    shapes = {key: tuple(getattr(module, key).shape) for key in ClampedGluExperts.WEIGHTS}
+
+    def export(pick, group):
+        held = {key: pick(getattr(new, key)) for key in ClampedGluExperts.WEIGHTS}
+        return {key: gather(t, 0, new.expert_group) for key, t in held.items() if t is not None}
+
+    def load(full):
+        for key in ClampedGluExperts.WEIGHTS:
+            copy_in(getattr(new, key), new.own(full[key]))
+
+    def layout():
+        return [pieces.block(key, getattr(new, key), shape, (new.first_expert,) + (0,) * (len(shape) - 1))
+                for key, shape in shapes.items()]  # fmt: skip
 
     sp.exports.append((name, export, load, layout))

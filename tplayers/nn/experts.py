@@ -117,6 +117,11 @@ class ParallelExperts(PlacedModule):
             f"sequence_parallel={self.sequence_parallel}"
         )
 
+    def experts_mlp(self, x, p, k, scale):
+        """Each received row's sum over its pairs `p` (`dispatch.Pairs`) of scale * its expert's MLP."""
+        gate_up, down = (scale_grad(t, 1 / self.grad_divisor) for t in (self.gate_up_proj, self.down_proj))
+        return expert_mlp(x, p, k, gate_up, down, scale, self.act_fn)
+
     def forward(self, hidden_states, top_k_index, top_k_weights):
         if hidden_states.dim() != 2 or top_k_index.shape != top_k_weights.shape:
             raise ValueError(
@@ -139,8 +144,7 @@ class ParallelExperts(PlacedModule):
             x, w = dispatch.gather_rows(x, sizes, self.group), dispatch.gather_rows(w, sizes, self.group)
             local = dispatch.gather_rows(local, sizes, self.group)
         p = dispatch.pairs(local, self.local_experts)
-        gate_up, down = (scale_grad(t, 1 / self.grad_divisor) for t in (self.gate_up_proj, self.down_proj))
-        out = expert_mlp(x, p, local.shape[1], gate_up, down, w[p.gather, p.pick], self.act_fn)
+        out = self.experts_mlp(x, p, local.shape[1], w[p.gather, p.pick])
         if len(sizes) > 1:
             out = dispatch.reduce_scatter_rows(out, sizes, self.group)
         if self.expert_group is not None:
@@ -148,3 +152,55 @@ class ParallelExperts(PlacedModule):
         if tp_split and not self.sequence_parallel:
             out = reduce_from_tp_region(out, self.group)
         return out.to(hidden_states.dtype)
+
+
+class ClampedGluExperts(ParallelExperts):
+    """gpt-oss's experts, whole over `expert_group` (features not split: one TP rank), in its own
+    layout and math: gate_up_proj (E_r, H, 2F) with gate / up interleaved in pairs and its bias
+    (E_r, 2F), down_proj (E_r, F, H) and its bias (E_r, H);
+    h = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = clamp(gate, max=limit).
+    Its grouped GEMMs run the pure-torch reference (no fused epilogue for this activation)."""
+
+    def __init__(self, num_experts, hidden_size, ffn_size, *, alpha, limit, device=None, dtype=None, **kwargs):
+        super().__init__(num_experts, hidden_size, ffn_size, device="meta", dtype=dtype, **kwargs)
+        if dist.get_world_size(self.group) != 1:
+            raise ValueError("ClampedGluExperts: gpt-oss's experts are placed whole, over one tensor-parallel rank")
+        self.alpha, self.limit = alpha, limit
+        e, kw = self.local_experts, dict(device=device, dtype=dtype)
+        self.gate_up_proj = nn.Parameter(torch.empty(e, hidden_size, 2 * ffn_size, **kw))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * ffn_size, **kw))
+        self.down_proj = nn.Parameter(torch.empty(e, ffn_size, hidden_size, **kw))
+        self.down_proj_bias = nn.Parameter(torch.empty(e, hidden_size, **kw))
+        self._placements = {name: Shard(0) for name in self.WEIGHTS}  # whole experts: only the expert dim splits
+        self._keep_placements()
+
+    WEIGHTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+
+    def own(self, full):
+        return full[self.first_expert : self.first_expert + self.local_experts]
+
+    @classmethod
+    def from_hf(cls, module, **kwargs):
+        """The layer holding this rank's experts of HF's gpt-oss experts `module`."""
+        experts, hidden, two_f = module.gate_up_proj.shape
+        layer = cls(experts, hidden, two_f // 2, alpha=module.alpha, limit=module.limit, device="meta",
+                    dtype=module.gate_up_proj.dtype, **kwargs)  # fmt: skip
+        with torch.no_grad():
+            for name in cls.WEIGHTS:
+                full = getattr(module, name)
+                setattr(layer, name, nn.Parameter(layer.own(full.detach()).clone(), full.requires_grad))
+        layer._tag_parameters()
+        return layer
+
+    def experts_mlp(self, x, p, k, scale):
+        from tplayers.kernels.grouped_matmul_ref import grouped_matmul_ref
+
+        weights = [scale_grad(getattr(self, n), 1 / self.grad_divisor) for n in self.WEIGHTS]
+        gate_up, gate_up_bias, down, down_bias = weights
+        expert = torch.repeat_interleave(torch.arange(self.local_experts, device=x.device), p.counts)
+        y = grouped_matmul_ref(x, gate_up.transpose(1, 2), p.counts, gather=p.gather) + gate_up_bias[expert]
+        gate, up = y[:, ::2].clamp(max=self.limit), y[:, 1::2].clamp(-self.limit, self.limit)
+        h = (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+        out = (grouped_matmul_ref(h, down.transpose(1, 2), p.counts) + down_bias[expert]) * scale[:, None]
+        cells = out.new_zeros(x.shape[0] * k, out.shape[1]).index_copy(0, p.scatter, out.to(x.dtype))
+        return cells.view(x.shape[0], k, out.shape[1]).sum(1)
