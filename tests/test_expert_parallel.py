@@ -425,3 +425,45 @@ def test_hf_checkpoint_of_per_expert_tensors_loads_only_this_ranks_experts(tplay
         assert read == held  # exactly the slices this rank holds
         for key, value in reference.state_dict().items():
             assert_close(full[key], value, exact=True, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def overflow_in_one_ranks_experts(rank, world, _):
+    """An inf in rank 1's experts' gradient only: the loss scaler (its extra group only the TP
+    group) reads the expert group off the records, so both ranks skip the step."""
+    g = expert_mesh(2, 2, 1, 1)
+    model = tiny_model("qwen3_moe", **NO_AUX)
+    tplayers.parallelize(model, group=g["tp"], expert_group=g["ep"], verify=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = tplayers.DynamicLossScaler(init_scale=4.0, group=g["tp"])
+    ids, _ = batch(0, 2, False)
+    part = ids[rank * 2 : rank * 2 + 2]
+    scaler.scale(model(part, labels=part).loss).backward()
+    if rank == 1:
+        model.model.layers[0].mlp.experts.down_proj.grad[0, 0, 0] = float("inf")
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    return all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True)), scaler.get_scale()
+
+
+def test_the_loss_scaler_sees_an_overflow_in_another_ranks_experts(tplayers_pool):
+    assert tplayers_pool.run(overflow_in_one_ranks_experts, 2, mesh=("ep", 2, 2, 1, 1)) == [(True, 2.0)] * 2
+
+
+def _mesh_groups(rank, world):
+    mesh = tplayers.init_mesh(dp=4, tp=2, ep=2)
+    ranks = {name: torch.distributed.get_process_group_ranks(mesh[name].get_group()) for name in
+             ("dp", "ep", "edp", "tp")}  # fmt: skip
+    from tplayers.distributed import expert_data_group
+
+    edp = expert_data_group(mesh["dp"].get_group(), mesh["ep"].get_group())
+    return ranks, torch.distributed.get_process_group_ranks(edp)
+
+
+def test_init_mesh_folds_ep_over_the_replicas():
+    """dp 4 x tp 2 with ep 2: the expert groups are consecutive replicas, each expert's replicas
+    the ranks at the same place in the other expert groups; data_parallel finds them from dp and ep."""
+    results = tplayers.launch(_mesh_groups, 8)
+    ranks, edp = results[0]
+    assert ranks == {"dp": [0, 2, 4, 6], "ep": [0, 2], "edp": [0, 4], "tp": [0, 1]} and edp == [0, 4]
+    assert results[7][0] == {"dp": [1, 3, 5, 7], "ep": [5, 7], "edp": [3, 7], "tp": [6, 7]}

@@ -15,7 +15,7 @@ not (a hang). The scales also drift apart, so the next steps disagree again.
 
 So `unscale_` reduces the found-inf flag with MAX over every process group that holds part of
 the model: each group named by the placement of any of the optimizer's parameters (TP groups,
-read off `tplayers.get_placement`), then the extra `group` given to the scaler (e.g. the
+expert groups, read off `tplayers.get_placement`), then the extra `group` given to the scaler (e.g. the
 data-parallel or pipeline group, or the world). Every rank then skips, or steps, together, and
 their scales stay identical. The reduction is an all-gather of one float plus `amax` (comm has
 no MAX all-reduce), issued in a deterministic order so that all ranks issue identical
@@ -191,8 +191,9 @@ class DynamicLossScaler:
         for param_group in optimizer.param_groups:
             for p in param_group["params"]:
                 placement = get_placement(p)
-                for pg in (placement.group, placement.dp_group, placement.pp_group) if placement is not None else ():
-                    if pg is not None:  # TP groups, and data-parallel replicas
+                groups = (placement.group, placement.dp_group, placement.pp_group, placement.ep_group)
+                for pg in groups if placement is not None else ():
+                    if pg is not None:  # TP groups, data-parallel replicas, stages, expert groups
                         by_id.setdefault(id(pg), pg)
         placed = list(by_id.values())
         if len(placed) > 1:
