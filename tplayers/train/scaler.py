@@ -191,8 +191,9 @@ class DynamicLossScaler:
         for param_group in optimizer.param_groups:
             for p in param_group["params"]:
                 placement = get_placement(p)
-                groups = (placement.group, placement.dp_group, placement.pp_group, placement.ep_group)
-                for pg in groups if placement is not None else ():
+                if placement is None:
+                    continue
+                for pg in (placement.group, placement.dp_group, placement.pp_group, placement.ep_group):
                     if pg is not None:  # TP groups, data-parallel replicas, stages, expert groups
                         by_id.setdefault(id(pg), pg)
         placed = list(by_id.values())
