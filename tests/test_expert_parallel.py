@@ -271,6 +271,11 @@ def _records(rank, world, _):
     record = get_placement(model.model.layers[0].mlp.experts.gate_up_proj)
     assert record.ep_group is g["ep"] and g["ep"] in record.reduce_groups()
     assert get_placement(model.model.layers[0].mlp.gate.weight).ep_group is None
+    # the record survives tensors put in the slot: a dtype cast, an assign load, a deep copy
+    model.to(torch.float64)
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    for m in (model, copy.deepcopy(model)):
+        assert get_placement(m.model.layers[1].mlp.experts.down_proj).ep_group is g["ep"]
     return True
 
 
@@ -451,7 +456,7 @@ def test_the_loss_scaler_sees_an_overflow_in_another_ranks_experts(tplayers_pool
 
 
 def _mesh_groups(rank, world):
-    mesh = tplayers.init_mesh(dp=4, tp=2, ep=2)
+    mesh = tplayers.init_mesh(dp=4, tp=1, ep=2)
     ranks = {name: torch.distributed.get_process_group_ranks(mesh[name].get_group()) for name in
              ("dp", "ep", "edp", "tp")}  # fmt: skip
     from tplayers.distributed import expert_data_group
@@ -461,9 +466,10 @@ def _mesh_groups(rank, world):
 
 
 def test_init_mesh_folds_ep_over_the_replicas():
-    """dp 4 x tp 2 with ep 2: the expert groups are consecutive replicas, each expert's replicas
-    the ranks at the same place in the other expert groups; data_parallel finds them from dp and ep."""
-    results = tplayers.launch(_mesh_groups, 8)
+    """dp 4 with ep 2: the expert groups are consecutive replicas, each expert's replicas the ranks
+    at the same place in the other expert group; data_parallel finds them from dp and ep (with TP,
+    the same per TP rank: the pools' meshes lay them out alike, test_expert_parallel_matches_unsharded)."""
+    results = tplayers.launch(_mesh_groups, 4)
     ranks, edp = results[0]
-    assert ranks == {"dp": [0, 2, 4, 6], "ep": [0, 2], "edp": [0, 4], "tp": [0, 1]} and edp == [0, 4]
-    assert results[7][0] == {"dp": [1, 3, 5, 7], "ep": [5, 7], "edp": [3, 7], "tp": [6, 7]}
+    assert ranks == {"dp": [0, 1, 2, 3], "ep": [0, 1], "edp": [0, 2], "tp": [0]} and edp == [0, 2]
+    assert results[3][0] == {"dp": [0, 1, 2, 3], "ep": [2, 3], "edp": [1, 3], "tp": [3]}

@@ -83,9 +83,11 @@ class ParallelExperts(PlacedModule):
         self.grad_divisor = 1
 
     def _tag_parameters(self, *_):
+        for name in self._placements:  # before the records are sealed into the module's table
+            param = getattr(self, name, None)
+            if param is not None:
+                update_placement(param, ep_group=self.expert_group)
         super()._tag_parameters()
-        for name in self._placements:
-            update_placement(getattr(self, name), ep_group=self.expert_group)
 
     # -- this rank's slice of the unsharded (E, 2F, H) / (E, H, F) tensors ----------------------
     def own_ffn(self, t, dim):
