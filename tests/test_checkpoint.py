@@ -3,6 +3,7 @@ loaded at another, the state gathers to exactly the saved one and training goes 
 unsharded model; the same layout resumes bit for bit; damaged or mismatched checkpoints raise
 and leave the model as it was."""
 
+import contextlib
 import os
 import re
 import warnings
@@ -297,14 +298,12 @@ def test_unexpected_tensors_in_the_checkpoint_are_named(pool, tmp_path):
 # ---------------------------------------------------------------------------- HuggingFace directories
 
 
-def from_hf_directory(rank, world, group, source, target, family):
-    """Build on meta, shard, read this rank's slices of the HF directory, train a step, export."""
-    import transformers as tf
-
+@contextlib.contextmanager
+def counting_reads():
+    """[elements read from HF checkpoint files] inside the block (load_pretrained's reader counted)."""
     from tplayers.checkpoint import hf
 
-    read = [0]
-    original = hf._Reader.read
+    read, original = [0], hf._Reader.read
 
     def counted(self, *args):
         out = original(self, *args)
@@ -313,13 +312,21 @@ def from_hf_directory(rank, world, group, source, target, family):
 
     hf._Reader.read = counted
     try:
+        yield read
+    finally:
+        hf._Reader.read = original
+
+
+def from_hf_directory(rank, world, group, source, target, family):
+    """Build on meta, shard, read this rank's slices of the HF directory, train a step, export."""
+    import transformers as tf
+
+    with counting_reads() as read:
         with tplayers.parameters_on_meta():
             model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.from_pretrained(source))
         tplayers.parallelize(model, group=group, verify=False)
         assert all(p.device.type == "meta" for p in model.parameters())  # nothing allocated yet
         tplayers.load_pretrained(model, source, group=group)
-    finally:
-        hf._Reader.read = original
     held = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ids = batch(0)

@@ -398,25 +398,14 @@ def from_hf_checkpoint(rank, world, group, source, dp, ep, tp):
     rows; the weights then equal the unsharded model's."""
     import transformers as tf
 
-    from tplayers.checkpoint import hf
-
-    read = [0]
-    original = hf._Reader.read
-
-    def counted(self, *args):
-        out = original(self, *args)
-        read[0] += out.numel()
-        return out
+    from tests.test_checkpoint import counting_reads
 
     g = expert_mesh(dp, ep, 1, tp)
-    hf._Reader.read = counted
-    try:
+    with counting_reads() as read:
         with tplayers.parameters_on_meta():
             model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.from_pretrained(source))
         tplayers.parallelize(model, group=g["tp"], expert_group=g["ep"], verify=False)
         tplayers.load_pretrained(model, source, group=group)
-    finally:
-        hf._Reader.read = original
     held = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     return read[0], held, tplayers.gather_state_dict(model)
 

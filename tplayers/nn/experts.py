@@ -174,7 +174,7 @@ class ClampedGluExperts(ParallelExperts):
         self.down_proj = nn.Parameter(torch.empty(e, ffn_size, hidden_size, **kw))
         self.down_proj_bias = nn.Parameter(torch.empty(e, hidden_size, **kw))
         self._placements = {name: Shard(0) for name in self.WEIGHTS}  # whole experts: only the expert dim splits
-        self._keep_placements()
+        self._tag_parameters()  # the load hook the base registered re-tags these too
 
     WEIGHTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 
