@@ -92,10 +92,7 @@ def all_to_all(out, t, splits, group, *, axis="tp"):
     """Send rows `t[sum(splits[:s]) : sum(splits[:s + 1])]` to rank s of `group` and receive as
     many rows from it into the same place of `out` (symmetric splits: ranks exchange equal
     blocks). Counted as the bytes sent to the other ranks."""
-    r = dist.get_rank(group)
-    row = _nbytes(t) // max(t.shape[0], 1)
-    _record("all_to_all", (sum(splits) - splits[r]) * row, axis)
-    return dist.all_to_all_single(out, t, list(splits), list(splits), group=group)
+    return all_to_all_rows(out, t, splits, splits, group, axis=axis)
 
 
 def all_to_all_rows(out, t, out_splits, in_splits, group, *, axis="ep"):
