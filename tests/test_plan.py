@@ -406,15 +406,6 @@ def test_from_hf_config_errors(tmp_path):
         ModelSpec.from_hf_config({k: v for k, v in LLAMA3_8B_CONFIG.items() if k != "vocab_size"})
 
 
-@pytest.mark.parametrize("experts", [dict(num_local_experts=8), dict(n_routed_experts=256), dict(num_experts=128),
-                                     dict(ffn_config=dict(moe_num_experts=16))])  # fmt: skip
-def test_from_hf_config_refuses_a_mixture_of_experts(experts):
-    """Read as a dense model with its expert's width, a MoE config would be priced wrong, silently."""
-    with pytest.raises(ValueError, match="is a mixture of experts.*prices dense decoders only"):
-        ModelSpec.from_hf_config({**LLAMA3_8B_CONFIG, **experts})
-    assert ModelSpec.from_hf_config({**LLAMA3_8B_CONFIG, "num_experts": 1}).layers == 32  # one expert: dense
-
-
 # ---------------------------------------------------------------------------- validation
 
 

@@ -3,13 +3,16 @@
 Pure Python (no torch): `estimate` prices one `Layout` of a `ModelSpec` on a `ClusterSpec`;
 `search` enumerates layouts for a global batch and ranks the valid ones that fit by step time.
 
-Modules, each importing only those listed above it (`specs` imports `presets` on use, in the
-`preset` constructors):
+Modules, each importing only those listed above it (`specs` imports `presets` and `hf_config` on
+use, in the `preset` and `from_hf_config` constructors):
 
     specs      ModelSpec (dimensions, parameter counts, HuggingFace configs), Precision, ClusterSpec,
                the choice constants and argument checks
+    hf_config  ModelSpec.from_hf_config: a config.json read, what cannot be priced refused by name
     presets    the named models, precision recipes and GPUs
     layout     Layout, Assumptions
+    experts    a mixture of experts: what a rank holds, computes, stores and sends for its experts
+               under expert parallelism (Layout.ep), at a stated routing balance
     memory     model-state bytes under ZeRO, activation bytes per layer and at the edges
     schedule   pipeline schedules: micro-batches in flight, the bubble
     flops      matmul FLOPs per token and per step
@@ -17,6 +20,7 @@ Modules, each importing only those listed above it (`specs` imports `presets` on
     grid       2-D tensor parallelism (Layout(tp=(r, c))): a grid rank's tensors, activations,
                FLOPs and bytes per axis, as `tplayers.hf.grid` lays out a Llama-style model
     rules      validate_layout: why a layout cannot run a model on a cluster
+    results    MemoryBreakdown, StageEstimate, Estimate
     estimate   estimate: memory, FLOPs, communication and time of one layout, stage by stage
     search     search: every layout for a global batch, ranked by step time
     report     estimate_to_dict, format_estimate, format_ranking
@@ -70,6 +74,13 @@ Parallel layout conventions
   over all r x c). Priced as tplayers runs it whatever `Assumptions.implementation` says
   (Megatron has no grid), the attention core repeated on the c ranks of a row; sequence
   parallelism on a grid splits the sequence over tp_r (the residual stream T / r x H / c).
+* Mixtures of experts (`ModelSpec.experts`, `tplayers.plan.experts`): `Layout(ep=E)` spreads
+  each MoE layer's experts whole over E consecutive dp replicas (`tplayers.init_mesh(dp=, ep=)`),
+  their gradients reduced over the dp / E replicas holding the same experts; E divides dp. The
+  dispatch and combine all-to-alls are priced per token and destination rank at uniform routing
+  (`destinations`) scaled by `Assumptions.routing_imbalance` for the most loaded rank, and timed
+  exposed on the "ep" group's link (`Estimate.comm_bytes_by_group["ep"]`, `time_breakdown["ep"]`);
+  the routed experts' grouped GEMMs run at `Assumptions.grouped_gemm_efficiency`.
 * Key / value heads: split with the query heads where both divide; otherwise each rank holds
   the key/value heads its whole query heads read (`specs.kv_heads_read`, as `tplayers.hf`'s
   SharedKVProjection holds them), and the gradients of the heads several ranks share are summed
@@ -92,7 +103,8 @@ from tplayers.plan.comm import (
 from tplayers.plan.estimate import BACKWARD_SHARE as BACKWARD_SHARE
 from tplayers.plan.estimate import DP_BUCKET_PARAMS as DP_BUCKET_PARAMS
 from tplayers.plan.estimate import DP_BUCKET_PARAMS_PER_RANK as DP_BUCKET_PARAMS_PER_RANK
-from tplayers.plan.estimate import Estimate, MemoryBreakdown, StageEstimate, estimate
+from tplayers.plan.estimate import estimate
+from tplayers.plan.experts import destinations, ep_bytes_per_layer
 from tplayers.plan.flops import training_flops
 from tplayers.plan.layout import Assumptions, Layout
 from tplayers.plan.memory import LOGITS_BYTES as LOGITS_BYTES
@@ -102,6 +114,7 @@ from tplayers.plan.presets import CLUSTER_PRESETS as CLUSTER_PRESETS
 from tplayers.plan.presets import MODEL_PRESETS as MODEL_PRESETS
 from tplayers.plan.presets import PRECISION_PRESETS as PRECISION_PRESETS
 from tplayers.plan.report import ESTIMATE_FIELDS, estimate_to_dict, format_estimate, format_ranking
+from tplayers.plan.results import Estimate, MemoryBreakdown, StageEstimate
 from tplayers.plan.rules import validate_layout
 from tplayers.plan.schedule import bubble_fraction, microbatches_in_flight
 from tplayers.plan.search import search
@@ -133,6 +146,8 @@ __all__ = [
     "all_reduce_bytes",
     "bubble_fraction",
     "count_params",
+    "destinations",
+    "ep_bytes_per_layer",
     "dp_bytes_per_step",
     "estimate",
     "estimate_to_dict",

@@ -16,13 +16,15 @@ from pathlib import Path
 from tplayers import plan
 
 MODEL_DIMS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len")
+# a mixture of experts' fields (ModelSpec.experts, ...): with explicit dimensions, or overriding a config's
+EXPERT_DIMS = ("experts", "experts_per_token", "expert_ffn", "shared_ffn", "dense_layers")
 
 
 def add_arguments(parser) -> None:
     model = parser.add_argument_group("model (one of --model, --hf-config, explicit dimensions, --num-params)")
     model.add_argument("--model", help="preset: " + ", ".join(sorted(plan.MODEL_PRESETS)))
     model.add_argument("--hf-config", help="a HuggingFace config.json (or its folder)")
-    for dim in MODEL_DIMS:
+    for dim in (*MODEL_DIMS, *EXPERT_DIMS):
         model.add_argument(f"--{dim.replace('_', '-')}", type=int, dest=dim)
     model.add_argument("--num-params", type=float, help="parameter count only: model-state memory questions")
     model.add_argument(
@@ -47,6 +49,10 @@ def add_arguments(parser) -> None:
         "--compress", default=None,
         help="gradient compression over the replicas: bf16 | int8 | topk:<fraction> | powersgd:rank=<r>[,start=<s>]",
     )  # fmt: skip
+    layout.add_argument("--ep", type=int, default=None, help="expert parallelism over the dp replicas (default 1; "
+                        "with --search: only this size)")  # fmt: skip
+    layout.add_argument("--routing-imbalance", type=float, default=1.0,
+                        help="MoE: the most loaded expert-parallel rank's pairs over the mean (default 1)")  # fmt: skip
     layout.add_argument("--micro-batch", type=int, default=1)
     layout.add_argument("--num-microbatches", type=int, default=1)
     layout.add_argument("--sequence-parallel", action="store_true")
@@ -83,7 +89,7 @@ def tp_size(text: str):
 
 
 def _model(args) -> plan.ModelSpec:
-    dims = {d: getattr(args, d) for d in MODEL_DIMS if getattr(args, d) is not None}
+    dims = {d: getattr(args, d) for d in (*MODEL_DIMS, *EXPERT_DIMS) if getattr(args, d) is not None}
     given = [name for name, used in (("--model", args.model), ("--hf-config", args.hf_config),
                                      ("--num-params", args.num_params)) if used is not None]  # fmt: skip
     if len(given) > 1 or (given and given[0] == "--num-params" and dims):
@@ -105,7 +111,7 @@ def _layout(args) -> plan.Layout:
         micro_batch=args.micro_batch,
         num_microbatches=args.num_microbatches, sequence_parallel=args.sequence_parallel,
         recompute=args.recompute, schedule=args.schedule, virtual_stages=args.virtual_stages,
-        compress=args.compress,
+        compress=args.compress, ep=args.ep or 1,
     )  # fmt: skip
 
 
@@ -131,7 +137,7 @@ def run(args) -> int:
         return _validate(args)
     model = _model(args)
     precision = plan.Precision.preset(args.precision)
-    assumptions = plan.Assumptions(implementation=args.implementation)
+    assumptions = plan.Assumptions(implementation=args.implementation, routing_imbalance=args.routing_imbalance)
     layout = _layout(args)
     gpus = args.gpus if args.gpus is not None else layout.tp * layout.pp * layout.dp
     cluster = plan.ClusterSpec.preset(args.cluster, num_gpus=gpus)
@@ -148,6 +154,7 @@ def run(args) -> int:
             tp_sizes=(() if isinstance(args.tp, tuple) else (args.tp,)) if args.tp else None,
             tp_grids=(args.tp,) if isinstance(args.tp, tuple) else None,
             pp_sizes=(args.pp,) if args.pp else None,
+            ep_sizes=(args.ep,) if args.ep else None,
             **({"zero_stages": (args.zero_stage,)} if args.zero_stage is not None else {}),
             **({"compress": (args.compress,)} if args.compress is not None else {}),
         )

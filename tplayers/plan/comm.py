@@ -143,8 +143,8 @@ def tp_bytes_per_layer(model: ModelSpec, micro_batch: int, tp: int, recompute: s
 
 
 def group_link(cluster: ClusterSpec, layout: Layout, group: str) -> str:
-    """The link class of `group` ("tp" | "pp" | "dp"): "intra_node" if each of its groups lies
-    within one node, else "inter_node".
+    """The link class of `group` ("tp" | "pp" | "dp" | "ep"): "intra_node" if each of its groups lies
+    within one node, else "inter_node". The expert-parallel group is `layout.ep` consecutive dp ranks.
 
     Ranks are ordered by `layout.rank_order` (fastest first); a group of size n and stride
     (product of the faster sizes) lies within nodes iff gpus_per_node is a multiple of n*stride.
@@ -152,8 +152,8 @@ def group_link(cluster: ClusterSpec, layout: Layout, group: str) -> str:
     _choice(group, GROUPS, "group")
     sizes = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp}
     order = layout.rank_order.split("-")
-    stride = math.prod(sizes[g] for g in order[: order.index(group)])
-    n = sizes[group]
+    stride = math.prod(sizes[g] for g in order[: order.index("dp" if group == "ep" else group)])
+    n = layout.ep if group == "ep" else sizes[group]
     if n == 1 or cluster.num_gpus <= cluster.gpus_per_node:
         return "intra_node"
     return "intra_node" if cluster.gpus_per_node % (n * stride) == 0 else "inter_node"

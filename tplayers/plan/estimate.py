@@ -15,6 +15,7 @@ from tplayers.plan.comm import (
     group_link,
     tp_bytes_per_layer,
 )
+from tplayers.plan.experts import ep_bytes_per_layer, expert_tensors, moe_mlp_flops_per_token, moe_tp_bytes_per_layer
 from tplayers.plan.flops import _forward_flops_per_token, _recompute_flops_per_token, _TokenFlops, training_flops
 from tplayers.plan.grid import (
     grid_flops_per_token,
@@ -35,6 +36,7 @@ from tplayers.plan.memory import (
     stage_tensors,
     zero_state_bytes_per_rank,
 )
+from tplayers.plan.results import Estimate, MemoryBreakdown, StageEstimate
 from tplayers.plan.rules import validate_layout
 from tplayers.plan.schedule import bubble_fraction, microbatches_in_flight
 from tplayers.plan.specs import (
@@ -48,6 +50,7 @@ from tplayers.plan.specs import (
     _norm_params,
     ceil_share,
     kv_rows_exchanged,
+    moe_layers,
     padded_vocab,
     tp_imbalance,
 )
@@ -60,95 +63,6 @@ BACKWARD_SHARE = 2 / 3
 
 
 @dataclass(frozen=True)
-class MemoryBreakdown:
-    """Bytes per GPU on pipeline stage `stage`.
-
-    `activations` is None when the model is given by its parameter count only; `total` then
-    counts the model states alone. `buffers`: ZeRO-3's gathered copy of the largest unit
-    (a layer, or the embedding / LM head) during its forward / backward; ZeRO-2's (FSDP2's)
-    gathered copy of every parameter, held from forward through backward (its `params` are the
-    shards kept between steps). With the model's dimensions the model states are counted tensor
-    by tensor as tplayers' engines hold them (`zero_state_bytes_per_rank`: padding, ZeRO-1's
-    whole-tensor partition), for the most loaded replica.
-    """
-
-    params: float
-    grads: float
-    optimizer: float
-    activations: float | None
-    buffers: float = 0.0
-    stage: int = 0
-
-    @property
-    def model_states(self) -> float:
-        return self.params + self.grads + self.optimizer
-
-    @property
-    def total(self) -> float:
-        return self.model_states + (self.activations or 0.0) + self.buffers
-
-
-@dataclass(frozen=True)
-class StageEstimate:
-    """One pipeline stage, per GPU: memory, parameters, per-step comm bytes and time parts."""
-
-    stage: int
-    num_params: float  # parameters held by one GPU before ZeRO sharding (after TP)
-    memory: MemoryBreakdown
-    hardware_flops: float | None  # per GPU per step
-    comm_bytes_by_group: dict[str, float | None]  # "tp" | "pp" | "dp" -> bytes per GPU per step
-    time_breakdown: dict[str, float] | None  # seconds: compute, bubble, tp, pp, dp, optimizer
-    comm_bytes_by_axis: dict[str, float] | None = None  # a grid's "tp" bytes split: "tp_r", "tp_c"
-
-    @property
-    def step_time_s(self) -> float | None:
-        return None if self.time_breakdown is None else sum(self.time_breakdown.values())
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """The estimate of one layout; see the `tplayers.plan` docstring for per-GPU / per-job conventions.
-
-    Invalid layouts (`valid` False) carry their `reasons` and None for every number.
-    """
-
-    layout: Layout
-    num_gpus: int
-    num_params: float
-    usable_hbm_bytes: float
-    reasons: tuple[str, ...]
-    valid: bool
-    memory: MemoryBreakdown | None = None
-    stages: tuple[StageEstimate, ...] = ()
-    model_flops: float | None = None  # per step, whole job, no recompute
-    hardware_flops: float | None = None  # per step, whole job, with recompute and padded vocab
-    bubble_fraction: float | None = None  # bubble / ideal time
-    comm_bytes: dict[str, float] | None = None  # link class -> bytes sent per GPU per step
-    comm_bytes_by_group: dict[str, float | None] | None = None  # "tp" | "pp" | "dp" -> bytes
-    comm_links: dict[str, str] | None = None  # "tp" | "pp" | "dp" (and a grid's "tp_r", "tp_c") -> link class
-    comm_bytes_by_axis: dict[str, float] | None = None  # a grid's "tp" bytes per axis: "tp_r", "tp_c"
-    critical_stage: int | None = None
-    time_breakdown: dict[str, float] | None = None
-    step_time_s: float | None = None
-    mfu: float | None = None
-    tokens_per_step: int | None = None
-    notes: tuple[str, ...] = ()
-    # the most loaded TP rank's layer parameters over the mean rank's (1.0: every split divides)
-    tp_imbalance: float | None = None
-
-    @property
-    def fits(self) -> bool:
-        """Valid and memory.total <= usable HBM (capacity * (1 - reserve))."""
-        return self.valid and self.memory is not None and self.memory.total <= self.usable_hbm_bytes
-
-    @property
-    def tokens_per_s(self) -> float | None:
-        if self.step_time_s is None or self.tokens_per_step is None:
-            return None
-        return self.tokens_per_step / self.step_time_s
-
-
-@dataclass(frozen=True)
 class _Context:
     model: ModelSpec
     cluster: ClusterSpec
@@ -156,6 +70,16 @@ class _Context:
     precision: Precision
     assumptions: Assumptions
     tp_rank: int = 0  # whose share of uneven splits: the most loaded (`_most_loaded_rank`), unless asked per rank
+
+    def layers(self, stage: int) -> tuple[int, int]:
+        """(dense layers, MoE layers) of pipeline `stage`."""
+        per_stage = self.model.layers // self.layout.pp
+        moe = moe_layers(self.model, stage * per_stage, per_stage) if self.model.has_dims else 0
+        return per_stage - moe, moe
+
+    @property
+    def imbalance(self) -> float:
+        return self.assumptions.routing_imbalance
 
     @property
     def vocab(self) -> int:
@@ -177,7 +101,8 @@ def _stage_params(ctx: _Context, stage: int) -> float:
         return sum(r * c for r, c, _ in _stage_tensors(ctx, stage))
     tp, pp = layout.tp, layout.pp
     word = ceil_share(ctx.vocab, tp) * model.hidden
-    params = model.layers // pp * _layer_params(model, tp)
+    dense, moe = ctx.layers(stage)
+    params = dense * _layer_params(model, tp) + (moe and moe * _layer_params(model, tp, ep=layout.ep, moe=True))
     if stage == 0:
         params += word + (model.max_positions * model.hidden if model.position_embedding == "learned" else 0)
     if stage == pp - 1:
@@ -194,8 +119,11 @@ def _zero3_buffer(ctx: _Context, stage: int) -> float:
     if layout.zero_stage < 2 or layout.dp == 1 or not model.has_dims:
         return 0.0
     if layout.zero_stage == 2:
-        return gathered_param_bytes(_stage_tensors(ctx, stage), ctx.precision, dp=layout.dp)
+        experts = gathered_param_bytes(_stage_expert_tensors(ctx, stage), ctx.precision, dp=layout.dp // layout.ep)
+        return gathered_param_bytes(_stage_tensors(ctx, stage), ctx.precision, dp=layout.dp) + experts
     units = [grid_layer_params(model, layout.tp_grid) if layout.tp_grid else _layer_params(model, layout.tp)]
+    if ctx.layers(stage)[1]:  # a MoE layer: its block and its experts, gathered together
+        units.append(_layer_params(model, layout.tp, ep=layout.ep, moe=True))
     if stage in (0, layout.pp - 1):
         units.append(ceil_share(ctx.vocab, layout.tp) * model.hidden)
     return max(units) * ctx.precision.param_bytes
@@ -225,11 +153,17 @@ def _stage_activations(ctx: _Context, stage: int) -> float | None:
         layer_bytes, sp = grid_layer_activation_bytes, False
     else:
         layer_bytes = layer_activation_bytes
-    per_layer = layer_bytes(model, mb, recompute=layout.recompute, **kw)
-    layers_per_stage = model.layers // pp
     in_flight = microbatches_in_flight(layout.schedule, stage, pp, m, layout.virtual_stages)
-    total = layers_per_stage * in_flight * per_layer
-    total += layer_bytes(model, mb, recompute="none", **kw) - per_layer
+    total = rematerialised = 0.0
+    for moe, layers in zip((False, True), ctx.layers(stage), strict=True):
+        if not layers:
+            continue
+        if moe:
+            kw.update(moe=True, ep=layout.ep, routing_imbalance=ctx.imbalance)
+        per_layer = layer_bytes(model, mb, recompute=layout.recompute, **kw)
+        total += layers * in_flight * per_layer
+        rematerialised = max(rematerialised, layer_bytes(model, mb, recompute="none", **kw) - per_layer)
+    total += rematerialised
     micro_batches_held = m if layout.schedule == "gpipe" else min(pp - stage, m)
     if stage == 0:
         total += micro_batches_held * _embedding_activation_bytes(model, mb, tp, sp)
@@ -252,8 +186,31 @@ def _stage_tensors(ctx: _Context, stage: int) -> list:
     return stage_tensors(
         model, tp=layout.tp, vocab=ctx.vocab, layers=model.layers // layout.pp, first=stage == 0,
         last=stage == layout.pp - 1, lm_head=not model.tied_embeddings or layout.pp > 1,
-        sequence_parallel=layout.sequence_parallel, tp_rank=ctx.tp_rank,
+        sequence_parallel=layout.sequence_parallel, tp_rank=ctx.tp_rank, moe_layers=ctx.layers(stage)[1],
     )  # fmt: skip
+
+
+def _stage_expert_tensors(ctx: _Context, stage: int) -> list:
+    """The routed experts' tensors of `stage` (reduced over the dp / ep expert-data-parallel replicas)."""
+    return expert_tensors(ctx.model, ctx.layout.tp, ctx.layout.ep, ctx.layers(stage)[1], ctx.tp_rank)
+
+
+def _state_bytes(ctx: _Context, stage: int) -> list[tuple]:
+    """(params, grads, optimizer) bytes of each data-parallel replica: the dense tensors over dp,
+    the experts over their dp / ep replicas (replica d holds expert-data-parallel shard d // ep)."""
+    layout, precision = ctx.layout, ctx.precision
+    dense = zero_state_bytes_per_rank(_stage_tensors(ctx, stage), precision, zero_stage=layout.zero_stage, dp=layout.dp)
+    experts = zero_state_bytes_per_rank(
+        _stage_expert_tensors(ctx, stage), precision, zero_stage=layout.zero_stage, dp=layout.dp // layout.ep
+    )
+    return [tuple(a + b for a, b in zip(mine, experts[d // layout.ep], strict=True)) for d, mine in enumerate(dense)]
+
+
+def _dp_bytes(ctx: _Context, stage: int) -> float:
+    layout, m, p, c = ctx.layout, ctx.layout.num_microbatches, ctx.precision, ctx.layout.compression
+    dense = dp_bytes_from_tensors(_stage_tensors(ctx, stage), layout.dp, layout.zero_stage, m, p, c)
+    edp = layout.dp // layout.ep
+    return dense + dp_bytes_from_tensors(_stage_expert_tensors(ctx, stage), edp, layout.zero_stage, m, p, c)
 
 
 def _stage_memory(ctx: _Context, stage: int, params: float) -> MemoryBreakdown:
@@ -262,10 +219,7 @@ def _stage_memory(ctx: _Context, stage: int, params: float) -> MemoryBreakdown:
     `zero_state_bytes_per_rank`), else the ZeRO paper's even split of `params`."""
     layout = ctx.layout
     if ctx.model.has_dims:
-        per_rank = zero_state_bytes_per_rank(
-            _stage_tensors(ctx, stage), ctx.precision, zero_stage=layout.zero_stage, dp=layout.dp
-        )
-        p, g, o = max(per_rank, key=sum)
+        p, g, o = max(_state_bytes(ctx, stage), key=sum)
     else:
         p, g, o = model_state_bytes(params, ctx.precision, zero_stage=layout.zero_stage, dp=layout.dp)
     return MemoryBreakdown(p, g, o, _stage_activations(ctx, stage), _zero3_buffer(ctx, stage), stage)
@@ -279,9 +233,7 @@ def model_state_bytes_per_rank(
     `tp_rank` (0 by default; `estimate` prices the most loaded), tensor by tensor
     (`zero_state_bytes_per_rank`); needs the model's dimensions."""
     ctx = _Context(model, None, layout, _resolve_precision(precision), assumptions or Assumptions(), tp_rank)
-    return zero_state_bytes_per_rank(
-        _stage_tensors(ctx, stage), ctx.precision, zero_stage=layout.zero_stage, dp=layout.dp
-    )
+    return _state_bytes(ctx, stage)
 
 
 def dp_bytes_per_rank(
@@ -291,8 +243,7 @@ def dp_bytes_per_rank(
     """Data-parallel bytes per step of pipeline `stage` on TP rank `tp_rank` (its tensors' padding:
     `dp_bytes_from_tensors`); needs the model's dimensions."""
     ctx = _Context(model, None, layout, _resolve_precision(precision), assumptions or Assumptions(), tp_rank)
-    return dp_bytes_from_tensors(_stage_tensors(ctx, stage), layout.dp, layout.zero_stage, layout.num_microbatches,
-                                 ctx.precision, layout.compression)  # fmt: skip
+    return _dp_bytes(ctx, stage)
 
 
 def activation_bytes_per_rank(
@@ -310,14 +261,54 @@ def _stage_flops_per_microbatch(ctx: _Context, stage: int) -> float:
     model, layout = ctx.model, ctx.layout
     if layout.tp_grid:
         dense, attention, logits = grid_flops_per_token(model, layout.tp_grid, ctx.vocab)
-        per_token = _TokenFlops(dense, attention, logits)
-    else:
-        per_token = _forward_flops_per_token(model, ctx.vocab, layout.tp)  # the most loaded rank's
-    layer = 3 * per_token.layer + _recompute_flops_per_token(per_token, layout.recompute)
-    flops = model.layers // layout.pp * layer
+        kinds = [(_TokenFlops(dense, attention, logits), model.layers // layout.pp)]
+    else:  # the most loaded rank's
+        kinds = [(_forward_flops_per_token(model, ctx.vocab, layout.tp, moe=moe, imbalance=ctx.imbalance), n)
+                 for moe, n in zip((False, True), ctx.layers(stage), strict=True) if n]  # fmt: skip
+    flops = sum(n * (3 * f.layer + _recompute_flops_per_token(f, layout.recompute)) for f, n in kinds)
+    per_token = kinds[0][0]
     if stage == layout.pp - 1:
         flops += 3 * per_token.logits
     return flops * model.seq_len * layout.micro_batch
+
+
+def _stage_routed_flops_per_microbatch(ctx: _Context, stage: int) -> float:
+    """Of `_stage_flops_per_microbatch`, the routed experts' grouped GEMMs (fwd + bwd + recompute)."""
+    model, layout = ctx.model, ctx.layout
+    moe = ctx.layers(stage)[1]
+    if not moe:
+        return 0.0
+    routed = moe_mlp_flops_per_token(model, layout.tp, imbalance=ctx.imbalance)
+    routed -= moe_mlp_flops_per_token(model, layout.tp, imbalance=0)
+    passes = 3 + (layout.recompute == "full")
+    return moe * passes * routed * model.seq_len * layout.micro_batch
+
+
+def _stage_ep_bytes_per_microbatch(ctx: _Context, stage: int) -> float:
+    """The dispatch and combine all-to-alls of the stage's MoE layers (`ep_bytes_per_layer`), each
+    TP rank dispatching its sequence slice under sequence parallelism, all its tokens otherwise."""
+    layout = ctx.layout
+    tokens = ctx.model.seq_len * layout.micro_batch / (layout.tp if layout.sequence_parallel else 1)
+    per_layer = ep_bytes_per_layer(ctx.model, tokens, layout.ep, ctx.precision.activation_bytes,
+                                   imbalance=ctx.imbalance, recompute=layout.recompute)  # fmt: skip
+    return ctx.layers(stage)[1] * per_layer
+
+
+def _moe_tp_bytes_per_layer(ctx: _Context) -> float:
+    """What a MoE layer's TP bytes differ by from a dense layer's: the router's gradient all-reduced
+    under sequence parallelism (it saw a slice), and with ep > 1 and sequence parallelism the
+    received rows gathered and reduce-scattered (`moe_tp_bytes_per_layer`) in place of the dense
+    MLP's pair (without sequence parallelism the same all-reduces as a dense MLP)."""
+    model, layout, d = ctx.model, ctx.layout, ctx.precision.activation_bytes
+    if not layout.sequence_parallel:
+        return 0.0
+    tp, tokens = layout.tp, model.seq_len * layout.micro_batch
+    router = all_reduce_bytes(model.experts * model.hidden * ctx.precision.param_bytes, tp)
+    if layout.ep == 1:
+        return router
+    passes = 1 + (layout.recompute == "full") / 2  # the forward's two of the four again
+    dense_pair = 2 * all_reduce_bytes(tokens * model.hidden * d, tp)
+    return router + passes * (moe_tp_bytes_per_layer(model, tokens / tp, tp, layout.ep, d) - dense_pair)
 
 
 def _stage_tp_bytes_per_microbatch(ctx: _Context, stage: int) -> float:
@@ -349,7 +340,8 @@ def _stage_tp_bytes_per_microbatch(ctx: _Context, stage: int) -> float:
     if layout.sequence_parallel:
         seq_sliced = 2 * _norm_params(model) + (2 * model.hidden if model.linear_bias and not tplayers else 0)
         per_layer += all_reduce_bytes(seq_sliced * grad_bytes, tp)
-    total = model.layers // layout.pp * per_layer
+    dense, moe = ctx.layers(stage)
+    total = (dense + moe) * per_layer + (moe * _moe_tp_bytes_per_layer(ctx) if moe else 0.0)
     return total + _edge_bytes(ctx, stage, tp, tplayers, layout.sequence_parallel)
 
 
@@ -434,31 +426,35 @@ def _stage_estimate(ctx: _Context, stage: int, links: dict[str, str], bubble: fl
     memory = _stage_memory(ctx, stage, params)
     m = layout.num_microbatches
     if model.has_dims:
-        dp_bytes = dp_bytes_from_tensors(
-            _stage_tensors(ctx, stage), layout.dp, layout.zero_stage, m, ctx.precision, layout.compression
-        )
+        dp_bytes = _dp_bytes(ctx, stage)
     else:
         dp_bytes = dp_bytes_per_step(params, layout.dp, layout.zero_stage, m, ctx.precision, layout.compression)
     if not model.has_dims:
-        comm = {"tp": None, "pp": None, "dp": dp_bytes}
+        comm = {"tp": None, "pp": None, "dp": dp_bytes, "ep": None}
         return StageEstimate(stage, params, memory, None, comm, None)
     flops_mb = _stage_flops_per_microbatch(ctx, stage)
     # a grid's bytes by the axis they cross, each on its own link (computed once: search prices thousands)
     by_axis = _grid_tp_bytes_per_microbatch(ctx, stage) if layout.tp_grid else None
     tp_mb = sum(by_axis.values()) if by_axis else _stage_tp_bytes_per_microbatch(ctx, stage)
     pp_mb = _stage_pp_bytes_per_microbatch(ctx, stage)
-    comm = {"tp": m * tp_mb, "pp": m * pp_mb, "dp": dp_bytes}
+    ep_mb = _stage_ep_bytes_per_microbatch(ctx, stage)
+    comm = {"tp": m * tp_mb, "pp": m * pp_mb, "dp": dp_bytes, "ep": m * ep_mb}
     assume = ctx.assumptions
-    compute_mb = flops_mb / (cluster.peak_flops * assume.compute_efficiency)
+    routed_mb = _stage_routed_flops_per_microbatch(ctx, stage)
+    grouped = assume.grouped_gemm_efficiency or assume.compute_efficiency
+    compute_mb = (flops_mb - routed_mb) / (cluster.peak_flops * assume.compute_efficiency)
+    compute_mb += routed_mb / (cluster.peak_flops * grouped)
     timed = by_axis or {"tp": tp_mb}
     tp_time_mb = sum(b / _link_bandwidth(cluster, links[a]) for a, b in timed.items()) * (1 - assume.tp_comm_overlap)
     pp_time_mb = pp_mb / _link_bandwidth(cluster, links["pp"]) * (1 - assume.pp_comm_overlap)
+    ep_time_mb = ep_mb / _link_bandwidth(cluster, links["ep"])  # exposed: the experts wait for their tokens
     dp_time = dp_bytes / _link_bandwidth(cluster, links["dp"])
     times = {
         "compute": m * compute_mb,
         "tp": m * tp_time_mb,
         "pp": m * pp_time_mb,
-        "bubble": bubble * m * (compute_mb + tp_time_mb + pp_time_mb),
+        "ep": m * ep_time_mb,
+        "bubble": bubble * m * (compute_mb + tp_time_mb + pp_time_mb + ep_time_mb),
         "dp": _dp_exposed_time(ctx, dp_time, params, compute_mb),
         "optimizer": _optimizer_time(ctx, params),
     }

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tplayers.plan.specs import RECOMPUTE_CHOICES, ModelSpec, _choice, ceil_share, local_dims
+from tplayers.plan.experts import moe_mlp_flops_per_token
+from tplayers.plan.specs import RECOMPUTE_CHOICES, ModelSpec, _choice, ceil_share, local_dims, moe_layers
 
 
 @dataclass(frozen=True)
@@ -21,16 +22,23 @@ class _TokenFlops:
         return self.layer_dense + self.layer_attention
 
 
-def _forward_flops_per_token(model: ModelSpec, vocab: int | None = None, tp: int = 1) -> _TokenFlops:
+def _forward_flops_per_token(
+    model: ModelSpec, vocab: int | None = None, tp: int = 1, *, moe: bool = False, imbalance: float = 1.0
+) -> _TokenFlops:
     """2 FLOPs per multiply-add. Per layer: QKV 2*h*(q + 2k), attention scores and
     attention over values 2*s*q each (no causal discount, as Narayanan eq. 3), output 2*q*h,
     MLP 2*h*f*(3 gated | 2). Logits 2*h*V. GPT (q = k = h, f = 4h): 24h^2 + 4sh per layer.
     `tp` > 1: the most loaded TP rank's share (`local_dims`: its query heads, the key/value heads
-    it computes, its ffn columns and vocabulary rows), which the step waits for."""
+    it computes, its ffn columns and vocabulary rows), which the step waits for. `moe`: a MoE
+    layer, its MLP `moe_mlp_flops_per_token` (`imbalance`: the most loaded rank's pairs over the mean)."""
     h, vocab = model.hidden, model.vocab if vocab is None else vocab
     local = local_dims(model, tp)
     q, kv = local.q, (model.kv_dim if tp == 1 else local.kv_heads_computed * model.head_dim)
-    dense = 2 * h * (q + 2 * kv) + 2 * q * h + 2 * h * local.ffn * (3 if model.gated_mlp else 2)
+    dense = 2 * h * (q + 2 * kv) + 2 * q * h
+    if moe:
+        dense += moe_mlp_flops_per_token(model, tp, imbalance=imbalance)
+    else:
+        dense += 2 * h * local.ffn * (3 if model.gated_mlp else 2)
     attention = 4 * model.seq_len * q
     return _TokenFlops(dense, attention, 2 * h * ceil_share(vocab, tp))
 
@@ -50,12 +58,17 @@ def training_flops(model: ModelSpec, global_batch: int, recompute: str = "none",
         F = 96*B*s*l*h^2 * (1 + s/(6h) + V/(16*l*h))
     without recomputation (model FLOPs, 3 passes everywhere):
         F = 72*B*s*l*h^2 * (1 + s/(6h) + V/(12*l*h))
-    Generalised to GQA / gated MLPs through `_forward_flops_per_token`.
+    Generalised to GQA / gated MLPs through `_forward_flops_per_token`; a mixture of experts'
+    MoE layers count the router, the shared experts and k experts per token.
     """
     _choice(recompute, RECOMPUTE_CHOICES, "recompute")
     if not model.has_dims:
         raise ValueError("FLOPs need the model's dimensions (this ModelSpec has num_params only)")
-    per_token = _forward_flops_per_token(model, vocab)
-    passes = 3 * (model.layers * per_token.layer + per_token.logits)
-    extra = model.layers * _recompute_flops_per_token(per_token, recompute)
-    return float(global_batch * model.seq_len * (passes + extra))
+    flops = 0.0
+    for moe, layers in ((False, model.layers - moe_layers(model)), (True, moe_layers(model))):
+        if not layers:
+            continue
+        per_token = _forward_flops_per_token(model, vocab, moe=moe)
+        flops += layers * (3 * per_token.layer + _recompute_flops_per_token(per_token, recompute))
+    flops += 3 * per_token.logits
+    return float(global_batch * model.seq_len * flops)

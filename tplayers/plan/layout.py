@@ -28,7 +28,9 @@ class Layout:
     `tp_grid` = (4, 4). `micro_batch` is sequences per micro-batch per DP replica; `num_microbatches` micro-batches
     per step (gradient accumulation / pipeline), so the global batch is
     dp * micro_batch * num_microbatches sequences. `virtual_stages` (model chunks per GPU)
-    only with `schedule="interleaved"`.
+    only with `schedule="interleaved"`. `ep` spreads a mixture of experts' experts whole over ep of
+    the dp replicas (`tplayers.init_mesh(dp=..., ep=...)`): ep divides dp, and each expert's
+    gradients are reduced over its dp / ep replicas (`tplayers.plan.experts`).
     """
 
     tp: int = 1
@@ -44,6 +46,7 @@ class Layout:
     rank_order: str = "tp-dp-pp"
     compress: str | None = None  # data_parallel(compress=...): "bf16", "int8", "topk:<f>", "powersgd:rank=<r>"
     tp_grid: tuple[int, int] | None = None  # (tp_r, tp_c) of a 2-D tensor-parallel grid; tp = r * c
+    ep: int = 1  # expert parallelism, folded over the dp replicas (init_mesh(dp=, ep=)): ep divides dp
 
     def __post_init__(self):
         if isinstance(self.tp, (tuple, list)):
@@ -61,8 +64,12 @@ class Layout:
                 raise ValueError(f"Layout: tp={self.tp} is not tp_grid {grid[0]} x {grid[1]}")
             object.__setattr__(self, "tp_grid", grid)
             object.__setattr__(self, "tp", grid[0] * grid[1])
-        for name in ("tp", "pp", "dp", "micro_batch", "num_microbatches", "virtual_stages"):
+        for name in ("tp", "pp", "dp", "micro_batch", "num_microbatches", "virtual_stages", "ep"):
             _positive_int("Layout", name, getattr(self, name))
+        if self.dp % self.ep:
+            raise ValueError(
+                f"Layout: ep ({self.ep}) must divide dp ({self.dp}): expert parallelism folds over the replicas"
+            )
         if isinstance(self.zero_stage, bool) or self.zero_stage not in ZERO_STAGES:
             raise ValueError(f"unknown zero_stage {self.zero_stage!r}; valid: 0, 1, 2, 3")
         _choice(self.recompute, RECOMPUTE_CHOICES, "recompute")
@@ -90,6 +97,8 @@ class Layout:
     def describe(self) -> str:
         tp = f"{self.tp_grid[0]}x{self.tp_grid[1]}" if self.tp_grid else self.tp
         parts = [f"tp={tp}", f"pp={self.pp}", f"dp={self.dp}", f"zero={self.zero_stage}"]
+        if self.ep > 1:
+            parts.insert(3, f"ep={self.ep}")
         parts.append(f"mb={self.micro_batch}x{self.num_microbatches}")
         if self.sequence_parallel:
             parts.append("sp")
@@ -128,6 +137,12 @@ class Assumptions:
         slice (an all-gather in backward), the last block's output is all-gathered (the final
         norm and LM head see the whole sequence), and column-parallel layers keep their
         all-gathered input for the weight gradient instead of re-gathering it.
+    routing_imbalance: the most loaded expert-parallel rank's (token, expert) pairs over the mean
+        rank's, for a mixture of experts (1.0: uniform routing; `bench/moe.py` measured 1.17 on
+        a small Qwen3-MoE with its auxiliary loss). Its grouped GEMM, received rows and
+        all-to-all bytes scale by it; the step waits for it.
+    grouped_gemm_efficiency: achieved / peak FLOP/s of the experts' grouped GEMM (None: the
+        same as `compute_efficiency`); lower where each expert gets few rows.
     """
 
     compute_efficiency: float = 0.5
@@ -137,6 +152,8 @@ class Assumptions:
     hbm_reserve_fraction: float = 0.1
     vocab_divisible_by: int = 128
     implementation: str = "megatron"
+    routing_imbalance: float = 1.0
+    grouped_gemm_efficiency: float | None = None
 
     def __post_init__(self):
         _positive_number("Assumptions", "compute_efficiency", self.compute_efficiency)
@@ -146,3 +163,15 @@ class Assumptions:
             _fraction("Assumptions", name, getattr(self, name))
         _positive_int("Assumptions", "vocab_divisible_by", self.vocab_divisible_by)
         _choice(self.implementation, IMPLEMENTATION_CHOICES, "implementation")
+        _positive_number("Assumptions", "routing_imbalance", self.routing_imbalance)
+        if self.routing_imbalance < 1:
+            raise ValueError(
+                f"Assumptions.routing_imbalance (the most loaded rank over the mean) must be >= 1, got "
+                f"{self.routing_imbalance!r}"
+            )
+        if self.grouped_gemm_efficiency is not None:
+            _positive_number("Assumptions", "grouped_gemm_efficiency", self.grouped_gemm_efficiency)
+            if self.grouped_gemm_efficiency > 1:
+                raise ValueError(
+                    f"Assumptions.grouped_gemm_efficiency must be in (0, 1], got {self.grouped_gemm_efficiency!r}"
+                )

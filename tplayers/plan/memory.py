@@ -3,6 +3,7 @@ of a transformer layer and of the model's edges (Korthikanti et al. 2022)."""
 
 from __future__ import annotations
 
+from tplayers.plan.experts import moe_mlp_activation_bytes
 from tplayers.plan.specs import (
     IMPLEMENTATION_CHOICES,
     RECOMPUTE_CHOICES,
@@ -44,24 +45,26 @@ def model_state_bytes(num_params: float, precision: Precision | None = None, *, 
 
 def stage_tensors(
     model: ModelSpec, *, tp: int, vocab: int, layers: int, first: bool, last: bool, lm_head: bool,
-    sequence_parallel: bool = False, tp_rank: int = 0,
+    sequence_parallel: bool = False, tp_rank: int = 0, moe_layers: int = 0,
 ) -> list[tuple[int, int, bool]]:  # fmt: skip
     """(rows, columns, summed) of every parameter tensor TP rank `tp_rank` (0: the most loaded) of
     a stage holds, as tplayers
     lays out a Llama-style model: q, k, v, o; the MLP's gate|up fused into one (2f/t, h) tensor;
     norms (h, 1); biases (n, 1). `summed`: a replicated weight in the blocks that sees part of the
     sequence (a norm under sequence parallelism), which tplayers keeps whole under ZeRO 2-3.
-    ZeRO's engines shard along the rows."""
+    ZeRO's engines shard along the rows. `moe_layers` of the `layers` have experts: their router
+    (E, h; summed like a norm) and shared experts here, the routed experts in
+    `tplayers.plan.experts.expert_tensors` (reduced over another group)."""
     h, local = model.hidden, local_dims(model, tp, tp_rank)
     q, kv, f, v = local.q, local.kv, local.ffn, ceil_share(vocab, tp, tp_rank)
     norm = [(h, 1, sequence_parallel)] * (2 if model.norm == "layernorm" else 1)
-    block = [(q, h, False), (kv, h, False), (kv, h, False), (h, q, False)]
+    attention = [(q, h, False), (kv, h, False), (kv, h, False), (h, q, False)]
     if model.linear_bias:
-        block += [(q, 1, False), (kv, 1, False), (kv, 1, False), (h, 1, False)]
-    block += [((2 if model.gated_mlp else 1) * f, h, False), (h, f, False)]
-    if model.linear_bias:
-        block += [((2 if model.gated_mlp else 1) * f, 1, False), (h, 1, False)]
-    block += 2 * norm
+        attention += [(q, 1, False), (kv, 1, False), (kv, 1, False), (h, 1, False)]
+    attention += 2 * norm
+    moe = [(model.experts, h + model.linear_bias, sequence_parallel)] + _mlp_tensors(
+        model, ceil_share(model.shared_ffn, tp, tp_rank)
+    )
     front, back = [], []
     if first:
         front.append((v, h, False))
@@ -71,7 +74,16 @@ def stage_tensors(
         back += [(r, c, False) for r, c, _ in norm]  # the final norm sees the whole sequence
         if lm_head:
             back.append((v, h, False))
-    return front + layers * block + back
+    return front + (layers - moe_layers) * (attention + _mlp_tensors(model, f)) + moe_layers * (attention + moe) + back
+
+
+def _mlp_tensors(model: ModelSpec, f: int) -> list[tuple[int, int, bool]]:
+    """A dense MLP f columns wide on this rank: gate|up (or fc1) and down, with their biases."""
+    if not f:
+        return []
+    up = (2 if model.gated_mlp else 1) * f
+    tensors = [(up, model.hidden, False), (model.hidden, f, False)]
+    return tensors + ([(up, 1, False), (model.hidden, 1, False)] if model.linear_bias else [])
 
 
 def zero_state_bytes_per_rank(tensors, precision: Precision, *, zero_stage: int, dp: int) -> list[tuple]:
@@ -129,9 +141,13 @@ def layer_activation_bytes(
     activation_bytes: float = 2,
     implementation: str = "megatron",
     tp_rank: int = 0,
+    moe: bool = False,
+    ep: int = 1,
+    routing_imbalance: float = 1.0,
 ) -> float:
     """Activation bytes one transformer layer stores per micro-batch on TP rank `tp_rank` (0: the
-    most loaded).
+    most loaded); `moe`: a MoE layer, its MLP's terms `moe_mlp_activation_bytes` (experts over `ep`
+    ranks, the most loaded receiving `routing_imbalance` x the mean).
 
     Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
     Sec. 4 and Table 2 (s = seq_len, b = micro_batch, h = hidden, a = heads, t = tp; 16-bit
@@ -170,7 +186,10 @@ def layer_activation_bytes(
     mlp_tensors = 3 if model.gated_mlp else 2
     local = local_dims(model, tp, tp_rank)
     inside = d * s * b * (2 * local.q + 2 * local.kv_heads_computed * model.head_dim)
-    inside += d * s * b * mlp_tensors * local.ffn
+    if moe:
+        inside += moe_mlp_activation_bytes(model, s * b, tp, ep, d, imbalance=routing_imbalance)
+    else:
+        inside += d * s * b * mlp_tensors * local.ffn
     if recompute == "selective":
         return outside + inside
     core_bytes = d + (mask + d if model.dropout else 0)

@@ -32,6 +32,7 @@ ESTIMATE_FIELDS = (
     "comm_tp_bytes",
     "comm_pp_bytes",
     "comm_dp_bytes",
+    "comm_ep_bytes",
     "comm_tp_r_bytes",
     "comm_tp_c_bytes",
     "comm_tp_all_bytes",
@@ -41,6 +42,7 @@ ESTIMATE_FIELDS = (
     "time_tp_s",
     "time_pp_s",
     "time_dp_s",
+    "time_ep_s",
     "time_optimizer_s",
     "step_time_s",
     "tokens_per_s",
@@ -99,7 +101,8 @@ def format_estimate(est: Estimate) -> str:
             f"bubble {est.bubble_fraction:.1%} of ideal"
         )
     by_group = est.comm_bytes_by_group or {}
-    groups = "  ".join(f"{g} {_gb(by_group.get(g))} ({est.comm_links[g]})" for g in GROUPS)
+    shown = [g for g in GROUPS if g != "ep" or est.layout.ep > 1]
+    groups = "  ".join(f"{g} {_gb(by_group.get(g))} ({est.comm_links[g]})" for g in shown)
     lines.append(
         f"comm per GPU per step GB  intra-node {_gb(est.comm_bytes['intra_node'])}  "
         f"inter-node {_gb(est.comm_bytes['inter_node'])}  [{groups}]"

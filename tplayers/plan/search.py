@@ -66,9 +66,12 @@ def _variants(tp, pp, dp, mb, m, options):
     if pp == 1:
         schedules = [("1f1b", 1)]
     compressions = options["compress"] if dp > 1 else (None,)
-    for zero, compress in itertools.product(zero_stages, compressions):
+    eps = [e for e in options["ep_sizes"] if dp % e == 0]
+    for zero, compress, ep in itertools.product(zero_stages, compressions, eps):
         if compress is not None and zero >= 2 and Compression.parse(compress).kind != "bf16":
             continue  # refused by data_parallel (only bf16 at ZeRO 2-3)
+        if ep > 1 and zero == 1:
+            continue  # refused by data_parallel (ZeRO-1 would mix the replicas' experts)
         for recompute in options["recompute"]:
             for sp in sps:
                 for schedule, v in schedules:
@@ -86,6 +89,7 @@ def _variants(tp, pp, dp, mb, m, options):
                             virtual_stages=v,
                             rank_order=order,
                             compress=compress,
+                            ep=ep,
                         )
 
 
@@ -106,6 +110,7 @@ def search(
     pp_sizes=None,
     rank_orders=("tp-dp-pp",),
     compress=(None,),
+    ep_sizes=None,
     include_invalid: bool = False,
     assumptions: Assumptions | None = None,
 ) -> list[tuple[Layout, Estimate]]:
@@ -116,7 +121,8 @@ def search(
     r, c >= 2 whose tp_c rows fit in a node; `()` for none), pp over the divisors of
     num_gpus / tp (or `pp_sizes`), dp = num_gpus / (tp*pp), and num_microbatches =
     global_batch / (dp * micro_batch); `compress` the gradient compressions to try where dp > 1
-    (each at the ZeRO stages that take it). Returns (layout, estimate) pairs, fitting layouts first
+    (each at the ZeRO stages that take it), and for a mixture of experts expert parallelism over
+    every divisor of dp (or `ep_sizes`; dense models: 1 only). Returns (layout, estimate) pairs, fitting layouts first
     by step time (fastest first). With `include_invalid`, the invalid and non-fitting ones
     follow (global batches that do not divide included), each with its `reasons`.
     """
@@ -138,7 +144,12 @@ def search(
         _choice(value, SCHEDULE_CHOICES, "schedule")
     for value in compress:
         Compression.parse(value)  # a clear error for a bad spec
+    for value in ep_sizes or ():
+        _positive_int("search", "ep_sizes", value)
+    if ep_sizes is None:
+        ep_sizes = range(1, cluster.num_gpus + 1) if model.experts else (1,)
     options = dict(
+        ep_sizes=tuple(ep_sizes),
         compress=tuple(compress),
         zero_stages=tuple(zero_stages),
         recompute=tuple(recompute),

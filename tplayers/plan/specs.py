@@ -4,11 +4,9 @@ constructors import `tplayers.plan.presets`, whose tables are built from these c
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved")
@@ -18,7 +16,7 @@ NORM_CHOICES = ("rmsnorm", "layernorm")
 POSITION_CHOICES = ("rope", "learned")
 ZERO_STAGES = (0, 1, 2, 3)
 LINK_CLASSES = ("intra_node", "inter_node")
-GROUPS = ("tp", "pp", "dp")
+GROUPS = ("tp", "pp", "dp", "ep")
 GiB = 2**30
 
 
@@ -123,6 +121,11 @@ class ModelSpec:
 
     `dropout=True` (the default) counts dropout masks in the activations, which is Korthikanti
     et al.'s accounting; the Llama presets set it False (they train without dropout).
+
+    A mixture of experts: `experts` (E routed experts per MoE layer), `experts_per_token` (k),
+    `expert_ffn` (each expert's width, default `ffn_hidden`), `shared_ffn` (the shared experts'
+    width together, 0 for none) and `dense_layers` (leading layers with the dense MLP of
+    `ffn_hidden`, DeepSeek's first_k_dense_replace). `num_params` counts every expert.
     """
 
     layers: int | None = None
@@ -142,6 +145,14 @@ class ModelSpec:
     dropout: bool = True
     num_params: float | None = None
     name: str | None = None
+    # a mixture of experts (`tplayers.plan.experts`): `experts` routed experts of width `expert_ffn`
+    # (default ffn_hidden) per MoE layer, `experts_per_token` picked per token, shared experts
+    # `shared_ffn` wide together; the first `dense_layers` layers keep the dense MLP (ffn_hidden)
+    experts: int = 0
+    experts_per_token: int | None = None
+    expert_ffn: int | None = None
+    shared_ffn: int = 0
+    dense_layers: int = 0
 
     def __post_init__(self):
         given = [f for f in _DIM_FIELDS if getattr(self, f) is not None]
@@ -149,6 +160,8 @@ class ModelSpec:
             if self.num_params is None:
                 raise ValueError("ModelSpec needs either num_params or the dimensions " + ", ".join(_DIM_FIELDS))
             _positive_number("ModelSpec", "num_params", self.num_params)
+            if self.experts:
+                raise ValueError("ModelSpec: experts need the model's dimensions (a count-only model is dense)")
             return
         missing = [f for f in _DIM_FIELDS if getattr(self, f) is None]
         if missing:
@@ -189,6 +202,26 @@ class ModelSpec:
         for name, value in (("kv_heads", kv_heads), ("head_dim", head_dim), ("ffn_hidden", ffn)):
             object.__setattr__(self, name, value)
         object.__setattr__(self, "max_positions", max_positions)
+        self._resolve_experts()
+
+    def _resolve_experts(self) -> None:
+        for name in ("experts", "shared_ffn", "dense_layers"):
+            _positive_int("ModelSpec", name, getattr(self, name), allow_zero=True)
+        if not self.experts:
+            given = [n for n in ("experts_per_token", "expert_ffn") if getattr(self, n) is not None]
+            given += [n for n in ("shared_ffn", "dense_layers") if getattr(self, n)]
+            if given:
+                raise ValueError(f"ModelSpec: {', '.join(given)} describe experts, but experts is 0 (a dense model)")
+            return
+        _positive_int("ModelSpec", "experts_per_token", self.experts_per_token)
+        if self.experts_per_token > self.experts:
+            raise ValueError(f"ModelSpec.experts_per_token ({self.experts_per_token}) > experts ({self.experts})")
+        if self.expert_ffn is not None:
+            _positive_int("ModelSpec", "expert_ffn", self.expert_ffn)
+        if self.dense_layers > self.layers:
+            raise ValueError(f"ModelSpec.dense_layers ({self.dense_layers}) > layers ({self.layers})")
+        if self.expert_ffn is None:
+            object.__setattr__(self, "expert_ffn", self.ffn_hidden)
 
     @property
     def has_dims(self) -> bool:
@@ -224,7 +257,9 @@ class ModelSpec:
         style configs, False otherwise. GPT-2 style configs and model_type gpt2 / gpt_neox /
         gptj / opt / bloom / falcon / phi / starcoder2 / gpt_bigcode are non-gated; others gated.
         """
-        return _with_overrides(_spec_from_hf(_load_hf_config(config)), overrides)
+        from tplayers.plan.hf_config import spec_from_hf
+
+        return _with_overrides(spec_from_hf(config), overrides)
 
 
 def _with_overrides(spec: ModelSpec, overrides: dict) -> ModelSpec:
@@ -234,98 +269,28 @@ def _with_overrides(spec: ModelSpec, overrides: dict) -> ModelSpec:
     return replace(spec, **{"num_params": None, **overrides})
 
 
-_NON_GATED_TYPES = {"gpt2", "gpt_neox", "gptj", "opt", "bloom", "falcon", "phi", "starcoder2", "gpt_bigcode"}
-
-
-def _load_hf_config(config) -> dict:
-    if isinstance(config, dict):
-        return config
-    path = Path(config)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise ValueError(f"no HuggingFace config at {str(path)!r}")
-    return json.loads(path.read_text())
-
-
-def _hf_get(cfg: dict, *keys, default=None):
-    for key in keys:
-        if cfg.get(key) is not None:
-            return cfg[key]
-    return default
-
-
-# keys a mixture-of-experts config counts its experts under
-EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-
-
-def _refuse_experts(cfg: dict) -> None:
-    """A mixture of experts is not a dense model with its expert's width: the planner does not
-    price experts (their memory, all-to-all and grouped GEMM time) yet, and a dense estimate of
-    such a model would be silently wrong."""
-    experts = {k: cfg[k] for k in EXPERT_KEYS if isinstance(cfg.get(k), int) and cfg[k] > 1}
-    experts.update({k: cfg["ffn_config"][k] for k in EXPERT_KEYS if isinstance(cfg.get("ffn_config"), dict)
-                    and isinstance(cfg["ffn_config"].get(k), int) and cfg["ffn_config"][k] > 1})  # fmt: skip
-    if experts:
-        raise ValueError(
-            f"ModelSpec.from_hf_config: {cfg.get('model_type', 'this model')} is a mixture of experts ({experts}); "
-            "the planner prices dense decoders only, and estimating it as one would be wrong. Give its dimensions "
-            "and num_params yourself to plan its dense part"
-        )
-
-
-def _spec_from_hf(cfg: dict) -> ModelSpec:
-    _refuse_experts(cfg)
-    gpt2_style = "n_embd" in cfg or "n_layer" in cfg
-    layers = _hf_get(cfg, "num_hidden_layers", "n_layer")
-    hidden = _hf_get(cfg, "hidden_size", "n_embd")
-    heads = _hf_get(cfg, "num_attention_heads", "n_head")
-    vocab = _hf_get(cfg, "vocab_size")
-    positions = _hf_get(cfg, "max_position_embeddings", "n_positions")
-    needed = {"layers": layers, "hidden": hidden, "heads": heads, "vocab_size": vocab, "max positions": positions}
-    missing = [k for k, v in needed.items() if v is None]
-    if missing:
-        raise ValueError(f"HuggingFace config lacks {', '.join(missing)}")
-    model_type = str(cfg.get("model_type", "gpt2" if gpt2_style else "")).lower()
-    gated = not gpt2_style and model_type not in _NON_GATED_TYPES
-    layernorm = gpt2_style or "layer_norm_epsilon" in cfg or "layer_norm_eps" in cfg
-    dropout_keys = ("attention_dropout", "hidden_dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop", "dropout")
-    dropout = any(float(cfg.get(k) or 0) > 0 for k in dropout_keys)
-    bias = gpt2_style or bool(cfg.get("attention_bias") or cfg.get("mlp_bias") or cfg.get("use_bias"))
-    learned = gpt2_style or model_type in {"opt", "gpt_bigcode"}
-    return ModelSpec(
-        layers=layers,
-        hidden=hidden,
-        heads=heads,
-        kv_heads=_hf_get(cfg, "num_key_value_heads", default=heads),
-        ffn_hidden=_hf_get(cfg, "intermediate_size", "n_inner", "ffn_dim", default=None if gated else 4 * hidden),
-        vocab=vocab,
-        seq_len=positions,
-        gated_mlp=gated,
-        tied_embeddings=bool(cfg.get("tie_word_embeddings", gpt2_style)),
-        head_dim=_hf_get(cfg, "head_dim"),
-        norm="layernorm" if layernorm else "rmsnorm",
-        linear_bias=bias,
-        position_embedding="learned" if learned else "rope",
-        max_positions=positions,
-        dropout=dropout,
-        name=cfg.get("_name_or_path") or model_type or None,
-    )
-
-
 @dataclass(frozen=True)
 class ParamCounts:
     """Parameters of a model by block (unsharded, unpadded vocabulary)."""
 
     embedding: int  # word embedding (+ learned position table), on the first stage
-    per_layer: int  # one transformer layer
+    per_layer: int  # one transformer layer (of a mixture of experts: one with the dense MLP)
     layers: int  # number of layers
     final_norm: int  # on the last stage
     lm_head: int  # output projection; 0 when tied to the embedding
+    moe_layers: int = 0  # of `layers`, those with experts
+    per_moe_layer: int = 0  # one MoE layer, every expert
+    active_per_moe_layer: int = 0  # one MoE layer, the k experts a token runs
 
     @property
     def total(self) -> int:
-        return self.embedding + self.per_layer * self.layers + self.final_norm + self.lm_head
+        layers = self.per_layer * (self.layers - self.moe_layers) + self.per_moe_layer * self.moe_layers
+        return self.embedding + layers + self.final_norm + self.lm_head
+
+    @property
+    def active(self) -> int:
+        """The parameters one token runs through (a dense model: all of them)."""
+        return self.total - (self.per_moe_layer - self.active_per_moe_layer) * self.moe_layers
 
 
 def _norm_params(model: ModelSpec) -> int:
@@ -404,9 +369,55 @@ def tp_imbalance(model: ModelSpec, tp: int) -> float:
     return max(per_rank) * tp / sum(per_rank)
 
 
-def _layer_params(model: ModelSpec, tp: int = 1, rank: int = 0) -> float:
+# ------------------------------------------------------------------ experts (`tplayers.plan.experts`)
+
+
+def expert_share(experts: int, ep: int, rank: int = 0) -> int:
+    """Whole experts on expert-parallel rank `rank` (`tplayers.placement.even_sizes`)."""
+    return experts // ep + (rank < experts % ep)
+
+
+def _aligned_unit(f: int, tp: int) -> int:
+    """`tplayers.nn.experts.aligned_unit` (16-byte blocks of the experts' features)."""
+    return next(u for u in (16, 8, 4, 2, 1) if f % u == 0 and f // u >= tp or u == 1)
+
+
+def expert_ffn_share(f: int, tp: int, rank: int = 0) -> int:
+    """TP rank `rank`'s share of an expert's width `f`: whole aligned blocks as evenly as they go."""
+    unit = _aligned_unit(f, tp)
+    return expert_share(f // unit, tp, rank) * unit
+
+
+def moe_layers(model: ModelSpec, first: int = 0, count: int | None = None) -> int:
+    """How many of the layers [first, first + count) are MoE layers (all but the leading `dense_layers`)."""
+    if not model.experts:
+        return 0
+    count = model.layers - first if count is None else count
+    return max(0, first + count - max(first, model.dense_layers))
+
+
+def moe_mlp_params(model: ModelSpec, tp: int = 1, ep: int = 1, tp_rank: int = 0, *, experts: bool = True) -> float:
+    """Parameters of one MoE layer's MLP part on the most loaded rank: the router (E x h, replicated
+    over TP; with its bias when `linear_bias`), the shared experts' dense MLP (TP-split) and, with
+    `experts`, this rank's routed experts (E_r x (3 gated | 2) x h x its share of F)."""
+    shared = ceil_share(model.shared_ffn, tp, tp_rank)
+    params = model.experts * (model.hidden + model.linear_bias) + (_expert_params(model, shared) if shared else 0)
+    if experts:
+        params += expert_share(model.experts, ep) * _expert_params(
+            model, expert_ffn_share(model.expert_ffn, tp, tp_rank)
+        )
+    return params
+
+
+def _expert_params(model: ModelSpec, f: int) -> int:
+    """One expert of width `f`: (3 gated | 2) h x f matrices, with gate|up's and down's biases."""
+    mats = 3 if model.gated_mlp else 2
+    return mats * model.hidden * f + model.linear_bias * ((mats - 1) * f + model.hidden)
+
+
+def _layer_params(model: ModelSpec, tp: int = 1, rank: int = 0, *, ep: int = 1, moe: bool = False) -> float:
     """Parameters of one transformer layer held by TP rank `rank` (0: the most loaded; tp=1: the
-    whole layer).
+    whole layer); `moe`: a MoE layer, its MLP `moe_mlp_params` (the experts over `ep` ranks).
 
     Attention: q and o are h x (heads*head_dim) each, k and v h x (kv_heads*head_dim) each,
     column-parallel (q, k, v) / row-parallel (o), of k / v the heads its queries read when kv heads
@@ -416,12 +427,14 @@ def _layer_params(model: ModelSpec, tp: int = 1, rank: int = 0) -> float:
     """
     h, local = model.hidden, local_dims(model, tp, rank)
     attention = 2 * h * local.q + 2 * h * local.kv
+    bias = local.q + 2 * local.kv + h if model.linear_bias else 0
+    if moe:
+        return attention + bias + moe_mlp_params(model, tp, ep, rank) + 2 * _norm_params(model)
     mlp_mats = 3 if model.gated_mlp else 2
     mlp = mlp_mats * h * local.ffn
-    bias = 0.0
     if model.linear_bias:
         column_mats = 2 if model.gated_mlp else 1  # gate and up, or fc1
-        bias = local.q + 2 * local.kv + h + column_mats * local.ffn + h
+        bias += column_mats * local.ffn + h
     return attention + mlp + bias + 2 * _norm_params(model)
 
 
@@ -437,12 +450,18 @@ def count_params(model: ModelSpec) -> ParamCounts:
         raise ValueError("count_params needs the model's dimensions (this ModelSpec has num_params only)")
     h = model.hidden
     embedding = model.vocab * h + (model.max_positions * h if model.position_embedding == "learned" else 0)
+    moe = {}
+    if model.experts:
+        every = _layer_params(model, moe=True)
+        idle = (model.experts - model.experts_per_token) * _expert_params(model, model.expert_ffn)
+        moe = dict(moe_layers=moe_layers(model), per_moe_layer=int(every), active_per_moe_layer=int(every - idle))
     return ParamCounts(
         embedding=embedding,
         per_layer=int(_layer_params(model, 1)),
         layers=model.layers,
         final_norm=_norm_params(model),
         lm_head=0 if model.tied_embeddings else model.vocab * h,
+        **moe,
     )
 
 
