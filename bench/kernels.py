@@ -26,7 +26,12 @@ dtype of torch's output) and then timed with triton.testing.do_bench (median):
                         of Mixtral's at EP 1, random balanced routing, top 2 of the rank's experts
 torch runs each op in the inputs' dtype, as eager code does.
 
-    python bench/kernels.py [--quick] [--out bench/out/kernels]      (or: tplayers bench --kernels)
+On a GPU it first runs the suite's kernel tests there (`pytest -m kernel tests/` with
+TPLAYERS_TEST_DEVICE=cuda: every kernel against its reference over the tests' hypothesis shapes,
+dtypes and layouts, compiled instead of interpreted; `--no-tests` skips them) and writes their
+summary to <out>/kernel_tests.txt.
+
+    python bench/kernels.py [--quick] [--no-tests] [--out bench/out/kernels]   (or: tplayers bench --kernels)
 
 Writes <out>/kernels.csv and <out>/kernels.png (triton / torch time per pair) and prints a
 table. Ratios below 1 favour Triton. TFLOP/s counts 2 M N K per GEMM; GB/s counts the least
@@ -40,6 +45,7 @@ import argparse
 import importlib.util
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -543,6 +549,7 @@ def plot(rows, path):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small shapes, short timing (smoke test)")
+    p.add_argument("--no-tests", action="store_true", help="on a GPU: skip running the kernel tests there first")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out" / "kernels")
     return p.parse_args(argv)
 
@@ -557,6 +564,24 @@ def _interpreting() -> bool:
     return matmul.INTERPRET
 
 
+def run_kernel_tests(device: str, out: Path) -> int:
+    """The suite's `kernel` tests on `device` (pytest's exit status; 0 when this copy has no tests/),
+    their output also written to <out>/kernel_tests.txt."""
+    tests = ROOT / "tests"
+    if not (tests / "conftest.py").is_file():
+        print(f"bench/kernels.py: no test suite at {tests} (an installed copy): kernel tests not run", file=sys.stderr)
+        return 0
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TPLAYERS_TEST_DEVICE"] = device
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "kernel", "-p", "no:cacheprovider", str(tests)]
+    print("kernel tests on the device: " + " ".join(cmd[1:]), flush=True)
+    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "kernel_tests.txt").write_text(done.stdout + done.stderr)
+    print("\n".join((done.stdout + done.stderr).strip().splitlines()[-15:]), flush=True)
+    return done.returncode
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") == "1":
@@ -568,6 +593,7 @@ def main(argv=None) -> int:
         device = torch.device("cuda", torch.cuda.current_device())
         info = dict(device=torch.cuda.get_device_name(device), torch=torch.__version__, triton=version("triton"))
         timer = do_bench_timer(shapes.warmup_ms, shapes.rep_ms)
+        tests_failed = 0 if args.no_tests else run_kernel_tests("cuda", args.out)
     else:
         print(f"bench/kernels.py: {NO_GPU}", file=sys.stderr)
         if not _interpreting():
@@ -575,6 +601,7 @@ def main(argv=None) -> int:
             return 2
         shapes, device, timer = INTERPRETER_SHAPES, torch.device("cpu"), wall_clock_timer(1)
         info = dict(device="cpu (Triton interpreter)", torch=torch.__version__, triton=version("triton"))
+        tests_failed = 0  # the suite runs them in the interpreter itself
     print("Triton kernels against torch's ops, " + ", ".join(f"{k}={v}" for k, v in info.items()))
     print(HEADER, flush=True)  # the rows follow as the cases run (the first GEMMs autotune and compile)
     rows = run(cases(shapes), triton_kernels(), device, timer, log=lambda tri, ref: print(_line(tri, ref), flush=True))
@@ -588,8 +615,10 @@ def main(argv=None) -> int:
     bad = [f"{r['op']} {r['dtype']} {r['shape']}" for r in rows if r["provider"] == "triton" and not r["ok"]]
     if bad:
         print(f"bench/kernels.py: Triton and torch differ beyond the tolerance on {', '.join(bad)}", file=sys.stderr)
-        return 1
-    return 0
+    if tests_failed:
+        print(f"bench/kernels.py: kernel tests failed on the device (see {args.out / 'kernel_tests.txt'})",
+              file=sys.stderr)  # fmt: skip
+    return 1 if bad or tests_failed else 0
 
 
 if __name__ == "__main__":

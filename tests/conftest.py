@@ -1,7 +1,11 @@
 import os
 
 # Triton reads this when it is imported: the Triton backend then runs in the interpreter on CPU.
-os.environ["TRITON_INTERPRET"] = "1"
+# TPLAYERS_TEST_DEVICE=cuda (`tplayers bench --kernels` on a GPU) runs the `kernel` tests there
+# instead, compiled, with tensors made on that device; the rest of the suite is CPU ranks only.
+KERNEL_DEVICE = os.environ.get("TPLAYERS_TEST_DEVICE", "cpu")
+if KERNEL_DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 # overlap="auto" keeps the paths it measures in the costs file: the suite's own file, not the
 # machine's ~/.cache (the ranks the pools start and the CLI tests' processes inherit it).
@@ -23,6 +27,18 @@ from tplayers.testing import WorkerPool  # noqa: E402
 # References run without TF32 (no effect on CPU; keeps GPU runs of this suite honest).
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
+if KERNEL_DEVICE != "cpu":
+    torch.set_default_device(KERNEL_DEVICE)
+
+
+def pytest_collection_modifyitems(config, items):
+    if KERNEL_DEVICE == "cpu":
+        return
+    off = pytest.mark.skip(reason=f"TPLAYERS_TEST_DEVICE={KERNEL_DEVICE} runs the kernel tests only")
+    for item in items:
+        if "kernel" not in item.keywords:
+            item.add_marker(off)
+
 
 settings.register_profile(
     "ci",

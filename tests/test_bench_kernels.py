@@ -108,3 +108,12 @@ def test_compare_takes_nan_on_one_side_as_a_mismatch(kernels_bench):
     max_abs, over = compare(torch.tensor([nan, 1.0]), torch.tensor([1.0, 1.0]))
     assert max_abs != max_abs and not over <= 1  # nan: reported, and not ok
     assert compare((torch.ones(2), torch.ones(3)), (torch.ones(2), torch.full((3,), 1.5)))[0] == 0.5
+
+
+def test_kernel_tests_run_where_they_are_sent(kernels_bench, tmp_path):
+    """What `bench --kernels` runs on a GPU first: the suite's `kernel` tests on the device it
+    names (here the CPU, in the interpreter), their summary written next to the CSV; and that the
+    selection is not empty and holds only those tests."""
+    assert kernels_bench.run_kernel_tests("cpu", tmp_path) == 0
+    summary = (tmp_path / "kernel_tests.txt").read_text()
+    assert " passed" in summary and " failed" not in summary and " deselected" in summary

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from tplayers.kernels.grad_stats import unscale_and_stats_
 from tplayers.kernels.grad_stats_ref import unscale_and_stats_ref
 
-from tplayers.testing import examples, tolerance
+from tplayers.testing import examples, kernel_generator, tolerance
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
@@ -22,6 +22,7 @@ BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: 
 # inf * 0, overflow past the dtype and nan arithmetic are the point of some cases here: numpy
 # (which runs the interpreter) warns about them.
 pytestmark = [
+    pytest.mark.kernel,
     pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
     pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
 ]
@@ -101,7 +102,7 @@ def test_kernel_matches_reference(specs, inv_kind, inv_value, seed):
     from tplayers.kernels.grad_stats import INTERPRET
 
     assert INTERPRET  # the kernel itself runs, in the interpreter
-    gen = torch.Generator().manual_seed(seed)
+    gen = kernel_generator(seed)
     tensors = [make_tensor(*spec, gen) for spec in specs]
     inv_scale = {"none": None, "float": inv_value, "tensor": torch.tensor([inv_value])}[inv_kind]
     check_against_reference(tensors, inv_scale)
@@ -124,7 +125,7 @@ def three_tensors(gen, dtype=torch.float16):
 @pytest.mark.parametrize("inv_kind", ["none", "tensor"])
 @pytest.mark.parametrize("where", [0, 1100])  # the first block, or the last of three
 def test_non_finite_is_found(bad, inv_kind, where):
-    gen = torch.Generator().manual_seed(1)
+    gen = kernel_generator(1)
     tensors = three_tensors(gen)
     tensors[1][where] = bad
     inv_scale = None if inv_kind == "none" else torch.tensor([0.5])
@@ -155,7 +156,7 @@ def test_zeros_and_empty():
 def test_matches_torch_unscale_and_vector_norm(dtype):
     """Values exactly as torch's GradScaler op leaves them; stats = 1-norm, squared 2-norm and
     inf-norm of each stored gradient; found_inf as torch's when inv_scale <= 1."""
-    gen = torch.Generator().manual_seed(2)
+    gen = kernel_generator(2)
     tensors = [t.mul(100) for t in three_tensors(gen, dtype)]
     tensors[0][3, 4] = math.inf
     inv_scale = torch.tensor([0.3])  # not a power of two: every product is rounded
@@ -191,7 +192,7 @@ def test_found_inf_is_taken_after_unscaling():
 
 @pytest.mark.interpreter
 def test_stats_only_writes_nothing():
-    gen = torch.Generator().manual_seed(3)
+    gen = kernel_generator(3)
     tensors = three_tensors(gen)
     (result, values), (ref_result, ref_values) = run_both(tensors, None)
     assert_same_values(values, tensors)
@@ -205,7 +206,7 @@ def test_many_blocks_per_tensor(monkeypatch):
     from tplayers.kernels import grad_stats
 
     monkeypatch.setattr(grad_stats, "INTERPRETER_CONFIG", dict(BLOCK=64))
-    gen = torch.Generator().manual_seed(4)
+    gen = kernel_generator(4)
     tensors = three_tensors(gen) + [torch.randn(64, generator=gen), torch.randn(65, generator=gen).half()]
     tensors[2][12, 99] = math.nan  # the very last element of a tensor: the tail of its last block
     stats, _ = check_against_reference(tensors, 1 / 1024)[0]
@@ -214,7 +215,7 @@ def test_many_blocks_per_tensor(monkeypatch):
 
 def test_negative_controls():
     """The comparison helpers fail on a deliberately wrong result."""
-    gen = torch.Generator().manual_seed(5)
+    gen = kernel_generator(5)
     tensors = three_tensors(gen)
     inv = torch.tensor([0.5])
     (result, values), (ref_result, ref_values) = run_both(tensors, inv)

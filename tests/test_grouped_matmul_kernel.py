@@ -17,7 +17,9 @@ from tplayers.kernels.grouped_matmul import (
 from tplayers.kernels.grouped_matmul_ref import grouped_matmul_ref, grouped_weight_grad_ref
 
 from tplayers.functional.dispatch import pairs as make_pairs
-from tplayers.testing import assert_close, examples
+from tplayers.testing import assert_close, examples, kernel_generator
+
+pytestmark = pytest.mark.kernel
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -35,7 +37,7 @@ def test_forward_matches_the_reference(data):
     counts = draw_counts(data)
     dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
     swiglu, scaled, scattered = (data.draw(st.booleans(), label=k) for k in ("swiglu", "scale", "scatter"))
-    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 99), label="seed"))
+    gen = kernel_generator(data.draw(st.integers(0, 99), label="seed"))
     rows, k, n, pairs = 9, 24, 20, int(counts.sum())
     x = torch.randn(rows, k, generator=gen).to(dtype)
     w = torch.randn(counts.numel(), n, k, generator=gen).to(dtype)
@@ -52,7 +54,7 @@ def test_forward_matches_the_reference(data):
 def test_weight_gradient_matches_the_reference(data):
     counts = draw_counts(data)
     dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
-    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 99), label="seed"))
+    gen = kernel_generator(data.draw(st.integers(0, 99), label="seed"))
     pairs = int(counts.sum())
     x, dy = torch.randn(7, 20, generator=gen).to(dtype), torch.randn(pairs, 18, generator=gen).to(dtype)
     gather, scale = torch.randint(0, 7, (pairs,), generator=gen), torch.rand(pairs, generator=gen)
@@ -71,7 +73,7 @@ def test_experts_mlp_forward_and_backward(data):
     experts = data.draw(st.integers(1, 4), label="experts")
     top = data.draw(st.integers(1, min(2, experts)), label="k")
     dtype = data.draw(st.sampled_from([torch.float32, torch.float16]), label="dtype")
-    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 99), label="seed"))
+    gen = kernel_generator(data.draw(st.integers(0, 99), label="seed"))
     rows, hidden, f = data.draw(st.integers(0, 20), label="rows"), 16, 16
     local = torch.stack([torch.randperm(experts + 1, generator=gen)[:top] - 1 for _ in range(rows)]) if rows else (
         torch.zeros(0, top, dtype=torch.long))  # fmt: skip

@@ -6,9 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tplayers.kernels.matmul import INTERPRET, matmul, matmul_ref
 
-from tplayers.testing import assert_close, examples
+from tplayers.testing import assert_close, examples, kernel_device, kernel_generator
 
-pytestmark = pytest.mark.interpreter
+pytestmark = [pytest.mark.interpreter, pytest.mark.kernel]
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -46,13 +46,13 @@ def gemm_cases(draw):
 
 
 def test_runs_in_interpreter():
-    assert INTERPRET, "conftest sets TRITON_INTERPRET=1 before triton is imported"
+    assert INTERPRET == (kernel_device() == "cpu"), "conftest sets TRITON_INTERPRET=1 on CPU before triton is imported"
 
 
 @settings(max_examples=examples(60))
 @given(gemm_cases())
 def test_kernel_matches_reference(case):
-    gen = torch.Generator().manual_seed(case["seed"])
+    gen = kernel_generator(case["seed"])
     dt, (la, lb, lc) = case["dtype"], case["layouts"]
     m, n, k, batch = case["m"], case["n"], case["k"], case["batch"]
     lead = () if case["mode"] == "2d" else (batch,)
@@ -137,7 +137,7 @@ def test_strided_bias():
 )  # fmt: skip
 def test_swiglu_epilogue_matches_reference(m, half_n, k, batch, dtype, bias, sliced, seed):
     """C's columns alternate gate, up; the epilogue also writes H = silu(gate) * up."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = kernel_generator(seed)
     lead = () if batch is None else (batch,)
     a = strided((*lead, m, k), dtype, "sliced" if sliced else "contiguous", gen)
     w = torch.randn(2 * half_n, k, generator=gen).to(dtype)

@@ -13,7 +13,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import tplayers
 from tplayers.nn.mlp import ParallelMLP, fuse_gate_up, unfuse_gate_up
-from tplayers.testing import assert_close, assert_shard_close, examples, shard_of
+from tplayers.testing import assert_close, assert_shard_close, examples, kernel_device, kernel_generator, shard_of
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -39,6 +39,7 @@ def strided_pair(m, n, dtype, layout, gen):
 
 
 @pytest.mark.interpreter
+@pytest.mark.kernel
 @settings(max_examples=examples(30))
 @given(
     m=st.integers(1, 80),
@@ -52,8 +53,8 @@ def strided_pair(m, n, dtype, layout, gen):
 def test_swiglu_kernel_matches_reference(m, n, dtype, in_layout, out_layout, scale, seed):
     from tplayers.kernels.swiglu import INTERPRET, swiglu, swiglu_backward, swiglu_backward_ref, swiglu_ref
 
-    assert INTERPRET
-    gen = torch.Generator().manual_seed(seed)
+    assert INTERPRET == (kernel_device() == "cpu")
+    gen = kernel_generator(seed)
     gate, up = strided_pair(m, n, dtype, in_layout, gen)
     gate.mul_(scale)  # in place: keeps the layout
     dh = strided_pair(m, n, dtype, "sliced", gen)[0]
@@ -76,6 +77,7 @@ def test_swiglu_kernel_matches_reference(m, n, dtype, in_layout, out_layout, sca
 
 
 @pytest.mark.interpreter
+@pytest.mark.kernel
 @pytest.mark.parametrize("m, n", [(1, 1), (5, 7), (70, 3), (64, 64), (33, 130)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_swiglu_backward_on_interleaved_pairs(m, n, dtype, monkeypatch):
@@ -85,7 +87,7 @@ def test_swiglu_backward_on_interleaved_pairs(m, n, dtype, monkeypatch):
     launched = []
     real_launch = kernels._launch
     monkeypatch.setattr(kernels, "_launch", lambda k, *a, **kw: (launched.append(k), real_launch(k, *a, **kw)))
-    gen = torch.Generator().manual_seed(m * 1000 + n)
+    gen = kernel_generator(m * 1000 + n)
     gate, up = strided_pair(m, n, dtype, "interleaved", gen)
     dgate, dup = strided_pair(m, n, dtype, "interleaved", gen)
     dh = torch.randn(m, n, generator=gen).to(dtype)

@@ -16,7 +16,15 @@ from torch import nn
 import tplayers
 from tplayers.functional.cross_entropy import vocab_parallel_cross_entropy
 from tplayers.nn.embedding import VocabParallelEmbedding
-from tplayers.testing import RemoteError, assert_close, assert_shard_close, examples, shard_of
+from tplayers.testing import (
+    RemoteError,
+    assert_close,
+    assert_shard_close,
+    examples,
+    kernel_device,
+    kernel_generator,
+    shard_of,
+)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -153,6 +161,7 @@ def test_loss_communicates_only_row_statistics(pool):
 
 
 @pytest.mark.interpreter
+@pytest.mark.kernel
 @settings(max_examples=examples(40))
 @given(
     rows=st.integers(1, 40), vocab=st.integers(1, 300), dtype=st.sampled_from(DTYPES),
@@ -162,8 +171,8 @@ def test_loss_communicates_only_row_statistics(pool):
 def test_stats_kernel_matches_reference(rows, vocab, dtype, layout, vocab_start, target_dtype, seed):
     from tplayers.kernels.vocab_ce import INTERPRET, vocab_ce_stats, vocab_ce_stats_ref
 
-    assert INTERPRET, "conftest sets TRITON_INTERPRET=1 before triton is imported"
-    gen = torch.Generator().manual_seed(seed)
+    assert INTERPRET == (kernel_device() == "cpu"), "conftest sets TRITON_INTERPRET=1 on CPU before triton is imported"
+    gen = kernel_generator(seed)
     if layout == "sliced":  # strided rows, a window of a wider buffer
         logits = (4 * torch.randn(rows + 3, vocab + 9, generator=gen)).to(dtype)[2 : 2 + rows, 5 : 5 + vocab]
     elif layout == "transposed":  # strided columns
@@ -180,6 +189,7 @@ def test_stats_kernel_matches_reference(rows, vocab, dtype, layout, vocab_start,
 
 
 @pytest.mark.interpreter
+@pytest.mark.kernel
 def test_stats_kernel_negative_control():
     from tplayers.kernels.vocab_ce import vocab_ce_stats, vocab_ce_stats_ref
 

@@ -22,6 +22,8 @@ from tplayers.testing.numerics import (
     assert_shard_close,
     examples,
     integer_valued,
+    kernel_device,
+    kernel_generator,
     shard_of,
     tolerance,
 )
@@ -38,6 +40,8 @@ __all__ = [
     "assert_close",
     "assert_shard_close",
     "examples",
+    "kernel_device",
+    "kernel_generator",
     "integer_valued",
     "shard_of",
     "tolerance",

@@ -48,6 +48,18 @@ def integer_valued(shape, dtype=torch.float32, *, low=-3, high=4, generator=None
     return torch.randint(low, high, shape, generator=generator).to(dtype)
 
 
+def kernel_device() -> str:
+    """Where the suite's `kernel` tests (one process, a Triton kernel against its reference) run:
+    env TPLAYERS_TEST_DEVICE, "cpu" by default (Triton's interpreter), or a GPU ("cuda", as
+    `tplayers bench --kernels` runs them on one)."""
+    return os.environ.get("TPLAYERS_TEST_DEVICE", "cpu")
+
+
+def kernel_generator(seed: int) -> torch.Generator:
+    """A seeded generator on the device the tensors are made on (the suite's default device)."""
+    return torch.Generator(torch.get_default_device()).manual_seed(seed)
+
+
 def examples(n: int) -> int:
     """`n` hypothesis examples, times env TPLAYERS_EXAMPLES_SCALE (default 1) for longer runs."""
     return n * int(os.environ.get("TPLAYERS_EXAMPLES_SCALE", "1"))

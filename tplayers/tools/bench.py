@@ -4,10 +4,11 @@
     tplayers bench [--quick] [--only linear --only amp] [--out bench/out] [--bench-dir bench]
     tplayers bench --kernels [--quick] [--out bench/out]
 
-`--kernels` runs bench/kernels.py alone: every Triton kernel against torch's own op on one CUDA
-GPU (checked, then timed with triton.testing.do_bench), into `<out>/kernels/` (its CSV, PNG and
-table; no merged bench.csv). Without a GPU it says so and runs the same checks on tiny shapes in
-Triton's interpreter.
+`--kernels` runs bench/kernels.py alone: on one CUDA GPU the suite's kernel tests there first
+(`pytest -m kernel`, compiled), then every Triton kernel against torch's own op (checked, then
+timed with triton.testing.do_bench), into `<out>/kernels/` (its CSV, PNG, table and
+kernel_tests.txt; no merged bench.csv). Without a GPU it says so and runs the same checks on tiny
+shapes in Triton's interpreter.
 
 Each script runs in its own process, as it would by hand (linear.py under torchrun with one rank
 per GPU when two or more GPUs are visible, else on local CPU ranks), and writes its own CSV and
