@@ -33,7 +33,12 @@ MOE = {
     "deepseek_v3": dict(MLA, n_routed_experts=6, n_group=2, topk_group=1),
     # clamped, interleaved gate / up pairs with biases, a router with a bias, sliding / full layers
     "gpt_oss": dict(VARIANTS["gpt_oss"][1], num_local_experts=6, intermediate_size=16, **AUX),
+    # every token fed to every expert, pre-scaled by a sigmoid top-1 score; a shared expert; chunked / NoPE layers
+    "llama4_text": dict(VARIANTS["llama4_text"][1], num_local_experts=6, intermediate_size=16, **AUX),
+    # the router's sparse mixer picks the experts; the experts are the standard ones
+    "phimoe": dict(num_local_experts=6, num_experts_per_tok=2, intermediate_size=16, **AUX),
 }
+SWEPT = [f for f in MOE if f != "phimoe"]  # at EP 2 and EP 4; the others in their own cases
 MICRO = 2  # sequences per data-parallel rank
 STEPS = 3
 
@@ -94,11 +99,13 @@ def matches_unsharded(rank, world, _, family, dp, ep, tp, sp, stage, masked):
 
 # (family, dp, ep, tp, sequence parallel, ZeRO stage, padding mask)
 CASES = [
-    *[(f, 2, 2, 1, False, 3, False) for f in MOE],  # EP 2: three experts each
-    *[(f, 4, 4, 1, False, 3, f == "qwen3_moe") for f in MOE],  # EP 4: 6 experts as 2, 2, 1, 1
+    *[(f, 2, 2, 1, False, 3, False) for f in SWEPT],  # EP 2: three experts each
+    *[(f, 4, 4, 1, False, 3, f == "qwen3_moe") for f in SWEPT],  # EP 4: 6 experts as 2, 2, 1, 1
     ("qwen3_moe", 4, 2, 1, False, 0, True),  # EP 2 folded over 4 replicas: experts averaged over 2, DDP
     ("mixtral", 2, 2, 2, True, 2, True),  # EP 2 x TP 2 with SP: tokens dispatched without a gather
     ("deepseek_v3", 2, 2, 2, False, 3, True),  # EP 2 x TP 2, shared expert column / row parallel
+    ("llama4_text", 2, 2, 2, True, 3, True),  # Llama 4's pre-scaled experts, EP 2 x TP 2 with SP
+    ("phimoe", 2, 2, 1, False, 2, False),
 ]
 
 
@@ -181,8 +188,8 @@ def refusals(rank, world, _):
     model = tiny_model("gpt_oss", **MOE["gpt_oss"])
     with pytest.raises(ValueError, match=r"mlp.experts \(GptOssExperts\) cannot be placed whole.*not split over TP"):
         tplayers.parallelize(model, group=g["tp"], expert_group=g["ep"])
-    model = tiny_model("llama4_text", **VARIANTS["llama4_text"][1])
-    with pytest.raises(ValueError, match=r"experts \(Llama4TextExperts\) cannot be placed whole.*expert by expert"):
+    model = tiny_model("dbrx")
+    with pytest.raises(ValueError, match=r"experts \(DbrxExperts\) cannot be placed whole"):
         tplayers.parallelize(model, group=g["tp"], expert_group=g["ep"])
     model = tiny_model("qwen3_moe", **MOE["qwen3_moe"])
     tplayers.parallelize(model, group=g["tp"], expert_group=g["ep"])
@@ -283,10 +290,10 @@ def _records(rank, world, _):
 NO_AUX = dict(MOE["qwen3_moe"], output_router_logits=False)  # the loss then splits over micro-batches exactly
 
 
-def _checkpoint_run(dp, ep, tp, stage, seed):
+def _checkpoint_run(dp, ep, tp, stage, seed, family="qwen3_moe"):
     """(model, optimizer, this rank's micro-batch index, dp) at a layout; ep = 0: no expert group."""
     torch.manual_seed(seed)
-    model = tiny_model("qwen3_moe", **NO_AUX)
+    model = tiny_model(family, **dict(MOE[family], output_router_logits=False))
     if dp * tp > 1:
         g = expert_mesh(dp, max(ep, 1), 1, tp)
         tplayers.parallelize(model, group=g["tp"], expert_group=g["ep"] if ep else None, verify=False)
@@ -462,3 +469,31 @@ def test_init_mesh_folds_ep_over_the_replicas():
     ranks, edp = results[0]
     assert ranks == {"dp": [0, 1, 2, 3], "ep": [0, 1], "edp": [0, 2], "tp": [0]} and edp == [0, 2]
     assert results[3][0] == {"dp": [0, 1, 2, 3], "ep": [2, 3], "edp": [1, 3], "tp": [3]}
+
+
+def llama4_saved(rank, world, group, path, dp, ep, tp, stage):
+    model, opt, me, dp = _checkpoint_run(dp, ep, tp, stage, 0, family="llama4_text")
+    _step(model, opt, me, dp, 0)
+    tplayers.save_checkpoint(path, model=model, optimizer=opt, group=group)
+    return _copied(model)
+
+
+def llama4_loaded(rank, world, group, path, dp, ep, tp, stage):
+    model, opt, me, dp = _checkpoint_run(dp, ep, tp, stage, 7, family="llama4_text")
+    tplayers.load_checkpoint(path, model=model, optimizer=opt, group=group)
+    return _copied(model)
+
+
+def test_llama4_experts_checkpoint_in_their_own_layout(tplayers_pool, tmp_path):
+    """Llama 4's transposed experts (E, H, 2F) / (E, F, H) at EP 2 x TP 2 with ZeRO-3: gathered under
+    HF's names and shapes, saved, and loaded unsharded and at EP 4, bitwise."""
+    path = str(tmp_path / "llama4")
+    saved = tplayers_pool.run(llama4_saved, 4, path, 2, 2, 2, 3, mesh=("ep", 2, 2, 1, 2))[0]
+    reference = tiny_model("llama4_text", **MOE["llama4_text"]).state_dict()
+    assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in reference.items()}
+    for dp, ep, tp, stage in ((1, 0, 1, 0), (4, 4, 1, 0)):
+        loaded = tplayers_pool.run(llama4_loaded, dp * tp, path, dp, ep, tp, stage, mesh=("ep", dp, max(ep, 1), 1, tp))
+        for key, value in saved.items():
+            assert_close(
+                loaded[0][key], value, exact=True, msg=lambda m, k=key, at=(dp, ep): f"{k} at dp, ep {at}: {m}"
+            )

@@ -10,19 +10,23 @@ experts whose math tplayers knows exactly: transformers 5's standard experts, wh
 the one 50-odd families share (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, Granite-MoE, ...):
 act(x W_gate^T) * (x W_up^T) -> W_down, scaled by the routing weight, summed over the top k.
 gpt-oss's experts (clamped, interleaved gate / up pairs with biases) go whole over the expert
-group as `ClampedGluExperts` (one tensor-parallel rank). Anything else (Llama 4's experts fed
-expert by expert, DBRX's stacked ones, PhiMoE's) is refused by name under an expert group;
-without one, their experts are split over the tensor-parallel group as before.
+group as `ClampedGluExperts` (one tensor-parallel rank). Llama 4's MoE block (its experts fed
+every token expert by expert, each pre-scaled by its sigmoid routing score, zero for the experts
+not picked) becomes `PreScaledMoe`: the same router and shared expert, the picked experts only
+(`PreScaledExperts`, exact: an unpicked expert's zero input gives zero). Anything else (DBRX's
+stacked experts, PhiMoE's) is refused by name under an expert group; without one, their experts
+are split over the tensor-parallel group as before.
 """
 
 import inspect
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from tplayers.hf import pieces
 from tplayers.hf.shard import ShardingPass, copy_in, gather, on_device
-from tplayers.nn.experts import ClampedGluExperts, ParallelExperts
+from tplayers.nn.experts import ClampedGluExperts, ParallelExperts, PreScaledExperts
 from tplayers.placement import shard_range
 
 STANDARD_FLAGS = {"is_concatenated": True, "is_transposed": False, "has_bias": False}
@@ -68,11 +72,49 @@ def is_gpt_oss(module) -> bool:
     return _source(type(module).forward) == _source(GptOssExperts.forward)
 
 
+def is_llama4(block, module) -> bool:
+    """Llama 4's MoE block around `module`: its classes, with HF's forwards (block, router, experts)."""
+    if type(block).__name__ != "Llama4TextMoe" or not isinstance(getattr(block, "router", None), nn.Linear):
+        return False
+    from transformers.models.llama4 import modeling_llama4 as hf
+
+    pairs = ((block, hf.Llama4TextMoe), (block.router, hf.Llama4Router), (module, hf.Llama4TextExperts))
+    return all(_source(type(mine).forward) == _source(theirs.forward) for mine, theirs in pairs)
+
+
+class PreScaledMoe(nn.Module):
+    """Llama 4's MoE block with its experts whole over the expert group: HF's forward, with each
+    token sent to its top-k experts only, scaled by its sigmoid score (HF feeds every expert every
+    token, scaled by a score of zero where not picked, which gives zero: no bias, act(0) * 0 = 0).
+    The router and the shared expert are the block's own (the shared expert placed as any MLP)."""
+
+    def __init__(self, block, experts):
+        super().__init__()
+        self.top_k, self.hidden_dim, self.num_experts = block.top_k, block.hidden_dim, block.num_experts
+        self.experts, self.router, self.shared_expert = experts, block.router, block.shared_expert  # HF's order
+
+    def forward(self, hidden_states):
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        router_scores, router_logits = self.router(hidden_states)
+        picked = torch.topk(router_logits, self.top_k, dim=1).indices  # the router's own picks
+        out = self.shared_expert(hidden_states)
+        return out + self.experts(hidden_states, picked, router_scores.gather(1, picked)), router_logits
+
+
 def experts(sp: ShardingPass, name, module, flags, by_expert):
     """Replace `module` (transformers 5's standard experts) with a `ParallelExperts`: whole
     experts over the expert group if there is one, each expert's features over the TP group."""
     if sp.expert_group is not None and is_gpt_oss(module):
         return gpt_oss_experts(sp, name, module)
+    block_name = name.rpartition(".")[0]
+    block = sp.model.get_submodule(block_name) if block_name else None
+    if sp.expert_group is not None and by_expert and is_llama4(block, module):
+        new = PreScaledExperts.from_weights(module.gate_up_proj, module.down_proj, expert_group=sp.expert_group,
+                                            group=sp.group, sequence_parallel=sp.sp, act_fn=module.act_fn)  # fmt: skip
+        moe = PreScaledMoe(block, on_device(new, module.gate_up_proj.device)).train(block.training)
+        parent, _, child = block_name.rpartition(".")
+        setattr(sp.model.get_submodule(parent) if parent else sp.model, child, moe)  # its children still to place
+        return _place(sp, name, moe.experts)
     if by_expert:
         refuse(name, module, "it takes the tokens laid out expert by expert, which the dispatch does not compute")
     odd = {k: v for k, v in flags.items() if STANDARD_FLAGS.get(k, v) != v}
@@ -84,20 +126,27 @@ def experts(sp: ShardingPass, name, module, flags, by_expert):
         module.gate_up_proj, module.down_proj, expert_group=sp.expert_group, group=sp.group,
         sequence_parallel=sp.sp, act_fn=module.act_fn,
     )  # fmt: skip
-    new = on_device(new, module.gate_up_proj.device)
-    sp.swap(name, new)
+    sp.swap(name, on_device(new, module.gate_up_proj.device))
+    _place(sp, name, new)
+
+
+def _place(sp: ShardingPass, name, new):
+    """The export records of `new` (a ParallelExperts in place under `name`): HF's tensors, in
+    the layer's layout (`FEATURE_DIMS`: the F axis of gate_up_proj and of down_proj)."""
+    sp.done.add(name)
     hidden, f = new.hidden_size, new.ffn_size
     tp_sizes = [new.unit * b for b in new.ffn_blocks]
+    fa, fd = new.FEATURE_DIMS
 
     def export(pick, group):
         out = {}
         gate_up, down = pick(new.gate_up_proj), pick(new.down_proj)
         if gate_up is not None:  # every TP rank's [gate_r; up_r] -> [gate; up], then the experts in order
-            halves = [part.chunk(2, 1) for part in gather(gate_up, 1, group).split([2 * s for s in tp_sizes], 1)]
-            full = torch.cat([h[0] for h in halves] + [h[1] for h in halves], 1)
+            halves = [part.chunk(2, fa) for part in gather(gate_up, fa, group).split([2 * s for s in tp_sizes], fa)]
+            full = torch.cat([h[0] for h in halves] + [h[1] for h in halves], fa)
             out["gate_up_proj"] = whole_experts(full)
         if down is not None:
-            out["down_proj"] = whole_experts(gather(down, 2, group))
+            out["down_proj"] = whole_experts(gather(down, fd, group))
         return out
 
     def whole_experts(t):
@@ -111,10 +160,12 @@ def experts(sp: ShardingPass, name, module, flags, by_expert):
         n_tp, r_tp = dist.get_world_size(new.group), dist.get_rank(new.group)
         start, size = (new.unit * v for v in shard_range(f // new.unit, n_tp, r_tp, new.ffn_blocks))
         own, offset = torch.arange(start, start + size), (new.first_expert, 0, 0)
+        gate_up_shape, down_shape = [new.num_experts, hidden, hidden], [new.num_experts, hidden, hidden]
+        gate_up_shape[fa], down_shape[fd] = 2 * f, f
         return [
-            pieces.block("gate_up_proj", new.gate_up_proj, (new.num_experts, 2 * f, hidden), offset, dim=1,
+            pieces.block("gate_up_proj", new.gate_up_proj, tuple(gate_up_shape), offset, dim=fa,
                          local=torch.arange(2 * size), glob=torch.cat([own, own + f])),
-            pieces.block("down_proj", new.down_proj, (new.num_experts, hidden, f), offset, dim=2,
+            pieces.block("down_proj", new.down_proj, tuple(down_shape), offset, dim=fd,
                          local=torch.arange(size), glob=own),
         ]  # fmt: skip
 

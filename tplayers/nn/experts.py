@@ -82,6 +82,8 @@ class ParallelExperts(PlacedModule):
         # the weights' gradients are divided by it (`tplayers.data_parallel`: the replicas' mean)
         self.grad_divisor = 1
 
+    FEATURE_DIMS = (1, 2)  # the F axis of gate_up_proj, of down_proj (2, 1: Llama 4's transposed layout)
+
     def _tag_parameters(self, *_):
         for name in self._placements:  # before the records are sealed into the module's table
             param = getattr(self, name, None)
@@ -103,12 +105,15 @@ class ParallelExperts(PlacedModule):
 
     @classmethod
     def from_weights(cls, gate_up, down, **kwargs):
-        """The layer holding this rank's slice of the unsharded gate_up (E, 2F, H) and down (E, H, F)."""
-        experts, two_f, hidden = gate_up.shape
+        """The layer holding this rank's slice of the unsharded gate_up (E, 2F, H) and down (E, H, F)
+        (in the class's layout: `FEATURE_DIMS`)."""
+        fa = cls.FEATURE_DIMS[0]
+        experts, two_f, hidden = gate_up.shape[0], gate_up.shape[fa], gate_up.shape[3 - fa]
         layer = cls(experts, hidden, two_f // 2, device="meta", dtype=gate_up.dtype, **kwargs)
+        fresh = dict(memory_format=torch.contiguous_format)
         with torch.no_grad():
-            layer.gate_up_proj = nn.Parameter(layer.own_gate_up(gate_up.detach()).clone(), gate_up.requires_grad)
-            layer.down_proj = nn.Parameter(layer.own_down(down.detach()).clone(), down.requires_grad)
+            layer.gate_up_proj = nn.Parameter(layer.own_gate_up(gate_up.detach()).clone(**fresh), gate_up.requires_grad)
+            layer.down_proj = nn.Parameter(layer.own_down(down.detach()).clone(**fresh), down.requires_grad)
         layer._tag_parameters()
         return layer
 
@@ -206,3 +211,39 @@ class ClampedGluExperts(ParallelExperts):
         out = (grouped_matmul_ref(h, down.transpose(1, 2), p.counts) + down_bias[expert]) * scale[:, None]
         cells = out.new_zeros(x.shape[0] * k, out.shape[1]).index_copy(0, p.scatter, out.to(x.dtype))
         return cells.view(x.shape[0], k, out.shape[1]).sum(1)
+
+
+class PreScaledExperts(ParallelExperts):
+    """Llama 4's experts: each pair's routing weight scales the token before its expert,
+    h = act((s x) W_gate) * ((s x) W_up) -> W_down, in Llama 4's transposed layout: gate_up_proj
+    (E_r, H, 2f) with [gate | up] along the last dim, down_proj (E_r, f, H). The features split over
+    TP as ParallelExperts' do. Its grouped GEMMs run the pure-torch reference (the kernel's epilogue
+    scales a pair's output, not its input)."""
+
+    FEATURE_DIMS = (2, 1)  # the F axis of gate_up_proj, of down_proj
+
+    def __init__(self, num_experts, hidden_size, ffn_size, *, device=None, dtype=None, **kwargs):
+        super().__init__(num_experts, hidden_size, ffn_size, device="meta", dtype=dtype, **kwargs)
+        e, f, kw = self.local_experts, self.down_proj.shape[-1], dict(device=device, dtype=dtype)
+        self.gate_up_proj = nn.Parameter(torch.empty(e, hidden_size, 2 * f, **kw))
+        self.down_proj = nn.Parameter(torch.empty(e, f, hidden_size, **kw))
+        self._placements = {"gate_up_proj": Shard(2), "down_proj": Shard(1)}
+        self._tag_parameters()
+
+    def own_gate_up(self, full):
+        """This rank's [gate_r | up_r] of its experts, from the unsharded (E, H, 2F)."""
+        return super().own_gate_up(full.transpose(1, 2)).transpose(1, 2)
+
+    def own_down(self, full):
+        return super().own_down(full.transpose(1, 2)).transpose(1, 2)
+
+    def experts_mlp(self, x, p, k, scale):
+        from tplayers.kernels.grouped_matmul_ref import grouped_matmul_ref
+
+        gate_up, down = (
+            scale_grad(t, 1 / self.grad_divisor).transpose(1, 2) for t in (self.gate_up_proj, self.down_proj)
+        )
+        scaled = x[p.gather] * scale[:, None].to(x.dtype)  # as Llama 4 scales its tokens, before the GEMM
+        gate, up = grouped_matmul_ref(scaled, gate_up, p.counts).chunk(2, dim=-1)
+        cells = grouped_matmul_ref(self.act_fn(gate) * up, down, p.counts, scatter=p.scatter, out_rows=x.shape[0] * k)
+        return cells.view(x.shape[0], k, self.hidden_size).sum(1)
