@@ -72,6 +72,12 @@ def lora_layers(model) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
 
 
+EXPERT_LORA = (
+    "LoRA on a 3-D parameter (peft's target_parameters, its ParamWrapper: the experts' gate_up_proj / down_proj) "
+    "is not supported on tensor- or expert-parallel experts yet; target linear projections (target_modules)"
+)
+
+
 def _refuse(name, why):
     raise ValueError(f"tplayers LoRA: {name}: {why}")
 
@@ -422,6 +428,8 @@ def _check_layer(name, layer):
 
     if type(layer) is lora_class():
         _refuse(name, "already tensor-parallel (tplayers.parallelize was called twice)")
+    if type(layer).__name__ == "ParamWrapper":
+        _refuse(name, EXPERT_LORA)
     if type(layer) is not Linear:
         _refuse(name, f"peft's {type(layer).__name__} is not supported; target linear projections only")
     if layer.merged:

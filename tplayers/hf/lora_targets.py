@@ -13,6 +13,7 @@ from torch import nn
 
 from tplayers.functional.collectives import all_gather_sequence, copy_to_tp_region
 from tplayers.hf.lora import (
+    EXPERT_LORA,
     SUPPORTED,
     _factor_record,
     _inner_model,
@@ -45,6 +46,8 @@ def get_peft_model(model, config, adapter_name: str = "default", **kwargs):
             "replaced; name the projections (e.g. ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', "
             "'down_proj']) or add LoRA before parallelizing"
         )
+    if getattr(config, "target_parameters", None):  # peft would wrap this rank's slice as if it were whole
+        raise ValueError(f"tplayers.get_peft_model: target_parameters={config.target_parameters}: {EXPERT_LORA}")
     _refuse_internal_names(model, config)
     _unfuse_targeted_mlps(model, config)
     _refuse_fused_targets(model, config)
