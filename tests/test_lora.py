@@ -287,18 +287,14 @@ def test_adapter_and_optimizer_checkpoint_resume_at_another_layout(pool, tmp_pat
 
 # -- refusals -------------------------------------------------------------------------------------
 def refused(rank, world, group, kwargs):
-    model = tiny_model("mixtral" if "target_parameters" in kwargs else "llama")
+    model = tiny_model("llama")
     tplayers.parallelize(peft.get_peft_model(model, peft.LoraConfig(r=4, **kwargs)), group=group)
-
-
-EXPERTS = dict(target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [(dict(target_modules=["embed_tokens", "q_proj"]), "embed_tokens: peft's Embedding is not supported"),
-     (dict(target_modules=["q_proj"], use_dora=True), "q_proj: peft's LoRA variant DoraLinearVariant"),
-     (EXPERTS, "mlp.experts: LoRA on a 3-D parameter (peft's target_parameters")],
+     (dict(target_modules=["q_proj"], use_dora=True), "q_proj: peft's LoRA variant DoraLinearVariant")],
 )  # fmt: skip
 def test_what_tplayers_cannot_shard_is_refused_on_every_rank(pool, kwargs, message):
     for reply in pool.run(refused, 2, kwargs, return_exceptions=True):
@@ -338,16 +334,14 @@ def test_check_parallel_takes_a_peft_model():
 
 
 def refused_names(rank, world, group, targets):
-    experts = isinstance(targets, dict)
-    model = tplayers.parallelize(tiny_model("mixtral" if experts else "llama"), group=group)
-    tplayers.get_peft_model(model, peft.LoraConfig(r=4, **(targets if experts else dict(target_modules=targets))))
+    model = tplayers.parallelize(tiny_model("llama"), group=group)
+    tplayers.get_peft_model(model, peft.LoraConfig(r=4, target_modules=targets))
 
 
 @pytest.mark.parametrize(
     ("targets", "message"),
     [(["in_proj"], "mlp.in_proj is tplayers' fused MLP layer; target the model's own projections"),
-     ("all-linear", "target_modules='all-linear' looks for nn.Linear modules, which parallelize replaced"),
-     (EXPERTS, "target_parameters=['mlp.experts.gate_up_proj', 'mlp.experts.down_proj']: LoRA on a 3-D parameter")],
+     ("all-linear", "target_modules='all-linear' looks for nn.Linear modules, which parallelize replaced")],
 )  # fmt: skip
 def test_order_two_refuses_names_it_cannot_honour(pool, targets, message):
     for reply in pool.run(refused_names, 2, targets, return_exceptions=True):

@@ -34,9 +34,13 @@ class Chunk:
     dim: int | None
     index: torch.Tensor | None
     transpose: bool
+    dim2: int | None = None  # a 2-D source selected along its other dim too (`Piece.cross`)
+    index2: torch.Tensor | None = None
 
     def read(self) -> torch.Tensor:
         data = self.source if self.index is None else self.source.index_select(self.dim, self.index)
+        if self.index2 is not None:
+            data = data.index_select(self.dim2, self.index2)
         return (data.t() if self.transpose else data).detach().contiguous()
 
     def write(self, value: torch.Tensor) -> None:
@@ -44,6 +48,9 @@ class Chunk:
         with torch.no_grad():
             if self.index is None:
                 self.source.copy_(value)
+            elif self.index2 is not None:
+                rows, cols = (self.index, self.index2) if self.dim == 0 else (self.index2, self.index)
+                self.source[rows[:, None], cols[None, :]] = value.to(self.source.dtype)
             else:
                 self.source.index_copy_(self.dim, self.index, value.to(self.source.dtype))
 
@@ -109,6 +116,16 @@ def piece_chunks(piece: Piece, tensor) -> tuple[tuple[int, ...], list[Chunk]]:
             sizes[piece.dim] = run.numel()
             index = local[run]
             chunks.append(Chunk(tuple(offsets), tuple(sizes), source, piece.dim, index, piece.transpose))
+    if piece.cross is not None:  # each chunk cut again by the runs along the other dim
+        dim2, local2, glob2 = piece.cross
+        crossed = []
+        for c in chunks:
+            for run in _runs(glob2):
+                offsets, sizes = list(c.offsets), list(c.sizes)
+                offsets[dim2], sizes[dim2] = int(glob2[run[0]]), run.numel()
+                crossed.append(Chunk(tuple(offsets), tuple(sizes), c.source, c.dim, c.index, c.transpose, dim2,
+                                     local2[run]))  # fmt: skip
+        chunks = crossed
     if piece.transpose:
         full = full[::-1]
         for c in chunks:

@@ -104,6 +104,33 @@ def _check_experts(experts, pg, stage):
         )
 
 
+def _expert_units(module) -> list[tuple[nn.Module, ParallelExperts]]:
+    """(unit, layer) for each expert-parallel layer: the unit reduced over the experts' own
+    replicas is the layer, or the outermost LoRA wrapper around it (peft's ParamWrapper: its
+    adapters' factors are the experts' too, `tplayers.hf.lora_experts`)."""
+    parents = {id(child): parent for parent in module.modules() for child in parent.children()}
+    out = []
+    for m in module.modules():
+        if isinstance(m, ParallelExperts) and m.expert_group is not None:
+            unit = m
+            while id(unit) in parents and getattr(parents[id(unit)], "base_layer", None) is unit:
+                unit = parents[id(unit)]
+            out.append((unit, m))
+    return out
+
+
+def _check_expert_adapters(module, stage):
+    """LoRA on experts parametrizes the experts' weights while they run (peft's ParamWrapper),
+    which FSDP2's own swapping of the same parameters does not compose with."""
+    wrapped = [type(m.base_layer).__name__ for m in module.modules() if hasattr(m, "parameter_name")
+               and hasattr(m, "base_layer")]  # fmt: skip
+    if wrapped and stage >= 2:
+        raise ValueError(
+            f"data_parallel: ZeRO-{stage} with LoRA on experts' parameters ({wrapped[0]}, peft's target_parameters) "
+            "is not supported: FSDP2 and peft's parametrization both replace the parameter; use zero_stage=0"
+        )
+
+
 def _check_mixed_precision(module, stage, param_dtype):
     if stage < 2:
         raise ValueError(
@@ -233,21 +260,23 @@ def data_parallel(
     if param_dtype is not None:
         _check_mixed_precision(module, zero_stage, param_dtype)
     records = {name: get_placement(p) for name, p in module.named_parameters()}
-    experts = [m for m in module.modules() if isinstance(m, ParallelExperts) and m.expert_group is not None]
+    units = _expert_units(module)
+    experts = [m for _, m in units]
     _check_experts(experts, pg, zero_stage)
+    _check_expert_adapters(module, zero_stage)
     # Each expert's gradient sums its expert group's batches: the mean over every replica is the
     # mean over the expert's own replicas of it divided by the expert group's size (`grad_divisor`)
     if zero_stage <= 1:
         from torch.distributed._composable import replicate  # torch's composable DDP, in place
 
-        for m in experts:  # over their own replicas, then the rest over every replica
+        for unit, m in units:  # over their own replicas, then the rest over every replica
             edp = expert_data_group(pg, m.expert_group)
-            replicate(m, process_group=edp, bucket_cap_mb=bucket_cap_mb)
-            m.register_comm_hook(edp, _counted_all_reduce)
+            replicate(unit, process_group=edp, bucket_cap_mb=bucket_cap_mb)
+            unit.register_comm_hook(edp, _counted_all_reduce)
             m.grad_divisor = dist.get_world_size(pg) // dist.get_world_size(edp)
-            for p in m.parameters():
+            for p in unit.parameters():
                 update_placement(p, dp_group=edp)
-        replicate(module, process_group=pg, bucket_cap_mb=bucket_cap_mb, ignored_modules=experts)
+        replicate(module, process_group=pg, bucket_cap_mb=bucket_cap_mb, ignored_modules=[u for u, _ in units])
         if compression is None:
             module.register_comm_hook(pg, _counted_all_reduce)
         else:

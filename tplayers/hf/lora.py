@@ -32,8 +32,10 @@ initial values are broadcast from the group's first rank before slicing (peft dr
 random on every rank). Exports name the factors as peft does, whole: `gather_state_dict`,
 checkpoints and `tplayers.save_pretrained` (peft's adapter directory) read them.
 
+Adapters on the experts' parameters (peft's ParamWrapper): `tplayers.hf.lora_experts`.
+
 Refused, naming the module: LoRA on what tplayers does not shard as a column / row layer (an
-embedding, a module kept whole, experts, a multi-query projection), peft's variants (DoRA, ...),
+embedding, a module kept whole, a multi-query projection), peft's variants (DoRA, ...),
 initializations that read the whole base weight (PiSSA, OLoRA, ...: initialize before
 parallelize), merged adapters.
 """
@@ -48,7 +50,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate
 
 from tplayers.functional.collectives import all_gather_any
-from tplayers.hf import pieces
+from tplayers.hf import lora_experts, pieces
 from tplayers.hf.fused import MultiQueryProjection, SharedKVProjection
 from tplayers.hf.same_inputs import check_same_inputs
 from tplayers.hf.shard import copy_in, on_device
@@ -73,8 +75,8 @@ def lora_layers(model) -> dict[str, nn.Module]:
 
 
 EXPERT_LORA = (
-    "LoRA on a 3-D parameter (peft's target_parameters, its ParamWrapper: the experts' gate_up_proj / down_proj) "
-    "is not supported on tensor- or expert-parallel experts yet; target linear projections (target_modules)"
+    "LoRA on a parameter (peft's target_parameters, its ParamWrapper) is supported on transformers' standard "
+    "experts' gate_up_proj / down_proj only (tplayers.hf.lora_experts)"
 )
 
 
@@ -396,13 +398,17 @@ def live_records(root, hf_prefix: str, hf_records: list):
     (adapters added, deleted, merged and unloaded after parallelize included)."""
 
     def records():
-        wrapped = {n: m for n, m in root.named_modules() if isinstance(m, lora_class())}
+        wrapped = {n: m for n, m in root.named_modules()
+                   if isinstance(m, lora_class()) or isinstance(m, lora_experts.wrapper_class())}  # fmt: skip
         out = []
         for prefix, *rest in hf_records:
             full = hf_prefix + prefix
-            out.append((f"{full}.base_layer" if full in wrapped else full, *rest))
+            while full in wrapped:  # under each wrapper around it (one per adapted parameter of experts)
+                full += ".base_layer"
+            out.append((full, *rest))
         for name, layer in wrapped.items():
-            out += adapter_records(name, layer)
+            records_of = lora_experts.adapter_records if lora_experts.is_param_wrapper(layer) else adapter_records
+            out += records_of(name, layer)
         return out
 
     return LiveRecords(records)
@@ -428,8 +434,6 @@ def _check_layer(name, layer):
 
     if type(layer) is lora_class():
         _refuse(name, "already tensor-parallel (tplayers.parallelize was called twice)")
-    if type(layer).__name__ == "ParamWrapper":
-        _refuse(name, EXPERT_LORA)
     if type(layer) is not Linear:
         _refuse(name, f"peft's {type(layer).__name__} is not supported; target linear projections only")
     if layer.merged:
@@ -451,14 +455,20 @@ def parallelize_peft(model, layers: dict, shard, *, group, verify, **kwargs):
     is parallelize's own pass."""
     from tplayers.hf import verify as verification
 
+    experts = {n: m for n, m in layers.items() if lora_experts.is_param_wrapper(m)}  # on the experts' parameters
+    layers = {n: m for n, m in layers.items() if n not in experts}
+    outermost = [n for n in experts if not (n.endswith(".base_layer") and n[: -len(".base_layer")] in experts)]
     for name, layer in layers.items():
         _check_layer(name, layer)
+    for name, layer in experts.items():
+        if layer.merged:
+            _refuse(name, "has merged adapters; unmerge them (model.unmerge_adapter()) before parallelize")
     n = dist.get_world_size(group)
     probe = verification.before(model, verify, n)
     hf, hf_prefix = _inner_model(model)
     root_keys = list(model.state_dict().keys())
-    for name, layer in layers.items():  # the plain HF model the sharding pass knows
-        _set_child(model, name, layer.get_base_layer())
+    for name in [*layers, *outermost]:  # the plain HF model the sharding pass knows
+        _set_child(model, name, (layers.get(name) or experts[name]).get_base_layer())
     frozen = {k for k, p in hf.named_parameters() if not p.requires_grad}
     relative = {name[len(hf_prefix) :]: name for name in layers}
     shard(hf, keep=frozenset(relative), verify=False, group=group, **kwargs)
@@ -485,11 +495,22 @@ def parallelize_peft(model, layers: dict, shard, *, group, verify, **kwargs):
         for adapter in list(layer.lora_A):
             shard_adapter(layer, adapter)
         _set_child(model, name, layer)
+    for name in outermost:  # each chain of wrappers (one per adapted parameter) around its ParallelExperts
+        chain = [experts[name]]
+        while lora_experts.is_param_wrapper(chain[-1].base_layer):
+            chain.append(chain[-1].base_layer)
+        chain[-1].base_layer = hf.get_submodule(name[len(hf_prefix) :])
+        for depth, layer in enumerate(chain):
+            lora_experts.check_base(name + ".base_layer" * depth, layer)
+            lora_experts.localize(layer)
+            for adapter in list(layer.lora_A):
+                lora_experts.shard_whole(layer, adapter)
+        _set_child(model, name, chain[0])
     setattr(model, EXPORTS, live_records(model, hf_prefix, records))
     setattr(model, ORIGINAL_KEYS, root_keys)
     setattr(model, TIED, {hf_prefix + k: hf_prefix + v for k, v in getattr(hf, TIED, {}).items()})
     seal(model)
-    verification.after(probe, model, group=group)
+    verification.after(probe, model, group=group, expert_group=kwargs.get("expert_group"))
     check_same_inputs(hf)  # re-armed after the self-check: the user's first forward is checked
     return model
 

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch import nn
 
 from tplayers.functional.collectives import all_gather_sequence, copy_to_tp_region
+from tplayers.hf import lora_experts
 from tplayers.hf.lora import (
-    EXPERT_LORA,
     SUPPORTED,
     _factor_record,
     _inner_model,
@@ -46,18 +46,21 @@ def get_peft_model(model, config, adapter_name: str = "default", **kwargs):
             "replaced; name the projections (e.g. ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', "
             "'down_proj']) or add LoRA before parallelizing"
         )
-    if getattr(config, "target_parameters", None):  # peft would wrap this rank's slice as if it were whole
-        raise ValueError(f"tplayers.get_peft_model: target_parameters={config.target_parameters}: {EXPERT_LORA}")
     _refuse_internal_names(model, config)
     _unfuse_targeted_mlps(model, config)
     _refuse_fused_targets(model, config)
     cls = lora_class()
     config._register_custom_module(dict.fromkeys(SUPPORTED, cls))
     peft_model = peft.get_peft_model(model, config, adapter_name=adapter_name, **kwargs)
-    for layer in peft_model.modules():  # peft's own layer on a linear kept whole (MLA's latents): adapters whole
-        if on_whole_base(layer):
+    for name, layer in peft_model.named_modules():
+        if on_whole_base(layer):  # peft's own layer on a linear kept whole (MLA's latents): adapters whole
             for adapter in layer.lora_A:
                 place_whole_adapter(layer, adapter)
+        elif lora_experts.is_param_wrapper(layer):  # on the experts' parameters, in this rank's shapes
+            lora_experts.check_base(name, layer)
+            lora_experts.localize(layer)
+            for adapter in layer.lora_A:
+                lora_experts.adopt(layer, adapter)
     hf, hf_prefix = _inner_model(peft_model)
     setattr(peft_model, EXPORTS, live_records(peft_model, hf_prefix, getattr(hf, EXPORTS)))
     setattr(peft_model, ORIGINAL_KEYS, _peft_key_order(peft_model, hf_prefix, getattr(hf, ORIGINAL_KEYS, [])))
@@ -173,25 +176,30 @@ def _peft_key_order(peft_model, hf_prefix, hf_keys) -> list[str]:
     a wrapped module's under `base_layer`, followed by its adapters' factors (peft's order:
     every lora_A, then every lora_B)."""
     wrapped = {
-        n[len(hf_prefix) :]: m for n, m in peft_model.named_modules() if isinstance(m, lora_class()) or on_whole_base(m)
-    }
+        n[len(hf_prefix) :]: m for n, m in peft_model.named_modules()
+        if isinstance(m, lora_class()) or on_whole_base(m) or lora_experts.is_param_wrapper(m)
+    }  # fmt: skip
     out, done = [], set()
     for key in hf_keys:
         module, _, leaf = key.rpartition(".")
-        layer = wrapped.get(module)
-        if layer is None:
+        if module not in wrapped:
             out.append(hf_prefix + key)
             continue
-        out.append(f"{hf_prefix}{module}.base_layer.{leaf}")
+        chain = [module]  # the wrappers around it, outermost first (one per adapted parameter of experts)
+        while chain[-1] + ".base_layer" in wrapped:
+            chain.append(chain[-1] + ".base_layer")
+        inner = chain[-1] + ".base_layer"
+        out.append(f"{hf_prefix}{inner}.{leaf}")
         if module in done:
             continue
         done.add(module)
         pending = [k for k in hf_keys if k.rpartition(".")[0] == module and k != key]
-        out += [f"{hf_prefix}{module}.base_layer.{k.rpartition('.')[2]}" for k in pending]
-        for factor in ("lora_A", "lora_B"):
-            for adapter, part in getattr(layer, factor).items():
-                bias = "bias" if isinstance(getattr(part, "bias", None), torch.Tensor) else None
-                out += [f"{hf_prefix}{module}.{factor}.{adapter}.{k}" for k in ("weight", bias) if k]
+        out += [f"{hf_prefix}{inner}.{k.rpartition('.')[2]}" for k in pending]
+        for name in reversed(chain):  # peft's order: the innermost wrapper's factors first
+            for factor in ("lora_A", "lora_B"):
+                for adapter, part in getattr(wrapped[name], factor).items():
+                    bias = "bias" if isinstance(getattr(part, "bias", None), torch.Tensor) else None
+                    out += [f"{hf_prefix}{name}.{factor}.{adapter}.{k}" for k in ("weight", bias) if k]
     return list(dict.fromkeys(out))
 
 

@@ -35,6 +35,9 @@ class Piece:
     # rows several ranks hold (shared key / value heads): chunks never span two blocks of `unit`
     # global indices, so the ranks sharing a head name the same chunk, which is written once
     unit: int = 0
+    # a second dim held by index (dim, local, glob): a 2-D tensor whose rows and columns are both
+    # interleaved (LoRA's B on experts: [gate_r; up_r] rows, this rank's experts' columns)
+    cross: tuple | None = None
 
 
 def block(key, param, shape, offset, dim=None, local=None, glob=None) -> Piece:
@@ -43,6 +46,13 @@ def block(key, param, shape, offset, dim=None, local=None, glob=None) -> Piece:
     `local` indices along it, holding `glob` (interleaved rows inside the block)."""
     size = shape[dim] if dim is not None else None
     return Piece(key, param, dim, local, glob, size, shape=tuple(shape), offset=tuple(offset))
+
+
+def cross(key, param, shape, first, second) -> Piece:
+    """A 2-D tensor of the unsharded `shape` of which this rank holds `first` = (dim, local, glob)
+    along one dim and `second` along the other."""
+    dim, local, glob = first
+    return Piece(key, param, dim, local, glob, shape[dim], shape=tuple(shape), offset=(0,) * len(shape), cross=second)
 
 
 def own_range(size: int, group) -> torch.Tensor:
