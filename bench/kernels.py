@@ -564,16 +564,17 @@ def _interpreting() -> bool:
     return matmul.INTERPRET
 
 
-def run_kernel_tests(device: str, out: Path) -> int:
+def run_kernel_tests(device: str, out: Path, select: tuple[str, ...] = ("tests",)) -> int:
     """The suite's `kernel` tests on `device` (pytest's exit status; 0 when this copy has no tests/),
-    their output also written to <out>/kernel_tests.txt."""
+    their output also written to <out>/kernel_tests.txt; `select`: pytest's paths / node ids, relative
+    to the checkout."""
     tests = ROOT / "tests"
     if not (tests / "conftest.py").is_file():
         print(f"bench/kernels.py: no test suite at {tests} (an installed copy): kernel tests not run", file=sys.stderr)
         return 0
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TPLAYERS_TEST_DEVICE"] = device
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "kernel", "-p", "no:cacheprovider", str(tests)]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "kernel", "-p", "no:cacheprovider", *select]
     print("kernel tests on the device: " + " ".join(cmd[1:]), flush=True)
     done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
     out.mkdir(parents=True, exist_ok=True)

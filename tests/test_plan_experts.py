@@ -115,8 +115,7 @@ def test_expert_parallel_layouts_are_checked():
         plan.Layout(dp=4, ep=3)
     reasons = plan.validate_layout(dense, cluster, plan.Layout(tp=2, dp=4, ep=2))
     assert any("needs a mixture of experts" in r for r in reasons)
-    reasons = plan.validate_layout(moe, cluster, plan.Layout(tp=2, dp=4, ep=2, zero_stage=1))
-    assert any("ZeRO-1 with expert parallelism" in r for r in reasons)
+    assert not plan.validate_layout(moe, cluster, plan.Layout(tp=2, dp=4, ep=2, zero_stage=1))
     reasons = plan.validate_layout(moe, cluster, plan.Layout(tp=(2, 2), dp=2))
     assert any("grid takes dense models" in r for r in reasons)
     assert plan.Layout(tp=2, dp=4, ep=2).describe().startswith("tp=2 pp=1 dp=4 ep=2")
@@ -144,6 +143,18 @@ def test_expert_parallelism_moves_expert_memory_to_all_to_all_bytes():
         )
     assert ests[1].comm_bytes_by_group["ep"] == 0
     assert ests[8].comm_links["ep"] == "inter_node" and ests[2].comm_links["ep"] == "intra_node"
+
+
+def test_zero1_with_experts_shards_the_state_over_the_experts_replicas():
+    """tplayers' ZeRO-1 with expert parallelism: one ZeroRedundancyOptimizer over the dp / ep
+    replicas holding the same experts, so the optimizer state is split dp / ep ways, dense and experts."""
+    model = plan.ModelSpec.from_hf_config(MIXTRAL_8X7B, seq_len=4096)
+    cluster = plan.ClusterSpec.preset("h100", num_gpus=64)
+    zero0, zero1 = (plan.estimate(model, cluster, plan.Layout(tp=8, dp=8, ep=2, zero_stage=z), "mixed-adam")
+                    for z in (0, 1))  # fmt: skip
+    assert zero1.memory.params == zero0.memory.params and zero1.memory.grads == zero0.memory.grads
+    assert zero1.memory.optimizer == pytest.approx(zero0.memory.optimizer / 4, rel=0.05)  # edp = 4
+    assert zero1.comm_bytes_by_group["dp"] > zero0.comm_bytes_by_group["dp"]  # the updated weights gathered
 
 
 def test_routing_imbalance_and_grouped_gemm_efficiency_slow_the_step():

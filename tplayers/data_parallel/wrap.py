@@ -86,8 +86,8 @@ def _check(module, pg, stage):
 
 def _check_experts(experts, pg, stage):
     """Expert-parallel layers: their expert groups inside the data-parallel group (expert
-    parallelism folds over the replicas), their replicas known; ZeRO-1 (one optimizer sharding
-    state over every replica) would broadcast one rank's experts over another's: refused."""
+    parallelism folds over the replicas), their replicas known; under ZeRO-1 one expert group
+    (the optimizer's state is sharded over its replicas, which hold the same experts)."""
     members = set(dist.get_process_group_ranks(pg))
     for m in experts:
         ep = dist.get_process_group_ranks(m.expert_group)
@@ -97,10 +97,11 @@ def _check_experts(experts, pg, stage):
                 f"{sorted(members)}: expert parallelism folds over the replicas (tplayers.init_mesh(dp=..., ep=...))"
             )
         expert_data_group(pg, m.expert_group)  # raises, naming init_mesh, where the mesh does not give it
-    if experts and stage == 1:
+    groups = {tuple(dist.get_process_group_ranks(m.expert_group)) for m in experts}
+    if stage == 1 and len(groups) > 1:
         raise ValueError(
-            "data_parallel: ZeRO-1 with expert parallelism is not supported (its optimizer shards state over every "
-            "replica, whose experts differ); use zero_stage 0, 2 or 3"
+            f"data_parallel: ZeRO-1 with experts over several expert groups {sorted(groups)} is not supported (the "
+            "optimizer's state is sharded over the replicas of one); use zero_stage 0, 2 or 3"
         )
 
 
@@ -332,7 +333,10 @@ def data_parallel(
             _keep_whole_while_accumulating(module)
         if _stale_hook is None:
             _stale_hook = register_optimizer_step_pre_hook(_refuse_stale_optimizer)
-    setattr(module, _WRAPPED, (pg, zero_stage))
+    # ZeRO-1 with experts: the optimizer's state sharded over the experts' own replicas, which hold
+    # the same dense weights and the same experts (every replica would hold another's experts)
+    sharded_over = expert_data_group(pg, experts[0].expert_group) if zero_stage == 1 and experts else pg
+    setattr(module, _WRAPPED, (sharded_over, zero_stage))
     if any(get_placement(p) is not None for p in module.parameters()):
         seal(module)  # the records of FSDP2's new parameters, kept by their modules
     return module

@@ -13,9 +13,9 @@ gpt-oss's experts (clamped, interleaved gate / up pairs with biases) go whole ov
 group as `ClampedGluExperts` (one tensor-parallel rank). Llama 4's MoE block (its experts fed
 every token expert by expert, each pre-scaled by its sigmoid routing score, zero for the experts
 not picked) becomes `PreScaledMoe`: the same router and shared expert, the picked experts only
-(`PreScaledExperts`, exact: an unpicked expert's zero input gives zero). Anything else (DBRX's
-stacked experts, PhiMoE's) is refused by name under an expert group; without one, their experts
-are split over the tensor-parallel group as before.
+(`PreScaledExperts`, exact: an unpicked expert's zero input gives zero). DBRX's experts, stacked
+(E F, H) in w1 / v1 / w2, become `StackedExperts` under their names. Anything else is refused by
+name under an expert group; without one, its experts are split over the tensor-parallel group.
 """
 
 import inspect
@@ -26,7 +26,7 @@ from torch import nn
 
 from tplayers.hf import pieces
 from tplayers.hf.shard import ShardingPass, copy_in, gather, on_device
-from tplayers.nn.experts import ClampedGluExperts, ParallelExperts, PreScaledExperts
+from tplayers.nn.experts import ClampedGluExperts, ParallelExperts, PreScaledExperts, StackedExperts
 from tplayers.placement import shard_range
 
 STANDARD_FLAGS = {"is_concatenated": True, "is_transposed": False, "has_bias": False}
@@ -193,5 +193,40 @@ def gpt_oss_experts(sp: ShardingPass, name, module):
     def layout():
         return [pieces.block(key, getattr(new, key), shape, (new.first_expert,) + (0,) * (len(shape) - 1))
                 for key, shape in shapes.items()]  # fmt: skip
+
+    sp.exports.append((name, export, load, layout))
+
+
+def dbrx_experts(sp: ShardingPass, name, module):
+    """DBRX's experts whole over the expert group (`StackedExperts`), their features over TP,
+    under HF's names (`mlp.w1`, `mlp.v1`, `mlp.w2`, each (E F, H))."""
+    from transformers.models.dbrx.modeling_dbrx import DbrxExpertGLU, DbrxExperts
+
+    theirs = ((module, DbrxExperts), (module.mlp, DbrxExpertGLU))
+    if any(_source(type(mine).forward) != _source(cls.forward) for mine, cls in theirs):
+        refuse(name, module, "its forward is not transformers' DBRX experts forward, which the dispatch computes")
+    new = StackedExperts.from_hf(module, expert_group=sp.expert_group, group=sp.group, sequence_parallel=sp.sp)
+    new = on_device(new, module.mlp.w1.device)
+    sp.swap(name, new)
+    total = module.num_experts * module.ffn_hidden_size
+
+    def export(pick, group):
+        out = {}
+        for key in StackedExperts.WEIGHTS:
+            local = pick(getattr(new.mlp, key))
+            if local is not None:  # (E_r, f, H) -> every TP rank's features -> every expert -> (E F, H)
+                full = gather(local.view(new.local_experts, -1, new.hidden_size), 1, group)
+                out[f"mlp.{key}"] = gather(full, 0, new.expert_group).reshape(total, new.hidden_size)
+        return out
+
+    def rows():
+        return new.own_rows(torch.arange(total)[:, None]).flatten()
+
+    def load(full):
+        for key in StackedExperts.WEIGHTS:
+            copy_in(getattr(new.mlp, key), new.own_rows(full[f"mlp.{key}"]))
+
+    def layout():
+        return [pieces.rows(f"mlp.{key}", getattr(new.mlp, key), rows(), total) for key in StackedExperts.WEIGHTS]
 
     sp.exports.append((name, export, load, layout))

@@ -302,8 +302,7 @@ def dbrx_experts(sp: ShardingPass, name, module):
     e), stacked the same way, and the forward's view reads the local F (ffn_hidden_size set
     locally); the tokens go in and out as for the fused layouts (`_expert_hooks`)."""
     if sp.expert_group is not None:
-        expert_parallel.refuse(name, module, "its experts are stacked (E * F, H) in w1 / v1 / w2, which the dispatch "
-                               "does not read")  # fmt: skip
+        return expert_parallel.dbrx_experts(sp, name, module)
     glu, n_experts, f, hidden = module.mlp, module.num_experts, module.ffn_hidden_size, module.hidden_size
     for key in ("w1", "v1", "w2"):
         if tuple(getattr(glu, key).shape) != (n_experts * f, hidden):

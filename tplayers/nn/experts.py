@@ -39,7 +39,7 @@ from tplayers.distributed import resolve_group
 from tplayers.functional import dispatch
 from tplayers.functional.collectives import copy_to_tp_region, own_slice, reduce_from_tp_region
 from tplayers.functional.experts import expert_mlp, scale_grad
-from tplayers.placement import PlacedModule, even_sizes, shard_range, update_placement
+from tplayers.placement import PlacedModule, even_sizes, seal, shard_range, update_placement
 
 
 def aligned_unit(f, n) -> int:
@@ -73,7 +73,7 @@ class ParallelExperts(PlacedModule):
         self.first_expert, self.local_experts = shard_range(num_experts, n_ep, r_ep, self.expert_sizes)
         self.unit = aligned_unit(ffn_size, n_tp)
         self.ffn_blocks = even_sizes(ffn_size // self.unit, n_tp)
-        f = self.unit * self.ffn_blocks[dist.get_rank(self.group)]
+        f = self.local_ffn = self.unit * self.ffn_blocks[dist.get_rank(self.group)]
         kw = dict(device=device, dtype=dtype)
         self.gate_up_proj = nn.Parameter(torch.empty(self.local_experts, 2 * f, hidden_size, **kw))
         self.down_proj = nn.Parameter(torch.empty(self.local_experts, hidden_size, f, **kw))
@@ -120,7 +120,7 @@ class ParallelExperts(PlacedModule):
     def extra_repr(self):
         return (
             f"experts {self.first_expert}..{self.first_expert + self.local_experts - 1} of {self.num_experts}, "
-            f"hidden {self.hidden_size}, ffn {self.ffn_size} (local {self.down_proj.shape[-1]}), "
+            f"hidden {self.hidden_size}, ffn {self.ffn_size} (local {self.local_ffn}), "
             f"sequence_parallel={self.sequence_parallel}"
         )
 
@@ -224,7 +224,7 @@ class PreScaledExperts(ParallelExperts):
 
     def __init__(self, num_experts, hidden_size, ffn_size, *, device=None, dtype=None, **kwargs):
         super().__init__(num_experts, hidden_size, ffn_size, device="meta", dtype=dtype, **kwargs)
-        e, f, kw = self.local_experts, self.down_proj.shape[-1], dict(device=device, dtype=dtype)
+        e, f, kw = self.local_experts, self.local_ffn, dict(device=device, dtype=dtype)
         self.gate_up_proj = nn.Parameter(torch.empty(e, hidden_size, 2 * f, **kw))
         self.down_proj = nn.Parameter(torch.empty(e, f, hidden_size, **kw))
         self._placements = {"gate_up_proj": Shard(2), "down_proj": Shard(1)}
@@ -247,3 +247,58 @@ class PreScaledExperts(ParallelExperts):
         gate, up = grouped_matmul_ref(scaled, gate_up, p.counts).chunk(2, dim=-1)
         cells = grouped_matmul_ref(self.act_fn(gate) * up, down, p.counts, scatter=p.scatter, out_rows=x.shape[0] * k)
         return cells.view(x.shape[0], k, self.hidden_size).sum(1)
+
+
+class StackedExperts(ParallelExperts):
+    """DBRX's experts: each expert's gate (w1), up (v1) and down (w2, applied as (F, H)) rows
+    stacked (E_r f, H) in `mlp`, under HF's names `mlp.w1`, `mlp.v1`, `mlp.w2`; its features split
+    over TP as ParallelExperts' (its rows e f .. e f + f - 1 of each of its experts). Forward takes
+    DBRX's (batch, tokens, H) hidden states; the grouped GEMMs read [w1_e; v1_e] and w2_e^T."""
+
+    WEIGHTS = ("w1", "v1", "w2")
+
+    def __init__(self, num_experts, hidden_size, ffn_size, *, device=None, dtype=None, **kwargs):
+        super().__init__(num_experts, hidden_size, ffn_size, device="meta", dtype=dtype, **kwargs)
+        rows, kw = self.local_experts * self.local_ffn, dict(device=device, dtype=dtype)
+        del self.gate_up_proj, self.down_proj
+        self.mlp = nn.Module()
+        for key in self.WEIGHTS:
+            setattr(self.mlp, key, nn.Parameter(torch.empty(rows, hidden_size, **kw)))
+        self._placements = {f"mlp.{key}": Shard(0) for key in self.WEIGHTS}
+        self._tag_parameters()
+
+    def _tag_parameters(self, *_):
+        for name, placement in self._placements.items():
+            param = self.get_parameter(name) if hasattr(self, "mlp") else None
+            if param is not None:
+                update_placement(param, group=self.group, placement=placement, ep_group=self.expert_group)
+        seal(self)
+
+    def own_rows(self, full):
+        """This rank's rows of the unsharded (E F, H): each of its experts' features."""
+        f = self.ffn_size
+        own = self.own_ffn(torch.arange(f, device=full.device), 0)
+        experts = torch.arange(self.first_expert, self.first_expert + self.local_experts, device=full.device)
+        return full.index_select(0, (experts[:, None] * f + own[None, :]).flatten())
+
+    @classmethod
+    def from_hf(cls, module, **kwargs):
+        """The layer holding this rank's experts of HF's DBRX experts `module`."""
+        glu = module.mlp
+        layer = cls(module.num_experts, module.hidden_size, module.ffn_hidden_size, device="meta",
+                    dtype=glu.w1.dtype, act_fn=glu.activation_fn, **kwargs)  # fmt: skip
+        with torch.no_grad():
+            for key in cls.WEIGHTS:
+                full = getattr(glu, key)
+                setattr(layer.mlp, key, nn.Parameter(layer.own_rows(full.detach()).clone(), full.requires_grad))
+        layer._tag_parameters()
+        return layer
+
+    def experts_mlp(self, x, p, k, scale):
+        w1, v1, w2 = (scale_grad(getattr(self.mlp, n), 1 / self.grad_divisor).view(self.local_experts, -1,
+                      self.hidden_size) for n in self.WEIGHTS)  # fmt: skip
+        return expert_mlp(x, p, k, torch.cat([w1, v1], 1), w2.transpose(1, 2), scale, self.act_fn)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = super().forward(hidden_states.reshape(-1, self.hidden_size), top_k_index, top_k_weights)
+        return out.view(hidden_states.shape[0], -1, self.hidden_size)

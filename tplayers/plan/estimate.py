@@ -197,19 +197,26 @@ def _stage_expert_tensors(ctx: _Context, stage: int) -> list:
 
 def _state_bytes(ctx: _Context, stage: int) -> list[tuple]:
     """(params, grads, optimizer) bytes of each data-parallel replica: the dense tensors over dp,
-    the experts over their dp / ep replicas (replica d holds expert-data-parallel shard d // ep)."""
-    layout, precision = ctx.layout, ctx.precision
-    dense = zero_state_bytes_per_rank(_stage_tensors(ctx, stage), precision, zero_stage=layout.zero_stage, dp=layout.dp)
-    experts = zero_state_bytes_per_rank(
-        _stage_expert_tensors(ctx, stage), precision, zero_stage=layout.zero_stage, dp=layout.dp // layout.ep
-    )
-    return [tuple(a + b for a, b in zip(mine, experts[d // layout.ep], strict=True)) for d, mine in enumerate(dense)]
+    the experts over their dp / ep replicas (replica d holds expert-data-parallel shard d // ep);
+    under ZeRO-1 with experts the dense optimizer state too (one ZeroRedundancyOptimizer over them)."""
+    layout, precision, edp = ctx.layout, ctx.precision, ctx.layout.dp // ctx.layout.ep
+    over = edp if layout.zero_stage == 1 and layout.ep > 1 else layout.dp
+    dense = zero_state_bytes_per_rank(_stage_tensors(ctx, stage), precision, zero_stage=layout.zero_stage, dp=over)
+    experts = zero_state_bytes_per_rank(_stage_expert_tensors(ctx, stage), precision, zero_stage=layout.zero_stage,
+                                        dp=edp)  # fmt: skip
+    step = layout.ep if over == edp else 1
+    return [tuple(a + b for a, b in zip(dense[d // step], experts[d // layout.ep], strict=True))
+            for d in range(layout.dp)]  # fmt: skip
 
 
 def _dp_bytes(ctx: _Context, stage: int) -> float:
     layout, m, p, c = ctx.layout, ctx.layout.num_microbatches, ctx.precision, ctx.layout.compression
-    dense = dp_bytes_from_tensors(_stage_tensors(ctx, stage), layout.dp, layout.zero_stage, m, p, c)
-    edp = layout.dp // layout.ep
+    edp, tensors = layout.dp // layout.ep, _stage_tensors(ctx, stage)
+    if layout.zero_stage == 1 and layout.ep > 1:  # the gradients' mean over dp, the updated weights over edp
+        dense = dp_bytes_from_tensors(tensors, layout.dp, 0, m, p, c)
+        dense += all_gather_bytes(sum(r * k for r, k, _ in tensors) * p.param_bytes, edp)
+    else:
+        dense = dp_bytes_from_tensors(tensors, layout.dp, layout.zero_stage, m, p, c)
     return dense + dp_bytes_from_tensors(_stage_expert_tensors(ctx, stage), edp, layout.zero_stage, m, p, c)
 
 

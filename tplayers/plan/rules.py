@@ -57,15 +57,12 @@ def validate_layout(
 
 
 def _expert_reasons(model: ModelSpec, layout: Layout) -> list[str]:
-    """What tplayers refuses for a mixture of experts: expert parallelism without experts, ZeRO-1 with
-    it (torch's ZeroRedundancyOptimizer would broadcast one replica's experts over another's), and
-    a 2-D grid (`tplayers.hf.grid` takes a dense gated MLP)."""
+    """What tplayers refuses for a mixture of experts: expert parallelism without experts, and a 2-D
+    grid (`tplayers.hf.grid` takes a dense gated MLP)."""
     experts = model.has_dims and model.experts
     reasons = []
     if layout.ep > 1 and not experts:
         reasons.append(f"ep={layout.ep} needs a mixture of experts (ModelSpec.experts with its dimensions)")
-    if layout.ep > 1 and layout.zero_stage == 1:
-        reasons.append("ZeRO-1 with expert parallelism: tplayers.data_parallel refuses it (use ZeRO 0, 2 or 3)")
     if experts and layout.tp_grid:
         reasons.append("a 2-D tensor-parallel grid takes dense models only (tplayers.hf.grid refuses experts)")
     return reasons

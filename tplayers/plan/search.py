@@ -70,8 +70,6 @@ def _variants(tp, pp, dp, mb, m, options):
     for zero, compress, ep in itertools.product(zero_stages, compressions, eps):
         if compress is not None and zero >= 2 and Compression.parse(compress).kind != "bf16":
             continue  # refused by data_parallel (only bf16 at ZeRO 2-3)
-        if ep > 1 and zero == 1:
-            continue  # refused by data_parallel (ZeRO-1 would mix the replicas' experts)
         for recompute in options["recompute"]:
             for sp in sps:
                 for schedule, v in schedules:
