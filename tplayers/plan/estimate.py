@@ -418,11 +418,14 @@ def _dp_exposed_time(ctx: _Context, dp_time: float, params: float, compute_per_m
     return min(dp_time, max(dp_time - hideable, last_bucket))
 
 
-def _optimizer_time(ctx: _Context, params: float) -> float:
+def _optimizer_time(ctx: _Context, params: float, stage: int) -> float:
     """The optimizer step is HBM-bound: it reads and writes its states (2x optimizer bytes),
-    reads the gradients and writes the parameters, for its 1/dp share under ZeRO >= 1."""
-    precision, layout = ctx.precision, ctx.layout
-    local = params / (layout.dp if layout.zero_stage >= 1 else 1)
+    reads the gradients and writes the parameters, for its share under ZeRO >= 1 (1/dp; the
+    experts' 1/(dp / ep), and the dense ones' too under ZeRO-1 with experts)."""
+    precision, layout, edp = ctx.precision, ctx.layout, ctx.layout.dp // ctx.layout.ep
+    experts = sum(r * c for r, c, _ in _stage_expert_tensors(ctx, stage)) if ctx.model.has_dims else 0
+    dense_over = edp if layout.zero_stage == 1 and layout.ep > 1 else layout.dp
+    local = (params - experts) / dense_over + experts / edp if layout.zero_stage >= 1 else params
     touched = local * (2 * precision.optimizer_bytes + precision.grad_bytes + precision.param_bytes)
     return touched / ctx.cluster.hbm_bandwidth
 
@@ -463,7 +466,7 @@ def _stage_estimate(ctx: _Context, stage: int, links: dict[str, str], bubble: fl
         "ep": m * ep_time_mb,
         "bubble": bubble * m * (compute_mb + tp_time_mb + pp_time_mb + ep_time_mb),
         "dp": _dp_exposed_time(ctx, dp_time, params, compute_mb),
-        "optimizer": _optimizer_time(ctx, params),
+        "optimizer": _optimizer_time(ctx, params, stage),
     }
     axes = {a: m * b for a, b in by_axis.items()} if by_axis else None
     return StageEstimate(stage, params, memory, m * flops_mb, comm, times, axes)
