@@ -55,12 +55,44 @@ def test_shared_experts_and_leading_dense_layers_are_read():
         (dict(mlp_only_layers=[0, 2]), "some layers only"),
         (dict(decoder_sparse_step=2), "some layers only"),
         (dict(interleave_moe_layer_step=2), "some layers only"),
+        (dict(attn_layer_period=8, expert_layer_period=2), "some layers only"),  # Jamba: Mamba layers too
         (dict(num_experts_per_tok=None), "no picks per token"),
     ],
 )
 def test_what_the_planner_cannot_price_is_refused_by_name(extra, match):
     with pytest.raises(ValueError, match=match):
         plan.ModelSpec.from_hf_config({**MIXTRAL_8X7B, **extra})
+
+
+def test_llama4_reads_its_shared_expert_and_chunked_layers():
+    scout = dict(MIXTRAL_8X7B, model_type="llama4_text", num_local_experts=16, num_experts_per_tok=1,
+                 intermediate_size=8192, intermediate_size_mlp=16384, interleave_moe_layer_step=1,
+                 layer_types=["chunked_attention"] * 3 + ["full_attention"])  # fmt: skip
+    model = plan.ModelSpec.from_hf_config(scout)
+    assert (model.experts, model.expert_ffn, model.shared_ffn) == (16, 8192, 8192)
+
+
+def test_shared_experts_add_their_own_tensor_parallel_bytes():
+    """A MoE layer runs its shared experts as an MLP of their own: one more pair of all-reduces
+    (all-gather + reduce-scatter under SP) than without them, at any ep."""
+    config = dict(MIXTRAL_8X7B, num_local_experts=16)
+    base = plan.ModelSpec.from_hf_config(config, seq_len=4096)
+    shared = plan.ModelSpec.from_hf_config(dict(config, shared_expert_intermediate_size=4096), seq_len=4096)
+    cluster = plan.ClusterSpec.preset("h100", num_gpus=8)
+    for layout in (plan.Layout(tp=4, dp=2, ep=2, sequence_parallel=True), plan.Layout(tp=4, dp=2),
+                   plan.Layout(tp=4, dp=2, sequence_parallel=True)):  # fmt: skip
+        tp = [plan.estimate(m, cluster, layout, "mixed-adam").comm_bytes_by_group["tp"] for m in (base, shared)]
+        pair = 2 * plan.all_reduce_bytes(4096 * 4096 * 2, 4) * base.layers
+        assert tp[1] - tp[0] == pytest.approx(pair, rel=1e-9), layout.describe()
+
+
+def test_interleaved_stages_hold_their_chunks_of_dense_and_moe_layers():
+    from tplayers.plan.estimate import _Context
+
+    model = plan.ModelSpec.from_hf_config(dict(MIXTRAL_8X7B, num_hidden_layers=8, first_k_dense_replace=3))
+    layout = plan.Layout(pp=2, schedule="interleaved", virtual_stages=2, num_microbatches=2)
+    ctx = _Context(model, None, layout, plan.Precision(), plan.Assumptions())
+    assert [ctx.layers(s) for s in (0, 1)] == [(2, 2), (1, 3)]  # chunks 0, 2 (layers 0-1, 4-5) and 1, 3
 
 
 def test_moe_fields_are_checked():

@@ -72,9 +72,12 @@ class _Context:
     tp_rank: int = 0  # whose share of uneven splits: the most loaded (`_most_loaded_rank`), unless asked per rank
 
     def layers(self, stage: int) -> tuple[int, int]:
-        """(dense layers, MoE layers) of pipeline `stage`."""
-        per_stage = self.model.layers // self.layout.pp
-        moe = moe_layers(self.model, stage * per_stage, per_stage) if self.model.has_dims else 0
+        """(dense layers, MoE layers) of pipeline `stage`: its chunks, round-robin when interleaved."""
+        pp, v = self.layout.pp, self.layout.virtual_stages
+        per_stage, per_chunk = self.model.layers // pp, self.model.layers // (pp * v)
+        if not self.model.has_dims:
+            return per_stage, 0
+        moe = sum(moe_layers(self.model, (stage + i * pp) * per_chunk, per_chunk) for i in range(v))
         return per_stage - moe, moe
 
     @property
@@ -302,20 +305,22 @@ def _stage_ep_bytes_per_microbatch(ctx: _Context, stage: int) -> float:
 
 
 def _moe_tp_bytes_per_layer(ctx: _Context) -> float:
-    """What a MoE layer's TP bytes differ by from a dense layer's: the router's gradient all-reduced
-    under sequence parallelism (it saw a slice), and with ep > 1 and sequence parallelism the
-    received rows gathered and reduce-scattered (`moe_tp_bytes_per_layer`) in place of the dense
-    MLP's pair (without sequence parallelism the same all-reduces as a dense MLP)."""
+    """What a MoE layer's TP bytes differ by from a dense layer's (whose MLP is one pair of
+    all-reduces, or of all-gather + reduce-scatter under sequence parallelism): the routed
+    experts' own pair, or with ep > 1 and sequence parallelism the received rows gathered and
+    reduce-scattered (`moe_tp_bytes_per_layer`); the shared experts' pair besides (an MLP of
+    their own); under sequence parallelism the router's gradient all-reduced (it saw a slice)."""
     model, layout, d = ctx.model, ctx.layout, ctx.precision.activation_bytes
-    if not layout.sequence_parallel:
-        return 0.0
     tp, tokens = layout.tp, model.seq_len * layout.micro_batch
-    router = all_reduce_bytes(model.experts * model.hidden * ctx.precision.param_bytes, tp)
-    if layout.ep == 1:
-        return router
     passes = 1 + (layout.recompute == "full") / 2  # the forward's two of the four again
-    dense_pair = 2 * all_reduce_bytes(tokens * model.hidden * d, tp)
-    return router + passes * (moe_tp_bytes_per_layer(model, tokens / tp, tp, layout.ep, d) - dense_pair)
+    pair = 2 * all_reduce_bytes(tokens * model.hidden * d, tp)
+    routed = pair
+    if layout.sequence_parallel and layout.ep > 1:
+        routed = moe_tp_bytes_per_layer(model, tokens / tp, tp, layout.ep, d)
+    extra = passes * (routed - pair + (pair if model.shared_ffn else 0))
+    if layout.sequence_parallel:
+        extra += all_reduce_bytes(model.experts * model.hidden * ctx.precision.param_bytes, tp)
+    return extra
 
 
 def _stage_tp_bytes_per_microbatch(ctx: _Context, stage: int) -> float:

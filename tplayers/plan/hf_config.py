@@ -14,7 +14,8 @@ _NON_GATED_TYPES = {"gpt2", "gpt_neox", "gptj", "opt", "bloom", "falcon", "phi",
 # keys a mixture-of-experts config counts its routed experts, and each token's picks, under
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "experts_per_token", "moe_topk", "moe_top_k")
-PRICED_LAYER_TYPES = {"full_attention", "sliding_attention", "attention"}
+# attention layers, priced as full attention (Llama 4's chunked layers attend within chunks: fewer FLOPs)
+PRICED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "attention"}
 
 
 def _load(config) -> dict:
@@ -55,6 +56,9 @@ def _refusals(cfg: dict) -> None:
                 if isinstance(cfg.get(k), int) and cfg[k] > 1}  # fmt: skip
     if cfg.get("mlp_only_layers"):
         patterns["mlp_only_layers"] = cfg["mlp_only_layers"]
+    for key in ("attn_layer_period", "expert_layer_period"):  # Jamba: Mamba layers, experts every other layer
+        if key in cfg:
+            patterns[key] = cfg[key]
     if patterns:
         _refuse(
             cfg,
@@ -74,6 +78,8 @@ def _experts(cfg: dict) -> dict:
     shared = _get(cfg, "shared_expert_intermediate_size", "shared_intermediate_size")
     if shared is None and cfg.get("n_shared_experts"):
         shared = cfg["n_shared_experts"] * expert_ffn
+    if shared is None and str(cfg.get("model_type", "")).startswith("llama4"):  # its shared expert, unnamed
+        shared = cfg.get("intermediate_size")
     return dict(
         experts=experts,
         experts_per_token=k,
