@@ -95,8 +95,9 @@ def order_one_matches(rank, world, _, dp, ep, tp, sp):
 
 @pytest.mark.parametrize(
     "dp, ep, tp, sp",
-    [(2, 2, 1, False), (4, 2, 1, False), (2, 2, 2, True), (1, 0, 2, False)],
-    ids=["ep2", "dp4-ep2", "ep2-tp2-sp", "tp2"],  # dp4-ep2: the adapters averaged over the experts' 2 replicas
+    [(2, 2, 1, False), (4, 2, 1, False), (2, 2, 2, True), (1, 0, 3, False)],
+    # dp4-ep2: the adapters averaged over the experts' 2 replicas; tp3: features 16 as 8, 4, 4
+    ids=["ep2", "dp4-ep2", "ep2-tp2-sp", "tp3"],
 )
 def test_adapters_on_experts_match_the_unsharded_peft_model(tplayers_pool, dp, ep, tp, sp):
     assert all(tplayers_pool.run(order_one_matches, dp * tp, dp, ep, tp, sp, mesh=("ep", dp, max(ep, 1), 1, tp)))
