@@ -34,7 +34,8 @@ if KERNEL_DEVICE != "cpu":
 def pytest_collection_modifyitems(config, items):
     if KERNEL_DEVICE == "cpu":
         return
-    off = pytest.mark.skip(reason=f"TPLAYERS_TEST_DEVICE={KERNEL_DEVICE} runs the kernel tests only")
+    off = pytest.mark.skip(reason=f"TPLAYERS_TEST_DEVICE={KERNEL_DEVICE} runs the kernel tests only; the rest of "
+                           "the suite runs on local gloo CPU ranks (run it without TPLAYERS_TEST_DEVICE)")  # fmt: skip
     for item in items:
         if "kernel" not in item.keywords:
             item.add_marker(off)

@@ -290,6 +290,14 @@ def _records(rank, world, _):
     model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
     for m in (model, copy.deepcopy(model)):
         assert get_placement(m.model.layers[1].mlp.experts.down_proj).ep_group is g["ep"]
+    # DBRX's layer, its weights in a child (`mlp.w1`, ...): the same through .to, an assign load, a deep copy
+    dbrx = tiny_model("dbrx", **MOE["dbrx"])
+    tplayers.parallelize(dbrx, group=g["tp"], expert_group=g["ep"], verify=False)
+    dbrx.to(torch.float64)
+    dbrx.load_state_dict({k: v.clone() for k, v in dbrx.state_dict().items()}, assign=True)
+    for m in (dbrx, copy.deepcopy(dbrx)):
+        record = get_placement(m.transformer.blocks[1].ffn.experts.mlp.w2)
+        assert record.ep_group is g["ep"] and record.group is g["tp"]
     return True
 
 

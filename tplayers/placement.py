@@ -318,10 +318,18 @@ class PlacedModule(SharesGroups, nn.Module):
 
     _placements: dict
 
+    def _placed(self, name):
+        """The parameter `name` names (dotted: a child's), or None where it is not there (yet)."""
+        owner, _, leaf = name.rpartition(".")
+        try:
+            return getattr(self.get_submodule(owner), leaf, None) if owner else getattr(self, leaf, None)
+        except AttributeError:
+            return None
+
     def _tag_parameters(self, *_):
         _repair(self)  # from this module's own table: no search of every parallelized model
         for name, placement in self._placements.items():
-            param = getattr(self, name, None)
+            param = self._placed(name)
             if param is not None:  # a data-parallel record already there is kept
                 update_placement(param, group=self.group, placement=placement)
         seal(self)

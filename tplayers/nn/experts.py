@@ -39,7 +39,7 @@ from tplayers.distributed import resolve_group
 from tplayers.functional import dispatch
 from tplayers.functional.collectives import copy_to_tp_region, own_slice, reduce_from_tp_region
 from tplayers.functional.experts import expert_mlp, scale_grad
-from tplayers.placement import PlacedModule, even_sizes, seal, shard_range, update_placement
+from tplayers.placement import PlacedModule, even_sizes, shard_range, update_placement
 
 
 def aligned_unit(f, n) -> int:
@@ -86,7 +86,7 @@ class ParallelExperts(PlacedModule):
 
     def _tag_parameters(self, *_):
         for name in self._placements:  # before the records are sealed into the module's table
-            param = getattr(self, name, None)
+            param = self._placed(name)
             if param is not None:
                 update_placement(param, ep_group=self.expert_group)
         super()._tag_parameters()
@@ -264,15 +264,8 @@ class StackedExperts(ParallelExperts):
         self.mlp = nn.Module()
         for key in self.WEIGHTS:
             setattr(self.mlp, key, nn.Parameter(torch.empty(rows, hidden_size, **kw)))
-        self._placements = {f"mlp.{key}": Shard(0) for key in self.WEIGHTS}
+        self._placements = {f"mlp.{key}": Shard(0) for key in self.WEIGHTS}  # dotted: `_placed` reads them
         self._tag_parameters()
-
-    def _tag_parameters(self, *_):
-        for name, placement in self._placements.items():
-            param = self.get_parameter(name) if hasattr(self, "mlp") else None
-            if param is not None:
-                update_placement(param, group=self.group, placement=placement, ep_group=self.expert_group)
-        seal(self)
 
     def own_rows(self, full):
         """This rank's rows of the unsharded (E F, H): each of its experts' features."""
