@@ -78,11 +78,12 @@ def unscale_and_stats_ref(tensors, inv_scale):
     stats = torch.zeros((len(tensors), 3), dtype=torch.float32, device=device)
     found_inf = torch.zeros(1, dtype=torch.float32, device=device)
     if inv_scale is not None and tensors:
-        # torch's op *is* the contract's arithmetic (fp32 product, one rounding to the dtype).
-        # Its own flag looks at the values before unscaling; ours is taken below, after.
-        torch._amp_foreach_non_finite_check_and_unscale_(
-            tensors, torch.zeros_like(found_inf), inv_scale_tensor(inv_scale, device)
-        )
+        # The arithmetic of torch's _amp_foreach_non_finite_check_and_unscale_ (fp32 product, one
+        # rounding to the dtype), written out: torch's CUDA op has no bf16 kernel. Its flag looks at
+        # the values before unscaling; ours is taken below, after.
+        inv = inv_scale_tensor(inv_scale, device)
+        for t in tensors:
+            t.copy_(t.float() * inv)
     nonempty = [i for i, t in enumerate(tensors) if t.numel()]
     if not nonempty:  # the inf-norm of an empty tensor has no identity: its row stays zeros
         return stats, found_inf

@@ -35,6 +35,7 @@ import triton.language as tl
 
 from .grouped_matmul_ref import check_args, grouped_matmul_ref, grouped_weight_grad_ref
 from .swiglu import swiglu_backward
+from .tuning import configs_for_running_gpu
 
 __all__ = ["grouped_matmul", "grouped_matmul_ref", "grouped_mlp", "grouped_weight_grad", "grouped_weight_grad_ref"]
 
@@ -171,13 +172,7 @@ def _weight_grad_kernel(
     tl.store(dw, acc, mask=n_mask[:, None] & k_mask[None, :])
 
 
-def _configs_for_running_gpu(configs, named_args, **kwargs):
-    major, _ = torch.cuda.get_device_capability()
-    arch = 90 if major >= 9 else 80
-    return [cfg for cfg in configs if cfg.arch == arch]
-
-
-_PRUNE = {"early_config_prune": _configs_for_running_gpu}
+_PRUNE = {"early_config_prune": configs_for_running_gpu}
 _grouped_autotuned = triton.autotune(
     configs=SM80_CONFIGS + SM90_CONFIGS,
     key=["N", "K", "HAS_GATHER", "HAS_SCATTER", "HAS_SCALE", "SWIGLU", "STORE_PRE"],

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .matmul_ref import ACTIVATIONS, check_args, matmul_ref
+from .tuning import configs_for_running_gpu
 
 __all__ = ["matmul", "matmul_ref"]
 
@@ -150,16 +151,10 @@ def _matmul_kernel(
         tl.store(h_ptrs, (gate * tl.sigmoid(gate) * up).to(h_ptr.dtype.element_ty), mask=h_mask)
 
 
-def _configs_for_running_gpu(configs, named_args, **kwargs):
-    major, _ = torch.cuda.get_device_capability()
-    arch = 90 if major >= 9 else 80
-    return [cfg for cfg in configs if cfg.arch == arch]
-
-
 _matmul_autotuned = triton.autotune(
     configs=SM80_CONFIGS + SM90_CONFIGS,
     key=["M", "N", "K", "BATCH", "HAS_BIAS", "ACTIVATION", "HAS_RESIDUAL", "ACCUMULATE", "REDUCE_BATCH", "SWIGLU"],
-    prune_configs_by={"early_config_prune": _configs_for_running_gpu},
+    prune_configs_by={"early_config_prune": configs_for_running_gpu},
     restore_value=["c_ptr"],  # benchmarking an accumulating GEMM must not accumulate
 )(_matmul_kernel)
 

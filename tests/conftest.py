@@ -6,6 +6,8 @@ import os
 KERNEL_DEVICE = os.environ.get("TPLAYERS_TEST_DEVICE", "cpu")
 if KERNEL_DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
+else:  # each hypothesis example is a new shape: one config each, not every config timed on each
+    os.environ.setdefault("TPLAYERS_AUTOTUNE", "0")
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 # overlap="auto" keeps the paths it measures in the costs file: the suite's own file, not the
 # machine's ~/.cache (the ranks the pools start and the CLI tests' processes inherit it).

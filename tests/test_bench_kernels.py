@@ -38,7 +38,8 @@ def test_bench_kernels_without_a_gpu_runs_the_interpreter(tmp_path):
     """`tplayers bench --kernels` on a machine without CUDA: it says so, then runs every case on
     tiny shapes in Triton's interpreter, checks them and writes its CSV and PNG."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the script sets it itself
-    cli = [sys.executable, "-m", "tplayers.tools.cli", "bench", "--kernels", "--out", str(tmp_path)]
+    # --no-tests (passed through to the script) only matters on a GPU: the interpreter's suite runs them itself
+    cli = [sys.executable, "-m", "tplayers.tools.cli", "bench", "--kernels", "--no-tests", "--out", str(tmp_path)]
     result = subprocess.run(cli, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "bench/kernels.py: no CUDA GPU is visible" in result.stderr and "interpreter" in result.stderr
@@ -52,6 +53,9 @@ def test_bench_kernels_refuses_other_scripts_flags(tmp_path):
     cli = [sys.executable, "-m", "tplayers.tools.cli", "bench", "--kernels", "--only", "amp"]
     result = subprocess.run(cli, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "--kernels runs bench/kernels.py alone" in result.stderr
+    result = subprocess.run(cli[:3] + ["bench", "--no-tests"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120)  # fmt: skip
+    assert result.returncode == 2 and "--no-tests belongs to --kernels" in result.stderr
 
 
 def test_shapes_cover_every_kernel(kernels_bench):
@@ -108,6 +112,18 @@ def test_compare_takes_nan_on_one_side_as_a_mismatch(kernels_bench):
     max_abs, over = compare(torch.tensor([nan, 1.0]), torch.tensor([1.0, 1.0]))
     assert max_abs != max_abs and not over <= 1  # nan: reported, and not ok
     assert compare((torch.ones(2), torch.ones(3)), (torch.ones(2), torch.full((3,), 1.5)))[0] == 0.5
+
+
+def test_compare_to_fp64_takes_the_side_nearer_the_truth(kernels_bench):
+    """A long low-precision reduction: Triton off from torch by more than the table allows, but
+    nearer the fp64 run than torch is, passes; one further from it than torch fails."""
+    compare_to_fp64 = kernels_bench.compare_to_fp64
+    exact = torch.arange(-32.0, 32.0, dtype=torch.float64) * 3  # exact in fp32 too
+    torch_off = (exact + torch.where(torch.arange(64) % 2 == 0, 0.5, -0.5)).float()  # rms 0.5
+    assert compare_to_fp64(exact.float(), torch_off, exact)[1] == 0.0
+    assert compare_to_fp64((exact + 0.55).float(), torch_off, exact)[1] <= 1.0  # within the quarter's slack
+    assert compare_to_fp64((exact + 1.0).float(), torch_off, exact)[1] > 1.0
+    assert compare_to_fp64(torch_off, torch_off, exact)[1] == 0.0  # equal to torch: the table's ratio
 
 
 def test_kernel_tests_run_where_they_are_sent(kernels_bench, tmp_path):

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from tplayers.kernels.grad_stats import unscale_and_stats_
 from tplayers.kernels.grad_stats_ref import unscale_and_stats_ref
 
-from tplayers.testing import examples, kernel_generator, tolerance
+from tplayers.testing import examples, kernel_device, kernel_generator, tolerance
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
@@ -101,7 +101,7 @@ tensor_specs = st.lists(
 def test_kernel_matches_reference(specs, inv_kind, inv_value, seed):
     from tplayers.kernels.grad_stats import INTERPRET
 
-    assert INTERPRET  # the kernel itself runs, in the interpreter
+    assert INTERPRET == (kernel_device() == "cpu")  # the kernel itself runs (in the interpreter on CPU)
     gen = kernel_generator(seed)
     tensors = [make_tensor(*spec, gen) for spec in specs]
     inv_scale = {"none": None, "float": inv_value, "tensor": torch.tensor([inv_value])}[inv_kind]
@@ -160,9 +160,10 @@ def test_matches_torch_unscale_and_vector_norm(dtype):
     tensors = [t.mul(100) for t in three_tensors(gen, dtype)]
     tensors[0][3, 4] = math.inf
     inv_scale = torch.tensor([0.3])  # not a power of two: every product is rounded
-    expected = [t.clone() for t in tensors]
-    torch_found = torch.zeros(1)
-    torch._amp_foreach_non_finite_check_and_unscale_(expected, torch_found, inv_scale)
+    # torch's op on CPU copies: its CUDA kernel has no bf16
+    expected, torch_found = [t.to("cpu", copy=True) for t in tensors], torch.zeros(1, device="cpu")
+    torch._amp_foreach_non_finite_check_and_unscale_(expected, torch_found, inv_scale.cpu())
+    expected, torch_found = [t.to(inv_scale.device) for t in expected], torch_found.to(inv_scale.device)
     for impl in (unscale_and_stats_, unscale_and_stats_ref):
         values = [t.clone() for t in tensors]
         stats, found = impl(values, inv_scale)
@@ -250,7 +251,7 @@ def test_argument_errors(impl):
         impl([a, a.long()], None)
     with pytest.raises(TypeError, match="must be a list of tensors"):
         impl(a, None)
-    with pytest.raises(ValueError, match=r"tensors\[1\] is on meta but tensors\[0\] is on cpu"):
+    with pytest.raises(ValueError, match=rf"tensors\[1\] is on meta but tensors\[0\] is on {a.device}"):
         impl([a, torch.empty(3, device="meta")], None)
     with pytest.raises(ValueError, match=r"1-element fp32 tensor, got shape \(2,\)"):
         impl([a], torch.ones(2))

@@ -157,3 +157,19 @@ def test_swiglu_epilogue_rejects_bad_arguments():
         matmul_ref(a, w, swiglu_out=torch.empty(4, 6))
     with pytest.raises(ValueError, match="plain epilogue"):
         matmul_ref(a, w, activation="silu", swiglu_out=torch.empty(4, 3))
+
+
+@pytest.mark.parametrize("capability, arch", [((8, 0), 80), ((9, 0), 90), ((12, 0), 90)])
+def test_configs_for_the_running_gpu(monkeypatch, capability, arch):
+    """The autotuned GEMMs time their own architecture's configs; TPLAYERS_AUTOTUNE=0 takes the
+    one of least shared memory (it fits with fp32 inputs too) untimed."""
+    from tplayers.kernels import grouped_matmul, matmul, tuning
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: capability)
+    for configs in (matmul.SM80_CONFIGS + matmul.SM90_CONFIGS, grouped_matmul.WGRAD_CONFIGS):
+        mine = tuning.configs_for_running_gpu(configs, {})
+        assert mine and all(cfg.arch == arch for cfg in mine) and len(mine) < len(configs)
+        monkeypatch.setattr(tuning, "AUTOTUNE", False)
+        (least,) = tuning.configs_for_running_gpu(configs, {})
+        assert all(tuning._footprint(least) <= tuning._footprint(cfg) for cfg in mine)
+        monkeypatch.setattr(tuning, "AUTOTUNE", True)

@@ -2,7 +2,7 @@
 (keyed by op, provider, mode, shape, device, version) and one PNG.
 
     tplayers bench [--quick] [--only linear --only amp] [--out bench/out] [--bench-dir bench]
-    tplayers bench --kernels [--quick] [--out bench/out]
+    tplayers bench --kernels [--quick] [--no-tests] [--out bench/out]
 
 `--kernels` runs bench/kernels.py alone: on one CUDA GPU the suite's kernel tests there first
 (`pytest -m kernel`, compiled), then every Triton kernel against torch's own op (checked, then
@@ -57,6 +57,7 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--kernels", action="store_true", help="only bench/kernels.py: each Triton kernel against torch's op on a GPU"
     )
+    parser.add_argument("--no-tests", action="store_true", help="with --kernels on a GPU: skip the kernel tests there")
     parser.add_argument("--only", action="append", choices=SCRIPTS, help="run only these scripts (repeatable)")
     parser.add_argument("--reps", type=int, help="timed rounds, passed to every script")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: <bench-dir>/out)")
@@ -215,12 +216,14 @@ def run_kernels(args) -> int:
                          "leave out --only, --reps and --calibrate")  # fmt: skip
     bench_dir = _bench_dir(args.bench_dir, ("kernels",))
     out = (args.out if args.out is not None else bench_dir / "out") / "kernels"
-    command = _command(bench_dir / "kernels.py", args, out)
+    command = _command(bench_dir / "kernels.py", args, out) + (["--no-tests"] if args.no_tests else [])
     print(f"== kernels: {' '.join(command)}", flush=True)
     return subprocess.run(command, cwd=bench_dir).returncode
 
 
 def run(args) -> int:
+    if args.no_tests and not args.kernels:
+        raise ValueError("--no-tests belongs to --kernels (the kernel tests it runs on a GPU first)")
     if args.kernels:
         return run_kernels(args)
     if args.calibrate:

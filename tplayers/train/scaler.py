@@ -253,8 +253,12 @@ class DynamicLossScaler:
                 for g in grads:
                     if id(g) not in stats_of:
                         by_dtype.setdefault(g.dtype, []).append(g)
-                for same_dtype in by_dtype.values():
-                    torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, device_found, inv_scale.to(device))
+                for dtype, same_dtype in by_dtype.items():
+                    if dtype == torch.bfloat16:  # torch's op has no CUDA bf16 kernel: the same arithmetic
+                        _, bf16_found = unscale_and_stats_(same_dtype, inv_scale.to(device))
+                        device_found = torch.maximum(device_found, bf16_found)
+                    else:
+                        torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, device_found, inv_scale.to(device))
                 found_inf = torch.maximum(found_inf, device_found.cpu())
             for (device, _), values in sparse.items():
                 device_found = torch.zeros(1, dtype=torch.float32, device=device)
