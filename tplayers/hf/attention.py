@@ -44,8 +44,19 @@ from tplayers.tolerances import TOLERANCES
 HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
 KV_HEAD_COUNTS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
 # Sizes that sharding changes: a forward reading one that is not set locally reshapes wrongly.
-SIZE_NAMES = {*HEAD_COUNTS, *KV_HEAD_COUNTS, "hidden_size", "embed_dim", "all_head_size", "inner_dim", "split_size"}
+SIZE_NAMES = {*HEAD_COUNTS, *KV_HEAD_COUNTS, "hidden_size", "embed_dim", "all_head_size", "inner_dim", "split_size",
+              # state-space and linear-attention mixers (tplayers.hf.mixers)
+              "num_k_heads", "num_v_heads", "key_dim", "value_dim", "conv_dim", "intermediate_size", "n_groups",
+              "groups_time_state_size"}  # fmt: skip
 _SELF_READS = re.compile(r"self\.((?:config\.)?[A-Za-z_]\w*)")
+
+
+def forward_source(module) -> str:
+    """The source of the module's forward ("" where it has none)."""
+    try:
+        return inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return ""
 
 
 def _forward_reads(module) -> set[str]:
@@ -90,8 +101,12 @@ def qkvo_attention(sp: ShardingPass, name, attn):
     o_proj = getattr(attn, out)
     head_dim = getattr(attn, "head_dim", None) or o_proj.in_features // sp.config("num_attention_heads")
     heads, kv_heads = attn.q_proj.out_features // head_dim, attn.k_proj.out_features // head_dim
+    q_unit = head_dim
+    if attn.q_proj.out_features == 2 * o_proj.in_features and "head_dim * 2" in inspect.getsource(type(attn).forward):
+        # an output gate per head (Qwen3-Next, Qwen3.5): q_proj's rows are [query; gate] head by head
+        heads, q_unit = o_proj.in_features // head_dim, 2 * head_dim
     if heads % sp.n or (kv_heads % sp.n and sp.n % kv_heads):
-        return _qkvo_by_whole_heads(sp, name, attn, out, head_dim, heads, kv_heads)
+        return _qkvo_by_whole_heads(sp, name, attn, out, head_dim, heads, kv_heads, q_unit)
     sp.shared_input_column(f"{name}.q_proj", attn.q_proj)
     if kv_heads % sp.n == 0:
         sp.shared_input_column(f"{name}.k_proj", attn.k_proj)
@@ -151,16 +166,17 @@ def _shared_kv(sp: ShardingPass, name, attn, rows: list[torch.Tensor], head_dim)
         sp.exports.append(shared_rows_record(f"{name}.{proj}", layer))
 
 
-def _qkvo_by_whole_heads(sp: ShardingPass, name, attn, out, head_dim, heads, kv_heads):
+def _qkvo_by_whole_heads(sp: ShardingPass, name, attn, out, head_dim, heads, kv_heads, q_unit=None):
     """Heads that do not split evenly (9 over 2: 5 and 4; 14 over 4: 4, 4, 3, 3), or key/value
     groups that do not follow the query heads: the query heads split whole (`head_split`); each
     rank holds the key / value heads its query heads read and computes, for each query head, the
     one it reads (`SharedKVProjection`: a head shared by several ranks has its gradient summed
     over them), so its heads
     pair one to one (num_key_value_groups 1) even where its queries straddle two key/value groups.
-    The output projection splits its input by the same heads."""
+    The output projection splits its input by the same heads. `q_unit`: q_proj's rows per head
+    (2 head_dim with an output gate)."""
     sizes, local, rows = _heads_and_kv_rows(name, heads, kv_heads, head_dim, sp)
-    sp.shared_input_column(f"{name}.q_proj", attn.q_proj, split_unit=head_dim, split_sizes=sizes)
+    sp.shared_input_column(f"{name}.q_proj", attn.q_proj, split_unit=q_unit or head_dim, split_sizes=sizes)
     _shared_kv(sp, name, attn, rows, head_dim)
     attn.num_key_value_groups = 1  # one key / value head computed per local query head
     sp.row(f"{name}.{out}", getattr(attn, out), split_unit=head_dim, split_sizes=sizes)

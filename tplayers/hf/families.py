@@ -5,6 +5,8 @@ by the class that reads it), side by side in `ADAPTERS`. The adapters themselves
     tplayers.hf.attention   attention layouts split by heads (q/k/v/o, fused [q; k; v], per-head
                             and grouped query_key_value, multi-query, CodeGen's blocks, ALiBi)
     tplayers.hf.mla         multi-head latent attention (DeepSeek-V2 / V3, MiniCPM3, ...)
+    tplayers.hf.mixers      state-space and linear-attention mixers split by heads (Gated DeltaNet,
+                            Mamba 2)
     tplayers.hf.mlp         gated (-> ParallelMLP's fused SwiGLU), fused gate|up, two-layer MLPs;
                             modules on the residual stream kept whole (Gemma 3n / 4)
     tplayers.hf.moe         experts in transformers 5's fused 3-D layouts (and DBRX's), sharded
@@ -25,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tplayers.hf import attention, mla, mlp, moe
+from tplayers.hf import attention, mixers, mla, mlp, moe
 from tplayers.hf.shard import ShardingPass, has_conv1ds, has_linears
 from tplayers.nn.embedding import VocabParallelEmbedding
 
@@ -127,6 +129,10 @@ ADAPTERS = (
     Adapter("DBRX experts (w1 / v1 / w2 stacked by expert)", moe.is_dbrx_experts, moe.dbrx_experts),
     Adapter("DBRX attention (fused Wqkv, clip_qkv)", attention.named("DbrxAttention"), attention.dbrx_attention),
     Adapter("experts (MoE, transformers 5's fused 3-D layout)", moe.is_experts, moe.experts),
+    Adapter("Gated DeltaNet (Qwen3-Next, Qwen3.5)", mixers.is_gated_deltanet, mixers.gated_deltanet),
+    Adapter(
+        "Mamba 2 mixer (Mamba2, Bamba, Nemotron-H, Granite-4, Falcon-H1, Zamba2)", mixers.is_mamba2, mixers.mamba2_mixer
+    ),  # fmt: skip
     # recognised by their children
     Adapter(
         "q/k/v/o attention",
@@ -137,6 +143,15 @@ ADAPTERS = (
         "fused qkv attention (Phi-3)", lambda m: has_linears(m, ("qkv_proj", "o_proj")), attention.fused_qkv_attention
     ),
     Adapter("fused gate|up MLP (Phi-3)", lambda m: has_linears(m, ("gate_up_proj", "down_proj")), mlp.fused_gate_up),
+    Adapter(
+        "chunked [gate; up] shared MLP (Granite-MoE shared / hybrid)",
+        lambda m: (
+            has_linears(m, ("input_linear", "output_linear"))
+            and m.input_linear.out_features == 2 * m.output_linear.in_features
+            and "chunk(2, dim=-1)" in attention.forward_source(m)
+        ),
+        mlp.chunked_gate_up,
+    ),
     Adapter("GPT-2 attention", lambda m: has_conv1ds(m, ("c_attn", "c_proj")), attention.gpt2_attention),
     Adapter("gated MLP", lambda m: has_linears(m, ("gate_proj", "up_proj", "down_proj")), mlp.gated_mlp),
     Adapter("GPT-2 MLP", lambda m: has_conv1ds(m, ("c_fc", "c_proj")), mlp.gpt2_mlp),

@@ -33,6 +33,19 @@ def is_silu(act) -> bool:
         return False
 
 
+def chunked_gate_up(sp: ShardingPass, name, mlp):
+    """GraniteMoeShared / GraniteMoeHybrid's shared_mlp: input_linear holding [gate; up] halves
+    (its forward chunks them in two and gates elementwise), output_linear after: this rank's rows
+    of each half, and output_linear row-parallel by the same features; the model's forward runs."""
+    ffn = mlp.output_linear.in_features
+    fused_column(
+        sp, f"{name}.input_linear", mlp.input_linear, part_rows([ffn, ffn], sp.n, split=shard_sizes(ffn, sp.n))
+    )
+    sp.row(f"{name}.output_linear", mlp.output_linear)
+    sp.shared_input.append(mlp)
+    sp.done.add(name)
+
+
 def fused_gate_up(sp: ShardingPass, name, mlp):
     """Phi-3: gate_up_proj holding [gate; up] halves, up * act(gate). SiLU: ParallelMLP (one fused
     gate|up GEMM with the SwiGLU epilogue), exported back to [gate; up]; other activations refused."""

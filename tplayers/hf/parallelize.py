@@ -44,6 +44,7 @@ from tplayers.hf.same_inputs import check_same_inputs
 from tplayers.hf.shard import ShardingPass, replace_hidden
 from tplayers.hf.state_dict import EXPORTS, ORIGINAL_KEYS, TIED, Records, refuse_own_save_pretrained
 from tplayers.nn.grid import is_grid
+from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear
 from tplayers.placement import placement_or_none, seal, set_placement
 
 
@@ -234,14 +235,17 @@ def _summed(grad, group):
 
 
 def _decoder_blocks(model, placed):
-    """The transformer blocks: the nn.ModuleList whose items hold the placed attention / MLP modules."""
+    """The transformer blocks: the nn.ModuleList whose items hold the placed attention / MLP modules
+    (or tensor-parallel layers: Nemotron-H's blocks hold an attention, a mixer or an MLP each)."""
     placed_ids = {id(m) for m in placed}
+
+    def holds_placed(item):
+        return any(
+            id(m) in placed_ids or isinstance(m, ColumnParallelLinear | RowParallelLinear) for m in item.modules()
+        )
+
     for module in model.modules():
-        if (
-            isinstance(module, nn.ModuleList)
-            and len(module)
-            and all(any(id(m) in placed_ids for m in item.modules()) for item in module)
-        ):
+        if isinstance(module, nn.ModuleList) and len(module) and all(holds_placed(item) for item in module):
             return module
     return None
 

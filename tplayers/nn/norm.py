@@ -127,3 +127,36 @@ class ComputedRowsRMSNorm(PlacedModule):
 
     def extra_repr(self):
         return f"{self.hidden_size} (whole on every rank, {self.rows.numel()} rows computed here), eps={self.eps}"
+
+
+class ParallelGatedRMSNorm(PlacedModule):
+    """The gated RMSNorm of a Mamba 2 mixer over groups that span the tensor-parallel ranks (one
+    group over every head, as most Mamba 2 checkpoints have): each rank holds the weight of its
+    own heads' features (placement Shard(0)) and normalises them by the mean of squares over the
+    whole group (each rank's sum of squares summed over the group, `sum_over_tp_region`).
+
+        h = x * silu(gate)   in fp32;   y = weight * (h * rsqrt(mean(h^2) + eps)).to(x's dtype)
+
+    as transformers' MambaRMSNormGated computes it (the gate before the norm, the weight applied
+    after the cast), up to the order of the sum."""
+
+    _placements = {"weight": Shard(0)}
+
+    def __init__(self, weight, eps, group_size, *, group=None):
+        super().__init__()
+        self.group = resolve_group(group)
+        self.group_size, self.eps = group_size, eps
+        self.variance_epsilon = eps  # the name the mixers' forwards read (transformers' norms)
+        self.weight = nn.Parameter(weight.detach().clone())
+        self._keep_placements()
+
+    def forward(self, x, gate=None):
+        h = x.float()
+        if gate is not None:
+            h = h * nn.functional.silu(gate.float())
+        squares = sum_over_tp_region(h.pow(2).sum(-1, keepdim=True), self.group)
+        h = h * torch.rsqrt(squares / self.group_size + self.eps)
+        return self.weight * h.to(x.dtype)
+
+    def extra_repr(self):
+        return f"{self.weight.shape[0]} of a group of {self.group_size} features, eps={self.eps}"

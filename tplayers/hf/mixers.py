@@ -1,0 +1,350 @@
+"""State-space and linear-attention mixers split by heads, as attention is (Megatron-Core splits
+its Mamba layers the same way). The model's own forward runs on each rank's heads:
+
+    Gated DeltaNet (Qwen3-Next: in_proj_qkvz / in_proj_ba; Qwen3.5: in_proj_qkv / z / b / a)
+        every projection by key heads, each carrying its value heads; the convolution over
+        [q; k; v] by the same heads' channels; A_log and dt_bias by value head; the gated norm
+        acts on each head alike (replicated, its gradient summed); out_proj row-parallel.
+    Mamba 2 (Mamba2, Bamba, Nemotron-H, Granite-4 hybrid, Falcon-H1, Zamba2)
+        in_proj's z / x / dt rows and the convolution's x channels by head, A_log / D / dt_bias
+        by head; B / C (rows and channels) by group with their heads where every rank gets whole
+        groups, else (one group over every head) whole on every rank with their gradient summed;
+        the gated norm by group with them, or (one group) a sum of squares over the group
+        (`ParallelGatedRMSNorm`); out_proj row-parallel.
+
+The input is prepared once per mixer (its gradient summed over the group, or the sequence
+gathered under sequence parallelism) by the hook parallelize puts before it, as for attention.
+The scan needs the whole sequence, which that gather gives it. The cache (generate()) holds each
+rank's own heads' states: transformers builds it from the shapes it is given.
+"""
+
+import inspect
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import Shard
+
+from tplayers.functional.collectives import all_gather_any, own_slice
+from tplayers.hf import pieces
+from tplayers.hf.attention import head_split, localize_attributes
+from tplayers.hf.fused import fused_column, multi_query_column
+from tplayers.hf.shard import ShardingPass, copy_in, gather, has_linears, on_device
+from tplayers.nn.conv import ChannelParallelConv1d
+from tplayers.nn.norm import ParallelGatedRMSNorm
+from tplayers.placement import set_placement, shard_range
+
+QWEN3_NEXT = ("in_proj_qkvz", "in_proj_ba", "out_proj")
+QWEN3_5 = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+GATED_DELTANET_PARAMS = {"A_log", "dt_bias"}
+MAMBA2_PARAMS = {"A_log", "D", "dt_bias"}
+
+
+def _depthwise(module) -> bool:
+    conv = getattr(module, "conv1d", None)
+    return isinstance(conv, nn.Conv1d) and conv.groups == conv.in_channels == conv.out_channels
+
+
+def _own_params(module) -> set[str]:
+    return {k for k, p in module._parameters.items() if p is not None}
+
+
+def is_gated_deltanet(module) -> bool:
+    return (
+        (has_linears(module, QWEN3_NEXT) or has_linears(module, QWEN3_5))
+        and _depthwise(module)
+        and _own_params(module) == GATED_DELTANET_PARAMS
+    )
+
+
+def is_mamba2(module) -> bool:
+    return (
+        has_linears(module, ("in_proj", "out_proj"))
+        and _depthwise(module)
+        and _own_params(module) == MAMBA2_PARAMS
+        and all(isinstance(getattr(module, k, None), int) for k in ("num_heads", "head_dim", "n_groups"))
+    )
+
+
+# ---- pieces shared by the mixers -------------------------------------------------------------
+
+
+def _rows(segments, start, count) -> torch.Tensor:
+    """The unsharded rows of units [start, start + count) of each (offset, rows per unit) segment."""
+    return torch.cat([torch.arange(o + start * w, o + (start + count) * w) for o, w in segments])
+
+
+def _split_param(sp: ShardingPass, name, module, key, unit=1, sizes=None):
+    """`module.<key>` (one entry per head along dim 0, `unit` each) cut to this rank's heads,
+    placement Shard(0), exported and loaded under its own name."""
+    p = getattr(module, key)
+    total = p.shape[0]
+    local = nn.Parameter(own_slice(p.detach(), 0, sp.group, unit, sizes).clone(), requires_grad=p.requires_grad)
+    setattr(module, key, local)
+    set_placement(local, sp.group, Shard(0))
+
+    def export(pick, group):
+        value = pick(getattr(module, key))
+        return {"": all_gather_any(value.contiguous(), 0, group)} if value is not None else {}
+
+    def load(full):
+        copy_in(getattr(module, key), own_slice(full[""], 0, sp.group, unit, sizes))
+
+    def layout():
+        return [pieces.split("", getattr(module, key), 0, sp.group, total=total, unit=unit, sizes=sizes)]
+
+    sp.exports.append((f"{name}.{key}", export, load, layout))
+
+
+def _conv(sp: ShardingPass, name, conv, channels: list[torch.Tensor], whole: torch.Tensor):
+    """The depthwise conv1d split by channel: rank r computes `channels[r]`; the channels in
+    `whole` every rank holds, their gradient summed over the group."""
+    rank = dist.get_rank(sp.group)
+    mask = [torch.isin(c, whole) for c in channels]
+    layer = on_device(ChannelParallelConv1d(conv, channels[rank], mask[rank], group=sp.group), conv.weight.device)
+    sp.swap(name, layer)
+    if layer.whole_weight is not None:
+        sp.partial_grads.extend(p for p in (layer.whole_weight, layer.whole_bias) if p is not None)
+    total = conv.in_channels
+    split_order = torch.cat([c[~m] for c, m in zip(channels, mask, strict=True)])
+    own_split, own_whole = channels[rank][~mask[rank]], channels[rank][mask[rank]]
+    keys = ("weight", "bias") if conv.bias is not None else ("weight",)
+
+    def export(pick, group):
+        out = {}
+        for key in keys:
+            split = gather(pick(getattr(layer, f"split_{key}")), 0, group)
+            if split is None:
+                continue
+            full = split.new_zeros((total, *split.shape[1:]))
+            full[split_order.to(full.device)] = split
+            if own_whole.numel():
+                full[own_whole.to(full.device)] = pick(getattr(layer, f"whole_{key}"))
+            out[key] = full
+        return out
+
+    def load(full_tensors):
+        for key in keys:
+            t = full_tensors[key]
+            copy_in(getattr(layer, f"split_{key}"), t[own_split.to(t.device)])
+            if own_whole.numel():
+                copy_in(getattr(layer, f"whole_{key}"), t[own_whole.to(t.device)])
+
+    def layout():
+        out = []
+        for key in keys:
+            out.append(pieces.rows(key, getattr(layer, f"split_{key}"), own_split, total))
+            if own_whole.numel():
+                out.append(pieces.rows(key, getattr(layer, f"whole_{key}"), own_whole, total, unit=own_whole.numel()))
+        return out
+
+    sp.exports.append((name, export, load, layout))
+
+
+def _ranges(sp: ShardingPass, heads, split):
+    return [shard_range(heads, sp.n, r, split) for r in range(sp.n)]
+
+
+def _head_wise_norm(sp: ShardingPass, name, norm, width):
+    """A norm acting on each head's `width` features alike: replicated, each rank's heads giving
+    part of its gradient (summed over the group); anything else is refused by name."""
+    params = list(norm.parameters())
+    if any(tuple(p.shape) != (width,) for p in params):
+        raise ValueError(
+            f"parallelize: {name} ({type(norm).__name__}) holds weights of shapes "
+            f"{[tuple(p.shape) for p in params]}, not one per head feature ({width}); pass a plan for this model"
+        )
+    sp.partial_grads.extend(params)
+
+
+def _refuse_unknown_children(name, module, known):
+    extra = [c for c, m in module.named_children() if c not in known and next(m.parameters(), None) is not None]
+    if extra:
+        raise ValueError(
+            f"parallelize: {name} ({type(module).__name__}) holds {', '.join(f'{name}.{c}' for c in extra)}, which "
+            "tplayers does not know how to split; pass a plan for this model"
+        )
+
+
+# ---- Gated DeltaNet --------------------------------------------------------------------------
+
+
+def gated_deltanet(sp: ShardingPass, name, m):
+    """Qwen3-Next's and Qwen3.5's Gated DeltaNet split by key heads (see the module docstring)."""
+    nk, nv, hk, hv = m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
+    per = nv // nk  # value heads per key head: contiguous (the rule repeats q / k with repeat_interleave)
+    fused_layout = has_linears(m, QWEN3_NEXT)
+    _refuse_unknown_children(name, m, (*(QWEN3_NEXT if fused_layout else QWEN3_5), "conv1d", "norm"))
+    kd, vd = nk * hk, nv * hv
+    if per * nk != nv or m.conv1d.in_channels != 2 * kd + vd:
+        raise ValueError(
+            f"parallelize: {name}'s widths do not hold {nk} key heads of {hk} and {nv} value heads of {hv}"
+        )
+    split = head_split(name, nk, sp.n)
+    ranges = _ranges(sp, nk, split)
+    qkv = [_rows([(0, hk), (kd, hk), (2 * kd, per * hv)], s, c) for s, c in ranges]
+    if fused_layout:  # per key head: [q, k, v of its value heads, z of them] rows, then [b, a] of them
+        sp.shared_input_column(f"{name}.in_proj_qkvz", m.in_proj_qkvz, split_unit=2 * hk + 2 * per * hv,
+                               split_sizes=split)  # fmt: skip
+        sp.shared_input_column(f"{name}.in_proj_ba", m.in_proj_ba, split_unit=2 * per, split_sizes=split)
+    else:
+        fused_column(sp, f"{name}.in_proj_qkv", m.in_proj_qkv, qkv)
+        sp.shared_input_column(f"{name}.in_proj_z", m.in_proj_z, split_unit=per * hv, split_sizes=split)
+        for key in ("in_proj_b", "in_proj_a"):
+            sp.shared_input_column(f"{name}.{key}", getattr(m, key), split_unit=per, split_sizes=split)
+    _conv(sp, f"{name}.conv1d", m.conv1d, qkv, torch.zeros(0, dtype=torch.long))
+    for key in ("A_log", "dt_bias"):
+        _split_param(sp, name, m, key, per, split)
+    _head_wise_norm(sp, f"{name}.norm", m.norm, hv)
+    sp.row(f"{name}.out_proj", m.out_proj, split_unit=per * hv, split_sizes=split)
+    c = ranges[dist.get_rank(sp.group)][1]
+    localize_attributes(name, m, dict(num_k_heads=c, num_v_heads=c * per, key_dim=c * hk, value_dim=c * per * hv,
+                                      conv_dim=2 * c * hk + c * per * hv))  # fmt: skip
+    sp.shared_input.append(m)
+    sp.done.add(name)
+
+
+# ---- Mamba 2 ---------------------------------------------------------------------------------
+
+
+def _fused_scan(module) -> bool:
+    """Whether the mixer's training forward would take the fused kernel (mamba_ssm's
+    mamba_split_conv1d_scan_combined), which reads out_proj's and the norm's weights itself."""
+    fn = getattr(sys.modules.get(type(module).__module__), "mamba2_split_conv1d_scan_combined", None)
+    if fn is None:
+        return "split_conv1d_scan_combined" in inspect.getsource(type(module).forward)
+    while fn is not None:
+        nonlocals = inspect.getclosurevars(fn).nonlocals
+        if "is_new_implementation" in nonlocals:
+            return bool(nonlocals["is_new_implementation"])
+        fn = getattr(fn, "__wrapped__", None)
+    return True  # a wrapper tplayers does not know: assume it may
+
+
+def _refuse_fused_training(name):
+    def hook(module, args, kwargs):
+        if module.training and kwargs.get("cache", kwargs.get("cache_params")) is None:
+            raise RuntimeError(
+                f"tplayers: {name} ({type(module).__name__}) would train through mamba_ssm's fused "
+                "mamba_split_conv1d_scan_combined, which applies out_proj and the norm to this rank's heads without "
+                "their tensor-parallel sums; uninstall mamba_ssm for training under tensor parallelism (its "
+                "inference and the cached path are exact)"
+            )
+
+    return hook
+
+
+def _gated_norm_eps(norm, group_size) -> float | None:
+    """The epsilon of transformers' MambaRMSNormGated math over groups of `group_size`, checked on
+    a probe with the module's own weight where it is materialised; None for anything else."""
+    eps = getattr(norm, "variance_epsilon", None)
+    weight = getattr(norm, "weight", None)
+    if not isinstance(eps, float) or getattr(norm, "group_size", None) != group_size or weight is None:
+        return None
+    if weight.is_meta:
+        return eps
+    g = torch.Generator().manual_seed(0)
+    x, z = (torch.randn(2, weight.shape[0], generator=g).to(weight) for _ in range(2))
+    h = x.float() * nn.functional.silu(z.float())
+    h = h.view(2, -1, group_size)
+    expected = weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).view(2, -1).to(x.dtype)
+    with torch.no_grad():
+        return eps if torch.equal(norm(x, z), expected) else None
+
+
+def mamba2_mixer(sp: ShardingPass, name, m):
+    """A Mamba 2 mixer split by heads (see the module docstring)."""
+    nh, hd, ng, ds, inner = m.num_heads, m.head_dim, m.n_groups, m.ssm_state_size, m.intermediate_size
+    _refuse_unknown_children(name, m, ("in_proj", "conv1d", "norm", "out_proj", "act"))
+    bc = ng * ds
+    if nh * hd != inner or m.in_proj.out_features != 2 * inner + 2 * bc + nh or m.conv1d.in_channels != inner + 2 * bc:
+        raise ValueError(f"parallelize: {name}'s widths do not hold {nh} heads of {hd} and {ng} groups of state {ds}")
+    if ng >= sp.n and nh % ng == 0:  # whole groups on every rank, each with its heads
+        groups = head_split(name, ng, sp.n)
+        split = [g * (nh // ng) for g in groups]
+        group_ranges = _ranges(sp, ng, groups)
+    elif ng == 1:  # one group over every head: B / C whole on every rank
+        split = head_split(name, nh, sp.n)
+        group_ranges = [(0, 1)] * sp.n
+    else:
+        raise ValueError(
+            f"parallelize: {name} ({type(m).__name__}) has {ng} groups of heads for {sp.n} ranks: tplayers splits "
+            "them only whole (at least one group per rank) or, with one group, keeps B / C whole on every rank"
+        )
+    ranges = _ranges(sp, nh, split)
+    rank = dist.get_rank(sp.group)
+    local_rows = [  # the HF rows of each rank's in_proj output, in the order the forward splits it
+        torch.cat([_rows([(0, hd), (inner, hd)], s, c), _rows([(2 * inner, ds), (2 * inner + bc, ds)], gs, gc),
+                   _rows([(2 * inner + 2 * bc, 1)], s, c)])
+        for (s, c), (gs, gc) in zip(ranges, group_ranges, strict=True)
+    ]  # fmt: skip
+    channels = [  # the conv's channels over [x; B; C]
+        torch.cat([_rows([(0, hd)], s, c), _rows([(inner, ds), (inner + bc, ds)], gs, gc)])
+        for (s, c), (gs, gc) in zip(ranges, group_ranges, strict=True)
+    ]
+    whole_groups = ng < sp.n
+    if whole_groups:
+        _mamba2_in_proj_shared_bc(sp, f"{name}.in_proj", m, ranges, split)
+        whole = torch.arange(inner, inner + 2 * bc)
+    else:
+        fused_column(sp, f"{name}.in_proj", m.in_proj, local_rows)
+        whole = torch.zeros(0, dtype=torch.long)
+    _conv(sp, f"{name}.conv1d", m.conv1d, channels, whole)
+    if isinstance(getattr(m, "mup_vector", None), torch.Tensor):  # Falcon-H1's multipliers on in_proj's rows
+        m.mup_vector = m.mup_vector[..., local_rows[rank].to(m.mup_vector.device)].clone()
+    for key in sorted(MAMBA2_PARAMS):
+        _split_param(sp, name, m, key, 1, split)
+    _mamba2_norm(sp, f"{name}.norm", m.norm, inner // ng, hd, split, whole_groups)
+    sp.row(f"{name}.out_proj", m.out_proj, split_unit=hd, split_sizes=split)
+    c, gc = ranges[rank][1], group_ranges[rank][1]
+    local = dict(num_heads=c, intermediate_size=c * hd, n_groups=gc, conv_dim=c * hd + 2 * gc * ds)
+    if isinstance(getattr(m, "groups_time_state_size", None), int):
+        local["groups_time_state_size"] = gc * ds
+    localize_attributes(name, m, local)
+    if _fused_scan(m):
+        m.register_forward_pre_hook(_refuse_fused_training(name), with_kwargs=True)
+    sp.shared_input.append(m)
+    sp.done.add(name)
+
+
+def _mamba2_in_proj_shared_bc(sp: ShardingPass, name, m, ranges, split):
+    """in_proj with B / C whole on every rank: its z / x / dt rows regrouped head by head
+    ([z_h; x_h; dt_h], whole heads split like queries), B / C held by every rank (gradient summed),
+    the output put back in the forward's [z; x; B; C; dt] order."""
+    nh, hd, inner, bc = m.num_heads, m.head_dim, m.intermediate_size, m.n_groups * m.ssm_state_size
+    per_head = [torch.cat([torch.arange(h * hd, (h + 1) * hd), torch.arange(inner + h * hd, inner + (h + 1) * hd),
+                           torch.tensor([2 * inner + 2 * bc + h])]) for h in range(nh)]  # fmt: skip
+    order = torch.cat([*per_head, torch.arange(2 * inner, 2 * inner + 2 * bc)])
+    c, unit = ranges[dist.get_rank(sp.group)][1], 2 * hd + 1
+    blocks = torch.arange(c) * unit
+    within = torch.arange(hd)
+    interleave = torch.cat([
+        (blocks[:, None] + within).flatten(), (blocks[:, None] + hd + within).flatten(),
+        c * unit + torch.arange(2 * bc), blocks + 2 * hd,
+    ])  # fmt: skip
+    multi_query_column(sp, name, m.in_proj, nh * unit, head_dim=unit, split=split, order=order,
+                       interleave=interleave.to(m.in_proj.weight.device))  # fmt: skip
+
+
+def _mamba2_norm(sp: ShardingPass, name, norm, group_size, hd, split, whole_groups):
+    """The gated norm: Identity (Falcon-H1 without mamba_rms_norm) stays; over groups each rank
+    holds whole, its weight split with the heads; over one group spanning the ranks, a
+    ParallelGatedRMSNorm (its sum of squares summed over the group)."""
+    if isinstance(norm, nn.Identity):
+        return
+    eps = _gated_norm_eps(norm, group_size)
+    if eps is None:
+        raise ValueError(
+            f"parallelize: {name} ({type(norm).__name__}) is not a gated RMSNorm over groups of {group_size} that "
+            "tplayers knows; pass a plan for this model"
+        )
+    if not whole_groups or sp.n == 1:
+        _split_param(sp, name, norm, "weight", hd, split)
+        return
+    weight = own_slice(norm.weight.detach(), 0, sp.group, hd, split)
+    layer = on_device(ParallelGatedRMSNorm(weight, eps, group_size, group=sp.group), norm.weight.device)
+    layer.weight.requires_grad_(norm.weight.requires_grad)
+    layer.hidden_size, layer.split_unit, layer.split_sizes = norm.weight.shape[0], hd, split  # for its record
+    sp.swap(name, layer)
+    sp.record(name, layer, 0, False)
