@@ -11,7 +11,9 @@ summed after each step (as Megatron does) and the norm counts it once.
 
 Known layout: models whose decoder (`model.model`) holds `embed_tokens`, `layers`, `norm` and
 `rotary_emb`, and whose layers take (hidden, attention_mask=, position_ids=,
-position_embeddings=) (Llama, Mistral, Qwen2/3, SmolLM3, OLMo/OLMo2, ...); any other is
+position_embeddings=) (Llama, Mistral, Qwen2/3, SmolLM3, OLMo/OLMo2, the hybrids Qwen3-Next and
+Qwen3.5, whose linear-attention layers (config.layer_types) get no mask: their padding mask is
+None without padding); any other is
 refused, naming what is missing. Having the parts is not proof of the same computation, so
 before splitting, every rank checks on a probe sequence that the stages chained on it give the
 model's own logits (a model that scales its embeddings or logits, as Gemma, Granite and Cohere
@@ -79,10 +81,14 @@ class DecoderStage(nn.Module):
             position_ids=position_ids,
         )  # fmt: skip
         position_embeddings = self.rotary_emb(shape_of, position_ids=position_ids)
-        for layer in self.layers:
+        types = getattr(self.config, "layer_types", None) or ()
+        for index, layer in zip(self.layer_indices or range(len(self.layers)), self.layers, strict=True):
+            # linear-attention / state-space layers take the 2-D padding mask, None without padding
+            linear = index < len(types) and types[index] == "linear_attention"
             hidden = layer(
-                hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings
-            )
+                hidden, attention_mask=None if linear else mask, position_ids=position_ids,
+                position_embeddings=position_embeddings,
+            )  # fmt: skip
             hidden = hidden[0] if isinstance(hidden, tuple) else hidden
         if self.last:
             hidden = self.lm_head(self.norm(hidden))
@@ -150,10 +156,13 @@ def _refuse_sliding_windows(model):
     kinds = set(getattr(config, "layer_types", None) or ())
     window = getattr(config, "sliding_window", None)
     used = getattr(config, "use_sliding_window", True)
-    if kinds - {"full_attention"} or (window is not None and used and "full_attention" not in kinds):
+    if kinds - {"full_attention", "linear_attention"} or (
+        window is not None and used and "full_attention" not in kinds
+    ):
         raise ValueError(
-            f"pipeline_split: {type(model).__name__} uses sliding-window attention (sliding_window={window}, "
-            f"layer_types {sorted(kinds) or None}); its stages would build only the causal mask, so it is refused"
+            f"pipeline_split: {type(model).__name__} uses sliding-window attention or layer types tplayers' stages "
+            f"do not build a mask for (sliding_window={window}, layer_types {sorted(kinds) or None}); its stages "
+            "would build only the causal mask, so it is refused"
         )
 
 
