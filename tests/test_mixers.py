@@ -75,7 +75,13 @@ MIXERS = {
         "falcon_h1",
         dict(MAMBA_HYBRID, mamba_d_ssm=72, ssm_multipliers=[1.5, 0.5, 2.0, 0.75, 1.25], mamba_rms_norm=False),
     ),  # fmt: skip
+    # Falcon-H1-7B's own gated norm (weight in fp32, the gate before it) over 3 groups split whole
+    "falcon_h1-norm": (
+        "falcon_h1",
+        dict(MAMBA_HYBRID, mamba_d_ssm=72, mamba_rms_norm=True, mamba_n_groups=3, mamba_norm_before_gate=False),
+    ),  # fmt: skip
 }
+TP4["falcon_h1-norm"] = dict(mamba_n_groups=1)  # one group over every head at TP 4
 
 
 def hybrid_matches_unsharded(rank, tp, group, family, sequence_parallel, config):
@@ -229,6 +235,9 @@ LORA_CASES = [(f, order, tp, sp) for f in sorted(LORA_TARGETS) for order, tp, sp
 # peft (0.21) also wraps Qwen3-Next's shared_expert.out_proj, which its regex does not name, where the
 # model was parallelized first (tplayers' fused MLP there): refused by tplayers, naming the layer
 LORA_CASES.remove(("qwen3_next", 2, 2, True))
+# one group over every head: parallelize computes B / C once and gathers them; an adapter on in_proj
+# goes on before (order 1), which keeps them whole for it (test_lora_after_gathered_bc_is_refused)
+LORA_CASES.remove(("mamba2", 2, 2, True))
 
 
 @pytest.mark.parametrize("family, order, tp, sequence_parallel", LORA_CASES,
@@ -237,3 +246,17 @@ def test_lora_on_mixer_projections(pool, family, order, tp, sequence_parallel):
     """peft's LoRA on in_proj / out_proj (and Gated DeltaNet's projections), both orders: the
     losses, every adapter gradient and weight after 2 AdamW steps equal the unsharded peft model's."""
     pool.run(lora_on_mixers, tp, family, order, sequence_parallel, mesh=(1, 1, tp))
+
+
+def lora_after_gathered_bc(rank, world, group):
+    import test_families
+    import test_lora
+
+    test_families.VARIANTS.update(MIXERS)
+    test_lora.TARGETS.update(LORA_TARGETS)
+    with pytest.raises(ValueError, match="computed once and gathered.*add the adapter before tplayers.parallelize"):
+        test_lora.sharded("mamba2", 2, group, False)
+
+
+def test_lora_after_gathered_bc_is_refused(pool):
+    pool.run(lora_after_gathered_bc, 2, mesh=(1, 1, 2))

@@ -13,6 +13,8 @@ the order its local forward reads them.
         key/value group): a plain column split, no map needed
     multi-query [q; k; v] with one key/value head (GPTBigCode, Falcon-7B): `MultiQueryProjection`,
         the query rows split, the key/value rows whole on every rank
+    rows every rank reads, computed once and gathered (a Mamba 2 mixer's B / C of one group):
+        `split_and_gathered_column`
 """
 
 import torch
@@ -20,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Shard
 
-from tplayers.functional.collectives import own_slice
+from tplayers.functional.collectives import all_gather_sequence, own_slice
 from tplayers.functional.linear import column_parallel_linear
 from tplayers.functional.shared_rows import SharedRows, share_rows
 from tplayers.hf import pieces
@@ -269,5 +271,79 @@ def multi_query_column(
             out.append(pieces.Piece(key, q, 0, torch.arange(size), order[start : start + size], total, t))
             out.append(pieces.rows(key, kv, held_rows, total, t, unit=head_dim))
         return out
+
+    sp.exports.append((name, export, load, layout))
+
+
+class GatheredColumns(PlacedModule):
+    """Output features every rank reads but none need compute twice (B / C of a Mamba 2 mixer's
+    one group of heads): rank r computes its contiguous 1/n of them, gathered over the group; in
+    backward the ranks' partial gradients of them (each from its own heads) are summed and each
+    rank keeps its slice (`all_gather_sequence` along the features), so its rows get their whole
+    gradient. The input gradient is partial, summed by the caller as for any column layer."""
+
+    _placements = {"weight": Shard(0), "bias": Shard(0)}
+
+    def __init__(self, linear: nn.Linear, *, group):
+        super().__init__()
+        self.group = group
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        if self.out_features % dist.get_world_size(group):
+            raise ValueError(f"GatheredColumns: {self.out_features} features do not split over the group evenly")
+        self.weight = nn.Parameter(own_slice(linear.weight.detach(), 0, group).clone())
+        bias = linear.bias
+        self.bias = nn.Parameter(own_slice(bias.detach(), 0, group).clone()) if bias is not None else None
+        self._keep_placements()
+
+    def forward(self, x):
+        return all_gather_sequence(nn.functional.linear(x, self.weight, self.bias), self.group, dim=-1)
+
+    def extra_repr(self):
+        n = dist.get_world_size(self.group)
+        return f"in_features={self.in_features}, out_features={self.out_features} ({self.out_features // n} per rank)"
+
+
+def split_and_gathered_column(sp: ShardingPass, name, linear, order, query_rows: int, *, unit, split, interleave):
+    """A projection whose HF rows, taken in `order`, are first `query_rows` rows split by whole
+    heads of `unit` rows (`split`: every rank's heads), then rows every rank reads, computed once
+    and gathered (`GatheredColumns`); the output put in the forward's order by `interleave`."""
+    full = as_linear(linear, name)
+    device = linear.weight.device
+    w, b = full.weight.detach()[order], (full.bias.detach()[order] if full.bias is not None else None)
+    query = ColumnParallelLinear.from_linear(
+        _linear_of(w[:query_rows], None if b is None else b[:query_rows]), group=sp.group, reduce_input_grad=False,
+        split_unit=unit, split_sizes=split,
+    )  # fmt: skip
+    query = on_device(query, device)
+    shared = on_device(
+        GatheredColumns(_linear_of(w[query_rows:], None if b is None else b[query_rows:]), group=sp.group), device
+    )
+    sp.swap(name, on_device(MultiQueryProjection(query, shared, interleave), device))
+    keys = ("weight", "bias") if b is not None else ("weight",)
+    total, rank = w.shape[0], dist.get_rank(sp.group)
+    start, size = (unit * v for v in shard_range(query_rows // unit, sp.n, rank, split))
+    own_query = order[start : start + size]
+    own_shared = order[query_rows + pieces.own_range(total - query_rows, sp.group)]
+
+    def export(pick, group):
+        out = {}
+        for key in keys:
+            q, s = gather(pick(getattr(query, key)), 0, group), gather(pick(getattr(shared, key)), 0, group)
+            if q is not None and s is not None:
+                hf = q.new_empty((total, *q.shape[1:]))
+                hf[order[:query_rows].to(hf.device)] = q
+                hf[order[query_rows:].to(hf.device)] = s
+                out[key] = hf
+        return out
+
+    def load(full_tensors):
+        for key in keys:
+            t = full_tensors[key]
+            copy_in(getattr(query, key), t[own_query.to(t.device)])
+            copy_in(getattr(shared, key), t[own_shared.to(t.device)])
+
+    def layout():
+        parts = ((query, own_query), (shared, own_shared))
+        return [pieces.rows(key, getattr(layer, key), own, total) for key in keys for layer, own in parts]
 
     sp.exports.append((name, export, load, layout))

@@ -268,6 +268,12 @@ def shard_adapter(layer, adapter):
     grads = {id(p): p.requires_grad for p in (*a.parameters(), *b.parameters())}
     group = base_group(base)
     _broadcast([*a.parameters(), *b.parameters()], group)
+    if isinstance(base, MultiQueryProjection) and not isinstance(base.key_value, SharedKVProjection):
+        _refuse(
+            type(base.key_value).__name__,
+            "rows computed once and gathered (a Mamba 2 mixer's in_proj with one "
+            "group): add the adapter before tplayers.parallelize, which then keeps B / C whole for it",
+        )
     if isinstance(base, MultiQueryProjection):  # [q_r; k; v]: B's query rows split, its kv rows whole
         query = _column_like(base.query, b, _map(base.query, 0))
         new_a, new_b = a, MultiQueryProjection(query, _shared_like(base.key_value, b), base.interleave)

@@ -29,10 +29,10 @@ from torch.distributed.tensor import Shard
 from tplayers.functional.collectives import all_gather_any, own_slice
 from tplayers.hf import pieces
 from tplayers.hf.attention import head_split, localize_attributes
-from tplayers.hf.fused import fused_column, multi_query_column
+from tplayers.hf.fused import fused_column, multi_query_column, split_and_gathered_column
 from tplayers.hf.shard import ShardingPass, copy_in, gather, has_linears, on_device
 from tplayers.nn.conv import ChannelParallelConv1d
-from tplayers.nn.norm import ParallelGatedRMSNorm
+from tplayers.nn.norm import ParallelGatedRMSNorm, gated_rms_norm
 from tplayers.placement import set_placement, shard_range
 
 QWEN3_NEXT = ("in_proj_qkvz", "in_proj_ba", "out_proj")
@@ -235,22 +235,28 @@ def _refuse_fused_training(name):
     return hook
 
 
-def _gated_norm_eps(norm, group_size) -> float | None:
-    """The epsilon of transformers' MambaRMSNormGated math over groups of `group_size`, checked on
-    a probe with the module's own weight where it is materialised; None for anything else."""
-    eps = getattr(norm, "variance_epsilon", None)
-    weight = getattr(norm, "weight", None)
-    if not isinstance(eps, float) or getattr(norm, "group_size", None) != group_size or weight is None:
+def _gated_norm(norm, group_size) -> dict | None:
+    """The options of `gated_rms_norm` computing `norm` over groups of `group_size` (eps, the gate
+    before or after, the weight applied in fp32: transformers' MambaRMSNormGated or Falcon-H1's),
+    checked on a probe with the module's own weight where it is materialised; None for anything
+    else."""
+    eps, weight = getattr(norm, "variance_epsilon", None), getattr(norm, "weight", None)
+    if not isinstance(eps, float) or not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+        return None
+    if getattr(norm, "group_size", None) == group_size:  # MambaRMSNormGated and its copies
+        options = dict(eps=eps, norm_before_gate=False, weight_in_fp32=False)
+    elif isinstance(getattr(norm, "n_groups", None), int) and weight.shape[0] // norm.n_groups == group_size:
+        options = dict(eps=eps, norm_before_gate=bool(norm.norm_before_gate), weight_in_fp32=True)  # Falcon-H1
+    else:
         return None
     if weight.is_meta:
-        return eps
+        return options
     g = torch.Generator().manual_seed(0)
-    x, z = (torch.randn(2, weight.shape[0], generator=g).to(weight) for _ in range(2))
-    h = x.float() * nn.functional.silu(z.float())
-    h = h.view(2, -1, group_size)
-    expected = weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).view(2, -1).to(x.dtype)
+    x, z = (torch.randn(2, 3, weight.shape[0], generator=g).to(weight) for _ in range(2))
     with torch.no_grad():
-        return eps if torch.equal(norm(x, z), expected) else None
+        eps, before, fp32 = options["eps"], options["norm_before_gate"], options["weight_in_fp32"]
+        expected = gated_rms_norm(x, z, weight, eps, group_size, norm_before_gate=before, weight_in_fp32=fp32)
+        return options if torch.equal(norm(x, z), expected) else None
 
 
 def mamba2_mixer(sp: ShardingPass, name, m):
@@ -295,7 +301,7 @@ def mamba2_mixer(sp: ShardingPass, name, m):
         m.mup_vector = m.mup_vector[..., local_rows[rank].to(m.mup_vector.device)].clone()
     for key in sorted(MAMBA2_PARAMS):
         _split_param(sp, name, m, key, 1, split)
-    _mamba2_norm(sp, f"{name}.norm", m.norm, inner // ng, hd, split, whole_groups)
+    _mamba2_norm(sp, f"{name}.norm", m.norm, inner // ng, hd, split, group_ranges[rank][1], whole_groups)
     sp.row(f"{name}.out_proj", m.out_proj, split_unit=hd, split_sizes=split)
     c, gc = ranges[rank][1], group_ranges[rank][1]
     local = dict(num_heads=c, intermediate_size=c * hd, n_groups=gc, conv_dim=c * hd + 2 * gc * ds)
@@ -309,9 +315,11 @@ def mamba2_mixer(sp: ShardingPass, name, m):
 
 
 def _mamba2_in_proj_shared_bc(sp: ShardingPass, name, m, ranges, split):
-    """in_proj with B / C whole on every rank: its z / x / dt rows regrouped head by head
-    ([z_h; x_h; dt_h], whole heads split like queries), B / C held by every rank (gradient summed),
-    the output put back in the forward's [z; x; B; C; dt] order."""
+    """in_proj with one group over every head: its z / x / dt rows regrouped head by head
+    ([z_h; x_h; dt_h], whole heads split like queries); B / C, which every rank reads, computed 1/n
+    on each rank and gathered (where their rows split evenly and no LoRA adapter is on in_proj),
+    else held whole by every rank (their gradient summed); the output put back in the forward's
+    [z; x; B; C; dt] order."""
     nh, hd, inner, bc = m.num_heads, m.head_dim, m.intermediate_size, m.n_groups * m.ssm_state_size
     per_head = [torch.cat([torch.arange(h * hd, (h + 1) * hd), torch.arange(inner + h * hd, inner + (h + 1) * hd),
                            torch.tensor([2 * inner + 2 * bc + h])]) for h in range(nh)]  # fmt: skip
@@ -323,27 +331,35 @@ def _mamba2_in_proj_shared_bc(sp: ShardingPass, name, m, ranges, split):
         (blocks[:, None] + within).flatten(), (blocks[:, None] + hd + within).flatten(),
         c * unit + torch.arange(2 * bc), blocks + 2 * hd,
     ])  # fmt: skip
-    multi_query_column(sp, name, m.in_proj, nh * unit, head_dim=unit, split=split, order=order,
-                       interleave=interleave.to(m.in_proj.weight.device))  # fmt: skip
+    interleave = interleave.to(m.in_proj.weight.device)
+    if (2 * bc) % sp.n or sp.keeps(name.rpartition(".")[0], ("in_proj",)):
+        # B / C whole on every rank, their gradient summed (LoRA adapters follow this layout)
+        multi_query_column(sp, name, m.in_proj, nh * unit, head_dim=unit, split=split, order=order,
+                           interleave=interleave)  # fmt: skip
+    else:  # B / C computed once, 1/n on each rank, and gathered: no rank holds their rows whole
+        split_and_gathered_column(sp, name, m.in_proj, order, nh * unit, unit=unit, split=split, interleave=interleave)
 
 
-def _mamba2_norm(sp: ShardingPass, name, norm, group_size, hd, split, whole_groups):
+def _mamba2_norm(sp: ShardingPass, name, norm, group_size, hd, split, local_groups, whole_groups):
     """The gated norm: Identity (Falcon-H1 without mamba_rms_norm) stays; over groups each rank
-    holds whole, its weight split with the heads; over one group spanning the ranks, a
-    ParallelGatedRMSNorm (its sum of squares summed over the group)."""
+    holds whole, its weight split with the heads (and Falcon-H1's group count made local); over one
+    group spanning the ranks, a ParallelGatedRMSNorm (its sum of squares summed over the group)."""
     if isinstance(norm, nn.Identity):
         return
-    eps = _gated_norm_eps(norm, group_size)
-    if eps is None:
+    options = _gated_norm(norm, group_size)
+    if options is None:
         raise ValueError(
             f"parallelize: {name} ({type(norm).__name__}) is not a gated RMSNorm over groups of {group_size} that "
             "tplayers knows; pass a plan for this model"
         )
     if not whole_groups or sp.n == 1:
         _split_param(sp, name, norm, "weight", hd, split)
+        if isinstance(getattr(norm, "n_groups", None), int):
+            norm.n_groups = local_groups
         return
     weight = own_slice(norm.weight.detach(), 0, sp.group, hd, split)
-    layer = on_device(ParallelGatedRMSNorm(weight, eps, group_size, group=sp.group), norm.weight.device)
+    eps = options.pop("eps")
+    layer = on_device(ParallelGatedRMSNorm(weight, eps, group_size, group=sp.group, **options), norm.weight.device)
     layer.weight.requires_grad_(norm.weight.requires_grad)
     layer.hidden_size, layer.split_unit, layer.split_sizes = norm.weight.shape[0], hd, split  # for its record
     sp.swap(name, layer)

@@ -133,30 +133,49 @@ class ParallelGatedRMSNorm(PlacedModule):
     """The gated RMSNorm of a Mamba 2 mixer over groups that span the tensor-parallel ranks (one
     group over every head, as most Mamba 2 checkpoints have): each rank holds the weight of its
     own heads' features (placement Shard(0)) and normalises them by the mean of squares over the
-    whole group (each rank's sum of squares summed over the group, `sum_over_tp_region`).
-
-        h = x * silu(gate)   in fp32;   y = weight * (h * rsqrt(mean(h^2) + eps)).to(x's dtype)
-
-    as transformers' MambaRMSNormGated computes it (the gate before the norm, the weight applied
-    after the cast), up to the order of the sum."""
+    whole group (each rank's sum of squares summed over the group, `sum_over_tp_region`), in the
+    order of operations of the model's own norm (`gated_rms_norm`), up to the order of that sum."""
 
     _placements = {"weight": Shard(0)}
 
-    def __init__(self, weight, eps, group_size, *, group=None):
+    def __init__(self, weight, eps, group_size, *, group=None, norm_before_gate=False, weight_in_fp32=False):
         super().__init__()
         self.group = resolve_group(group)
         self.group_size, self.eps = group_size, eps
         self.variance_epsilon = eps  # the name the mixers' forwards read (transformers' norms)
+        self.norm_before_gate, self.weight_in_fp32 = norm_before_gate, weight_in_fp32
         self.weight = nn.Parameter(weight.detach().clone())
         self._keep_placements()
 
     def forward(self, x, gate=None):
-        h = x.float()
-        if gate is not None:
-            h = h * nn.functional.silu(gate.float())
-        squares = sum_over_tp_region(h.pow(2).sum(-1, keepdim=True), self.group)
-        h = h * torch.rsqrt(squares / self.group_size + self.eps)
-        return self.weight * h.to(x.dtype)
+        return gated_rms_norm(x, gate, self.weight, self.eps, self.group_size, norm_before_gate=self.norm_before_gate,
+                              weight_in_fp32=self.weight_in_fp32, group=self.group)  # fmt: skip
 
     def extra_repr(self):
         return f"{self.weight.shape[0]} of a group of {self.group_size} features, eps={self.eps}"
+
+
+def gated_rms_norm(x, gate, weight, eps, group_size, *, norm_before_gate=False, weight_in_fp32=False, group=None):
+    """x normalised over groups of `group_size` features (the last dim: whole groups, or with
+    `group` this rank's part of one group spanning the ranks) and gated by silu(gate), in fp32:
+
+        transformers' MambaRMSNormGated (Mamba 2, Bamba, Nemotron-H, Granite-4, Zamba2):
+            h = x * silu(gate);  weight * (h * rsqrt(mean(h^2) + eps)).to(x's dtype)
+        Falcon-H1's (weight_in_fp32; the gate before or after the norm):
+            (weight * (h * rsqrt(mean(h^2) + eps))) [* silu(gate)], then to x's dtype"""
+    h = x.float()
+    if gate is not None and not norm_before_gate:
+        h = h * nn.functional.silu(gate.float())
+    shape = h.shape
+    if group is None:
+        h = h.view(*shape[:-1], -1, group_size)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    else:
+        h = h * torch.rsqrt(sum_over_tp_region(h.pow(2).sum(-1, keepdim=True), group) / group_size + eps)
+    h = h.reshape(shape)
+    if not weight_in_fp32:
+        return weight * h.to(x.dtype)
+    h = weight * h
+    if gate is not None and norm_before_gate:
+        h = h * nn.functional.silu(gate.float())
+    return h.to(x.dtype)
