@@ -75,6 +75,55 @@ MIXERS = {
         "falcon_h1",
         dict(MAMBA_HYBRID, mamba_d_ssm=72, ssm_multipliers=[1.5, 0.5, 2.0, 0.75, 1.25], mamba_rms_norm=False),
     ),  # fmt: skip
+    # Mamba 1: 72 channels (36 x 2: 36 / 36 at TP 2, 24 at TP 3, 18 at TP 4), state 8, dt rank 5
+    "mamba": ("mamba", dict(hidden_size=36, state_size=8, expand=2, conv_kernel=4, time_step_rank=5)),
+    # Falcon-Mamba: weightless norms on dt / B / C
+    "falcon_mamba": ("falcon_mamba", dict(hidden_size=36, state_size=8, expand=2, conv_kernel=4, time_step_rank=5)),
+    # Jamba: Mamba 1 layers with weighted norms on dt / B / C, attention every 2nd layer, experts every 2nd
+    "jamba": (
+        "jamba",
+        dict(
+            hidden_size=36,
+            mamba_d_state=8,
+            mamba_expand=2,
+            mamba_d_conv=4,
+            mamba_dt_rank=5,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            num_experts=4,
+            num_experts_per_tok=2,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+        ),
+    ),
+    # LFM2: gated short convolutions (kernel 3) over 36 channels, w1 / w3 / w2 MLPs; LFM2-MoE with experts
+    "lfm2": (
+        "lfm2",
+        dict(
+            hidden_size=36,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            conv_L_cache=3,
+            block_ff_dim=64,
+            layer_types=["conv", "full_attention"],
+        ),
+    ),
+    "lfm2_moe": (
+        "lfm2_moe",
+        dict(
+            hidden_size=36,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            conv_L_cache=3,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            num_dense_layers=1,
+            layer_types=["conv", "full_attention"],
+        ),
+    ),
     # Falcon-H1-7B's own gated norm (weight in fp32, the gate before it) over 3 groups split whole
     "falcon_h1-norm": (
         "falcon_h1",
@@ -130,6 +179,11 @@ def _mixer(kind, shape):
             mixer = tf.models.mamba2.modeling_mamba2.Mamba2Mixer(cfg, layer_idx=0)
             with torch.no_grad():  # away from the init's ones: a norm weight tplayers split wrongly shows
                 mixer.norm.weight.uniform_(0.5, 1.5)
+        elif kind == "mamba1":
+            cfg = tf.MambaConfig(hidden_size=shape["hidden"], state_size=shape["state"], expand=2,
+                                 conv_kernel=shape["kernel"], time_step_rank=shape["dt_rank"], num_hidden_layers=1,
+                                 use_conv_bias=shape["bias"], use_bias=shape["bias"])  # fmt: skip
+            mixer = tf.models.mamba.modeling_mamba.MambaMixer(cfg, layer_idx=0)
         else:
             kh, per = shape["heads"], shape["per"]
             cfg = tf.Qwen3NextConfig(hidden_size=24, linear_num_key_heads=kh, linear_num_value_heads=kh * per,
@@ -164,10 +218,10 @@ def standalone_mixer_matches(rank, tp, group, kind, shape):
 @settings(max_examples=examples(8), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_standalone_mixers_match_transformers(pool, data):
-    """A Mamba 2 mixer and a Gated DeltaNet alone, at TP 1-4 with heads, groups and state sizes
+    """A Mamba 1 and a Mamba 2 mixer and a Gated DeltaNet alone, at TP 1-4 with heads, groups and state sizes
     drawn (uneven splits, one group over every head, whole groups per rank): output, input
     gradient and every parameter's gradient equal transformers' unsharded mixer's."""
-    kind = data.draw(st.sampled_from(["mamba2", "gated_deltanet"]), label="kind")
+    kind = data.draw(st.sampled_from(["mamba2", "gated_deltanet", "mamba1"]), label="kind")
     tp = data.draw(st.integers(1, 4), label="tp")
     shape = dict(seed=data.draw(st.integers(0, 99), label="seed"), seq=data.draw(st.integers(1, 9), label="seq"),
                  kernel=data.draw(st.integers(2, 4), label="kernel"),
@@ -178,6 +232,10 @@ def test_standalone_mixers_match_transformers(pool, data):
         shape.update(heads=heads, groups=groups, head_dim=data.draw(st.sampled_from([2, 4]), label="head_dim"),
                      state=data.draw(st.sampled_from([2, 5, 8]), label="state"),
                      chunk=data.draw(st.integers(2, 5), label="chunk"))  # fmt: skip
+    elif kind == "mamba1":  # 2 x hidden channels, unevenly over 3
+        shape.update(hidden=data.draw(st.sampled_from([4, 7, 10]), label="hidden"),
+                     state=data.draw(st.sampled_from([2, 5, 8]), label="state"),
+                     dt_rank=data.draw(st.integers(1, 4), label="dt rank"))  # fmt: skip
     else:
         shape.update(heads=data.draw(st.integers(tp, 4), label="key heads"), per=data.draw(st.integers(1, 2)),
                      head_dim=data.draw(st.sampled_from([4, 8]), label="head_k_dim"),

@@ -61,6 +61,13 @@ HYBRIDS = {
                             mamba_d_state=128, mamba_d_conv=4, mamba_expand=64, num_local_experts=16,
                             num_experts_per_tok=10, intermediate_size=16, shared_intermediate_size=32,
                             num_hidden_layers=2, layer_types=["mamba", "attention"], tie_word_embeddings=True)),
+    # ai21labs/AI21-Jamba-1.5-Mini: 32 / 8 heads (4 wide here: Jamba's head width is hidden / heads), Mamba 1 of
+    # d_inner 8192 (expand 2 x 4096), state 16, dt rank 256; 16 experts, top-2; attention and experts every
+    # 8th / 2nd layer (every 2nd here, one layer of each)
+    "Jamba-1.5-Mini": ("jamba", 65536, dict(hidden_size=128, num_attention_heads=32, num_key_value_heads=8,
+                       mamba_d_state=16, mamba_d_conv=4, mamba_expand=64, mamba_dt_rank=256, num_experts=16,
+                       num_experts_per_tok=2, intermediate_size=16, num_hidden_layers=2, attn_layer_period=2,
+                       attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, tie_word_embeddings=False)),
     # state-spaces/mamba2-2.7b: 80 heads of 64 (d_inner 5120), one group, state 128, 50277 tokens padded to 50288
     "Mamba2-2.7B": ("mamba2", 50288, dict(hidden_size=HIDDEN, num_heads=80, head_dim=64, expand=80, n_groups=1,
                     state_size=128, conv_kernel=4, num_hidden_layers=1, tie_word_embeddings=True)),
@@ -103,6 +110,8 @@ FULL = {  # the published depth and widths, over the shapes above
     "Granite-4.0-H-Small": dict(hidden_size=4096, mamba_expand=2, num_local_experts=72, intermediate_size=768,
                                 shared_intermediate_size=1536, num_hidden_layers=40,
                                 layer_types=["attention" if i % 10 == 5 else "mamba" for i in range(40)]),
+    "Jamba-1.5-Mini": dict(hidden_size=4096, mamba_expand=2, intermediate_size=14336, num_hidden_layers=32,
+                           attn_layer_period=8, attn_layer_offset=4),
     "Mamba2-2.7B": dict(hidden_size=2560, expand=2, num_hidden_layers=64),
 }  # fmt: skip
 

@@ -6,7 +6,7 @@ by the class that reads it), side by side in `ADAPTERS`. The adapters themselves
                             and grouped query_key_value, multi-query, CodeGen's blocks, ALiBi)
     tplayers.hf.mla         multi-head latent attention (DeepSeek-V2 / V3, MiniCPM3, ...)
     tplayers.hf.mixers      state-space and linear-attention mixers split by heads (Gated DeltaNet,
-                            Mamba 2)
+                            Mamba 1 and 2)
     tplayers.hf.mlp         gated (-> ParallelMLP's fused SwiGLU), fused gate|up, two-layer MLPs;
                             modules on the residual stream kept whole (Gemma 3n / 4)
     tplayers.hf.moe         experts in transformers 5's fused 3-D layouts (and DBRX's), sharded
@@ -130,9 +130,10 @@ ADAPTERS = (
     Adapter("DBRX attention (fused Wqkv, clip_qkv)", attention.named("DbrxAttention"), attention.dbrx_attention),
     Adapter("experts (MoE, transformers 5's fused 3-D layout)", moe.is_experts, moe.experts),
     Adapter("Gated DeltaNet (Qwen3-Next, Qwen3.5)", mixers.is_gated_deltanet, mixers.gated_deltanet),
-    Adapter(
-        "Mamba 2 mixer (Mamba2, Bamba, Nemotron-H, Granite-4, Falcon-H1, Zamba2)", mixers.is_mamba2, mixers.mamba2_mixer
-    ),  # fmt: skip
+    Adapter("Mamba 1 mixer (Mamba, Falcon-Mamba, Jamba)", mixers.is_mamba1, mixers.mamba1_mixer),
+    Adapter("LFM2 short convolution", mixers.is_short_conv, mixers.short_conv),
+    Adapter("gated MLP named w1 / w3 / w2 (LFM2)", mlp.is_w1_w3_w2, mlp.w1_w3_w2),
+    Adapter("Mamba 2 mixer (Mamba2, Bamba, Nemotron-H, Granite-4, Falcon-H1)", mixers.is_mamba2, mixers.mamba2_mixer),
     # recognised by their children
     Adapter(
         "q/k/v/o attention",

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Shard
 
-from tplayers.functional.collectives import all_gather_sequence, own_slice
+from tplayers.functional.collectives import all_gather_sequence, own_slice, sum_over_tp_region
 from tplayers.functional.linear import column_parallel_linear
 from tplayers.functional.shared_rows import SharedRows, share_rows
 from tplayers.hf import pieces
@@ -347,3 +347,29 @@ def split_and_gathered_column(sp: ShardingPass, name, linear, order, query_rows:
         return [pieces.rows(key, getattr(layer, key), own, total) for key in keys for layer, own in parts]
 
     sp.exports.append((name, export, load, layout))
+
+
+class SummedRowLinear(PlacedModule):
+    """A row-parallel projection whose whole output every rank reads and uses for its own part
+    (Mamba's x_proj: each rank's channels give dt / B / C, which every rank's channels use): each
+    rank's partial product summed over the group, and in backward the ranks' partial gradients of
+    that output summed again (`sum_over_tp_region`), so each rank's columns and input get their
+    whole gradient. Placement Shard(1) by input features (`split_sizes`), no bias."""
+
+    _placements = {"weight": Shard(1)}
+
+    def __init__(self, linear: nn.Linear, *, group, split_sizes):
+        super().__init__()
+        if linear.bias is not None:
+            raise ValueError("SummedRowLinear: a bias would be added once per rank")
+        self.group, self.split_unit, self.split_sizes = group, 1, list(split_sizes)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = nn.Parameter(own_slice(linear.weight.detach(), 1, group, 1, self.split_sizes).clone())
+        self.bias = None
+        self._keep_placements()
+
+    def forward(self, x):
+        return sum_over_tp_region(nn.functional.linear(x, self.weight), self.group)
+
+    def extra_repr(self):
+        return f"in_features={self.in_features} ({self.weight.shape[1]} on this rank), out_features={self.out_features}"

@@ -5,7 +5,15 @@ its Mamba layers the same way). The model's own forward runs on each rank's head
         every projection by key heads, each carrying its value heads; the convolution over
         [q; k; v] by the same heads' channels; A_log and dt_bias by value head; the gated norm
         acts on each head alike (replicated, its gradient summed); out_proj row-parallel.
-    Mamba 2 (Mamba2, Bamba, Nemotron-H, Granite-4 hybrid, Falcon-H1, Zamba2)
+    Mamba 1 (Mamba, Falcon-Mamba, Jamba)
+        in_proj's [x; z] rows, the convolution, A_log / D, dt_proj's rows and out_proj's columns
+        by channel; x_proj by its input channels, its partial products summed over the group
+        (forward and backward: every rank's channels read the whole dt / B / C); Jamba's and
+        Falcon-Mamba's norms on dt / B / C replicated, their gradient summed.
+    LFM2's short convolution (LFM2, LFM2-MoE)
+        in_proj's [B; C; x] rows, the convolution and out_proj's columns by channel: every
+        operation between them is channel by channel.
+    Mamba 2 (Mamba2, Bamba, Nemotron-H, Granite-4 hybrid, Falcon-H1)
         in_proj's z / x / dt rows and the convolution's x channels by head, A_log / D / dt_bias
         by head; B / C (rows and channels) by group with their heads where every rank gets whole
         groups, else (one group over every head) whole on every rank with their gradient summed;
@@ -29,11 +37,11 @@ from torch.distributed.tensor import Shard
 from tplayers.functional.collectives import all_gather_any, own_slice
 from tplayers.hf import pieces
 from tplayers.hf.attention import head_split, localize_attributes
-from tplayers.hf.fused import fused_column, multi_query_column, split_and_gathered_column
+from tplayers.hf.fused import SummedRowLinear, fused_column, multi_query_column, part_rows, split_and_gathered_column
 from tplayers.hf.shard import ShardingPass, copy_in, gather, has_linears, on_device
 from tplayers.nn.conv import ChannelParallelConv1d
 from tplayers.nn.norm import ParallelGatedRMSNorm, gated_rms_norm
-from tplayers.placement import set_placement, shard_range
+from tplayers.placement import even_sizes, set_placement, shard_range
 
 QWEN3_NEXT = ("in_proj_qkvz", "in_proj_ba", "out_proj")
 QWEN3_5 = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
@@ -205,15 +213,87 @@ def gated_deltanet(sp: ShardingPass, name, m):
     sp.done.add(name)
 
 
+# ---- LFM2's short convolution ------------------------------------------------------------------
+
+
+def is_short_conv(module) -> bool:
+    conv = getattr(module, "conv", None)
+    return (
+        has_linears(module, ("in_proj", "out_proj"))
+        and isinstance(conv, nn.Conv1d)
+        and conv.groups == conv.in_channels == conv.out_channels
+        and module.in_proj.out_features == 3 * conv.in_channels == 3 * module.out_proj.in_features
+        and not _own_params(module)
+    )
+
+
+def short_conv(sp: ShardingPass, name, m):
+    """LFM2's gated short convolution split by channel (see the module docstring)."""
+    _refuse_unknown_children(name, m, ("in_proj", "conv", "out_proj"))
+    width = m.conv.in_channels
+    split = even_sizes(width, sp.n)
+    fused_column(sp, f"{name}.in_proj", m.in_proj, part_rows([width] * 3, sp.n, split=split))
+    ranges = _ranges(sp, width, split)
+    _conv(sp, f"{name}.conv", m.conv, [torch.arange(s, s + c) for s, c in ranges], torch.zeros(0, dtype=torch.long))
+    sp.row(f"{name}.out_proj", m.out_proj, split_sizes=split)
+    localize_attributes(name, m, {})
+    sp.shared_input.append(m)
+    sp.done.add(name)
+
+
+# ---- Mamba 1 ---------------------------------------------------------------------------------
+MAMBA1_NORMS = ("dt_layernorm", "b_layernorm", "c_layernorm")
+
+
+def is_mamba1(module) -> bool:
+    return (
+        has_linears(module, ("in_proj", "x_proj", "dt_proj", "out_proj"))
+        and _depthwise(module)
+        and _own_params(module) == {"A_log", "D"}
+        and module.A_log.dim() == 2
+    )
+
+
+def mamba1_mixer(sp: ShardingPass, name, m):
+    """A Mamba 1 mixer split by channel (see the module docstring)."""
+    _refuse_unknown_children(name, m, ("in_proj", "x_proj", "dt_proj", "out_proj", "conv1d", "act", *MAMBA1_NORMS))
+    inner = m.conv1d.in_channels
+    if m.in_proj.out_features != 2 * inner or m.x_proj.in_features != inner or m.dt_proj.out_features != inner:
+        raise ValueError(f"parallelize: {name}'s projections do not hold [x; z] of {inner} channels")
+    split = even_sizes(inner, sp.n)
+    rank = dist.get_rank(sp.group)
+    fused_column(sp, f"{name}.in_proj", m.in_proj, part_rows([inner, inner], sp.n, split=split))
+    ranges = _ranges(sp, inner, split)
+    _conv(sp, f"{name}.conv1d", m.conv1d, [torch.arange(s, s + c) for s, c in ranges], torch.zeros(0, dtype=torch.long))
+    x_proj = on_device(SummedRowLinear(m.x_proj, group=sp.group, split_sizes=split), m.x_proj.weight.device)
+    sp.swap(f"{name}.x_proj", x_proj)
+    sp.record(f"{name}.x_proj", x_proj, 1, False)
+    for key in ("weight", "bias"):  # read by the forward itself (dt_proj.weight @ dt): local rows
+        if getattr(m.dt_proj, key, None) is not None:
+            _split_param(sp, f"{name}.dt_proj", m.dt_proj, key, 1, split)
+    sp.done.add(f"{name}.dt_proj")
+    for key in ("A_log", "D"):
+        _split_param(sp, name, m, key, 1, split)
+    for norm in MAMBA1_NORMS:  # on the whole dt / B / C: each rank's channels give part of the gradient
+        sp.partial_grads.extend(getattr(m, norm).parameters() if hasattr(m, norm) else ())
+    sp.row(f"{name}.out_proj", m.out_proj, split_sizes=split)
+    localize_attributes(name, m, dict(intermediate_size=split[rank]))
+    if _fused_scan(m, "mamba_inner_fn"):
+        m.register_forward_pre_hook(_refuse_fused_training(name, "mamba_inner_fn"), with_kwargs=True)
+    sp.shared_input.append(m)
+    sp.done.add(name)
+
+
 # ---- Mamba 2 ---------------------------------------------------------------------------------
 
 
-def _fused_scan(module) -> bool:
-    """Whether the mixer's training forward would take the fused kernel (mamba_ssm's
-    mamba_split_conv1d_scan_combined), which reads out_proj's and the norm's weights itself."""
-    fn = getattr(sys.modules.get(type(module).__module__), "mamba2_split_conv1d_scan_combined", None)
+def _fused_scan(module, kernel="mamba2_split_conv1d_scan_combined") -> bool:
+    """Whether the mixer's training forward would take a fused kernel of mamba_ssm's (`kernel`:
+    Mamba 2's mamba_split_conv1d_scan_combined, Mamba 1's mamba_inner_fn), which reads out_proj's
+    (and the norm's, x_proj's) weights itself."""
+    fn = getattr(sys.modules.get(type(module).__module__), kernel, None)
     if fn is None:
-        return "split_conv1d_scan_combined" in inspect.getsource(type(module).forward)
+        return kernel in inspect.getsource(type(module).forward)
     while fn is not None:
         nonlocals = inspect.getclosurevars(fn).nonlocals
         if "is_new_implementation" in nonlocals:
@@ -222,14 +302,13 @@ def _fused_scan(module) -> bool:
     return True  # a wrapper tplayers does not know: assume it may
 
 
-def _refuse_fused_training(name):
+def _refuse_fused_training(name, kernel="mamba_split_conv1d_scan_combined"):
     def hook(module, args, kwargs):
         if module.training and kwargs.get("cache", kwargs.get("cache_params")) is None:
             raise RuntimeError(
-                f"tplayers: {name} ({type(module).__name__}) would train through mamba_ssm's fused "
-                "mamba_split_conv1d_scan_combined, which applies out_proj and the norm to this rank's heads without "
-                "their tensor-parallel sums; uninstall mamba_ssm for training under tensor parallelism (its "
-                "inference and the cached path are exact)"
+                f"tplayers: {name} ({type(module).__name__}) would train through mamba_ssm's fused {kernel}, which "
+                "applies its projections to this rank's heads without their tensor-parallel sums; uninstall "
+                "mamba_ssm for training under tensor parallelism (its inference and the cached path are exact)"
             )
 
     return hook

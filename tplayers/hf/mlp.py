@@ -15,7 +15,7 @@ from torch import nn
 
 from tplayers.functional.collectives import own_slice
 from tplayers.hf import pieces
-from tplayers.hf.attention import NORMS_BEFORE_PROJECTION, norm_before_row
+from tplayers.hf.attention import NORMS_BEFORE_PROJECTION, forward_source, norm_before_row
 from tplayers.hf.fused import fused_column, part_rows
 from tplayers.hf.shard import ShardingPass, as_linear, copy_in, gather, has_linears, on_device
 from tplayers.nn.mlp import ParallelMLP, fuse_gate_up, unfuse_gate_up
@@ -31,6 +31,22 @@ def is_silu(act) -> bool:
         return torch.equal(act(probe), nn.functional.silu(probe))
     except Exception:  # an activation that does not take a plain tensor is not SiLU
         return False
+
+
+def is_w1_w3_w2(mlp) -> bool:
+    """LFM2's MLP: w2(silu(w1(x)) * w3(x)), read in its forward."""
+    source = forward_source(mlp)
+    return has_linears(mlp, ("w1", "w2", "w3")) and "self.w2(F.silu(self.w1(x)) * self.w3(x))" in source
+
+
+def w1_w3_w2(sp: ShardingPass, name, mlp):
+    """LFM2's gated MLP under its own names: w1 (gate) and w3 (up) column-parallel, w2 row-parallel,
+    split alike; the model's forward runs."""
+    for key in ("w1", "w3"):
+        sp.shared_input_column(f"{name}.{key}", getattr(mlp, key))
+    sp.row(f"{name}.w2", mlp.w2)
+    sp.shared_input.append(mlp)
+    sp.done.add(name)
 
 
 def chunked_gate_up(sp: ShardingPass, name, mlp):
