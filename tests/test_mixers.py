@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tplayers
-from tplayers.testing import examples
+from tplayers.testing import assert_close, examples
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_families import matches_unsharded  # noqa: E402
@@ -198,7 +198,6 @@ def _mixer(kind, shape):
 
 def standalone_mixer_matches(rank, tp, group, kind, shape):
     from tplayers.hf import gather_grads
-    from tplayers.testing import assert_close
 
     model, reference, hidden = _mixer(kind, shape)
     tplayers.parallelize(model, group=group, verify=False)
@@ -318,3 +317,59 @@ def lora_after_gathered_bc(rank, world, group):
 
 def test_lora_after_gathered_bc_is_refused(pool):
     pool.run(lora_after_gathered_bc, 2, mesh=(1, 1, 2))
+
+
+# ---- checkpoints -------------------------------------------------------------------------------
+CHECKPOINTED = ["qwen3_next", "mamba2", "mamba2-groups", "jamba", "falcon_h1-norm", "lfm2"]
+
+
+@pytest.mark.parametrize("family", CHECKPOINTED)
+def test_hf_directory_loads_sliced_on_meta_and_exports_back(pool, tmp_path, family):
+    """`load_pretrained` of a hybrid's HF directory into the model built on meta and sharded at
+    TP 2 (each rank reads exactly the slices it holds), a step, `save_pretrained`: transformers
+    loads it back and gives the same logits."""
+    import test_checkpoint
+    import test_families
+    import transformers as tf
+
+    test_families.VARIANTS.update(MIXERS)
+    reference = test_families.tiny_model(family)
+    reference.save_pretrained(tmp_path / "source")
+    full = sum(p.numel() for p in reference.parameters())
+    for read, held, logits in pool.run(test_checkpoint.from_hf_directory, 2, tmp_path / "source",
+                                       tmp_path / "trained", family):  # fmt: skip
+        assert read == held < full  # each rank read exactly the slices it holds
+        back = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "trained")
+        with torch.no_grad():
+            assert_close(back(test_checkpoint.batch(1)).logits, logits)
+
+
+def checkpoint_at(rank, world, group, family, path, save, seed):
+    """Save (or load into a model of other weights) a tplayers checkpoint of the hybrid at TP
+    `world`; the full state after it."""
+    import test_families
+
+    test_families.VARIANTS.update(MIXERS)
+    torch.manual_seed(seed)
+    model = test_families.tiny_model(family)
+    if seed:  # other weights: everything must come from the checkpoint
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.5)
+    tplayers.parallelize(model, group=group, verify=False)
+    if save:
+        tplayers.save_checkpoint(path, model=model, group=group)
+    else:
+        tplayers.load_checkpoint(path, model=model, group=group)
+    return tplayers.gather_state_dict(model, group=group)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "mamba2", "jamba"])
+def test_a_checkpoint_saved_at_tp2_loads_at_tp3(pool, tmp_path, family):
+    """The sharded checkpoint holds each tensor once in the HF layout: saved at TP 2 (Mamba 2's B /
+    C computed 1/2 per rank and gathered), loaded at TP 3 (whole groups differently split) bitwise."""
+    saved = pool.run(checkpoint_at, 2, family, tmp_path / "ckpt", True, 0, mesh=(1, 1, 2))[0]
+    loaded = pool.run(checkpoint_at, 3, family, tmp_path / "ckpt", False, 1, mesh=(1, 1, 3))[0]
+    assert list(saved) == list(loaded)
+    for key, value in saved.items():
+        assert torch.equal(loaded[key], value), key

@@ -410,7 +410,8 @@ def _mamba2_in_proj_shared_bc(sp: ShardingPass, name, m, ranges, split):
         (blocks[:, None] + within).flatten(), (blocks[:, None] + hd + within).flatten(),
         c * unit + torch.arange(2 * bc), blocks + 2 * hd,
     ])  # fmt: skip
-    interleave = interleave.to(m.in_proj.weight.device)
+    device = m.in_proj.weight.device
+    interleave = interleave.to(device if device.type != "meta" else "cpu")  # a buffer: real on a meta model
     if (2 * bc) % sp.n or sp.keeps(name.rpartition(".")[0], ("in_proj",)):
         # B / C whole on every rank, their gradient summed (LoRA adapters follow this layout)
         multi_query_column(sp, name, m.in_proj, nh * unit, head_dim=unit, split=split, order=order,

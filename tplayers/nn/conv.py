@@ -47,7 +47,9 @@ class ChannelParallelConv1d(PlacedModule):
         self.whole_bias = part(conv.bias, whole) if conv.bias is not None and whole.any() else None
         # local channel i is row order[i] of cat([split, whole])
         positions = torch.cat([(~whole).nonzero().flatten(), whole.nonzero().flatten()])
-        self.register_buffer("order", torch.argsort(positions).to(device), persistent=False)
+        # a buffer stays real on a model built on meta (as transformers' own buffers do)
+        real = device if device.type != "meta" else torch.device("cpu")
+        self.register_buffer("order", torch.argsort(positions).to(real), persistent=False)
         self._keep_placements()
 
     def _local(self, split, whole):
