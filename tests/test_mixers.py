@@ -124,6 +124,20 @@ MIXERS = {
             layer_types=["conv", "full_attention"],
         ),
     ),
+    # MiniMax: lightning attention (6 heads of 6, blocks of 4 over the 8 tokens) and softmax attention layers
+    "minimax": (
+        "minimax",
+        dict(
+            hidden_size=36,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=6,
+            block_size=4,
+            layer_types=["linear_attention", "full_attention"],
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        ),
+    ),
     # Falcon-H1-7B's own gated norm (weight in fp32, the gate before it) over 3 groups split whole
     "falcon_h1-norm": (
         "falcon_h1",
@@ -140,9 +154,15 @@ def hybrid_matches_unsharded(rank, tp, group, family, sequence_parallel, config)
     matches_unsharded(rank, tp, group, family, sequence_parallel, torch.float32, config=config)
 
 
-@pytest.mark.parametrize("family", list(MIXERS))
-@pytest.mark.parametrize("tp, sequence_parallel", [(2, False), (2, True), (3, False), (4, True)],
-                         ids=["tp2", "tp2-sp", "tp3", "tp4-sp"])  # fmt: skip
+# Every variant at TP 2 with and without SP; TP 3 (uneven heads, channels and groups) and TP 4 + SP
+# for one variant of each mixer layout (the rest share their adapter with one of these)
+WIDE = ["qwen3_next", "qwen3_5_text", "mamba2", "mamba2-groups", "nemotron_h", "falcon_h1-norm", "jamba", "lfm2",
+        "minimax"]  # fmt: skip
+LAYOUTS = [(f, 2, sp) for f in MIXERS for sp in (False, True)] + [(f, t, t == 4) for f in WIDE for t in (3, 4)]
+
+
+@pytest.mark.parametrize("family, tp, sequence_parallel", LAYOUTS,
+                         ids=[f"{f}-tp{t}{'-sp' * s}" for f, t, s in LAYOUTS])  # fmt: skip
 def test_hybrid_matches_unsharded(pool, family, tp, sequence_parallel):
     pool.run(hybrid_matches_unsharded, tp, family, sequence_parallel, TP4.get(family, {}) if tp == 4 else {},
              mesh=(1, 1, tp))  # fmt: skip
@@ -249,15 +269,12 @@ def hybrid_pipeline_trains_like_unsharded(rank, world, group, pp, tp, sequence_p
     """tests/test_pipeline.py's check (3 AdamW steps with clipping over the stages equal the
     unsharded model's) on a 4-layer hybrid whose stages hold different layer types: [linear,
     linear] and [linear, full attention]."""
-    import test_families
     import test_pipeline
 
-    test_families.VARIANTS.update(MIXERS)
-    types = ["linear_attention"] * 3 + ["full_attention"]
-    test_pipeline.tiny_llama = lambda tied=False, layers=4: test_families.tiny_model(
-        family, num_hidden_layers=4, layer_types=types
-    )
-    test_pipeline.hf_split_trains_like_unsharded(rank, world, group, pp, tp, "1f1b", sequence_parallel, False)
+    model_type, config = MIXERS[family]
+    config = dict(config, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"])
+    test_pipeline.hf_split_trains_like_unsharded(rank, world, group, pp, tp, "1f1b", sequence_parallel, False,
+                                                 model_type, config)  # fmt: skip
 
 
 @pytest.mark.parametrize("family, tp, sequence_parallel", [("qwen3_5_text", 1, False), ("qwen3_next", 2, True)],

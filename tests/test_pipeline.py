@@ -88,11 +88,15 @@ def next_token_loss(logits, ids):
     return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
 
 
-def hf_split_trains_like_unsharded(rank, world, group, pp, tp, schedule_name, sequence_parallel, tied):
-    """pipeline_split of a (parallelized) tiny Llama: 3 AdamW steps with clipping over all stages
-    equal the unsharded model's: every loss, every clipped norm, every weight."""
+def hf_split_trains_like_unsharded(rank, world, group, pp, tp, schedule_name, sequence_parallel, tied, family=None,
+                                   config=None):  # fmt: skip
+    """pipeline_split of a (parallelized) tiny Llama (or of `test_families.tiny_model(family,
+    **config)`): 3 AdamW steps with clipping over all stages equal the unsharded model's: every
+    loss, every clipped norm, every weight."""
+    from test_families import tiny_model
+
     schedule_class, virtual = SCHEDULES[schedule_name]
-    model = tiny_llama(tied)
+    model = tiny_llama(tied) if family is None else tiny_model(family, **config)
     reference = copy.deepcopy(model)
     pp_group = group
     if tp > 1:

@@ -1,5 +1,5 @@
-"""The published shapes of hybrid and state-space checkpoints through `parallelize` at TP 2, 4
-and 8: their config.json's vocabulary, attention heads and key/value heads, linear-attention key
+"""The published shapes of hybrid and state-space checkpoints through `parallelize` at TP 2 and
+8: their config.json's vocabulary, attention heads and key/value heads, linear-attention key
 and value heads and head widths, Mamba heads, head widths, groups and state sizes as published;
 one layer of each type, the hidden size cut to 64 (the Mamba expansion raised to keep the
 published heads x head width), experts cut to 16 (never below the published top-k) and MLP /
@@ -84,7 +84,9 @@ def published_hybrid(rank, tp, group, name):
     return sum(p.numel() * p.element_size() for p in model.parameters()), total
 
 
-@pytest.mark.parametrize("tp", [2, 4, 8])
+# TP 2 and TP 8 (every head count here splits unevenly or shares key/value heads at 8); TP 4 ran
+# exact too when this was written, and the hybrid matrix (tests/test_mixers.py) runs TP 4 + SP
+@pytest.mark.parametrize("tp", [2, 8])
 @pytest.mark.parametrize("name", list(HYBRIDS))
 def test_published_hybrid_shapes(tplayers_pool, name, tp):
     replies = tplayers_pool.run(published_hybrid, tp, name)

@@ -10,6 +10,10 @@ its Mamba layers the same way). The model's own forward runs on each rank's head
         by channel; x_proj by its input channels, its partial products summed over the group
         (forward and backward: every rank's channels read the whole dt / B / C); Jamba's and
         Falcon-Mamba's norms on dt / B / C replicated, their gradient summed.
+    MiniMax's lightning attention
+        qkv_proj (per head [q, k, v]) and output_gate column-parallel by heads, the per-head decay
+        buffers cut to each rank's heads, the norm over every head's output a ParallelRMSNorm
+        (sum of squares over the group), out_proj row-parallel.
     LFM2's short convolution (LFM2, LFM2-MoE)
         in_proj's [B; C; x] rows, the convolution and out_proj's columns by channel: every
         operation between them is channel by channel.
@@ -36,11 +40,11 @@ from torch.distributed.tensor import Shard
 
 from tplayers.functional.collectives import all_gather_any, own_slice
 from tplayers.hf import pieces
-from tplayers.hf.attention import head_split, localize_attributes
+from tplayers.hf.attention import head_split, localize_attributes, rms_norm_eps
 from tplayers.hf.fused import SummedRowLinear, fused_column, multi_query_column, part_rows, split_and_gathered_column
 from tplayers.hf.shard import ShardingPass, copy_in, gather, has_linears, on_device
 from tplayers.nn.conv import ChannelParallelConv1d
-from tplayers.nn.norm import ParallelGatedRMSNorm, gated_rms_norm
+from tplayers.nn.norm import ParallelGatedRMSNorm, ParallelRMSNorm, gated_rms_norm
 from tplayers.placement import even_sizes, set_placement, shard_range
 
 QWEN3_NEXT = ("in_proj_qkvz", "in_proj_ba", "out_proj")
@@ -209,6 +213,62 @@ def gated_deltanet(sp: ShardingPass, name, m):
     c = ranges[dist.get_rank(sp.group)][1]
     localize_attributes(name, m, dict(num_k_heads=c, num_v_heads=c * per, key_dim=c * hk, value_dim=c * per * hv,
                                       conv_dim=2 * c * hk + c * per * hv))  # fmt: skip
+    sp.shared_input.append(m)
+    sp.done.add(name)
+
+
+# ---- MiniMax's lightning attention -------------------------------------------------------------
+# Buffers holding one entry per head along a dim (the decays the forward reads per block)
+LIGHTNING_BUFFERS = {"slope_rate": 0, "query_decay": 0, "key_decay": 0, "diagonal_decay": 1}
+
+
+def is_lightning_attention(module) -> bool:
+    return has_linears(module, ("qkv_proj", "output_gate", "out_proj")) and all(
+        isinstance(getattr(module, b, None), torch.Tensor) for b in LIGHTNING_BUFFERS
+    )
+
+
+def _split_buffer(sp: ShardingPass, name, module, key, dim, sizes):
+    """A per-head buffer (one entry per head along `dim`) cut to this rank's heads, exported and
+    loaded whole under its own name (buffers carry no gradient)."""
+    full = getattr(module, key)
+    persistent = key not in module._non_persistent_buffers_set
+    module.register_buffer(key, own_slice(full, dim, sp.group, 1, sizes).clone(), persistent=persistent)
+    if not persistent:
+        return
+
+    def export(pick, group):
+        value = pick(getattr(module, key))
+        return {"": all_gather_any(value.contiguous(), dim, group)} if value is not None else {}
+
+    def load(tensors):
+        getattr(module, key).copy_(own_slice(tensors[""], dim, sp.group, 1, sizes))
+
+    def layout():
+        return [pieces.split("", getattr(module, key), dim, sp.group, total=full.shape[dim], sizes=sizes)]
+
+    sp.exports.append((f"{name}.{key}", export, load, layout))
+
+
+def lightning_attention(sp: ShardingPass, name, m):
+    """MiniMax's lightning attention split by heads (see the module docstring)."""
+    _refuse_unknown_children(name, m, ("qkv_proj", "output_gate", "out_proj", "norm", "act_fn"))
+    heads, hd = m.num_attention_heads, m.head_dim
+    if m.qkv_proj.out_features != 3 * heads * hd or m.norm.weight.shape[0] != heads * hd:
+        raise ValueError(f"parallelize: {name}'s projections do not hold {heads} heads of {hd}")
+    eps = rms_norm_eps(m.norm)
+    if eps is None:
+        raise ValueError(f"parallelize: {name}.norm ({type(m.norm).__name__}) is not an RMSNorm tplayers knows")
+    split = head_split(name, heads, sp.n)
+    sp.shared_input_column(f"{name}.qkv_proj", m.qkv_proj, split_unit=3 * hd, split_sizes=split)
+    sp.shared_input_column(f"{name}.output_gate", m.output_gate, split_unit=hd, split_sizes=split)
+    for key, dim in LIGHTNING_BUFFERS.items():
+        _split_buffer(sp, name, m, key, dim, split)
+    norm = ParallelRMSNorm.from_weight(m.norm.weight, eps, group=sp.group, split_unit=hd, split_sizes=split)
+    sp.swap(f"{name}.norm", on_device(norm, m.norm.weight.device))
+    sp.record(f"{name}.norm", norm, 0, False)
+    sp.row(f"{name}.out_proj", m.out_proj, split_unit=hd, split_sizes=split)
+    localize_attributes(name, m, dict(num_attention_heads=split[dist.get_rank(sp.group)]))
     sp.shared_input.append(m)
     sp.done.add(name)
 
