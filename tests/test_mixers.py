@@ -33,6 +33,8 @@ MAMBA2 = dict(hidden_size=36, num_heads=9, head_dim=8, expand=2, n_groups=1, sta
 MAMBA_HYBRID = dict(hidden_size=36, mamba_n_heads=9, mamba_d_head=8, mamba_expand=2, mamba_n_groups=1,
                     mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=4, num_attention_heads=6,
                     num_key_value_heads=2, head_dim=6)  # fmt: skip
+LFM2 = dict(hidden_size=36, num_attention_heads=6, num_key_value_heads=2, conv_L_cache=3,
+            layer_types=["conv", "full_attention"])  # fmt: skip
 # At TP 4: 4 key heads (Gated DeltaNet), 4 groups (Mamba 2 with groups) where the others have 3.
 TP4 = {f: dict(linear_num_key_heads=4, linear_num_value_heads=8) for f in ("qwen3_next", "qwen3_5_text",
                                                                            "qwen3_5_moe_text")}  # fmt: skip
@@ -99,31 +101,11 @@ MIXERS = {
         ),
     ),
     # LFM2: gated short convolutions (kernel 3) over 36 channels, w1 / w3 / w2 MLPs; LFM2-MoE with experts
-    "lfm2": (
-        "lfm2",
-        dict(
-            hidden_size=36,
-            num_attention_heads=6,
-            num_key_value_heads=2,
-            conv_L_cache=3,
-            block_ff_dim=64,
-            layer_types=["conv", "full_attention"],
-        ),
-    ),
+    "lfm2": ("lfm2", dict(LFM2, block_ff_dim=64)),
     "lfm2_moe": (
         "lfm2_moe",
-        dict(
-            hidden_size=36,
-            num_attention_heads=6,
-            num_key_value_heads=2,
-            conv_L_cache=3,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=16,
-            num_dense_layers=1,
-            layer_types=["conv", "full_attention"],
-        ),
-    ),
+        dict(LFM2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, num_dense_layers=1),
+    ),  # fmt: skip
     # MiniMax: lightning attention (6 heads of 6, blocks of 4 over the 8 tokens) and softmax attention layers
     "minimax": (
         "minimax",

@@ -200,21 +200,29 @@ def _held_per_head(sp: ShardingPass, name, attn, heads, sizes):
     for key, p in list(attn._parameters.items()):
         if p is None or p.dim() == 0 or p.shape[0] != heads or heads == 1:
             continue
-        local = nn.Parameter(own_slice(p.detach(), 0, sp.group, 1, sizes).clone(), requires_grad=p.requires_grad)
-        setattr(attn, key, local)
-        set_placement(local, sp.group, Shard(0))
+        split_per_head(sp, name, attn, key, 1, sizes)
 
-        def export(pick, group, key=key):
-            value = pick(getattr(attn, key))
-            return {"": all_gather_any(value.contiguous(), 0, group)} if value is not None else {}
 
-        def load(full, key=key):
-            copy_in(getattr(attn, key), own_slice(full[""], 0, sp.group, 1, sizes))
+def split_per_head(sp: ShardingPass, name, module, key, unit=1, sizes=None):
+    """`module.<key>` (one entry per head along dim 0, `unit` each) cut to this rank's heads
+    (`sizes`, or evenly), placement Shard(0), exported and loaded under its own name."""
+    p = getattr(module, key)
+    total = p.shape[0]
+    local = nn.Parameter(own_slice(p.detach(), 0, sp.group, unit, sizes).clone(), requires_grad=p.requires_grad)
+    setattr(module, key, local)
+    set_placement(local, sp.group, Shard(0))
 
-        def layout(key=key):
-            return [pieces.split("", getattr(attn, key), 0, sp.group, total=heads, sizes=sizes)]
+    def export(pick, group):
+        value = pick(getattr(module, key))
+        return {"": all_gather_any(value.contiguous(), 0, group)} if value is not None else {}
 
-        sp.exports.append((f"{name}.{key}", export, load, layout))
+    def load(full):
+        copy_in(getattr(module, key), own_slice(full[""], 0, sp.group, unit, sizes))
+
+    def layout():
+        return [pieces.split("", getattr(module, key), 0, sp.group, total=total, unit=unit, sizes=sizes)]
+
+    sp.exports.append((f"{name}.{key}", export, load, layout))
 
 
 NORMS_OVER_PROJECTION = {"q_norm": "q_proj", "k_norm": "k_proj"}

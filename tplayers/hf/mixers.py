@@ -36,16 +36,15 @@ import sys
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import Shard
 
 from tplayers.functional.collectives import all_gather_any, own_slice
 from tplayers.hf import pieces
-from tplayers.hf.attention import head_split, localize_attributes, rms_norm_eps
+from tplayers.hf.attention import head_split, localize_attributes, rms_norm_eps, split_per_head
 from tplayers.hf.fused import SummedRowLinear, fused_column, multi_query_column, part_rows, split_and_gathered_column
 from tplayers.hf.shard import ShardingPass, copy_in, gather, has_linears, on_device
 from tplayers.nn.conv import ChannelParallelConv1d
 from tplayers.nn.norm import ParallelGatedRMSNorm, ParallelRMSNorm, gated_rms_norm
-from tplayers.placement import even_sizes, set_placement, shard_range
+from tplayers.placement import even_sizes, shard_range
 
 QWEN3_NEXT = ("in_proj_qkvz", "in_proj_ba", "out_proj")
 QWEN3_5 = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
@@ -85,28 +84,6 @@ def is_mamba2(module) -> bool:
 def _rows(segments, start, count) -> torch.Tensor:
     """The unsharded rows of units [start, start + count) of each (offset, rows per unit) segment."""
     return torch.cat([torch.arange(o + start * w, o + (start + count) * w) for o, w in segments])
-
-
-def _split_param(sp: ShardingPass, name, module, key, unit=1, sizes=None):
-    """`module.<key>` (one entry per head along dim 0, `unit` each) cut to this rank's heads,
-    placement Shard(0), exported and loaded under its own name."""
-    p = getattr(module, key)
-    total = p.shape[0]
-    local = nn.Parameter(own_slice(p.detach(), 0, sp.group, unit, sizes).clone(), requires_grad=p.requires_grad)
-    setattr(module, key, local)
-    set_placement(local, sp.group, Shard(0))
-
-    def export(pick, group):
-        value = pick(getattr(module, key))
-        return {"": all_gather_any(value.contiguous(), 0, group)} if value is not None else {}
-
-    def load(full):
-        copy_in(getattr(module, key), own_slice(full[""], 0, sp.group, unit, sizes))
-
-    def layout():
-        return [pieces.split("", getattr(module, key), 0, sp.group, total=total, unit=unit, sizes=sizes)]
-
-    sp.exports.append((f"{name}.{key}", export, load, layout))
 
 
 def _conv(sp: ShardingPass, name, conv, channels: list[torch.Tensor], whole: torch.Tensor):
@@ -207,7 +184,7 @@ def gated_deltanet(sp: ShardingPass, name, m):
             sp.shared_input_column(f"{name}.{key}", getattr(m, key), split_unit=per, split_sizes=split)
     _conv(sp, f"{name}.conv1d", m.conv1d, qkv, torch.zeros(0, dtype=torch.long))
     for key in ("A_log", "dt_bias"):
-        _split_param(sp, name, m, key, per, split)
+        split_per_head(sp, name, m, key, per, split)
     _head_wise_norm(sp, f"{name}.norm", m.norm, hv)
     sp.row(f"{name}.out_proj", m.out_proj, split_unit=per * hv, split_sizes=split)
     c = ranges[dist.get_rank(sp.group)][1]
@@ -330,10 +307,10 @@ def mamba1_mixer(sp: ShardingPass, name, m):
     sp.record(f"{name}.x_proj", x_proj, 1, False)
     for key in ("weight", "bias"):  # read by the forward itself (dt_proj.weight @ dt): local rows
         if getattr(m.dt_proj, key, None) is not None:
-            _split_param(sp, f"{name}.dt_proj", m.dt_proj, key, 1, split)
+            split_per_head(sp, f"{name}.dt_proj", m.dt_proj, key, 1, split)
     sp.done.add(f"{name}.dt_proj")
     for key in ("A_log", "D"):
-        _split_param(sp, name, m, key, 1, split)
+        split_per_head(sp, name, m, key, 1, split)
     for norm in MAMBA1_NORMS:  # on the whole dt / B / C: each rank's channels give part of the gradient
         sp.partial_grads.extend(getattr(m, norm).parameters() if hasattr(m, norm) else ())
     sp.row(f"{name}.out_proj", m.out_proj, split_sizes=split)
@@ -439,7 +416,7 @@ def mamba2_mixer(sp: ShardingPass, name, m):
     if isinstance(getattr(m, "mup_vector", None), torch.Tensor):  # Falcon-H1's multipliers on in_proj's rows
         m.mup_vector = m.mup_vector[..., local_rows[rank].to(m.mup_vector.device)].clone()
     for key in sorted(MAMBA2_PARAMS):
-        _split_param(sp, name, m, key, 1, split)
+        split_per_head(sp, name, m, key, 1, split)
     _mamba2_norm(sp, f"{name}.norm", m.norm, inner // ng, hd, split, group_ranges[rank][1], whole_groups)
     sp.row(f"{name}.out_proj", m.out_proj, split_unit=hd, split_sizes=split)
     c, gc = ranges[rank][1], group_ranges[rank][1]
@@ -493,7 +470,7 @@ def _mamba2_norm(sp: ShardingPass, name, norm, group_size, hd, split, local_grou
             "tplayers knows; pass a plan for this model"
         )
     if not whole_groups or sp.n == 1:
-        _split_param(sp, name, norm, "weight", hd, split)
+        split_per_head(sp, name, norm, "weight", hd, split)
         if isinstance(getattr(norm, "n_groups", None), int):
             norm.n_groups = local_groups
         return
