@@ -3,7 +3,7 @@
 Each call records the bytes this rank puts on the wire: exact bytes for point-to-point sends,
 and the ring algorithm's cost for collectives ((n-1)/n of the gathered / reduced buffer per
 AllGather or ReduceScatter, 2(n-1)/n per AllReduce) — the minimum any algorithm needs — by op
-kind and by parallelism axis ("tp", "dp", "pp", "ep": expert-parallel dispatch). The engines
+kind and by parallelism axis ("tp", "dp", "pp", "ep": expert-parallel dispatch, "cp": context-parallel attention). The engines
 tplayers drives record theirs too:
 DDP's buckets through a comm hook, FSDP2's gathers and reduce-scatters through its custom
 collectives, the pipeline's sends through the stage (`tplayers.data_parallel`, `tplayers.pipeline`).
@@ -17,7 +17,7 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-AXES = ("tp", "dp", "pp", "ep")
+AXES = ("tp", "dp", "pp", "ep", "cp")
 
 
 class ByteCount(Counter):
@@ -29,7 +29,7 @@ class ByteCount(Counter):
         self.axes = Counter()
 
     def by_axis(self) -> dict[str, int]:
-        """{"tp": ..., "dp": ..., "pp": ..., "ep": ...}: bytes sent over each axis (0 where none)."""
+        """{"tp": ..., "dp": ..., "pp": ..., "ep": ..., "cp": ...}: bytes sent over each axis (0 where none)."""
         return {axis: self.axes[axis] for axis in AXES}
 
 
@@ -140,13 +140,13 @@ def reduce_scatter_into(out, t, group, *, async_op=False, axis="tp"):
     return reduce_scatter_single(out, flat_in, group=group, async_op=async_op)
 
 
-def exchange(send_buf, group_dst: int, recv_buf, group_src: int, group):
+def exchange(send_buf, group_dst: int, recv_buf, group_src: int, group, *, axis="tp"):
     """Send `send_buf` to rank `group_dst` while receiving `recv_buf` from rank `group_src` (indices
     in `group`); returns the works to wait on. NCCL gets one batched call, so it runs both at
     once (two separate calls could deadlock a two-rank ring where both ranks send first); gloo's
     sends and receives are asynchronous anyway, and two plain calls save the batch's Python
     (15-20 us of a ~170 us ring step on 2 CPU ranks, measured)."""
-    _record("send", _nbytes(send_buf))
+    _record("send", _nbytes(send_buf), axis)
     if dist.get_backend(group) == "gloo":
         return [
             dist.isend(send_buf, group=group, group_dst=group_dst),

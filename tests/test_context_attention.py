@@ -1,0 +1,143 @@
+"""Context-parallel attention (ring, all-gather, Ulysses) against whole-sequence attention: output
+and every gradient at CP 2, 3 and 4 over head-tail and per-document layouts, with GQA (fewer key /
+value heads than ranks), sliding windows, softcapping, padding and sequences no rank count divides;
+the ring's bytes; the layout itself."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tplayers.functional import comm
+from tplayers.functional.context import AttentionOptions, context_attention, merge_partials
+from tplayers.functional.context_layout import balanced_layout
+from tplayers.kernels.flash_attention_ref import flash_attention_ref
+from tplayers.testing import assert_close, examples
+
+
+def _local(layout, t):
+    """This rank's slots of a (B, H, S, D) tensor."""
+    return layout.take(t.transpose(1, 2)).transpose(1, 2).contiguous()
+
+
+def _case(seed, B, H, KH, S, D, dtype, docs, padding):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, do = (torch.randn(B, h, S, D, generator=g).to(dtype) for h in (H, KH, KH, H))
+    position_ids = mask = None
+    if docs:  # packed documents of unequal lengths: positions restart at each
+        cuts = sorted(torch.randperm(S - 1, generator=g)[: docs - 1].add(1).tolist())
+        starts = torch.zeros(S, dtype=torch.long)
+        starts[cuts] = 1
+        doc = starts.cumsum(0)
+        first = torch.tensor([0, *cuts])
+        position_ids = (torch.arange(S) - first[doc]).expand(B, S).contiguous()
+    if padding:
+        mask = torch.ones(B, S, dtype=torch.long)
+        mask[0, S - padding :] = 0  # right padding
+        mask[-1, :padding] = 0  # left padding
+    return q, k, v, do, position_ids, mask
+
+
+def _reference(q, k, v, do, layout_whole, opts):
+    """Whole-sequence attention on one rank (fp64), the same metadata in the row's order."""
+    pos, q_doc, k_doc = layout_whole
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    o, _ = flash_attention_ref(*leaves, pos, q_doc, pos, k_doc, **opts.kwargs())
+    o.backward(do.double())
+    return o, *(t.grad for t in leaves)
+
+
+def context_task(rank, world, group, method, seed, B, H, KH, S, D, dtype, docs, padding, window, softcap):
+    q, k, v, do, position_ids, mask = _case(seed, B, H, KH, S, D, dtype, docs, padding)
+    layout = balanced_layout(B, S, world, rank, position_ids=position_ids, attention_mask=mask)
+    opts = AttentionOptions(scale=D**-0.5, window=window, softcap=softcap)
+    # the reference reads the same documents and padding, over the row in its own order
+    whole = balanced_layout(B, S, 1, 0, position_ids=position_ids, attention_mask=mask)
+    order = whole.inverse(S)
+    meta = tuple(t[:, 0].gather(1, order) for t in (whole.pos, whole.q_doc, whole.k_doc))
+    ref = _reference(q, k, v, do, meta, opts)
+    leaves = [_local(layout, t).requires_grad_() for t in (q, k, v)]
+    with comm.count_bytes() as sent:
+        out = context_attention(*leaves, layout, group, opts, method)
+    with comm.count_bytes() as sent_backward:
+        out.backward(_local(layout, do))
+    real = (layout.index[:, rank] >= 0)[:, None, :, None]
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in leaves)), ref, strict=True):
+        want = _local(layout, want.to(got.dtype))
+        assert_close(got * real, want * real, msg=f"{method} {name}")
+    return sent.by_axis()["cp"], sent_backward.by_axis()["cp"], layout.local_len
+
+
+METHOD_CASES = [
+    # method, cp, (B, H, KH, S, D), docs, padding, window, softcap
+    ("ring", 2, (2, 4, 2, 12, 8), 0, 0, None, None),
+    ("ring", 3, (1, 4, 1, 13, 8), 3, 0, None, None),  # uneven: 13 tokens, 3 documents, 1 kv head
+    ("ring", 4, (2, 2, 1, 17, 4), 0, 3, 5, None),  # padding both ways, a window
+    ("allgather", 2, (1, 4, 2, 10, 8), 2, 0, None, 7.0),  # softcap
+    ("allgather", 3, (2, 3, 1, 11, 4), 0, 2, 4, None),
+    ("ulysses", 2, (2, 4, 2, 12, 8), 3, 0, 6, None),
+    ("ulysses", 4, (1, 8, 4, 9, 4), 0, 2, None, 5.0),
+]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", METHOD_CASES, ids=[f"{c[0]}-cp{c[1]}" for c in METHOD_CASES])
+def test_context_attention_equals_whole_sequence(pool, case):
+    method, cp, shape, docs, padding, window, softcap = case
+    pool.run(context_task, cp, method, 0, *shape, torch.float32, docs, padding, window, softcap)
+
+
+@pytest.mark.multirank
+@settings(max_examples=examples(4), deadline=None)
+@given(
+    method=st.sampled_from(["ring", "allgather", "ulysses"]), cp=st.sampled_from([2, 3, 4]),
+    S=st.integers(4, 20), kv_heads=st.sampled_from([1, 2, 4]), docs=st.integers(0, 3),
+    window=st.sampled_from([None, 3]), dtype=st.sampled_from([torch.float32, torch.float16]), seed=st.integers(0, 99),
+)  # fmt: skip
+def test_context_attention_property(pool, method, cp, S, kv_heads, docs, window, dtype, seed):
+    heads = 4 if method != "ulysses" else 4 * cp
+    kv = kv_heads if method != "ulysses" else cp
+    pool.run(context_task, cp, method, seed, 1, heads, kv, S, 4, dtype, min(docs, S - 1), 0, window, None)
+
+
+@pytest.mark.multirank
+def test_ring_bytes_are_kv_blocks_only(pool):
+    """(cp - 1) hops of this rank's K / V, never expanded to the query heads, plus cp hops of their
+    fp32 gradients in backward."""
+    B, H, KH, S, D, cp = 1, 8, 1, 16, 8, 4
+    results = pool.run(context_task, cp, "ring", 1, B, H, KH, S, D, torch.float32, 0, 0, None, None)
+    for sent, sent_backward, local_len in results:
+        block = 2 * B * KH * local_len * D * 4  # fp32 K and V
+        assert sent == (cp - 1) * block and sent_backward == (cp - 1) * block + cp * block, (sent, block)
+
+
+def test_layout_head_tail_and_documents():
+    layout = balanced_layout(1, 8, 2, 0)
+    assert layout.index[0].tolist() == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    # two documents of 5 and 3: each split head-tail on its own; ranks padded to one length
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]])
+    layout = balanced_layout(1, 8, 2, 1, position_ids=pos, multiple=2)
+    assert layout.index[0].tolist() == [[0, 1, 4, 5, 7, -1], [2, 3, 6, -1, -1, -1]]
+    assert layout.q_doc[0].tolist() == [[0, 0, 0, 1, 1, -2], [0, 0, 1, -2, -2, -2]]
+    assert layout.k_doc[0, 1].tolist() == [0, 0, 1, -1, -1, -1]
+    inv = layout.inverse(8)
+    assert layout.index.flatten(1).gather(1, inv).tolist() == [list(range(8))]
+
+
+def test_merge_partials_is_the_softmax_over_both():
+    g = torch.Generator().manual_seed(0)
+    s = torch.randn(3, 10, generator=g)
+    s[2] = float("-inf")  # a row that sees nothing anywhere
+    v = torch.randn(10, 4, generator=g)
+
+    def part(cols):
+        sub = s[:, cols]
+        lse = torch.logsumexp(sub, -1)
+        p = torch.exp(sub - torch.where(torch.isinf(lse), 0, lse)[:, None])
+        return p @ v[cols], lse
+
+    o, lse = merge_partials(*part(slice(0, 4)), *part(slice(4, 10)))
+    want, want_lse = part(slice(0, 10))
+    torch.testing.assert_close(o, want)
+    torch.testing.assert_close(lse, want_lse)
+    assert o[2].abs().sum() == 0

@@ -1,0 +1,216 @@
+"""Attention over a sequence split across a context-parallel group: ring, all-gather, Ulysses.
+
+Each rank holds L tokens of every row (`tplayers.functional.context_layout`: any permutation, with
+their positions and documents) and its q, k, v (B, H, L, D) / (B, KH, L, D). The three ways:
+
+    ring       K / V rotate around the group, cp - 1 hops, each hop's transfer in flight while the
+               current block is attended; partial outputs merged by log-sum-exp in fp32 (the
+               kernel writes them in fp32: no low-precision round trip per hop). Backward rotates
+               K / V again with their fp32 gradients travelling beside them, cp hops home.
+    allgather  K / V gathered once (cheap with few key/value heads), gradients reduce-scattered.
+    ulysses    all-to-all from sequence-split to head-split (heads and key/value heads divisible
+               by cp), whole-sequence attention on H / cp heads, all-to-all back.
+
+K / V are never expanded to the query heads before they are sent: a ring hop moves
+2 x L x KH x D elements. Every way calls one local attention (kernels/flash_attention.py on the
+Triton backend, its reference otherwise) whose backward takes the final o and lse, so each key
+block's share of every gradient is exact.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from tplayers.backend import uses_triton
+from tplayers.functional import comm
+
+METHODS = ("ring", "allgather", "ulysses")
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    scale: float
+    causal: bool = True
+    window: int | None = None
+    softcap: float | None = None
+
+    def kwargs(self):
+        return dict(scale=self.scale, causal=self.causal, window=self.window, softcap=self.softcap)
+
+
+def _attend(q, k, v, qp, qd, kp, kd, opts, out_dtype=None):
+    if uses_triton(q):
+        from tplayers.kernels.flash_attention import flash_attention as attend
+    else:  # the reference module does not import triton
+        from tplayers.kernels.flash_attention_ref import flash_attention_ref as attend
+    return attend(q, k, v, qp, qd, kp, kd, out_dtype=out_dtype, **opts.kwargs())
+
+
+def _attend_backward(do, q, k, v, o, lse, qp, qd, kp, kd, opts):
+    if uses_triton(q):
+        from tplayers.kernels.flash_attention import flash_attention_backward as backward
+    else:
+        from tplayers.kernels.flash_attention_ref import flash_attention_backward_ref as backward
+    return backward(do, q, k, v, o, lse, qp, qd, kp, kd, **opts.kwargs())
+
+
+def merge_partials(o, lse, o_i, lse_i):
+    """Merge a partial attention (o_i, lse_i) into (o, lse) in place (fp32 o): the softmax over
+    both key sets. Rows that saw no key in either keep o = 0, lse = -inf."""
+    new = torch.logaddexp(lse, lse_i)
+    shift = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+    o.mul_(torch.exp(lse - shift).unsqueeze(-1)).add_(o_i * torch.exp(lse_i - shift).unsqueeze(-1))
+    return o, new
+
+
+def _neighbours(group):
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    return n, r, (r + 1) % n, (r - 1) % n
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, layout, group, opts):
+        n, r, nxt, prev = _neighbours(group)
+        qp, qd, _ = layout.local()
+        kv = torch.stack([k, v])
+        o = lse = None
+        for step in range(n):
+            if step < n - 1:  # the next block's transfer runs while this one is attended
+                incoming = torch.empty_like(kv)
+                works = comm.exchange(kv, nxt, incoming, prev, group, axis="cp")
+            o_i, lse_i = _attend(q, kv[0], kv[1], qp, qd, *layout.keys((r - step) % n), opts, out_dtype=torch.float32)
+            o, lse = (o_i, lse_i) if o is None else merge_partials(o, lse, o_i, lse_i)
+            if step < n - 1:
+                for w in works:
+                    w.wait()
+                kv = incoming
+        out = o.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.layout, ctx.group, ctx.opts = layout, group, opts
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        layout, group, opts = ctx.layout, ctx.group, ctx.opts
+        n, r, nxt, prev = _neighbours(group)
+        qp, qd, _ = layout.local()
+        do = do.contiguous()
+        kv, dkv, dq, in_flight = torch.stack([k, v]), None, None, None
+        for step in range(n):
+            if step < n - 1:
+                incoming = torch.empty_like(kv)
+                works = comm.exchange(kv, nxt, incoming, prev, group, axis="cp")
+            dq_i, dk_i, dv_i = _attend_backward(do, q, kv[0], kv[1], o, lse, qp, qd, *layout.keys((r - step) % n), opts)
+            dq = dq_i if dq is None else dq.add_(dq_i)
+            if in_flight is not None:  # the gradient of the block now held, from the rank before
+                for w in in_flight[0]:
+                    w.wait()
+                dkv = in_flight[1]
+                dkv[0].add_(dk_i)
+                dkv[1].add_(dv_i)
+            else:
+                dkv = torch.stack([dk_i, dv_i])
+            received = torch.empty_like(dkv)  # it follows its block: after the last hop, home
+            in_flight = (comm.exchange(dkv, nxt, received, prev, group, axis="cp"), received)
+            if step < n - 1:
+                for w in works:
+                    w.wait()
+                kv = incoming
+        for w in in_flight[0]:
+            w.wait()
+        dkv = in_flight[1]
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+
+
+def _gathered(kv, group):
+    """Every rank's stacked (2, B, KH, L, D) K / V -> (2, B, KH, n * L, D), rank-major."""
+    n = dist.get_world_size(group)
+    out = torch.empty((n, *kv.shape), dtype=kv.dtype, device=kv.device)
+    comm.all_gather_into(out, kv.contiguous(), group, axis="cp")
+    two, B, KH, L, D = kv.shape
+    return out.permute(1, 2, 3, 0, 4, 5).reshape(two, B, KH, n * L, D)
+
+
+class _AllGatherAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, layout, group, opts):
+        qp, qd, _ = layout.local()
+        kp, _, kd = layout.whole()
+        kv = _gathered(torch.stack([k, v]), group)
+        o, lse = _attend(q, kv[0], kv[1], qp, qd, kp, kd, opts)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.layout, ctx.group, ctx.opts = layout, group, opts
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        layout, group = ctx.layout, ctx.group
+        n = dist.get_world_size(group)
+        qp, qd, _ = layout.local()
+        kp, _, kd = layout.whole()
+        kv = _gathered(torch.stack([k, v]), group)  # gathered again: not held from forward to backward
+        dq, dk, dv = _attend_backward(do.contiguous(), q, kv[0], kv[1], o, lse, qp, qd, kp, kd, ctx.opts)
+        B, KH, _, D = dk.shape
+        L = k.shape[2]
+        blocks = torch.stack([dk, dv]).view(2, B, KH, n, L, D).permute(3, 0, 1, 2, 4, 5).contiguous()
+        dkv = torch.empty((2, B, KH, L, D), dtype=blocks.dtype, device=blocks.device)
+        comm.reduce_scatter_into(dkv, blocks, group, axis="cp")
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+
+
+def _to_heads(x, group):
+    """(B, Hx, L, D) sequence-split -> (B, Hx / n, n * L, D) head-split (rank order)."""
+    n = dist.get_world_size(group)
+    B, Hx, L, D = x.shape
+    send = x.reshape(B, n, Hx // n, L, D).transpose(0, 1).contiguous()
+    out = torch.empty_like(send)
+    comm.all_to_all(out, send, [1] * n, group, axis="cp")
+    return out.permute(1, 2, 0, 3, 4).reshape(B, Hx // n, n * L, D)
+
+
+def _to_sequence(y, group):
+    """The inverse of `_to_heads`: (B, Hx / n, n * L, D) -> (B, Hx, L, D)."""
+    n = dist.get_world_size(group)
+    B, h, NL, D = y.shape
+    send = y.reshape(B, h, n, NL // n, D).permute(2, 0, 1, 3, 4).contiguous()
+    out = torch.empty_like(send)
+    comm.all_to_all(out, send, [1] * n, group, axis="cp")
+    return out.transpose(0, 1).reshape(B, n * h, NL // n, D)
+
+
+class _UlyssesAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, layout, group, opts):
+        pos, q_doc, k_doc = layout.whole()
+        qh, kh, vh = (_to_heads(t, group) for t in (q, k, v))
+        o, lse = _attend(qh, kh, vh, pos, q_doc, pos, k_doc, opts)
+        ctx.save_for_backward(qh, kh, vh, o, lse)
+        ctx.layout, ctx.group, ctx.opts = layout, group, opts
+        return _to_sequence(o, group)
+
+    @staticmethod
+    def backward(ctx, do):
+        qh, kh, vh, o, lse = ctx.saved_tensors
+        pos, q_doc, k_doc = ctx.layout.whole()
+        grads = _attend_backward(_to_heads(do, ctx.group), qh, kh, vh, o, lse, pos, q_doc, pos, k_doc, ctx.opts)
+        dq, dk, dv = (_to_sequence(g.to(qh.dtype), ctx.group) for g in grads)
+        return dq, dk, dv, None, None, None
+
+
+def ulysses_fits(heads, kv_heads, cp) -> bool:
+    return heads % cp == 0 and kv_heads % cp == 0
+
+
+def context_attention(q, k, v, layout, group, opts: AttentionOptions, method="ring"):
+    """Attention of this rank's queries q (B, H, L, D) over every rank's keys; k, v (B, KH, L, D)."""
+    if method == "ulysses" and not ulysses_fits(q.shape[1], k.shape[1], dist.get_world_size(group)):
+        raise ValueError(
+            f"context='ulysses' needs the heads ({q.shape[1]}) and key/value heads ({k.shape[1]}) on each rank to "
+            f"divide by the context-parallel size ({dist.get_world_size(group)}); use 'ring' or 'allgather'"
+        )
+    fn = {"ring": _RingAttention, "allgather": _AllGatherAttention, "ulysses": _UlyssesAttention}[method]
+    return fn.apply(q, k, v, layout, group, opts)
