@@ -116,10 +116,10 @@ def test_layout_head_tail_and_documents():
     assert layout.index[0].tolist() == [[0, 1, 6, 7], [2, 3, 4, 5]]
     # two documents of 5 and 3: each split head-tail on its own; ranks padded to one length
     pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]])
-    layout = balanced_layout(1, 8, 2, 1, position_ids=pos, multiple=2)
-    assert layout.index[0].tolist() == [[0, 1, 4, 5, 7, -1], [2, 3, 6, -1, -1, -1]]
-    assert layout.q_doc[0].tolist() == [[0, 0, 0, 1, 1, -2], [0, 0, 1, -2, -2, -2]]
-    assert layout.k_doc[0, 1].tolist() == [0, 0, 1, -1, -1, -1]
+    layout = balanced_layout(1, 8, 2, 1, position_ids=pos, multiple=3)
+    assert layout.index[0].tolist() == [[0, 1, 4, 5, -1, -1], [2, 3, 6, 7, -1, -1]]
+    assert layout.q_doc[0].tolist() == [[0, 0, 0, 1, -2, -2], [0, 0, 1, 1, -2, -2]]
+    assert layout.k_doc[0, 1].tolist() == [0, 0, 1, 1, -1, -1]
     inv = layout.inverse(8)
     assert layout.index.flatten(1).gather(1, inv).tolist() == [list(range(8))]
 
