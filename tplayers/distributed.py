@@ -54,6 +54,30 @@ def expert_data_group(dp_group, ep_group) -> dist.ProcessGroup:
     return _EXPERT_DATA_GROUPS[dp, ep]
 
 
+# (data-parallel ranks, context-parallel ranks) -> the group of both: the replicas of this rank's
+# weights, which data parallelism reduces gradients over
+_CONTEXT_DATA_GROUPS: dict[tuple, dist.ProcessGroup] = {}
+
+
+def register_context_data_group(dp_ranks, cp_ranks, group: dist.ProcessGroup) -> None:
+    """The dp x cp group of this rank (`init_mesh(cp=)`, the test pools' meshes)."""
+    _CONTEXT_DATA_GROUPS[tuple(int(r) for r in dp_ranks), tuple(int(r) for r in cp_ranks)] = group
+
+
+def context_data_group(dp_group, cp_group) -> dist.ProcessGroup:
+    """Every replica of this rank's weights: its data-parallel ranks times its context-parallel
+    ranks (each holds other tokens of the same weights). Made by `init_mesh(dp=..., cp=...)`."""
+    dp, cp = (tuple(dist.get_process_group_ranks(g)) for g in (dp_group, cp_group))
+    if len(dp) == 1:
+        return cp_group
+    if (dp, cp) not in _CONTEXT_DATA_GROUPS:
+        raise ValueError(
+            f"the context group {list(cp)} and the data-parallel group {list(dp)} do not come from one mesh: make "
+            "them with tplayers.init_mesh(dp=..., cp=...) (mesh['dp'], mesh['cp'])"
+        )
+    return _CONTEXT_DATA_GROUPS[dp, cp]
+
+
 def resolve_group(group) -> dist.ProcessGroup:
     """A ProcessGroup from `group` (ProcessGroup, 1-D DeviceMesh or None for the default group).
     A 2-D tensor-parallel mesh (`init_mesh(tp=(r, c))["tp_r", "tp_c"]`) gives its every rank, the
@@ -88,8 +112,12 @@ def _init_cpu_process_group(rank: int, world_size: int, port: int) -> None:
     )
 
 
-def init_mesh(*, dp: int = 1, pp: int = 1, tp: int | tuple[int, int] = 1, ep: int = 1) -> DeviceMesh:
+def init_mesh(*, dp: int = 1, pp: int = 1, cp: int = 1, tp: int | tuple[int, int] = 1, ep: int = 1) -> DeviceMesh:
     """A (dp, pp, tp) DeviceMesh; initialises torch.distributed from torchrun's env vars if needed.
+
+    `cp` > 1: a (dp, pp, cp, tp) mesh, context parallelism between the pipeline and the tensor-
+    parallel ranks; `mesh["cp"]` is the group `parallelize(context_group=)` splits the sequence
+    over, and the dp x cp group (registered here) is what `data_parallel` reduces gradients over.
     `tp=(r, c)`: a (dp, pp, tp_r, tp_c) mesh, whose `mesh["tp_r", "tp_c"]` is the 2-D
     tensor-parallel grid (`tplayers.nn.GridLinear`).
 
@@ -101,7 +129,8 @@ def init_mesh(*, dp: int = 1, pp: int = 1, tp: int | tuple[int, int] = 1, ep: in
     grid = tp if isinstance(tp, tuple) else None
     if grid is not None and len(grid) != 2:
         raise ValueError(f"tp must be an int or a pair (r, c), got {tp!r}")
-    for name, size in (("dp", dp), ("pp", pp), *((("tp_r", grid[0]), ("tp_c", grid[1])) if grid else (("tp", tp),))):
+    for name, size in (("dp", dp), ("pp", pp), ("cp", cp),
+                       *((("tp_r", grid[0]), ("tp_c", grid[1])) if grid else (("tp", tp),))):  # fmt: skip
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"{name} must be a positive int, got {size!r}")
     if not isinstance(ep, int) or ep < 1 or dp % ep:
@@ -110,10 +139,14 @@ def init_mesh(*, dp: int = 1, pp: int = 1, tp: int | tuple[int, int] = 1, ep: in
         )
     if ep > 1 and grid:
         raise ValueError("init_mesh: ep with a 2-D tensor-parallel grid is not supported")
+    if cp > 1 and (grid or ep > 1):
+        raise ValueError("init_mesh: cp with a 2-D tensor-parallel grid or with ep is not supported")
     tp_size = grid[0] * grid[1] if grid else tp
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size != dp * pp * tp_size:
-        raise ValueError(f"world size {world_size} != dp*pp*tp = {dp}*{pp}*{tp_size} = {dp * pp * tp_size}")
+    if world_size != dp * pp * cp * tp_size:
+        raise ValueError(
+            f"world size {world_size} != dp*pp*cp*tp = {dp}*{pp}*{cp}*{tp_size} = {dp * pp * cp * tp_size}"
+        )
     # One GPU per local rank, or CPU ranks on gloo when there are not enough GPUs for that.
     if dist.is_initialized():
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -135,6 +168,11 @@ def init_mesh(*, dp: int = 1, pp: int = 1, tp: int | tuple[int, int] = 1, ep: in
         # the grid's flattened group (resolve_group) is made by every rank of the world: now, while all are here
         grid = mesh["tp_r", "tp_c"]
         register_grid_group(grid.mesh.flatten().tolist(), grid._flatten("tp").get_group())
+        return mesh
+    if cp > 1:
+        mesh = init_device_mesh(device_type, (dp, pp, cp, tp), mesh_dim_names=("dp", "pp", "cp", "tp"))
+        flat = mesh["dp", "cp"]._flatten("dp_cp")  # made by every rank, now
+        register_context_data_group(_ranks(mesh["dp"]), _ranks(mesh["cp"]), flat.get_group())
         return mesh
     if ep > 1:
         mesh = init_device_mesh(device_type, (dp // ep, ep, pp, tp), mesh_dim_names=("edp", "ep", "pp", "tp"))

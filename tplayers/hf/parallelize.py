@@ -38,6 +38,7 @@ from tplayers.functional.collectives import (
 )
 from tplayers.hf import families, lora
 from tplayers.hf import verify as verification
+from tplayers.hf.context import apply_context
 from tplayers.hf.grid import parallelize_grid
 from tplayers.hf.pipeline_split import SEQUENCE_PARALLEL
 from tplayers.hf.same_inputs import check_same_inputs
@@ -252,7 +253,7 @@ def _decoder_blocks(model, placed):
 
 def parallelize(
     model, *, group=None, sequence_parallel=False, plan=None, vocab_parallel_logits=False, verify=None, overlap="auto",
-    expert_group=None,
+    expert_group=None, context_group=None, context="auto",
 ):  # fmt: skip
     """Shard `model` in place over `group` (see the module docstring); returns it.
 
@@ -283,6 +284,12 @@ def parallelize(
     (`tplayers.hf.expert_parallel`); each expert's features still split over `group`. Its ranks
     feed different batches (it folds over the data-parallel ranks): `tplayers.data_parallel`
     then reduces the expert weights over the expert-data-parallel group.
+
+    context_group: the sequence split over this group (e.g. `init_mesh(cp=2, tp=2)["cp"]`) through
+    attention too (`tplayers.hf.context`); every rank of it is given the same whole batch, and the
+    loss and logits come back whole. context: "auto" (priced by the cost model per attention
+    call), "ring", "allgather" or "ulysses". `tplayers.data_parallel` then reduces gradients over
+    dp x cp.
     """
     check_overlap(overlap, "parallelize")
     guards.guard_accelerate()  # a plain Trainer / Accelerator handed the result raises (accelerate is loaded by now)
@@ -291,6 +298,8 @@ def parallelize(
     layers = lora.lora_layers(model)
     if expert_group is not None:
         kwargs["expert_group"] = _expert_group(expert_group, group)
+    if context_group is not None:
+        kwargs["context"] = _context(context_group, context, group, expert_group, vocab_parallel_logits)
     if is_grid(group):  # a 2-D tensor-parallel mesh (tplayers.hf.grid)
         if expert_group is not None:
             raise ValueError("parallelize: expert_group with a 2-D tensor-parallel mesh is not supported")
@@ -305,6 +314,26 @@ def parallelize(
         model = _parallelize(model, group=resolve_group(group), verify=verify, **kwargs)
     refuse_own_save_pretrained(model)
     return model
+
+
+def _context(context_group, context, group, expert_group, vocab_parallel_logits):
+    """(the context-parallel group, the method), refused where it cannot compose (before any collective)."""
+    from tplayers.hf.context import CHOICES
+
+    if context not in CHOICES:
+        raise ValueError(f"parallelize: context must be one of {CHOICES}, got {context!r}")
+    if is_grid(group) or expert_group is not None or vocab_parallel_logits:
+        what = "a 2-D tensor-parallel mesh" if is_grid(group) else (
+            "expert_group" if expert_group is not None else "vocab_parallel_logits")  # fmt: skip
+        raise ValueError(f"parallelize: context_group with {what} is not supported")
+    pg, tp = resolve_group(context_group), resolve_group(group)
+    shared = sorted(set(dist.get_process_group_ranks(pg)) & set(dist.get_process_group_ranks(tp)))
+    if len(shared) > 1:
+        raise ValueError(
+            f"parallelize: context_group shares ranks {shared} with the tensor-parallel group; use "
+            "tplayers.init_mesh(cp=..., tp=...) and pass mesh['cp'] and mesh['tp']"
+        )
+    return pg, context
 
 
 def _expert_group(expert_group, group):
@@ -322,7 +351,7 @@ def _expert_group(expert_group, group):
 
 def _parallelize(
     model, *, group, sequence_parallel=False, plan=None, vocab_parallel_logits=False, verify=None, overlap="auto",
-    keep=frozenset(), expert_group=None,
+    keep=frozenset(), expert_group=None, context=None,
 ):  # fmt: skip
     """`parallelize` of a model without adapters; `keep`: modules no sharding layout may fuse
     with another (they carry LoRA adapters)."""
@@ -359,6 +388,9 @@ def _parallelize(
     setattr(model, TIED, parallelizer.tied)
     lora.record_weight_maps(model, parallelizer.exports)  # what adapters added later follow
     parallelizer.release()  # the export records outlive the pass: they must not hold the model
+    if context is not None:  # the sequence split over the context group too, before the self-check
+        tp = dist.get_world_size(group)
+        apply_context(model, *context, multiple=tp if sequence_parallel else 1, tp=tp)
     seal(model)
     verification.after(probe, model, group=group, vocab_parallel=vocab_parallel_logits, expert_group=expert_group)
     check_same_inputs(model, group)  # armed after the self-check: the user's first forward is checked

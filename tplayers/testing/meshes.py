@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from tplayers.distributed import register_expert_data_group, register_grid_group
+from tplayers.distributed import register_context_data_group, register_expert_data_group, register_grid_group
 
 DIMS = ("dp", "pp", "tp")
 GRID_DIMS = ("dp", "pp", "tp_r", "tp_c")
@@ -37,6 +37,9 @@ def prepare_mesh(*sizes: int) -> None:
         return
     if key and key[0] == "ep":
         _meshes[key] = _expert_groups(*key[1:])
+        return
+    if key and key[0] == "cp":
+        _meshes[key] = _context_groups(*key[1:])
         return
     if len(key) not in (3, 4):
         raise ValueError(f"prepare_mesh: (dp, pp, tp) or (dp, pp, tp_r, tp_c), got {key}")
@@ -59,8 +62,42 @@ EXPERT_DIMS = ("edp", "ep", "pp", "tp")
 
 
 def mesh_ranks(key) -> int:
-    """The ranks a mesh key spans: dp * pp * tp (* the grid's r * c); ("ep", dp, ep, pp, tp): dp * pp * tp."""
-    return math.prod(key[1:]) // key[2] if key[0] == "ep" else math.prod(key)
+    """The ranks a mesh key spans: dp * pp * tp (* the grid's r * c); ("ep", dp, ep, pp, tp): dp * pp * tp;
+    ("cp", dp, pp, cp, tp): dp * pp * cp * tp."""
+    if key[0] == "ep":
+        return math.prod(key[1:]) // key[2]
+    return math.prod(key[1:]) if key[0] == "cp" else math.prod(key)
+
+
+CONTEXT_DIMS = ("dp", "pp", "cp", "tp")
+
+
+def _context_groups(dp, pp, cp, tp) -> dict:
+    """A ("dp", "pp", "cp", "tp") mesh's groups over its first dp * pp * cp * tp ranks (as
+    `tplayers.init_mesh(cp=)` lays it out), with this rank's dp x cp group registered."""
+    grid, rank, mine = _grid(dp, pp, cp, tp), dist.get_rank(), {}
+    for dim, name in enumerate(CONTEXT_DIMS):
+        for ranks in _lines(grid, dim):
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine[name] = group
+    for ranks in _lines(grid.permute(0, 2, 1, 3).reshape(dp * cp, pp, tp), 0):
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine["dp_cp"] = group
+    if len(mine) == len(CONTEXT_DIMS) + 1:
+        ranks = {name: dist.get_process_group_ranks(g) for name, g in mine.items()}
+        register_context_data_group(ranks["dp"], ranks["cp"], mine["dp_cp"])
+    return mine
+
+
+def context_mesh(dp, pp, cp, tp) -> dict:
+    """This rank's groups {"dp", "pp", "cp", "tp", "dp_cp"} of the mesh `prepare_mesh("cp", dp, pp,
+    cp, tp)` made (`WorkerPool.run(..., mesh=("cp", dp, pp, cp, tp))`)."""
+    groups = _meshes.get(("cp", dp, pp, cp, tp))
+    if groups is None:
+        raise RuntimeError(f"context_mesh: the {(dp, pp, cp, tp)} mesh was not prepared (run the task with mesh=)")
+    return groups
 
 
 def _expert_groups(dp, ep, pp, tp) -> dict:

