@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 import transformers
 
 import tplayers
@@ -69,19 +70,25 @@ def train_once(model, ids, labels, kwargs):
 
 
 def context_matches(rank, world, group, family, mesh, method="auto", sp=False, batch=2, seq=13, docs=0, padding=0,
-                    dtype=torch.float32, wrap=False):  # fmt: skip
+                    dtype=torch.float32, zero=None, verify=False):  # fmt: skip
     dp, pp, cp, tp = mesh
     groups = context_mesh(*mesh)
     model = build(family, dtype)
     reference = copy.deepcopy(model)
-    ids, labels, kwargs = inputs(batch, seq, docs, padding)
+    replica = dist.get_rank(groups["dp"])
+    ids, labels, kwargs = inputs(batch, seq, docs, padding, seed=3 + replica)  # each replica its own batch
     tplayers.parallelize(model, group=groups["tp"], context_group=groups["cp"], context=method, sequence_parallel=sp,
-                         verify=False)  # fmt: skip
-    if wrap:
-        tplayers.data_parallel(model, group=groups["dp"])
+                         verify=verify)  # fmt: skip
+    if zero is not None:
+        tplayers.data_parallel(model, group=groups["dp"], zero_stage=zero)
     with comm.count_bytes() as sent:
         out = train_once(model, ids, labels, kwargs)
     want = train_once(reference, ids, labels, kwargs)
+    for other in range(dp):  # the replicas' batches: the gradient is their mean
+        if other != replica:
+            train_once(reference, *inputs(batch, seq, docs, padding, seed=3 + other))
+    for p in reference.parameters():
+        p.grad /= dp
     if docs:  # the reference packs as it should: each document's logits are its own alone
         starts = (kwargs["position_ids"][0] == 0).nonzero().flatten().tolist() + [seq]
         with torch.no_grad():
@@ -119,3 +126,22 @@ def test_context_parallel_equals_unsharded(pool, case):
     family, mesh, method, sp, docs, padding = case
     n = mesh[0] * mesh[1] * mesh[2] * mesh[3]
     pool.run(context_matches, n, family, mesh, method, sp, 2, 13, docs, padding, mesh=("cp", *mesh))
+
+
+WRAPPED = [((1, 1, 2, 1), 0), ((2, 1, 2, 1), 0), ((1, 1, 2, 2), 3), ((2, 1, 2, 1), 2)]
+
+
+@pytest.mark.parametrize("case", WRAPPED, ids=[f"dp{m[0]}-cp{m[2]}-tp{m[3]}-zero{z}" for m, z in WRAPPED])
+def test_data_parallel_reduces_over_dp_and_cp(pool, case):
+    """data_parallel over mesh['dp'] reduces over dp x cp (also at dp = 1), at ZeRO 0, 2 and 3:
+    the replicas' mean of the unsharded gradients."""
+    mesh, zero = case
+    n = mesh[0] * mesh[1] * mesh[2] * mesh[3]
+    pool.run(context_matches, n, "llama", mesh, "ring", mesh[3] > 1, 2, 12, 0, 0, torch.float32, zero,
+             mesh=("cp", *mesh))  # fmt: skip
+
+
+def test_self_check_runs_through_context_parallelism(pool):
+    """parallelize's own check (on by default) passes through the split: CP 2 x TP 2 + SP."""
+    pool.run(context_matches, 4, "qwen2", (1, 1, 2, 2), "allgather", True, 2, 12, 0, 0, torch.float32, None, None,
+             mesh=("cp", 1, 1, 2, 2))  # fmt: skip

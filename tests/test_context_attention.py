@@ -12,7 +12,7 @@ from tplayers.functional import comm
 from tplayers.functional.context import AttentionOptions, context_attention, merge_partials
 from tplayers.functional.context_layout import balanced_layout
 from tplayers.kernels.flash_attention_ref import flash_attention_ref
-from tplayers.testing import assert_close, examples
+from tplayers.testing import RemoteError, assert_close, examples
 
 
 def _local(layout, t):
@@ -47,9 +47,12 @@ def _reference(q, k, v, do, layout_whole, opts):
     return o, *(t.grad for t in leaves)
 
 
-def context_task(rank, world, group, method, seed, B, H, KH, S, D, dtype, docs, padding, window, softcap):
+def context_task(rank, world, group, method, seed, B, H, KH, S, D, dtype, docs, padding, window, softcap,
+                 wrong=False):  # fmt: skip
     q, k, v, do, position_ids, mask = _case(seed, B, H, KH, S, D, dtype, docs, padding)
     layout = balanced_layout(B, S, world, rank, position_ids=position_ids, attention_mask=mask)
+    if wrong:  # negative control: every rank's queries told they sit where the next rank's do
+        layout.pos = layout.pos.roll(1, dims=1)
     opts = AttentionOptions(scale=D**-0.5, window=window, softcap=softcap)
     # the reference reads the same documents and padding, over the row in its own order
     whole = balanced_layout(B, S, 1, 0, position_ids=position_ids, attention_mask=mask)
@@ -109,6 +112,13 @@ def test_ring_bytes_are_kv_blocks_only(pool):
     for sent, sent_backward, local_len in results:
         block = 2 * B * KH * local_len * D * 4  # fp32 K and V
         assert sent == (cp - 1) * block and sent_backward == (cp - 1) * block + cp * block, (sent, block)
+
+
+@pytest.mark.multirank
+def test_a_wrong_layout_fails_the_comparison(pool):
+    replies = pool.run(context_task, 2, "ring", 0, 1, 2, 1, 12, 4, torch.float32, 0, 0, None, None, True,
+                       return_exceptions=True)  # fmt: skip
+    assert all(isinstance(r, RemoteError) and "ring out" in r.message for r in replies), replies
 
 
 def test_layout_head_tail_and_documents():

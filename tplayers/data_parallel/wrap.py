@@ -45,7 +45,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tplayers.data_parallel.compress import Compression, Compressor, compressed_mean
-from tplayers.distributed import expert_data_group, resolve_group
+from tplayers.distributed import CONTEXT_STATE, context_data_group, expert_data_group, resolve_group
 from tplayers.functional import comm
 from tplayers.nn.experts import ParallelExperts
 from tplayers.placement import TIED_ACROSS_STAGES, get_placement, refuse_overlap, seal, update_placement
@@ -243,6 +243,9 @@ def data_parallel(
     `init_mesh(dp=2, tp=2)["dp"]`; None: every rank) at `zero_stage` 0-3 (module docstring), in
     place; returns it. Build the optimizer afterwards, with `data_parallel_optimizer`.
 
+    A context-parallel model (`parallelize(context_group=)`) is reduced over dp x cp (the group
+    `init_mesh(dp=..., cp=...)` made), also at dp = 1: every rank of both holds the same weights.
+
     16-bit training (ZeRO 2-3): keep the model in fp32 and pass `param_dtype=torch.bfloat16` (or
     fp16): FSDP2 computes forward and backward with 16-bit copies of the parameters it gathers,
     reduces gradients in fp32, and the fp32 shards it keeps are the master weights (each replica
@@ -254,6 +257,10 @@ def data_parallel(
     compressor is `module._tplayers_compressor` (its residuals, PowerSGD's state) at stages 0-1."""
     global _stale_hook
     mesh, pg = _mesh_and_group(group)
+    context = getattr(module, CONTEXT_STATE, None)
+    if context is not None:  # a context-parallel model: its weights' replicas are dp x cp
+        pg = context_data_group(pg, context.group)
+        mesh = DeviceMesh.from_group(pg, mesh.device_type)
     compression = Compression.parse(compress)
     if compression is not None:
         compression.check_stage(zero_stage)
@@ -337,6 +344,8 @@ def data_parallel(
     # the same dense weights and the same experts (every replica would hold another's experts)
     sharded_over = expert_data_group(pg, experts[0].expert_group) if zero_stage == 1 and experts else pg
     setattr(module, _WRAPPED, (sharded_over, zero_stage))
+    if context is not None:  # the parameters' own sums over cp stand down; the loss scales by cp
+        context.reduced_by_data_parallel = True
     if any(get_placement(p) is not None for p in module.parameters()):
         seal(module)  # the records of FSDP2's new parameters, kept by their modules
     return module

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from tplayers.distributed import CONTEXT_STATE
 from tplayers.functional import comm
 from tplayers.functional.context import METHODS, AttentionOptions, context_attention, ulysses_fits
 from tplayers.functional.context_layout import balanced_layout
@@ -38,7 +39,7 @@ from tplayers.functional.cost_model import default_costs
 from tplayers.hf.attention import forward_source
 
 ATTENTION = "tplayers_context"
-STATE = "_tplayers_context"
+STATE = CONTEXT_STATE
 CHOICES = ("auto", *METHODS)
 # what the layers of other kinds would need to see across ranks (a recurrence, a convolution)
 _SEQUENTIAL = ("Mamba", "DeltaNet", "LinearAttention", "ShortConv", "Lightning", "Mixer", "Recurrent", "Rwkv")
