@@ -25,6 +25,7 @@ import math
 import os
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -35,7 +36,7 @@ __all__ = ["flash_attention", "flash_attention_backward", "flash_attention_backw
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Small tiles in the interpreter, so the test shapes walk several tiles and skip some.
 INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=16)
-_BIG = tl.constexpr(1 << 30)
+_BIG = 1 << 30  # tile bounds of a tile without real tokens: meets nothing
 
 
 def _gpu_config(kernel, head_dim):
@@ -49,53 +50,8 @@ def _gpu_config(kernel, head_dim):
 
 
 @triton.jit
-def _tanh(x):
-    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
-
-
-@triton.jit
-def _bounds(pos, doc):
-    """Lowest / highest position and document of a tile's real tokens (doc >= 0)."""
-    real = doc >= 0
-    return (tl.min(tl.where(real, pos, _BIG)), tl.max(tl.where(real, pos, -_BIG)),
-            tl.min(tl.where(real, doc, _BIG)), tl.max(tl.where(real, doc, -_BIG)))  # fmt: skip
-
-
-@triton.jit
-def _meets(qp_lo, qp_hi, qd_lo, qd_hi, kp_lo, kp_hi, kd_lo, kd_hi, window,
-           CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):  # fmt: skip
-    """Whether a query tile and a key tile may have one allowed pair (conservative)."""
-    meets = (kd_hi >= qd_lo) & (kd_lo <= qd_hi)  # false too where either tile has no real token
-    if CAUSAL:
-        meets = meets & (kp_lo <= qp_hi)
-    if HAS_WINDOW:
-        meets = meets & (kp_hi > qp_lo - window) & (kp_lo < qp_hi + window)
-    return meets
-
-
-@triton.jit
-def _scores(q, k, qp, qd, kp, kd, scale, softcap, window,
-            CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-            INPUT_PRECISION: tl.constexpr):  # fmt: skip
-    """fp32 scores of a (BLOCK_M, BLOCK_N) tile, -inf where not allowed; and tanh of the capped
-    scores (ones without softcap) for the backward."""
-    s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale
-    t = s
-    if HAS_SOFTCAP:
-        t = _tanh(s / softcap)
-        s = t * softcap
-    ok = qd[:, None] == kd[None, :]
-    diff = qp[:, None] - kp[None, :]
-    if CAUSAL:
-        ok = ok & (diff >= 0)
-    if HAS_WINDOW:
-        ok = ok & (diff < window) & (diff > -window)
-    return tl.where(ok, s, float("-inf")), t
-
-
-@triton.jit
 def _flash_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qpos_ptr, qdoc_ptr, kpos_ptr, kdoc_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qpos_ptr, qdoc_ptr, kpos_ptr, kdoc_ptr, qbounds_ptr, kbounds_ptr,
     H, N_REP, M, N, D, scale, softcap, window,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
@@ -112,7 +68,9 @@ def _flash_fwd_kernel(
     q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     qp = tl.load(qpos_ptr + b * M + offs_m, mask=m_ok, other=0)
     qd = tl.load(qdoc_ptr + b * M + offs_m, mask=m_ok, other=-2)
-    qp_lo, qp_hi, qd_lo, qd_hi = _bounds(qp, qd)
+    qb = qbounds_ptr + (b * ((M + BLOCK_M - 1) // BLOCK_M) + tl.program_id(0)).to(tl.int64) * 4
+    qp_lo, qp_hi = tl.load(qb), tl.load(qb + 1)
+    qd_lo, qd_hi = tl.load(qb + 2), tl.load(qb + 3)
     if UPCAST:
         q = q.to(tl.float32)
     k_base = k_ptr + b.to(tl.int64) * stride_kb + kh * stride_kh
@@ -126,16 +84,33 @@ def _flash_fwd_kernel(
         n_ok = offs_n < N
         kp = tl.load(kpos_ptr + b * N + offs_n, mask=n_ok, other=0)
         kd = tl.load(kdoc_ptr + b * N + offs_n, mask=n_ok, other=-1)
-        kp_lo, kp_hi, kd_lo, kd_hi = _bounds(kp, kd)
-        if _meets(qp_lo, qp_hi, qd_lo, qd_hi, kp_lo, kp_hi, kd_lo, kd_hi, window, CAUSAL, HAS_WINDOW):
+        kb = kbounds_ptr + (b * ((N + BLOCK_N - 1) // BLOCK_N) + n0 // BLOCK_N).to(tl.int64) * 4
+        kp_lo, kp_hi = tl.load(kb), tl.load(kb + 1)
+        kd_lo, kd_hi = tl.load(kb + 2), tl.load(kb + 3)
+        meets = (kd_hi >= qd_lo) & (kd_lo <= qd_hi)  # false where either tile has no real token
+        if CAUSAL:
+            meets = meets & (kp_lo <= qp_hi)
+        if HAS_WINDOW:
+            meets = meets & (kp_hi > qp_lo - window) & (kp_lo < qp_hi + window)
+        if meets:
             kv_mask = n_ok[:, None] & d_ok[None, :]
             k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            s, _ = _scores(q, k, qp, qd, kp, kd, scale, softcap, window, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
-                           INPUT_PRECISION)  # fmt: skip
+            s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale
+            t = s
+            if HAS_SOFTCAP:  # softcap * tanh(s / softcap); t = tanh for the backward
+                t = 2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0
+                s = t * softcap
+            ok = qd[:, None] == kd[None, :]
+            diff = qp[:, None] - kp[None, :]
+            if CAUSAL:
+                ok = ok & (diff >= 0)
+            if HAS_WINDOW:
+                ok = ok & (diff < window) & (diff > -window)
+            s = tl.where(ok, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             # rows that have seen no allowed key yet keep max -inf: shift by 0 so no nan appears
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -155,14 +130,9 @@ def _flash_fwd_kernel(
 
 
 @triton.jit
-def _probabilities(s, lse):
-    """exp(s - lse) of a tile; 0 where not allowed (also on rows that see nothing, lse = -inf)."""
-    return tl.where(s == float("-inf"), 0.0, tl.exp(s - tl.where(lse == float("-inf"), 0.0, lse)[:, None]))
-
-
-@triton.jit
 def _flash_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, qpos_ptr, qdoc_ptr, kpos_ptr, kdoc_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    qpos_ptr, qdoc_ptr, kpos_ptr, kdoc_ptr, qbounds_ptr, kbounds_ptr,
     H, N_REP, M, N, D, scale, softcap, window,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
@@ -185,7 +155,9 @@ def _flash_dkdv_kernel(
         v = v.to(tl.float32)
     kp = tl.load(kpos_ptr + b * N + offs_n, mask=n_ok, other=0)
     kd = tl.load(kdoc_ptr + b * N + offs_n, mask=n_ok, other=-1)
-    kp_lo, kp_hi, kd_lo, kd_hi = _bounds(kp, kd)
+    kb = kbounds_ptr + (b * ((N + BLOCK_N - 1) // BLOCK_N) + tl.program_id(0)).to(tl.int64) * 4
+    kp_lo, kp_hi = tl.load(kb), tl.load(kb + 1)
+    kd_lo, kd_hi = tl.load(kb + 2), tl.load(kb + 3)
 
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
@@ -199,8 +171,15 @@ def _flash_dkdv_kernel(
             m_ok = offs_m < M
             qp = tl.load(qpos_ptr + b * M + offs_m, mask=m_ok, other=0)
             qd = tl.load(qdoc_ptr + b * M + offs_m, mask=m_ok, other=-2)
-            qp_lo, qp_hi, qd_lo, qd_hi = _bounds(qp, qd)
-            if _meets(qp_lo, qp_hi, qd_lo, qd_hi, kp_lo, kp_hi, kd_lo, kd_hi, window, CAUSAL, HAS_WINDOW):
+            qb = qbounds_ptr + (b * ((M + BLOCK_M - 1) // BLOCK_M) + m0 // BLOCK_M).to(tl.int64) * 4
+            qp_lo, qp_hi = tl.load(qb), tl.load(qb + 1)
+            qd_lo, qd_hi = tl.load(qb + 2), tl.load(qb + 3)
+            meets = (kd_hi >= qd_lo) & (kd_lo <= qd_hi)  # false where either tile has no real token
+            if CAUSAL:
+                meets = meets & (kp_lo <= qp_hi)
+            if HAS_WINDOW:
+                meets = meets & (kp_hi > qp_lo - window) & (kp_lo < qp_hi + window)
+            if meets:
                 q_mask = m_ok[:, None] & d_ok[None, :]
                 q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=q_mask, other=0.0)
                 do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :], mask=q_mask, other=0.0)
@@ -209,9 +188,20 @@ def _flash_dkdv_kernel(
                     do = do.to(tl.float32)
                 lse = tl.load(lse_ptr + row_base + offs_m, mask=m_ok, other=float("-inf"))
                 delta = tl.load(delta_ptr + row_base + offs_m, mask=m_ok, other=0.0)
-                s, t = _scores(q, k, qp, qd, kp, kd, scale, softcap, window, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
-                               INPUT_PRECISION)  # fmt: skip
-                p = _probabilities(s, lse)
+                s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale
+                t = s
+                if HAS_SOFTCAP:  # softcap * tanh(s / softcap); t = tanh for the backward
+                    t = 2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0
+                    s = t * softcap
+                ok = qd[:, None] == kd[None, :]
+                diff = qp[:, None] - kp[None, :]
+                if CAUSAL:
+                    ok = ok & (diff >= 0)
+                if HAS_WINDOW:
+                    ok = ok & (diff < window) & (diff > -window)
+                s = tl.where(ok, s, float("-inf"))
+                # exp(s - lse), 0 where not allowed (also on rows that see nothing: lse = -inf)
+                p = tl.where(s == float("-inf"), 0.0, tl.exp(s - tl.where(lse == float("-inf"), 0.0, lse)[:, None]))
                 dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=INPUT_PRECISION)
                 ds = p * (tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION) - delta[:, None])
                 if HAS_SOFTCAP:
@@ -225,7 +215,8 @@ def _flash_dkdv_kernel(
 
 @triton.jit
 def _flash_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, qpos_ptr, qdoc_ptr, kpos_ptr, kdoc_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    qpos_ptr, qdoc_ptr, kpos_ptr, kdoc_ptr, qbounds_ptr, kbounds_ptr,
     H, N_REP, M, N, D, scale, softcap, window,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
@@ -250,7 +241,9 @@ def _flash_dq_kernel(
     delta = tl.load(delta_ptr + bh.to(tl.int64) * M + offs_m, mask=m_ok, other=0.0)
     qp = tl.load(qpos_ptr + b * M + offs_m, mask=m_ok, other=0)
     qd = tl.load(qdoc_ptr + b * M + offs_m, mask=m_ok, other=-2)
-    qp_lo, qp_hi, qd_lo, qd_hi = _bounds(qp, qd)
+    qb = qbounds_ptr + (b * ((M + BLOCK_M - 1) // BLOCK_M) + tl.program_id(0)).to(tl.int64) * 4
+    qp_lo, qp_hi = tl.load(qb), tl.load(qb + 1)
+    qd_lo, qd_hi = tl.load(qb + 2), tl.load(qb + 3)
     k_base = k_ptr + b.to(tl.int64) * stride_kb + kh * stride_kh
     v_base = v_ptr + b.to(tl.int64) * stride_vb + kh * stride_vh
 
@@ -260,17 +253,35 @@ def _flash_dq_kernel(
         n_ok = offs_n < N
         kp = tl.load(kpos_ptr + b * N + offs_n, mask=n_ok, other=0)
         kd = tl.load(kdoc_ptr + b * N + offs_n, mask=n_ok, other=-1)
-        kp_lo, kp_hi, kd_lo, kd_hi = _bounds(kp, kd)
-        if _meets(qp_lo, qp_hi, qd_lo, qd_hi, kp_lo, kp_hi, kd_lo, kd_hi, window, CAUSAL, HAS_WINDOW):
+        kb = kbounds_ptr + (b * ((N + BLOCK_N - 1) // BLOCK_N) + n0 // BLOCK_N).to(tl.int64) * 4
+        kp_lo, kp_hi = tl.load(kb), tl.load(kb + 1)
+        kd_lo, kd_hi = tl.load(kb + 2), tl.load(kb + 3)
+        meets = (kd_hi >= qd_lo) & (kd_lo <= qd_hi)  # false where either tile has no real token
+        if CAUSAL:
+            meets = meets & (kp_lo <= qp_hi)
+        if HAS_WINDOW:
+            meets = meets & (kp_hi > qp_lo - window) & (kp_lo < qp_hi + window)
+        if meets:
             kv_mask = n_ok[:, None] & d_ok[None, :]
             k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            s, t = _scores(q, k, qp, qd, kp, kd, scale, softcap, window, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
-                           INPUT_PRECISION)  # fmt: skip
-            p = _probabilities(s, lse)
+            s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale
+            t = s
+            if HAS_SOFTCAP:  # softcap * tanh(s / softcap); t = tanh for the backward
+                t = 2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0
+                s = t * softcap
+            ok = qd[:, None] == kd[None, :]
+            diff = qp[:, None] - kp[None, :]
+            if CAUSAL:
+                ok = ok & (diff >= 0)
+            if HAS_WINDOW:
+                ok = ok & (diff < window) & (diff > -window)
+            s = tl.where(ok, s, float("-inf"))
+            # exp(s - lse), 0 where not allowed (also on rows that see nothing: lse = -inf)
+            p = tl.where(s == float("-inf"), 0.0, tl.exp(s - tl.where(lse == float("-inf"), 0.0, lse)[:, None]))
             ds = p * (tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION) - delta[:, None])
             if HAS_SOFTCAP:
                 ds = ds * (1.0 - t * t)
@@ -278,6 +289,20 @@ def _flash_dq_kernel(
 
     out = bh.to(tl.int64) * M * D + offs_m[:, None] * D + offs_d[None, :]
     tl.store(dq_ptr + out, dq * scale, mask=q_mask)
+
+
+def tile_bounds(pos, doc, block):
+    """(B, cdiv(n, block), 4) int32: each tile's lowest / highest position and document over its
+    real tokens (doc >= 0; none: +-2**30, which meets nothing). A few torch reductions per call, so
+    the kernels skip tiles with four scalar loads."""
+    B, n = pos.shape
+    pad = -n % block
+    doc = F.pad(doc, (0, pad), value=-1).view(B, -1, block)
+    pos = F.pad(pos, (0, pad)).view(B, -1, block)
+    real = doc >= 0
+    bounds = [torch.where(real, t, fill).amin(-1) if fill > 0 else torch.where(real, t, fill).amax(-1)
+              for t, fill in ((pos, _BIG), (pos, -_BIG), (doc, _BIG), (doc, -_BIG))]  # fmt: skip
+    return torch.stack(bounds, -1).to(torch.int32).contiguous()
 
 
 def _unit_last(t):
@@ -330,9 +355,10 @@ def flash_attention(
         return o, lse
     cfg = _config("fwd", D)
     grid = (triton.cdiv(M, cfg["BLOCK_M"]), B * H)
+    bounds = tile_bounds(q_pos, q_doc, cfg["BLOCK_M"]), tile_bounds(k_pos, k_doc, cfg["BLOCK_N"])
     with _on(q):
         _flash_fwd_kernel[grid](
-            q, k, v, o, lse, q_pos.contiguous(), q_doc.contiguous(), k_pos.contiguous(), k_doc.contiguous(),
+            q, k, v, o, lse, q_pos.contiguous(), q_doc.contiguous(), k_pos.contiguous(), k_doc.contiguous(), *bounds,
             H, H // KH, M, N, D, *_scalars(q, scale, window, softcap),
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
             **_flags(q, causal, window, softcap), **cfg,
@@ -355,12 +381,13 @@ def flash_attention_backward(
     dv = torch.zeros_like(dk)
     if B * H * M * N == 0:
         return dq, dk, dv
-    meta = (q_pos.contiguous(), q_doc.contiguous(), k_pos.contiguous(), k_doc.contiguous())
+    cfg = _config("bwd", D)
+    meta = (q_pos.contiguous(), q_doc.contiguous(), k_pos.contiguous(), k_doc.contiguous(),
+            tile_bounds(q_pos, q_doc, cfg["BLOCK_M"]), tile_bounds(k_pos, k_doc, cfg["BLOCK_N"]))  # fmt: skip
     common = (H, H // KH, M, N, D, *_scalars(q, scale, window, softcap),
               *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])  # fmt: skip
     flags = _flags(q, causal, window, softcap)
     with _on(q):
-        cfg = _config("bwd", D)
         _flash_dkdv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), B * KH)](
             q, k, v, do, lse, delta, dk, dv, *meta, *common, **flags, **cfg
         )

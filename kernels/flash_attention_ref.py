@@ -95,7 +95,7 @@ def flash_attention_backward_ref(
 ):  # fmt: skip
     check_attention_args(q, k, v, q_pos, q_doc, k_pos, k_doc, (*FLOATS, torch.float64))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    (B, H, M, D), KH = q.shape, k.shape[1]
+    (B, H, _, D), KH = q.shape, k.shape[1]
     n_rep = H // KH
     s, tanh = _scores(q, k, q_pos, q_doc, k_pos, k_doc, scale, causal, window, softcap)
     p = _probabilities(s, lse)

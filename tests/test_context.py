@@ -25,8 +25,11 @@ FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=1)),  # 1 kv head < cp
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=5)),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(sliding_window=4, attn_logit_softcapping=3.0,
-                                                         final_logit_softcapping=20.0)),  # fmt: skip
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(sliding_window=4, attn_logit_softcapping=3.0, final_logit_softcapping=20.0),
+    ),  # fmt: skip
 }
 
 
@@ -120,8 +123,13 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-cp{c[1][2]}-tp{c[1][3]}-{c[2]}{'-sp' if c[3] else ''}"
-                                             f"{'-docs' if c[4] else ''}{'-pad' if c[5] else ''}" for c in CASES])  # fmt: skip
+def _case_id(c):
+    return (
+        f"{c[0]}-cp{c[1][2]}-tp{c[1][3]}-{c[2]}{'-sp' if c[3] else ''}{'-docs' if c[4] else ''}{'-pad' if c[5] else ''}"
+    )
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
 def test_context_parallel_equals_unsharded(pool, case):
     family, mesh, method, sp, docs, padding = case
     n = mesh[0] * mesh[1] * mesh[2] * mesh[3]

@@ -7,11 +7,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tplayers.kernels.flash_attention_ref import flash_attention_ref
 
 from tplayers.functional import comm
 from tplayers.functional.context import AttentionOptions, context_attention, merge_partials
 from tplayers.functional.context_layout import balanced_layout
-from tplayers.kernels.flash_attention_ref import flash_attention_ref
 from tplayers.testing import RemoteError, assert_close, examples
 
 

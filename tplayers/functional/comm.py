@@ -3,8 +3,8 @@
 Each call records the bytes this rank puts on the wire: exact bytes for point-to-point sends,
 and the ring algorithm's cost for collectives ((n-1)/n of the gathered / reduced buffer per
 AllGather or ReduceScatter, 2(n-1)/n per AllReduce) — the minimum any algorithm needs — by op
-kind and by parallelism axis ("tp", "dp", "pp", "ep": expert-parallel dispatch, "cp": context-parallel attention). The engines
-tplayers drives record theirs too:
+kind and by parallelism axis ("tp", "dp", "pp", "ep": expert-parallel dispatch, "cp": context-
+parallel attention). The engines tplayers drives record theirs too:
 DDP's buckets through a comm hook, FSDP2's gathers and reduce-scatters through its custom
 collectives, the pipeline's sends through the stage (`tplayers.data_parallel`, `tplayers.pipeline`).
 `count_bytes()` collects them; `tplayers demo`, the benchmarks and the tests read it.

@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from transformers import AttentionInterface
 
 from tplayers.distributed import CONTEXT_STATE
 from tplayers.functional import comm
@@ -164,7 +163,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     return out.transpose(1, 2).contiguous(), None
 
 
-AttentionInterface.register(ATTENTION, attention_forward)
+def _register():
+    """HF's attention interface learns `tplayers_context` (transformers imported here, not with tplayers:
+    it imports triton, which must come after TRITON_INTERPRET is set)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, attention_forward)
 
 
 # -- the model's hooks ----------------------------------------------------------------------------
@@ -260,8 +264,9 @@ def _check_model(model):
         )
     sequential = [n for n, m in model.named_modules() if any(s in type(m).__name__ for s in _SEQUENTIAL)]
     if sequential:
-        raise ValueError(f"parallelize(context_group=...): {sequential[0]} ({type(model.get_submodule(sequential[0])).__name__}) "
-                         "runs along the sequence; context parallelism does not split it")  # fmt: skip
+        kind = type(model.get_submodule(sequential[0])).__name__
+        raise ValueError(f"parallelize(context_group=...): {sequential[0]} ({kind}) runs along the sequence; "
+                         "context parallelism does not split it")  # fmt: skip
     if getattr(config, "output_router_logits", False):
         raise ValueError(
             "parallelize(context_group=...): the router's auxiliary loss (output_router_logits) is not supported "
@@ -269,7 +274,8 @@ def _check_model(model):
         )
     attention = [(n, m) for n, m in model.named_modules() if "attention_interface" in forward_source(m)
                  or "ALL_ATTENTION_FUNCTIONS" in forward_source(m)]  # fmt: skip
-    own = [n for n, m in model.named_modules() if type(m).__name__.endswith("Attention") and m not in dict(attention).values()]
+    through = {id(m) for _, m in attention}
+    own = [n for n, m in model.named_modules() if type(m).__name__.endswith("Attention") and id(m) not in through]
     if own or not attention:
         raise ValueError(
             "parallelize(context_group=...): every attention must go through HF's attention interface; "
@@ -303,6 +309,7 @@ def apply_context(model, group, method="auto", *, multiple=1, tp=1):
     state = ContextState(group, method, multiple)
     for module in attention:
         setattr(module, STATE, state)
+    _register()
     model.set_attn_implementation(ATTENTION)
     signature = inspect.signature(model.forward)
     model.register_forward_pre_hook(_summed_over_context(state))

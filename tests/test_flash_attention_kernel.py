@@ -1,0 +1,144 @@
+"""The Triton flash attention (forward and backward) in the interpreter (or on a GPU) against its
+reference, and the reference against torch's SDPA: GQA / MQA, head sizes that are not powers of
+two, permuted tokens, packed documents, padding, sliding windows, softcapping, queries that see
+nothing, a backward given another block's merged o / lse."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tplayers.kernels.flash_attention import (
+    flash_attention,
+    flash_attention_backward,
+    flash_attention_backward_ref,
+    flash_attention_ref,
+)
+
+from tplayers.testing import assert_close, examples, kernel_generator
+
+pytestmark = [pytest.mark.interpreter, pytest.mark.kernel]
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def metadata(B, M, N, docs, masked, permute, gen):
+    """q_pos / q_doc (B, M) over the last M of N keys' positions, k_pos / k_doc (B, N); documents
+    cut at random; `masked` keys hidden (doc -1); the queries in a random order."""
+    k_pos = torch.arange(N, dtype=torch.int32).expand(B, N).contiguous()
+    doc = torch.zeros(B, N, dtype=torch.int32)
+    for b in range(B):
+        for cut in torch.randint(1, max(N, 2), (docs,), generator=gen).tolist():
+            doc[b, cut:] += 1
+    k_doc = doc.clone()
+    if masked:
+        k_doc[torch.rand(B, N, generator=gen) < 0.2] = -1
+    q_pos, q_doc = k_pos[:, N - M :].clone(), doc[:, N - M :].clone()
+    if permute:
+        order = torch.randperm(M, generator=gen)
+        q_pos, q_doc = q_pos[:, order].contiguous(), q_doc[:, order].contiguous()
+    return q_pos, q_doc, k_pos, k_doc
+
+
+@st.composite
+def attention_cases(draw):
+    kv_heads = draw(st.sampled_from([1, 2]))
+    return dict(
+        B=draw(st.integers(1, 2)), H=kv_heads * draw(st.sampled_from([1, 2])), KH=kv_heads,
+        N=draw(st.integers(1, 40)), D=draw(st.sampled_from([8, 16, 24])),
+        dtype=draw(st.sampled_from(DTYPES)), causal=draw(st.booleans()),
+        window=draw(st.sampled_from([None, 1, 5])), softcap=draw(st.sampled_from([None, 4.0])),
+        docs=draw(st.integers(0, 2)), masked=draw(st.booleans()), permute=draw(st.booleans()),
+        fewer_queries=draw(st.booleans()), seed=draw(st.integers(0, 2**16)),
+    )  # fmt: skip
+
+
+def _tensors(case, gen):
+    B, H, KH, N, D, dtype = (case[k] for k in ("B", "H", "KH", "N", "D", "dtype"))
+    M = max(1, N // 2) if case["fewer_queries"] else N
+    q = torch.randn(B, M, H, D, generator=gen).to(dtype).transpose(1, 2)  # HF's (B, H, S, D) view
+    k, v = (torch.randn(B, KH, N, D, generator=gen).to(dtype) for _ in range(2))
+    do = torch.randn(B, H, M, D, generator=gen).to(dtype)
+    return (
+        q,
+        k,
+        v,
+        do,
+        metadata(B, M, N, case["docs"], case["masked"], case["permute"], torch.Generator().manual_seed(case["seed"])),
+    )
+
+
+def _opts(case):
+    return dict(causal=case["causal"], window=case["window"], softcap=case["softcap"])
+
+
+@settings(max_examples=examples(25), deadline=None)
+@given(attention_cases())
+def test_kernel_matches_reference(case):
+    gen = kernel_generator(case["seed"])
+    q, k, v, do, meta = _tensors(case, gen)
+    meta = tuple(t.to(q.device) for t in meta)
+    o, lse = flash_attention(q, k, v, *meta, **_opts(case))
+    o_ref, lse_ref = flash_attention_ref(q, k, v, *meta, **_opts(case))
+    assert_close(o, o_ref)
+    seen = torch.isfinite(lse_ref)
+    assert torch.equal(seen, torch.isfinite(lse)) and (o[~seen[..., None].expand_as(o)] == 0).all()
+    assert_close(lse[seen], lse_ref[seen])
+    grads = flash_attention_backward(do, q, k, v, o_ref, lse_ref, *meta, **_opts(case))
+    want = flash_attention_backward_ref(do, q, k, v, o_ref, lse_ref, *meta, **_opts(case))
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, want, strict=True):
+        assert got.dtype == torch.float32 and got.shape == ref.shape, name
+        # fp32 gradients of low-precision inputs: compared at the inputs' tolerance
+        assert_close(got.to(q.dtype), ref.to(q.dtype), msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 3])
+def test_reference_matches_sdpa(dtype, window):
+    """The reference (contiguous tokens, one document) is torch's causal SDPA with HF's window."""
+    gen = torch.Generator().manual_seed(1)
+    B, H, KH, S, D = 2, 4, 2, 11, 8
+    q = torch.randn(B, H, S, D, generator=gen).to(dtype)
+    k, v = (torch.randn(B, KH, S, D, generator=gen).to(dtype) for _ in range(2))
+    pos = torch.arange(S, dtype=torch.int32).expand(B, S).contiguous()
+    doc = torch.zeros(B, S, dtype=torch.int32)
+    o, _ = flash_attention_ref(q, k, v, pos, doc, pos, doc, window=window)
+    i = torch.arange(S)
+    allowed = (i[None, :] <= i[:, None]) & ((i[:, None] - i[None, :] < window) if window else True)
+    want = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(2, 1),
+                                          v.float().repeat_interleave(2, 1), attn_mask=allowed)  # fmt: skip
+    assert_close(o, want.to(dtype))
+
+
+def test_backward_of_one_block_given_the_merged_softmax():
+    """Two key blocks attended apart, merged; each block's backward with the merged o / lse sums to
+    the whole attention's gradient (what a context-parallel ring relies on)."""
+    gen = kernel_generator(5)
+    B, H, KH, N, D = 1, 2, 1, 24, 16
+    q = torch.randn(B, H, N, D, generator=gen)
+    k, v = (torch.randn(B, KH, N, D, generator=gen) for _ in range(2))
+    do = torch.randn(B, H, N, D, generator=gen)
+    pos = torch.arange(N, dtype=torch.int32, device=q.device).expand(B, N).contiguous()
+    doc = torch.zeros(B, N, dtype=torch.int32, device=q.device)
+    o, lse = flash_attention(q, k, v, pos, doc, pos, doc)
+    halves = (slice(0, 10), slice(10, N))
+    total = [torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)]
+    for h in halves:
+        dq, dk, dv = flash_attention_backward(do, q, k[:, :, h], v[:, :, h], o, lse, pos, doc, pos[:, h], doc[:, h])
+        total[0] += dq
+        total[1][:, :, h] += dk
+        total[2][:, :, h] += dv
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    flash_attention_ref(*leaves, pos, doc, pos, doc)[0].backward(do)
+    for got, leaf in zip(total, leaves, strict=True):
+        assert_close(got, leaf.grad)
+
+
+def test_bad_arguments_are_refused():
+    q = torch.randn(1, 3, 4, 8)
+    k = torch.randn(1, 2, 4, 8)
+    meta = torch.zeros(1, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="KH must divide H"):
+        flash_attention_ref(q, k, k, meta, meta, meta, meta)
+    with pytest.raises(ValueError, match="int32"):
+        flash_attention_ref(q, q, q, meta.long(), meta, meta, meta)
