@@ -39,14 +39,17 @@ INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=16)
 _BIG = 1 << 30  # tile bounds of a tile without real tokens: meets nothing
 
 
-def _gpu_config(kernel, head_dim):
-    """Tiles and warps per kernel and head size, chosen from the compile report (no spills on
-    sm_80 / sm_90a; `tplayers compile-report --kernel flash-*`)."""
-    small = head_dim <= 64
+def _gpu_config(kernel, head_dim, arch):
+    """Tiles and warps per kernel, head size and arch (80: Ampere, 90: Hopper), from the compile
+    report (`tplayers compile-report --kernel flash-...`): no spills on sm_80 / sm_90a. On sm_80 a
+    128-row forward tile with head size 128 spills at 8 warps (255 registers): 64 rows there."""
+    wide = head_dim > 64
     if kernel == "fwd":
-        return dict(BLOCK_M=128, BLOCK_N=64 if head_dim <= 128 else 32, num_warps=4 if small else 8, num_stages=2)
+        if arch == 80 and wide:
+            return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+        return dict(BLOCK_M=128, BLOCK_N=64 if head_dim <= 128 else 32, num_warps=8 if wide else 4, num_stages=2)
     # dkdv: one key tile against every query tile; dq: one query tile against every key tile
-    return dict(BLOCK_M=64, BLOCK_N=64 if head_dim <= 128 else 32, num_warps=4 if small else 8, num_stages=2)
+    return dict(BLOCK_M=64, BLOCK_N=64 if head_dim <= 128 else 32, num_warps=8 if wide else 4, num_stages=2)
 
 
 @triton.jit
@@ -324,7 +327,9 @@ def _on(q):
 
 
 def _config(kernel, head_dim):
-    return dict(INTERPRETER_CONFIG) if INTERPRET else _gpu_config(kernel, head_dim)
+    if INTERPRET:
+        return dict(INTERPRETER_CONFIG)
+    return _gpu_config(kernel, head_dim, 90 if torch.cuda.get_device_capability()[0] >= 9 else 80)
 
 
 def _check_device(q):

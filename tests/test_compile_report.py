@@ -13,11 +13,12 @@ import sys
 import pytest
 
 from tplayers.tools import compile_report as cr
-from tplayers.tools.kernel_launches import GROUPED_VARIANTS
+from tplayers.tools.kernel_launches import FLASH_VARIANTS, GROUPED_VARIANTS
 
 pytestmark = pytest.mark.compile
 
 GEMMS = set(cr.GEMM_VARIANTS) | {*GROUPED_VARIANTS, "grouped-wgrad"}  # the experts' grouped GEMM too
+TENSOR_CORES = GEMMS | set(FLASH_VARIANTS)  # flash attention's q k^T and p v too
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,7 @@ def test_report_covers_every_kernel_config_and_dtype(rows):
             ]
             assert sorted(got) == sorted(expected), (kernel, arch)
     # the elementwise and reduction kernels also run on fp32 (fp32 models, fp32 gradients, fp32 logits)
-    assert all("fp32" in spec.dtypes for kernel, spec in cr.KERNELS.items() if kernel not in GEMMS)
+    assert all("fp32" in spec.dtypes for kernel, spec in cr.KERNELS.items() if kernel not in TENSOR_CORES)
 
 
 def test_no_spills_shared_fits_and_resident(rows):
@@ -78,12 +79,14 @@ def test_no_spills_shared_fits_and_resident(rows):
         assert r["blocks_per_sm"] >= 1 and r["occupancy_limit"], name
 
 
-def test_tensor_cores_in_gemms_only(rows):
-    assert {k for k, spec in cr.KERNELS.items() if spec.tensor_cores} == GEMMS
+def test_tensor_cores_in_gemms_and_attention_only(rows):
+    assert {k for k, spec in cr.KERNELS.items() if spec.tensor_cores} == TENSOR_CORES
     for r in rows:
         name = _name(r)
         tensor_core_ops = r["hmma"] if r["arch"] == "sm_80" else r["hgmma"]
-        if r["kernel"] in GEMMS:
+        if r["kernel"] in FLASH_VARIANTS:
+            assert tensor_core_ops > 0, name
+        elif r["kernel"] in GEMMS:
             assert tensor_core_ops > 0, name
             # The K loop is pipelined through shared memory with the config's tiles: at least
             # num_stages - 1 buffers of A (BLOCK_M x BLOCK_K) and B (BLOCK_K x BLOCK_N), 2-byte inputs.
@@ -170,17 +173,22 @@ class Recorder:
         return lambda *args, **kwargs: self.launches.append((args, kwargs))
 
 def launched(kernel, call):
+    # the launch of KERNELS[kernel] that `call` makes (its module's other kernels stubbed too)
     spec = cr.KERNELS[kernel]
     module = cr.kernel_module(spec.module)
-    real, interpret, recorder = getattr(module, spec.attr), module.INTERPRET, Recorder()
-    setattr(module, spec.attr, recorder)
+    attrs = {s.attr for s in cr.KERNELS.values() if s.module == spec.module}
+    real, interpret = {a: getattr(module, a) for a in attrs}, module.INTERPRET
+    recorders = {a: Recorder() for a in attrs}
+    for a in attrs:
+        setattr(module, a, recorders[a])
     module.INTERPRET = True
     try:
         call()
     finally:
-        setattr(module, spec.attr, real)
+        for a in attrs:
+            setattr(module, a, real[a])
         module.INTERPRET = interpret
-    (launch,) = recorder.launches
+    (launch,) = recorders[spec.attr].launches
     return launch
 
 def calls(dtype):
@@ -193,6 +201,14 @@ def calls(dtype):
     unscale_and_stats_ = cr.kernel_module("grad_stats").unscale_and_stats_
     grouped = cr.kernel_module("grouped_matmul")
     counts, index = torch.tensor([M // 2, M // 2]), torch.arange(M)  # two experts, M pairs
+    flash = cr.kernel_module("flash_attention")
+    def attention(D, backward=False, **opts):  # HF's (B, H, S, D) q view, 2 query heads per key/value head
+        q, k = t(1, M, 2, D).transpose(1, 2), t(1, 1, M, D)
+        meta = [torch.zeros(1, M, dtype=torch.int32)] * 4
+        if backward:
+            return lambda: flash.flash_attention_backward(t(1, 2, M, D), q, k, k, t(1, 2, M, D),
+                                                          torch.zeros(1, 2, M), *meta, **opts)
+        return lambda: flash.flash_attention(q, k, k, *meta, **opts)
     return {
         "gemm": lambda: matmul(t(M, K), t(N, K), bias=t(N)),
         "gemm+swiglu": lambda: matmul(t(M, K), t(N, K), bias=t(N), swiglu_out=t(M, N // 2)),
@@ -217,6 +233,11 @@ def calls(dtype):
         "grouped-dgrad+scatter": lambda: grouped.grouped_matmul(t(M, K), t(2, K, N).transpose(1, 2), counts,
                                                                 scatter=index, out_rows=2 * M),
         "grouped-wgrad": lambda: grouped.grouped_weight_grad(t(M, N), t(M, K), counts, gather=index),
+        "flash-fwd-d64": attention(64),
+        "flash-fwd-d128": attention(128),
+        "flash-fwd-d128+window+softcap": attention(128, window=5, softcap=30.0),
+        "flash-dkdv-d128": attention(128, backward=True),
+        "flash-dq-d128": attention(128, backward=True),
     }
 
 backend = make_backend(GPUTarget("cuda", 90, 32))

@@ -250,6 +250,57 @@ def _weight_grad_configs(module, cc):
     return _grouped_configs(module, cc, module.WGRAD_CONFIGS)
 
 
+# -- flash attention (kernels/flash_attention.py) ------------------------------------------------
+
+# (kernel, head size, flags): the forward at head sizes 64 and 128 (causal, as the models run it;
+# a sliding window with softcapping at 128), each backward kernel at 128. Every tensor is a (B, H,
+# S, D) view with unit stride along D (HF's transposed q); metadata int32, tile bounds int32 (B, T, 4).
+FLASH_VARIANTS = {
+    "flash-fwd-d64": ("_flash_fwd_kernel", 64, False),
+    "flash-fwd-d128": ("_flash_fwd_kernel", 128, False),
+    "flash-fwd-d128+window+softcap": ("_flash_fwd_kernel", 128, True),
+    "flash-dkdv-d128": ("_flash_dkdv_kernel", 128, False),
+    "flash-dq-d128": ("_flash_dq_kernel", 128, False),
+}
+FLASH_STRIDES = ("stride_qb stride_qh stride_qm stride_kb stride_kh stride_kn stride_vb stride_vh stride_vn").split()
+
+
+def _flash_launch(variant):
+    kernel, head_dim, extras = FLASH_VARIANTS[variant]
+
+    def launch(dtype):
+        meta = dict(qpos_ptr=Ptr("i32"), qdoc_ptr=Ptr("i32"), kpos_ptr=Ptr("i32"), kdoc_ptr=Ptr("i32"),
+                    qbounds_ptr=Ptr("i32"), kbounds_ptr=Ptr("i32"))  # fmt: skip
+        if kernel == "_flash_fwd_kernel":
+            tensors = dict(q_ptr=Ptr(dtype), k_ptr=Ptr(dtype), v_ptr=Ptr(dtype), o_ptr=Ptr(dtype), lse_ptr=Ptr("fp32"))
+            last = ("stride_ob", "stride_oh", "stride_om")
+        else:
+            tensors = dict(q_ptr=Ptr(dtype), k_ptr=Ptr(dtype), v_ptr=Ptr(dtype), do_ptr=Ptr(dtype),
+                           lse_ptr=Ptr("fp32"), delta_ptr=Ptr("fp32"))  # fmt: skip
+            tensors.update(
+                dict(dk_ptr=Ptr("fp32"), dv_ptr=Ptr("fp32")) if "dkdv" in kernel else dict(dq_ptr=Ptr("fp32"))
+            )
+            last = ("stride_dob", "stride_doh", "stride_dom")
+        # window 0 (none) is a multiple of 16 to the JIT; a real window any int
+        args = dict(tensors, **meta, H=ANY, N_REP=ANY, M=DIV16, N=DIV16, D=head_dim, scale=0.125, softcap=30.0,
+                    window=ANY if extras else DIV16)  # fmt: skip
+        args.update({name: DIV16 for name in (*FLASH_STRIDES, *last)})
+        flags = dict(CAUSAL=True, HAS_WINDOW=extras, HAS_SOFTCAP=extras, UPCAST=False, INPUT_PRECISION="ieee",
+                     BLOCK_D=head_dim)  # fmt: skip
+        return args, flags
+
+    return launch
+
+
+def _flash_configs(variant):
+    kernel, head_dim, _ = FLASH_VARIANTS[variant]
+
+    def configs(module, cc):
+        return [module._gpu_config("fwd" if kernel == "_flash_fwd_kernel" else "bwd", head_dim, cc)]
+
+    return configs
+
+
 KERNELS = {
     **{
         name: KernelSpec("matmul", "_matmul_kernel", _gemm_launch(name), _gemm_configs, ("fp16", "bf16"), True)
@@ -278,4 +329,15 @@ KERNELS = {
         ("fp16", "bf16"),
         True,
     ),  # fmt: skip
+    **{
+        name: KernelSpec(
+            "flash_attention",
+            FLASH_VARIANTS[name][0],
+            _flash_launch(name),
+            _flash_configs(name),
+            ("fp16", "bf16"),
+            True,
+        )  # fmt: skip
+        for name in FLASH_VARIANTS
+    },
 }
