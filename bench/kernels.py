@@ -98,6 +98,7 @@ class Shapes:
     grouped: tuple  # (P, E, H, F): (token, expert) pairs, experts, hidden, expert width
     warmup_ms: int  # do_bench's warmup and rep, per provider of each pair
     rep_ms: int
+    attention: tuple = ((1, 2, 1, 48, 16),)  # (B, H, KH, S, D): causal attention, GQA
 
 
 SHAPES = Shapes(
@@ -110,6 +111,8 @@ SHAPES = Shapes(
     grouped=((16384, 16, 2048, 768), (16384, 32, 7168, 2048), (8192, 8, 4096, 14336)),
     warmup_ms=10,
     rep_ms=50,
+    # Llama-3-8B's attention (32 / 8 heads of 128) at TP 2 over 4096 tokens; 32 / 8 heads of 64 over 8192
+    attention=((1, 16, 4, 4096, 128), (1, 32, 8, 8192, 64)),
 )
 QUICK_SHAPES = Shapes(
     gemms=((1024, 1536, 512),),
@@ -119,6 +122,7 @@ QUICK_SHAPES = Shapes(
     grouped=((2048, 8, 512, 256),),
     warmup_ms=5,
     rep_ms=10,
+    attention=((1, 8, 2, 1024, 64),),
 )
 # Without a GPU: the same cases in Triton's interpreter, shapes it runs in seconds
 INTERPRETER_SHAPES = Shapes(
@@ -355,6 +359,32 @@ def grouped_mlp_pair(P, E, H, F_, dtype, impl, device):
     return Pair(triton_fn, lambda: loop(*inputs, dout), fp64=fp64_fn)
 
 
+def attention_pair(B, H, KH, S, D, dtype, impl, device, *, backward):
+    """Causal GQA attention (and its backward: dq, dk, dv) against torch's SDPA (flash / efficient
+    kernels, under autograd), checked against an fp64 SDPA run."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = _randn((B, H, S, D), dtype, device, gen).requires_grad_()
+    k, v = (_randn((B, KH, S, D), dtype, device, gen).requires_grad_() for _ in range(2))
+    do = _randn((B, H, S, D), dtype, device, gen)
+    pos = torch.arange(S, dtype=torch.int32, device=device).expand(B, S).contiguous()
+    doc = torch.zeros(B, S, dtype=torch.int32, device=device)
+
+    def triton_fn():
+        o, lse = impl.flash_attention(q, k, v, pos, doc, pos, doc)
+        if not backward:
+            return o
+        return (o, *(g.to(dtype) for g in impl.flash_attention_backward(do, q, k, v, o, lse, pos, doc, pos, doc)))
+
+    def sdpa(q, k, v, do):
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return (o, *torch.autograd.grad(o, (q, k, v), do)) if backward else o
+
+    def fp64_fn():
+        return sdpa(*(t.detach().double().requires_grad_() for t in (q, k, v)), do.double())
+
+    return Pair(triton_fn, lambda: sdpa(q, k, v, do), fp64=fp64_fn)
+
+
 def cases(shapes):
     """Every pair of `shapes`, in the order they run."""
     out = []
@@ -388,6 +418,13 @@ def cases(shapes):
                     out.append(Case("grouped_matmul", f"{op} vs {baseline}", dtype, shape, build, flops=flops))
             out.append(Case("grouped_matmul", "grouped_mlp fwd+bwd vs loop", dtype, shape,
                             partial(grouped_mlp_pair, P, E, H, F_, dtype), flops=18.0 * P * H * F_))  # fmt: skip
+    for dtype in GEMM_DTYPES:
+        for B, H, KH, S, D in shapes.attention:
+            causal = 2.0 * B * H * S * S * D  # q k^T and p v over half the square
+            for op, backward, flops in (("flash_attention vs sdpa", False, causal),
+                                        ("flash_attention fwd+bwd vs sdpa", True, 3.5 * causal)):  # fmt: skip
+                build = partial(attention_pair, B, H, KH, S, D, dtype, backward=backward)
+                out.append(Case("flash_attention", op, dtype, f"B{B} H{H} KH{KH} S{S} D{D}", build, flops=flops))
     return out
 
 
@@ -477,6 +514,7 @@ def bench_case(case, impl, device, timer):
 
 
 def triton_kernels():
+    from tplayers.kernels.flash_attention import flash_attention, flash_attention_backward
     from tplayers.kernels.grad_stats import unscale_and_stats_
     from tplayers.kernels.grouped_matmul import grouped_matmul, grouped_mlp
     from tplayers.kernels.matmul import matmul
@@ -485,11 +523,13 @@ def triton_kernels():
 
     return SimpleNamespace(matmul=matmul, swiglu=swiglu, swiglu_backward=swiglu_backward,
                            unscale_and_stats_=unscale_and_stats_, vocab_ce_stats=vocab_ce_stats,
-                           grouped_matmul=grouped_matmul, grouped_mlp=grouped_mlp)  # fmt: skip
+                           grouped_matmul=grouped_matmul, grouped_mlp=grouped_mlp, flash_attention=flash_attention,
+                           flash_attention_backward=flash_attention_backward)  # fmt: skip
 
 
 def reference_kernels():
     """The pure-torch `<op>_ref`s in the launchers' place: the whole pipeline without a GPU (tests)."""
+    from tplayers.kernels.flash_attention_ref import flash_attention_backward_ref, flash_attention_ref
     from tplayers.kernels.grouped_matmul_ref import grouped_matmul_ref
     from tplayers.kernels.matmul_ref import matmul_ref
     from tplayers.kernels.swiglu_ref import swiglu_backward_ref, swiglu_ref
@@ -497,7 +537,9 @@ def reference_kernels():
 
     return SimpleNamespace(matmul=matmul_ref, swiglu=swiglu_ref, swiglu_backward=swiglu_backward_ref,
                            unscale_and_stats_=unscale_and_stats_ref, vocab_ce_stats=vocab_ce_stats_ref,
-                           grouped_matmul=grouped_matmul_ref, grouped_mlp=_grouped_mlp_ref)  # fmt: skip
+                           grouped_matmul=grouped_matmul_ref, grouped_mlp=_grouped_mlp_ref,
+                           flash_attention=flash_attention_ref,
+                           flash_attention_backward=flash_attention_backward_ref)  # fmt: skip
 
 
 def _grouped_mlp_ref(x, gather, scatter, k, counts, gate_up, down, scale):

@@ -44,7 +44,14 @@ def test_bench_kernels_without_a_gpu_runs_the_interpreter(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "bench/kernels.py: no CUDA GPU is visible" in result.stderr and "interpreter" in result.stderr
     rows = list(csv.DictReader(open(tmp_path / "kernels" / "kernels.csv")))
-    assert {r["kernel"] for r in rows} == {"matmul", "swiglu", "grad_stats", "vocab_ce", "grouped_matmul"}
+    assert {r["kernel"] for r in rows} == {
+        "matmul",
+        "swiglu",
+        "grad_stats",
+        "vocab_ce",
+        "grouped_matmul",
+        "flash_attention",
+    }
     assert all(r["ok"] == "True" for r in rows) and {r["device"] for r in rows} == {"cpu (Triton interpreter)"}
     assert (tmp_path / "kernels" / "kernels.png").stat().st_size > 0
 
@@ -66,7 +73,14 @@ def test_shapes_cover_every_kernel(kernels_bench):
     assert {V for _, V in kb.SHAPES.vocab} == {32000, 128256}
     for shapes in (kb.SHAPES, kb.QUICK_SHAPES):
         cases = kb.cases(shapes)
-        assert {c.kernel for c in cases} == {"matmul", "swiglu", "grad_stats", "vocab_ce", "grouped_matmul"}
+        assert {c.kernel for c in cases} == {
+            "matmul",
+            "swiglu",
+            "grad_stats",
+            "vocab_ce",
+            "grouped_matmul",
+            "flash_attention",
+        }
         assert {c.op for c in cases if c.kernel == "matmul"} == {f"matmul{e}" for e in kb.EPILOGUES}
         assert all((c.flops > 0) != (c.nbytes > 0) for c in cases)  # TFLOP/s or GB/s, one of them
 
