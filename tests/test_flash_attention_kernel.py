@@ -24,18 +24,20 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 def metadata(B, M, N, docs, masked, permute, gen):
     """q_pos / q_doc (B, M) over the last M of N keys' positions, k_pos / k_doc (B, N); documents
-    cut at random; `masked` keys hidden (doc -1); the queries in a random order."""
-    k_pos = torch.arange(N, dtype=torch.int32).expand(B, N).contiguous()
-    doc = torch.zeros(B, N, dtype=torch.int32)
+    cut at random; `masked` keys hidden (doc -1); the queries in a random order. Made on the CPU
+    (`gen` is a CPU generator), moved by the caller."""
+    cpu = dict(device="cpu")
+    k_pos = torch.arange(N, dtype=torch.int32, **cpu).expand(B, N).contiguous()
+    doc = torch.zeros(B, N, dtype=torch.int32, **cpu)
     for b in range(B):
-        for cut in torch.randint(1, max(N, 2), (docs,), generator=gen).tolist():
+        for cut in torch.randint(1, max(N, 2), (docs,), generator=gen, **cpu).tolist():
             doc[b, cut:] += 1
     k_doc = doc.clone()
     if masked:
-        k_doc[torch.rand(B, N, generator=gen) < 0.2] = -1
+        k_doc[torch.rand(B, N, generator=gen, **cpu) < 0.2] = -1
     q_pos, q_doc = k_pos[:, N - M :].clone(), doc[:, N - M :].clone()
     if permute:
-        order = torch.randperm(M, generator=gen)
+        order = torch.randperm(M, generator=gen, **cpu)
         q_pos, q_doc = q_pos[:, order].contiguous(), q_doc[:, order].contiguous()
     return q_pos, q_doc, k_pos, k_doc
 
@@ -96,14 +98,14 @@ def test_kernel_matches_reference(case):
 @pytest.mark.parametrize("window", [None, 3])
 def test_reference_matches_sdpa(dtype, window):
     """The reference (contiguous tokens, one document) is torch's causal SDPA with HF's window."""
-    gen = torch.Generator().manual_seed(1)
+    gen = kernel_generator(1)
     B, H, KH, S, D = 2, 4, 2, 11, 8
     q = torch.randn(B, H, S, D, generator=gen).to(dtype)
     k, v = (torch.randn(B, KH, S, D, generator=gen).to(dtype) for _ in range(2))
     pos = torch.arange(S, dtype=torch.int32).expand(B, S).contiguous()
     doc = torch.zeros(B, S, dtype=torch.int32)
     o, _ = flash_attention_ref(q, k, v, pos, doc, pos, doc, window=window)
-    i = torch.arange(S)
+    i = torch.arange(S, device=q.device)
     allowed = (i[None, :] <= i[:, None]) & ((i[:, None] - i[None, :] < window) if window else True)
     want = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(2, 1),
                                           v.float().repeat_interleave(2, 1), attn_mask=allowed)  # fmt: skip
