@@ -150,12 +150,12 @@ def plot(rows, path):
 
 
 def print_table(rows):
-    print(
-        f"{'provider':<12} {'seq':>6} {'ms':>9} {'/torch':>7} {'sent MB':>8} {'peak MB':>8} {'/torch':>7} {'max diff':>9}"
-    )
+    head = ("provider", "seq", "ms", "/torch", "sent MB", "peak MB", "/torch", "max diff")
+    print(f"{head[0]:<12}" + "".join(f" {h:>8}" for h in head[1:]))
     for r in rows:
-        print(f"{r['provider']:<12} {r['seq']:>6} {r['time_ms']:>9.2f} {r['ratio_to_torch']:>7.2f} "
-              f"{r['sent_mb']:>8.2f} {r['peak_mb']:>8.1f} {r['peak_ratio_to_torch']:>7.2f} {r['max_abs_diff']:>9.2e}")  # fmt: skip
+        cells = (r["seq"], f"{r['time_ms']:.2f}", f"{r['ratio_to_torch']:.2f}", f"{r['sent_mb']:.2f}",
+                 f"{r['peak_mb']:.1f}", f"{r['peak_ratio_to_torch']:.2f}", f"{r['max_abs_diff']:.1e}")  # fmt: skip
+        print(f"{r['provider']:<12}" + "".join(f" {c:>8}" for c in cells))
 
 
 def main(argv=None):
