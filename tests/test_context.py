@@ -153,3 +153,96 @@ def test_self_check_runs_through_context_parallelism(pool):
     """parallelize's own check (on by default) passes through the split: CP 2 x TP 2 + SP."""
     pool.run(context_matches, 4, "qwen2", (1, 1, 2, 2), "allgather", True, 2, 12, 0, 0, torch.float32, None, None,
              mesh=("cp", 1, 1, 2, 2))  # fmt: skip
+
+
+def _saved_bytes(fn, model):
+    """Bytes of the distinct activations autograd saves for backward while `fn` runs (the weights
+    it saves are not activations: they are the same at any sequence length)."""
+    seen, weights = {}, {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in weights:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(seen.values()), out
+
+
+def memory_per_rank(rank, world, group, seq):
+    """Activation bytes saved for backward on each rank at CP = world, against the unsharded model's
+    (sdpa, which saves no S x S matrix either), and the ring's bytes per layer."""
+    groups = context_mesh(1, 1, world, 1)
+    config = transformers.LlamaConfig(**{**BASE, "max_position_embeddings": seq})
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).train()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, VOCAB, (1, seq), generator=torch.Generator().manual_seed(0))
+    whole, _ = _saved_bytes(lambda: reference(ids, labels=ids).loss, reference)
+    tplayers.parallelize(model, group=groups["tp"], context_group=groups["cp"], context="ring", verify=False)
+    with comm.count_bytes() as sent:
+        mine, _ = _saved_bytes(lambda: model(ids, labels=ids).loss, model)
+    layers, kv = config.num_hidden_layers, config.num_key_value_heads * config.head_dim
+    ring = 2 * (seq // world) * kv * 4  # one hop's K and V, fp32
+    return whole, mine, ring, sent.by_axis()["cp"], layers
+
+
+@pytest.mark.parametrize("seq", [512, 2048])
+def test_activation_memory_shrinks_by_cp(pool, seq):
+    for cp in (2, 4):
+        for whole, mine, ring, sent, layers in pool.run(memory_per_rank, cp, seq, mesh=("cp", 1, 1, cp, 1)):
+            assert mine <= 1.1 * whole / cp + ring, (cp, seq, whole, mine)
+            # the forward's K / V hops, cp - 1 per layer, the whole logits' all-gather, the loss's all-reduce
+            logits, loss = (cp - 1) * (seq // cp) * VOCAB * 4, round(2 * (cp - 1) / cp * 4)
+            assert sent == layers * (cp - 1) * ring + logits + loss, (sent, layers, ring, logits)
+
+
+def bf16_error(rank, world, group):
+    """The bf16 model at CP 2 x TP 2 is no further from the fp64 model than the unsharded bf16 one."""
+    groups = context_mesh(1, 1, 2, 2)
+    model = build("llama", torch.bfloat16)
+    exact, reference = build("llama", torch.float64), copy.deepcopy(model)
+    ids, labels, kwargs = inputs(2, 16, 0, 0)
+    tplayers.parallelize(model, group=groups["tp"], context_group=groups["cp"], sequence_parallel=True, verify=False)
+    outs = [m(ids, labels=labels) for m in (model, reference, exact)]
+    for o in outs:
+        o.loss.backward()
+    errors = {}
+    for name, pick in (("logits", lambda o, m: o.logits), ("loss", lambda o, m: o.loss)):
+        got, want, truth = (pick(o, m).double() for o, m in zip(outs, (model, reference, exact), strict=True))
+        errors[name] = ((got - truth).square().mean().sqrt().item(), (want - truth).square().mean().sqrt().item())
+    grads = tplayers.hf.state_dict.gather_grads(model, group=groups["tp"])
+    for (name, p), (_, e) in zip(reference.named_parameters(), exact.named_parameters(), strict=True):
+        truth = e.grad
+        errors[name] = ((grads[name].double() - truth).square().mean().sqrt().item(),
+                        (p.grad.double() - truth).square().mean().sqrt().item())  # fmt: skip
+    return errors
+
+
+def test_bf16_no_further_from_fp64_than_unsharded(pool):
+    errors = pool.run(bf16_error, 4, mesh=("cp", 1, 1, 2, 2))[0]
+    worse = {k: v for k, v in errors.items() if v[0] > 1.25 * v[1] + 1e-6}
+    assert not worse, worse
+
+
+def checkpoint_round_trip(rank, world, group, path):
+    """Saved at CP 2 x TP 2, loaded without context parallelism at TP 2: CP holds no weight shard."""
+    groups = context_mesh(1, 1, 2, 2)
+    model = build("llama")
+    tplayers.parallelize(model, group=groups["tp"], context_group=groups["cp"], verify=False)
+    train_once(model, *inputs(2, 12, 0, 0))
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    tplayers.save_checkpoint(path, model=model)
+    saved = tplayers.gather_state_dict(model, group=groups["tp"])
+    fresh = tplayers.parallelize(build("llama"), group=groups["tp"], verify=False)
+    tplayers.load_checkpoint(path, model=fresh)
+    loaded = tplayers.gather_state_dict(fresh, group=groups["tp"])
+    assert list(saved) == list(loaded)
+    for key, value in saved.items():
+        assert torch.equal(value, loaded[key]), key
+
+
+def test_checkpoint_from_context_parallel_loads_without_it(pool, tmp_path):
+    pool.run(checkpoint_round_trip, 4, str(tmp_path / "ckpt"), mesh=("cp", 1, 1, 2, 2))

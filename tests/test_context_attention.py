@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tplayers.kernels.flash_attention_ref import flash_attention_ref
 
+import tplayers
 from tplayers.functional import comm
 from tplayers.functional.context import AttentionOptions, context_attention, merge_partials
 from tplayers.functional.context_layout import balanced_layout
@@ -48,7 +49,17 @@ def _reference(q, k, v, do, layout_whole, opts):
 
 
 def context_task(rank, world, group, method, seed, B, H, KH, S, D, dtype, docs, padding, window, softcap,
-                 wrong=False):  # fmt: skip
+                 wrong=False, backend="torch"):  # fmt: skip
+    before = tplayers.backend.get_backend()
+    tplayers.set_backend(backend)  # this task's only (the pool's workers serve later tests)
+    try:
+        return _context_task(rank, world, group, method, seed, B, H, KH, S, D, dtype, docs, padding, window, softcap,
+                             wrong)  # fmt: skip
+    finally:
+        tplayers.set_backend(before)
+
+
+def _context_task(rank, world, group, method, seed, B, H, KH, S, D, dtype, docs, padding, window, softcap, wrong):
     q, k, v, do, position_ids, mask = _case(seed, B, H, KH, S, D, dtype, docs, padding)
     layout = balanced_layout(B, S, world, rank, position_ids=position_ids, attention_mask=mask)
     if wrong:  # negative control: every rank's queries told they sit where the next rank's do
@@ -101,6 +112,15 @@ def test_context_attention_property(pool, method, cp, S, kv_heads, docs, window,
     heads = 4 if method != "ulysses" else 4 * cp
     kv = kv_heads if method != "ulysses" else cp
     pool.run(context_task, cp, method, seed, 1, heads, kv, S, 4, dtype, min(docs, S - 1), 0, window, None)
+
+
+@pytest.mark.multirank
+@pytest.mark.interpreter
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_context_attention_through_the_triton_kernel(pool, method):
+    """The Triton flash-attention kernel (in the interpreter here) under each hop: fp16, GQA,
+    documents, padding and a window, at CP 2."""
+    pool.run(context_task, 2, method, 4, 1, 4, 2, 19, 8, torch.float16, 2, 2, 6, None, False, "triton")
 
 
 @pytest.mark.multirank

@@ -89,29 +89,34 @@ class _SumOverContext(torch.autograd.Function):
         return grad * ctx.factor, None, None
 
 
-class _GatherOverContext(torch.autograd.Function):
-    """(B, L, ...) -> every rank's (B, cp * L, ...), rank-major. Backward: this rank's part of the
-    gradient (every rank holds the same whole one), times `factor`."""
+class _WholeSequence(torch.autograd.Function):
+    """This rank's (B, L, ...) slots -> the whole rows (B, S, ...) in their own order: every rank's
+    slots all-gathered, then put back in place through `inv` (B, S). Backward: this rank's slots of
+    the gradient (every rank holds the same whole one), times `factor`. Saves only `inv` (torch's
+    gather would keep the whole gathered tensor for its backward)."""
 
     @staticmethod
-    def forward(ctx, x, group, factor):
+    def forward(ctx, x, group, factor, inv):
         n = dist.get_world_size(group)
         out = torch.empty((n, *x.shape), dtype=x.dtype, device=x.device)
         comm.all_gather_into(out, x.contiguous(), group, axis="cp")
+        flat = out.transpose(0, 1).reshape(x.shape[0], n * x.shape[1], *x.shape[2:])
+        index = inv.view(*inv.shape, *[1] * (x.dim() - 2)).expand(*inv.shape, *x.shape[2:])
+        ctx.save_for_backward(index)
         ctx.group, ctx.factor, ctx.local = group, factor, x.shape[1]
-        return out.transpose(0, 1).reshape(x.shape[0], n * x.shape[1], *x.shape[2:])
+        return flat.gather(1, index)
 
     @staticmethod
     def backward(ctx, grad):
-        r = dist.get_rank(ctx.group)
-        return grad[:, r * ctx.local : (r + 1) * ctx.local] * ctx.factor, None, None
+        (index,) = ctx.saved_tensors
+        r, n = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
+        slots = grad.new_zeros((grad.shape[0], n * ctx.local, *grad.shape[2:])).scatter_(1, index, grad)
+        return slots[:, r * ctx.local : (r + 1) * ctx.local] * ctx.factor, None, None, None
 
 
 def whole_sequence(x, state: ContextState):
     """This rank's (B, L, ...) slots -> the whole rows (B, S, ...) in their own order."""
-    flat = _GatherOverContext.apply(x, state.group, state.factor)
-    inv = state.layout.inverse(state.seq_len)
-    return flat.gather(1, inv.view(*inv.shape, *[1] * (x.dim() - 2)).expand(*inv.shape, *x.shape[2:]))
+    return _WholeSequence.apply(x, state.group, state.factor, state.layout.inverse(state.seq_len))
 
 
 # -- attention ------------------------------------------------------------------------------------
