@@ -246,3 +246,30 @@ def checkpoint_round_trip(rank, world, group, path):
 
 def test_checkpoint_from_context_parallel_loads_without_it(pool, tmp_path):
     pool.run(checkpoint_round_trip, 4, str(tmp_path / "ckpt"), mesh=("cp", 1, 1, 2, 2))
+
+
+def refusals(rank, world, group):
+    groups = context_mesh(1, 1, 2, 1)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(rank))  # differ per rank
+    model = tplayers.parallelize(build("llama"), group=groups["tp"], context_group=groups["cp"], verify=False)
+    with pytest.raises(ValueError, match="context-parallel ranks .* were given different inputs"):
+        model(ids)
+    with pytest.raises(ValueError, match="pipeline_split: a context-parallel model"):
+        tplayers.pipeline_split(model, group=groups["pp"])
+    with pytest.raises(ValueError, match="KV cache"):
+        model(ids[:1], past_key_values=transformers.DynamicCache(config=model.config))
+    for method, match in (("ulysses", "must divide by cp x tp"), ("spiral", "context must")):
+        with pytest.raises(ValueError, match=match):
+            config = transformers.LlamaConfig(**{**BASE, "num_key_value_heads": 1})
+            tplayers.parallelize(transformers.LlamaForCausalLM(config), group=groups["tp"],
+                                 context_group=groups["cp"], context=method, verify=False)  # fmt: skip
+    hybrid = transformers.Qwen3NextConfig(**{**BASE, "layer_types": ["linear_attention", "full_attention"]},
+                                          num_experts=0)  # fmt: skip
+    with pytest.raises(ValueError, match="linear-attention"):
+        tplayers.parallelize(transformers.Qwen3NextForCausalLM(hybrid), group=groups["tp"],
+                             context_group=groups["cp"], verify=False)  # fmt: skip
+    return True
+
+
+def test_refused_with_a_message_on_every_rank(pool):
+    assert all(pool.run(refusals, 2, mesh=("cp", 1, 1, 2, 1)))

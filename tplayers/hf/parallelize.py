@@ -394,4 +394,6 @@ def _parallelize(
     seal(model)
     verification.after(probe, model, group=group, vocab_parallel=vocab_parallel_logits, expert_group=expert_group)
     check_same_inputs(model, group)  # armed after the self-check: the user's first forward is checked
+    if context is not None:
+        check_same_inputs(model, context[0], "context-parallel")
     return model

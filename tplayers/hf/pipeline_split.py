@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tplayers.distributed import resolve_group
+from tplayers.distributed import CONTEXT_STATE, resolve_group
 from tplayers.hf.state_dict import export_records
 from tplayers.pipeline import PipelineStage
 from tplayers.placement import refuse_overlap
@@ -113,6 +113,11 @@ def pipeline_split(model, *, group=None, virtual_stages: int = 1, layers_per_sta
     (ProcessGroup or 1-D DeviceMesh; None: every rank): `virtual_stages` per rank, looped (stage
     i on rank i % n), for the interleaved schedules. `layers_per_stage`: the decoder layers of
     each stage (default: as even as possible)."""
+    if getattr(model, CONTEXT_STATE, None) is not None:
+        raise ValueError(
+            "pipeline_split: a context-parallel model (parallelize(context_group=...)) is not supported: its sequence "
+            "is split by a hook on the whole model, which pipeline stages do not run"
+        )
     pg = resolve_group(group)
     refuse_overlap(model.parameters(), pg, "pipeline_split", ("tp", "dp"),
                    "the stages are split over ranks that hold the same stage's shards or replicas (use "

@@ -35,11 +35,14 @@ def _inputs(args, kwargs) -> dict:
     return {k: v for k, v in found.items() if isinstance(v, torch.Tensor)}
 
 
-def check_same_inputs(model, group=None) -> None:
-    """Install (or re-arm) the check on `model` over `group` (the model's tensor-parallel group)."""
-    if group is not None and not hasattr(model, "_tplayers_same_inputs_group"):
-        model._tplayers_same_inputs_group = group
-        model.register_forward_pre_hook(_hook, with_kwargs=True)
+def check_same_inputs(model, group=None, role="tensor-parallel") -> None:
+    """Install (or re-arm) the check on `model` over `group` (the model's tensor-parallel group;
+    a context-parallel group, `role`, is checked too: its ranks split one batch's sequence)."""
+    groups = model.__dict__.setdefault("_tplayers_same_inputs_groups", [])
+    if group is not None and all(g is not group for g, _ in groups):
+        if not groups:  # first: before any hook that splits the inputs (context parallelism)
+            model.register_forward_pre_hook(_hook, with_kwargs=True, prepend=True)
+        groups.append((group, role))
     setattr(model, _ARMED, True)
 
 
@@ -47,8 +50,12 @@ def _hook(model, args, kwargs):
     if not getattr(model, _ARMED, False):
         return
     setattr(model, _ARMED, False)
-    group = model._tplayers_same_inputs_group
     inputs = _inputs(args, kwargs)
+    for group, role in model._tplayers_same_inputs_groups:
+        _compare(inputs, group, role)
+
+
+def _compare(inputs, group, role):
     names = list(CHECKED)
     device = next(iter(inputs.values())).device if inputs else torch.device("cpu")
     mine = torch.stack([_fingerprint(inputs[k]) if k in inputs else torch.zeros(4, dtype=torch.float64,
@@ -63,8 +70,8 @@ def _hook(model, args, kwargs):
             k for i, k in enumerate(names) if not all(torch.equal(every[r, i], every[0, i]) for r in range(len(ranks)))
         ]
         raise ValueError(
-            f"parallelize: the tensor-parallel ranks {ranks} were given different inputs ({', '.join(which)}: ranks "
-            f"{differ} differ from rank {ranks[0]}). Every rank of a tensor-parallel group computes its part of one "
+            f"parallelize: the {role} ranks {ranks} were given different inputs ({', '.join(which)}: ranks "
+            f"{differ} differ from rank {ranks[0]}). Every rank of a {role} group computes its part of one "
             "model on one batch: give them the same rows, and split the data over the data-parallel group only "
             "(e.g. DistributedSampler(num_replicas=mesh['dp'].size(), rank=mesh['dp'].get_local_rank()))"
         )
