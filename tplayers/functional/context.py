@@ -42,6 +42,9 @@ class AttentionOptions:
 def _attend(q, k, v, qp, qd, kp, kd, opts, out_dtype=None):
     if uses_triton(q):
         from tplayers.kernels.flash_attention import flash_attention as attend
+    elif _fused_on_cpu(q, opts):
+        o, lse = _cpu_flash(q, k, v, qp, qd, kp, kd, opts)
+        return o.to(out_dtype or q.dtype), lse
     else:  # the reference module does not import triton
         from tplayers.kernels.flash_attention_ref import flash_attention_ref as attend
     return attend(q, k, v, qp, qd, kp, kd, out_dtype=out_dtype, **opts.kwargs())
@@ -50,9 +53,59 @@ def _attend(q, k, v, qp, qd, kp, kd, opts, out_dtype=None):
 def _attend_backward(do, q, k, v, o, lse, qp, qd, kp, kd, opts):
     if uses_triton(q):
         from tplayers.kernels.flash_attention import flash_attention_backward as backward
+    elif _fused_on_cpu(q, opts):
+        return _cpu_flash_backward(do, q, k, v, o, lse, qp, qd, kp, kd, opts)
     else:
         from tplayers.kernels.flash_attention_ref import flash_attention_backward_ref as backward
     return backward(do, q, k, v, o, lse, qp, qd, kp, kd, **opts.kwargs())
+
+
+# -- the CPU path: torch's fused CPU flash attention with the metadata's mask ---------------------
+# The reference materialises every score in fp32 with the heads expanded; torch's CPU kernel is
+# tiled and returns the log-sum-exp, and its backward takes the final o / lse, as the ring needs.
+# It takes no softcap (the reference serves) and no GQA (K / V expanded here, after any transfer).
+
+
+def _fused_on_cpu(q, opts):
+    return q.device.type == "cpu" and not opts.softcap and q.dtype in (torch.float32, torch.bfloat16)
+
+
+def _additive_mask(qp, qd, kp, kd, opts, dtype):
+    allowed = qd[:, :, None] == kd[:, None, :]
+    diff = qp[:, :, None].long() - kp[:, None, :].long()
+    if opts.causal:
+        allowed &= diff >= 0
+    if opts.window is not None:
+        allowed &= diff.abs() < opts.window
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))[:, None], allowed
+
+
+def _expanded(q, t):
+    return t.repeat_interleave(q.shape[1] // t.shape[1], dim=1)
+
+
+def _cpu_flash(q, k, v, qp, qd, kp, kd, opts):
+    mask, allowed = _additive_mask(qp, qd, kp, kd, opts, q.dtype)
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, _expanded(q, k), _expanded(q, v), 0.0, False, attn_mask=mask, scale=opts.scale
+    )
+    seen = allowed.any(-1)[:, None]  # a query that sees no key here: lse -inf (torch's kernel says 0)
+    return o, torch.where(seen, lse.float(), float("-inf"))
+
+
+def _cpu_flash_backward(do, q, k, v, o, lse, qp, qd, kp, kd, opts):
+    mask, _ = _additive_mask(qp, qd, kp, kd, opts, q.dtype)
+    lse = torch.where(torch.isinf(lse), 0.0, lse)  # rows that see nothing anywhere: every p is 0 anyway
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        do.to(q.dtype), q, _expanded(q, k), _expanded(q, v), o.to(q.dtype), lse, 0.0, False,
+        attn_mask=mask, scale=opts.scale,
+    )  # fmt: skip
+    B, KH, N, D = k.shape
+
+    def grouped(t):  # the query heads' shares of each key/value head summed
+        return t.float().view(B, KH, -1, N, D).sum(2)
+
+    return dq.float(), grouped(dk), grouped(dv)
 
 
 def merge_partials(o, lse, o_i, lse_i):
