@@ -11,7 +11,7 @@ def _demo(args) -> int:
     from tplayers.tools.demo import DemoConfig, run_demo, summary, write_report
 
     cfg = DemoConfig(
-        tp=args.tp, dp=args.dp, pp=args.pp, zero=args.zero, steps=args.steps, layers=args.layers,
+        tp=args.tp, dp=args.dp, pp=args.pp, cp=args.cp, zero=args.zero, steps=args.steps, layers=args.layers,
         hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads, ffn=args.ffn,
         batch=args.batch, seq=args.seq, sequence_parallel=args.sequence_parallel,
         overlap=OVERLAP_FLAGS[args.overlap], backend=args.backend, seed=args.seed,
@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--dp", type=int, default=1, help="data-parallel replicas (local ranks: dp x tp)")
     demo.add_argument("--pp", type=int, default=1, help="pipeline stages (local ranks: dp x pp x tp)")
+    demo.add_argument("--cp", type=int, default=1, help="context-parallel ranks: the sequence split through attention")
     demo.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage over the replicas")
     demo.add_argument("--steps", type=int, default=300)
     demo.add_argument("--layers", type=int, default=2)

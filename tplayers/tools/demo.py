@@ -30,6 +30,7 @@ class DemoConfig:
     tp: int | tuple[int, int] = 2  # tensor-parallel ranks, or an (r, c) grid of them
     dp: int = 1  # data-parallel replicas (each trains on its share of every batch)
     pp: int = 1  # pipeline stages (tplayers.pipeline_split, 1F1B over max(pp, micro_batches) micro-batches)
+    cp: int = 1  # context-parallel ranks: the sequence split over them through attention too
     zero: int = 0  # ZeRO stage over the replicas (tplayers.data_parallel)
     steps: int = 300
     layers: int = 2
@@ -89,8 +90,11 @@ def text_batch(step: int, cfg: DemoConfig, device) -> torch.Tensor:
     return torch.tensor(rows, device=device)
 
 
-def _loss(model, ids, group):
-    """Next-byte cross-entropy from this rank's vocabulary slice of the logits."""
+def _loss(model, ids, group, context=False):
+    """Next-byte cross-entropy from this rank's vocabulary slice of the logits (context parallelism:
+    the model's own loss, over every rank's tokens)."""
+    if context:
+        return model(ids, labels=ids).loss
     local_logits = model(ids).logits  # (B, S, V/n)
     return tplayers.vocab_parallel_cross_entropy(local_logits[:, :-1], ids[:, 1:], group=group, vocab_size=BYTES)
 
@@ -199,7 +203,7 @@ def _resume(folder, model, opt, scaler, twins):
 
 def train_on_rank(rank, world_size, cfg: DemoConfig):
     tplayers.set_backend(cfg.backend)
-    mesh = tplayers.init_mesh(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp)
+    mesh = tplayers.init_mesh(dp=cfg.dp, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp)
     tp_mesh = mesh["tp_r", "tp_c"] if isinstance(cfg.tp, tuple) else mesh["tp"]
     # every tensor-parallel rank (a grid flattened): the loss, the scaler, the gathered state
     group, dp_group = resolve_group(tp_mesh), mesh["dp"].get_group()
@@ -214,9 +218,11 @@ def train_on_rank(rank, world_size, cfg: DemoConfig):
         with torch.no_grad():  # parameters only: buffers (RoPE frequencies) stay fp32
             for p in model.parameters():
                 p.data = p.data.to(DTYPES[cfg.dtype])
+    context = dict(context_group=mesh["cp"], vocab_parallel_logits=False) if cfg.cp > 1 else {}
     tplayers.parallelize(
-        model, group=tp_mesh, sequence_parallel=cfg.sequence_parallel, vocab_parallel_logits=True, overlap=cfg.overlap
-    )
+        model, group=tp_mesh, sequence_parallel=cfg.sequence_parallel, overlap=cfg.overlap,
+        **{"vocab_parallel_logits": True, **context},
+    )  # fmt: skip
     trained, schedule = model, None  # what this rank trains: the model, or its pipeline stage
     if cfg.pp > 1:
         stage = tplayers.pipeline_split(model, group=mesh["pp"])[0]
@@ -236,7 +242,9 @@ def train_on_rank(rank, world_size, cfg: DemoConfig):
     if rank == 0:
         from tqdm import tqdm
 
-        layout = f"TP={tp_label(cfg.tp)}" + (f" PP={cfg.pp}" if cfg.pp > 1 else "")
+        layout = (
+            f"TP={tp_label(cfg.tp)}" + (f" PP={cfg.pp}" if cfg.pp > 1 else "") + (f" CP={cfg.cp}" if cfg.cp > 1 else "")
+        )
         layout += f" DP={cfg.dp} ZeRO-{cfg.zero}" if cfg.dp > 1 or cfg.zero else ""
         progress = tqdm(total=cfg.steps, desc=f"{layout} Llama {cfg.dtype}", unit="step")
     losses, train_time, bytes_per_step, skipped = [], 0.0, 0, 0
@@ -256,7 +264,7 @@ def train_on_rank(rank, world_size, cfg: DemoConfig):
                 )
             else:
                 result = tplayers.train_step(
-                    model, opt, mine.chunk(cfg.micro_batches), lambda m, b: _loss(m, b, group),
+                    model, opt, mine.chunk(cfg.micro_batches), lambda m, b: _loss(m, b, group, cfg.cp > 1),
                     scaler=scaler, max_grad_norm=cfg.max_grad_norm,
                 )  # fmt: skip
         train_time += time.perf_counter() - start
@@ -330,7 +338,8 @@ def tp_label(tp) -> str:
 
 
 def run_demo(cfg: DemoConfig) -> dict:
-    """Train on `cfg.dp * cfg.pp * tp` local ranks; rank 0's report (losses, throughput, bytes, differences)."""
+    """Train on `cfg.dp * cfg.pp * cfg.cp * tp` local ranks; rank 0's report (losses, throughput, bytes,
+    differences)."""
     if isinstance(cfg.tp, list):
         cfg.tp = tuple(cfg.tp)
     grid = isinstance(cfg.tp, tuple)
@@ -363,7 +372,9 @@ def run_demo(cfg: DemoConfig) -> dict:
         raise ValueError(
             f"batch ({cfg.batch}) is not divisible into {cfg.dp} replicas x {pipeline_microbatches} micro-batches"
         )
-    for name in ("dp", "pp", "steps", "layers", "hidden", "heads", "kv_heads", "ffn", "batch", "seq"):
+    if cfg.cp > 1 and (grid or cfg.pp > 1):
+        raise ValueError("--cp with a 2-D --tp grid or with --pp is not supported")
+    for name in ("dp", "pp", "cp", "steps", "layers", "hidden", "heads", "kv_heads", "ffn", "batch", "seq"):
         if getattr(cfg, name) <= 0:
             raise ValueError(f"{name} must be positive, got {getattr(cfg, name)}")
     if tp <= 0:
@@ -383,7 +394,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     if cfg.sequence_parallel and cfg.seq % (cfg.tp[0] if grid else tp):  # a grid splits the sequence over tp_r
         over = f"tp_r ({cfg.tp[0]})" if grid else f"the tensor-parallel size ({tp})"
         raise ValueError(f"seq ({cfg.seq}) is not divisible by {over}")
-    return tplayers.launch(train_on_rank, cfg.dp * cfg.pp * tp, cfg)[0]
+    return tplayers.launch(train_on_rank, cfg.dp * cfg.pp * cfg.cp * tp, cfg)[0]
 
 
 CSV_COLUMNS = ("step", "loss_tp", "loss_unsharded", "loss_fp64", "tp_vs_fp64", "unsharded_vs_fp64")
