@@ -41,8 +41,15 @@ DEMO_STEPS = 20  # enough to learn: the loss ends below 0.7 x its start in every
         ["--tp", "2x2", "--sequence-parallel"],  # a 2-D grid (tplayers.hf.grid), the sequence over tp_r
         ["--cp", "2", "--dp", "2", "--tp", "1"],  # context parallelism, gradients reduced over dp x cp
     ],
-    ids=["tp2", "tp4_sp_overlap_on", "dp2_tp2_zero3_overlap_off", "pp2_tp2_sp", "tp3_uneven", "grid_2x2_sp",
-         "cp2_dp2"],  # fmt: skip
+    ids=[
+        "tp2",
+        "tp4_sp_overlap_on",
+        "dp2_tp2_zero3_overlap_off",
+        "pp2_tp2_sp",
+        "tp3_uneven",
+        "grid_2x2_sp",
+        "cp2_dp2",
+    ],  # fmt: skip
 )
 def test_demo_trains_and_matches_unsharded(tmp_path, flags):
     result = run_cli("demo", "--steps", str(DEMO_STEPS), "--out", str(tmp_path), *flags, cwd=tmp_path)

@@ -8,7 +8,7 @@ import math
 from tplayers.data_parallel import compress
 from tplayers.data_parallel.compress import Compression
 from tplayers.plan.layout import Layout
-from tplayers.plan.specs import GROUPS, ClusterSpec, ModelSpec, Precision, _choice
+from tplayers.plan.specs import GROUPS, LINK_CLASSES, ClusterSpec, ModelSpec, Precision, _choice
 
 
 def all_reduce_bytes(size: float, n: int) -> float:
@@ -174,3 +174,11 @@ def grid_links(cluster: ClusterSpec, layout: Layout) -> dict[str, str]:
 
 def _link_bandwidth(cluster: ClusterSpec, link: str) -> float:
     return cluster.intra_node_bandwidth if link == "intra_node" else cluster.inter_node_bandwidth
+
+
+def by_link(by_group: dict[str, float | None], links: dict[str, str]) -> dict[str, float]:
+    """Bytes per link class from bytes per group (unknown groups count as 0)."""
+    out = dict.fromkeys(LINK_CLASSES, 0.0)
+    for group, nbytes in by_group.items():
+        out[links[group]] += nbytes or 0.0
+    return out

@@ -9,12 +9,14 @@ from tplayers.plan.comm import (
     _link_bandwidth,
     all_gather_bytes,
     all_reduce_bytes,
+    by_link,
     dp_bytes_from_tensors,
     dp_bytes_per_step,
     grid_links,
     group_link,
     tp_bytes_per_layer,
 )
+from tplayers.plan.context import context_estimate
 from tplayers.plan.experts import ep_bytes_per_layer, expert_tensors, moe_mlp_flops_per_token, moe_tp_bytes_per_layer
 from tplayers.plan.flops import _forward_flops_per_token, _recompute_flops_per_token, _TokenFlops, training_flops
 from tplayers.plan.grid import (
@@ -41,7 +43,6 @@ from tplayers.plan.rules import validate_layout
 from tplayers.plan.schedule import bubble_fraction, microbatches_in_flight
 from tplayers.plan.specs import (
     GROUPS,
-    LINK_CLASSES,
     ClusterSpec,
     GiB,
     ModelSpec,
@@ -511,6 +512,8 @@ def _estimate(model, cluster, layout, precision, assumptions) -> Estimate:
     """`estimate`, returning an invalid layout as `valid=False` with its reasons (for `search`)."""
     precision = _resolve_precision(precision)
     assumptions = Assumptions() if assumptions is None else assumptions
+    if layout.cp > 1:  # priced from the dp x cp layout of 1/cp-long sequences (tplayers.plan.context)
+        return context_estimate(model, cluster, layout, precision, assumptions, _estimate, activation_bytes_per_rank)
     usable = cluster.hbm_bytes * (1 - assumptions.hbm_reserve_fraction)
     base = dict(layout=layout, num_gpus=cluster.num_gpus, num_params=model.num_params, usable_hbm_bytes=usable)
     invalid = validate_layout(model, cluster, layout)
@@ -547,7 +550,7 @@ def _estimate(model, cluster, layout, precision, assumptions) -> Estimate:
     by_group = dict(critical.comm_bytes_by_group)
     if critical.comm_bytes_by_axis:  # a grid's tp bytes on their axes' links
         by_group = {**{g: b for g, b in by_group.items() if g != "tp"}, **critical.comm_bytes_by_axis}
-    comm = _by_link(by_group, links)
+    comm = by_link(by_group, links)
     if layout.tp_grid and timed:
         r, c = layout.tp_grid
         notes.append(
@@ -590,11 +593,3 @@ def _resolve_precision(precision) -> Precision:
     if not isinstance(precision, Precision):
         raise ValueError(f"precision must be a Precision or a preset name, got {precision!r}")
     return precision
-
-
-def _by_link(by_group: dict[str, float | None], links: dict[str, str]) -> dict[str, float]:
-    """Bytes per link class from bytes per group (unknown groups count as 0)."""
-    out = dict.fromkeys(LINK_CLASSES, 0.0)
-    for group, nbytes in by_group.items():
-        out[links[group]] += nbytes or 0.0
-    return out

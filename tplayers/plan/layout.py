@@ -47,6 +47,7 @@ class Layout:
     compress: str | None = None  # data_parallel(compress=...): "bf16", "int8", "topk:<f>", "powersgd:rank=<r>"
     tp_grid: tuple[int, int] | None = None  # (tp_r, tp_c) of a 2-D tensor-parallel grid; tp = r * c
     ep: int = 1  # expert parallelism, folded over the dp replicas (init_mesh(dp=, ep=)): ep divides dp
+    cp: int = 1  # context parallelism: each sequence split over cp ranks through attention (tplayers.plan.context)
 
     def __post_init__(self):
         if isinstance(self.tp, (tuple, list)):
@@ -64,8 +65,10 @@ class Layout:
                 raise ValueError(f"Layout: tp={self.tp} is not tp_grid {grid[0]} x {grid[1]}")
             object.__setattr__(self, "tp_grid", grid)
             object.__setattr__(self, "tp", grid[0] * grid[1])
-        for name in ("tp", "pp", "dp", "micro_batch", "num_microbatches", "virtual_stages", "ep"):
+        for name in ("tp", "pp", "dp", "micro_batch", "num_microbatches", "virtual_stages", "ep", "cp"):
             _positive_int("Layout", name, getattr(self, name))
+        if self.cp > 1 and (self.tp_grid or self.ep > 1):
+            raise ValueError("Layout: cp with a 2-D tensor-parallel grid or with ep is not supported")
         if self.dp % self.ep:
             raise ValueError(
                 f"Layout: ep ({self.ep}) must divide dp ({self.dp}): expert parallelism folds over the replicas"
@@ -87,7 +90,7 @@ class Layout:
 
     @property
     def num_gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
     @property
     def global_batch(self) -> int:
@@ -99,6 +102,8 @@ class Layout:
         parts = [f"tp={tp}", f"pp={self.pp}", f"dp={self.dp}", f"zero={self.zero_stage}"]
         if self.ep > 1:
             parts.insert(3, f"ep={self.ep}")
+        if self.cp > 1:
+            parts.insert(2, f"cp={self.cp}")
         parts.append(f"mb={self.micro_batch}x{self.num_microbatches}")
         if self.sequence_parallel:
             parts.append("sp")

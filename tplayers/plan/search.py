@@ -38,13 +38,15 @@ def _candidate_layouts(cluster: ClusterSpec, global_batch: int, include_invalid:
     for tp in [*tps, *_grids(cluster, grids)]:
         size = tp[0] * tp[1] if isinstance(tp, tuple) else tp
         pps = options["pp_sizes"] or _divisors(max(1, n // size))
-        for pp in pps:
-            dp = max(1, n // (size * pp))  # an explicit tp / pp that does not divide n stays invalid
+        for pp, cp in itertools.product(pps, options["cp_sizes"]):
+            if cp > 1 and (isinstance(tp, tuple) or size * pp * cp > n):
+                continue
+            dp = max(1, n // (size * pp * cp))  # an explicit tp / pp that does not divide n stays invalid
             for mb in options["micro_batches"]:
                 if global_batch % (dp * mb) and not include_invalid:
                     continue
                 m = max(1, global_batch // (dp * mb))
-                yield from _variants(tp, pp, dp, mb, m, options)
+                yield from _variants(tp, pp, dp, mb, m, options, cp)
 
 
 def _grids(cluster: ClusterSpec, grids):
@@ -57,7 +59,7 @@ def _grids(cluster: ClusterSpec, grids):
             if c >= 2 and size // c >= 2 and c <= per_node and (n <= per_node or per_node % c == 0)]  # fmt: skip
 
 
-def _variants(tp, pp, dp, mb, m, options):
+def _variants(tp, pp, dp, mb, m, options, cp=1):
     zero_stages = options["zero_stages"] if dp > 1 else (0,)
     sps = options["sequence_parallel"] if tp != 1 and (not isinstance(tp, tuple) or tp[0] > 1) else (False,)
     schedules = [
@@ -66,7 +68,7 @@ def _variants(tp, pp, dp, mb, m, options):
     if pp == 1:
         schedules = [("1f1b", 1)]
     compressions = options["compress"] if dp > 1 else (None,)
-    eps = [e for e in options["ep_sizes"] if dp % e == 0]
+    eps = [e for e in options["ep_sizes"] if dp % e == 0 and (cp == 1 or e == 1)]
     for zero, compress, ep in itertools.product(zero_stages, compressions, eps):
         if compress is not None and zero >= 2 and Compression.parse(compress).kind != "bf16":
             continue  # refused by data_parallel (only bf16 at ZeRO 2-3)
@@ -88,6 +90,7 @@ def _variants(tp, pp, dp, mb, m, options):
                             rank_order=order,
                             compress=compress,
                             ep=ep,
+                            cp=cp,
                         )
 
 
@@ -109,6 +112,7 @@ def search(
     rank_orders=("tp-dp-pp",),
     compress=(None,),
     ep_sizes=None,
+    cp_sizes=(1,),
     include_invalid: bool = False,
     assumptions: Assumptions | None = None,
 ) -> list[tuple[Layout, Estimate]]:
@@ -120,9 +124,11 @@ def search(
     num_gpus / tp (or `pp_sizes`), dp = num_gpus / (tp*pp), and num_microbatches =
     global_batch / (dp * micro_batch); `compress` the gradient compressions to try where dp > 1
     (each at the ZeRO stages that take it), and for a mixture of experts expert parallelism over
-    every divisor of dp (or `ep_sizes`; dense models: 1 only). Returns (layout, estimate) pairs, fitting layouts first
-    by step time (fastest first). With `include_invalid`, the invalid and non-fitting ones
-    follow (global batches that do not divide included), each with its `reasons`.
+    every divisor of dp (or `ep_sizes`; dense models: 1 only); context parallelism over
+    `cp_sizes` (1 only by default; e.g. (1, 2, 4, 8) for long sequences). Returns (layout,
+    estimate) pairs, fitting layouts first by step time (fastest first). With `include_invalid`,
+    the invalid and non-fitting ones follow (global batches that do not divide included), each
+    with its `reasons`.
     """
     if not model.has_dims:
         raise ValueError("search ranks by step time, which needs the model's dimensions (not just num_params)")
@@ -144,10 +150,13 @@ def search(
         Compression.parse(value)  # a clear error for a bad spec
     for value in ep_sizes or ():
         _positive_int("search", "ep_sizes", value)
+    for value in cp_sizes:
+        _positive_int("search", "cp_sizes", value)
     if ep_sizes is None:
         ep_sizes = range(1, cluster.num_gpus + 1) if model.experts else (1,)
     options = dict(
         ep_sizes=tuple(ep_sizes),
+        cp_sizes=tuple(cp_sizes),
         compress=tuple(compress),
         zero_stages=tuple(zero_stages),
         recompute=tuple(recompute),
