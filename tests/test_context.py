@@ -273,3 +273,37 @@ def refusals(rank, world, group):
 
 def test_refused_with_a_message_on_every_rank(pool):
     assert all(pool.run(refusals, 2, mesh=("cp", 1, 1, 2, 1)))
+
+
+def tiny_llama():
+    return build("llama")
+
+
+def context_parallel(model, mesh, layout, wrong=False):
+    """check_parallel's parallelize: the layout's mesh has a "cp" dim where layout.cp > 1."""
+    context = {"context_group": mesh["cp"]} if layout.cp > 1 else {}
+    tplayers.parallelize(model, group=mesh["tp"], sequence_parallel=layout.sequence_parallel, verify=False, **context)
+    if wrong and layout.cp > 1 and mesh["cp"].get_local_rank() == 1:  # negative control: one CP rank's weight off
+        with torch.no_grad():
+            model.model.norm.weight.add_(1e-3)
+    if layout.dp > 1 or layout.cp > 1 and layout.zero_stage:
+        tplayers.data_parallel(model, group=mesh["dp"], zero_stage=layout.zero_stage)
+    return model
+
+
+def context_parallel_wrong(model, mesh, layout):
+    return context_parallel(model, mesh, layout, wrong=True)
+
+
+def token_batch(step):
+    return torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(step))
+
+
+def test_check_parallel_takes_context_parallel_layouts(pool):
+    from tplayers.plan import Layout
+    from tplayers.testing import check_parallel
+
+    layouts = [Layout(cp=2), Layout(tp=2, cp=2, sequence_parallel=True), Layout(dp=2, cp=2, zero_stage=2)]
+    check_parallel(tiny_llama, context_parallel, token_batch, layouts=layouts, steps=2, pool=pool)
+    with pytest.raises(AssertionError, match="check_parallel"):
+        check_parallel(tiny_llama, context_parallel_wrong, token_batch, layouts=[Layout(cp=2)], pool=pool)

@@ -104,7 +104,7 @@ def check_parallel(
     layouts = list(layouts)
     if not layouts:
         raise ValueError("check_parallel: layouts is empty")
-    world = max(layout.tp * layout.pp * layout.dp for layout in layouts)
+    world = max(layout.tp * layout.pp * layout.dp * getattr(layout, "cp", 1) for layout in layouts)
     pool = pool or plugin.session_pool(world)
     if pool.world_size < world:
         raise ValueError(f"check_parallel: a layout needs {world} ranks but the pool has {pool.world_size}")
@@ -113,7 +113,7 @@ def check_parallel(
     for layout in layouts:
         spec = _Spec(build, parallelize, inputs, layout, loss_fn, steps, optimizer, kwargs, dtype, seed, exact,
                      shard_sequence, microbatches)  # fmt: skip
-        size = layout.tp * layout.pp * layout.dp
+        size = layout.tp * layout.pp * layout.dp * getattr(layout, "cp", 1)
         mesh = _mesh_sizes(layout)
         what = f"check_parallel at {_describe(layout)}"
         try:
@@ -150,14 +150,19 @@ def _check_picklable(**fns):
             ) from e
 
 
-def _mesh_sizes(layout) -> tuple[int, ...]:
-    """(dp, pp, tp), or (dp, pp, tp_r, tp_c) for a 2-D tensor-parallel grid."""
+def _mesh_sizes(layout) -> tuple:
+    """(dp, pp, tp), or (dp, pp, tp_r, tp_c) for a 2-D tensor-parallel grid, or ("cp", dp, pp, cp,
+    tp) with context parallelism (a ("dp", "pp", "cp", "tp") mesh)."""
+    if getattr(layout, "cp", 1) > 1:
+        return ("cp", layout.dp, layout.pp, layout.cp, layout.tp)
     return (layout.dp, layout.pp, *(layout.tp_grid or (layout.tp,)))
 
 
 def _describe(layout) -> str:
     tp = f"({layout.tp_grid[0]}, {layout.tp_grid[1]})" if layout.tp_grid else layout.tp
     parts = [f"tp={tp}", f"pp={layout.pp}", f"dp={layout.dp}"]
+    if getattr(layout, "cp", 1) > 1:
+        parts.append(f"cp={layout.cp}")
     if layout.dp > 1:
         parts.append(f"zero_stage={layout.zero_stage}")
     if layout.sequence_parallel:
@@ -181,7 +186,9 @@ def _run_layout(rank, world, group, spec: _Spec):
     result = _call_parallelize(spec.parallelize, model, mesh, layout)
     stages = _stages_of(result)
     module = model if stages is not None or not isinstance(result, nn.Module) else result
-    exact = spec.exact if spec.exact is not None else layout.tp == layout.pp == layout.dp == 1
+    exact = (
+        spec.exact if spec.exact is not None else layout.tp == layout.pp == layout.dp == getattr(layout, "cp", 1) == 1
+    )
     where = f"at {_describe(layout)}, rank {rank}"
     params = _trained(module, stages)
     ref_opt = spec.optimizer(reference.parameters(), **spec.optimizer_kwargs)

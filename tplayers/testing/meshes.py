@@ -141,7 +141,11 @@ def _lines(grid, dim):
 def layout_mesh(*sizes: int) -> DeviceMesh:
     """This rank's ("dp", "pp", "tp") or ("dp", "pp", "tp_r", "tp_c") mesh over global ranks 0 ..
     prod(sizes) - 1 (tp fastest, as `tplayers.init_mesh` lays them out), from the groups
-    `prepare_mesh` made."""
+    `prepare_mesh` made; ("cp", dp, pp, cp, tp): the ("dp", "pp", "cp", "tp") mesh."""
+    if sizes and sizes[0] == "cp":  # ("cp", dp, pp, cp, tp): a ("dp", "pp", "cp", "tp") mesh
+        groups = context_mesh(*sizes[1:])
+        return DeviceMesh.from_group([groups[d] for d in CONTEXT_DIMS], "cpu", mesh=_grid(*sizes[1:]),
+                                     mesh_dim_names=CONTEXT_DIMS)  # fmt: skip
     groups = _meshes.get(tuple(sizes))
     if groups is None:
         raise RuntimeError(f"layout_mesh: the {tuple(sizes)} mesh was not prepared (run the task with mesh=)")

@@ -25,7 +25,7 @@ def _fits(size, divides):
 @st.composite
 def layouts(
     draw, *, max_world=8, tp=(1, 2, 3, 4), pp=(1,), dp=(1, 2), zero_stages=(0, 1, 2, 3), sequence_parallel=(False,),
-    divides=(), seq_len=None, layers=None, grids=(),
+    divides=(), seq_len=None, layers=None, grids=(), cp=(1,),
 ):  # fmt: skip
     """A `Layout` whose tp * pp * dp <= max_world, tp dividing every number in `divides` (heads,
     kv heads, ffn, vocabulary: what the model splits) and, with sequence parallelism, `seq_len`;
@@ -33,7 +33,9 @@ def layouts(
     refuses ZeRO 0-1 on pipeline stages across replicas). `grids`: (tp_r, tp_c) 2-D
     tensor-parallel grids drawn as well (after the 1-D sizes, smallest first; `divides` is not
     applied to them: a grid splits heads over tp_r and the hidden size over tp_c; with sequence
-    parallelism `seq_len` must divide over tp_r, the axis a grid splits the sequence over)."""
+    parallelism `seq_len` must divide over tp_r, the axis a grid splits the sequence over). `cp`:
+    context-parallel sizes to draw (with 1-D tp only; pass the layout's mesh["cp"] as
+    `parallelize(context_group=)`)."""
     tp_sizes = sorted(t for t in tp if _fits(t, divides) and t <= max_world)
     tp_sizes += sorted((tuple(g) for g in grids if g[0] * g[1] <= max_world), key=lambda g: (g[0] * g[1], g))
     if not tp_sizes:
@@ -41,14 +43,16 @@ def layouts(
     t = draw(st.sampled_from(tp_sizes))
     size, split = (t[0] * t[1], t[0]) if isinstance(t, tuple) else (t, t)  # ranks; what the sequence splits over
     p = draw(st.sampled_from(sorted(x for x in pp if x * size <= max_world and (layers is None or x <= layers)) or [1]))
-    d = draw(st.sampled_from(sorted(x for x in dp if x * p * size <= max_world) or [1]))
+    c = draw(st.sampled_from(sorted(x for x in cp if x * p * size <= max_world and (x == 1 or not isinstance(t, tuple)))
+                             or [1]))  # fmt: skip
+    d = draw(st.sampled_from(sorted(x for x in dp if x * p * c * size <= max_world) or [1]))
     stages = [z for z in sorted(zero_stages) if d > 1 and (p == 1 or z >= 2)] or [0]
     zero = draw(st.sampled_from(stages)) if d > 1 else 0
     sp_allowed = [
         s for s in sorted(sequence_parallel) if not s or split > 1 and (seq_len is None or seq_len % split == 0)
     ]
     sp = draw(st.sampled_from(sp_allowed or [False]))
-    return Layout(tp=t, pp=p, dp=d, zero_stage=zero, sequence_parallel=sp)
+    return Layout(tp=t, pp=p, dp=d, zero_stage=zero, sequence_parallel=sp, cp=c)
 
 
 @st.composite
