@@ -254,6 +254,28 @@ class _UlyssesAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
+class _LocalAttention(torch.autograd.Function):
+    """The one-block case: every key on this rank (ParallelAttention's core on the Triton backend)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, meta, opts):
+        o, lse = _attend(q, k, v, *meta, opts)
+        ctx.save_for_backward(q, k, v, o, lse, *meta)
+        ctx.opts = opts
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, *meta = ctx.saved_tensors
+        dq, dk, dv = _attend_backward(do.contiguous(), q, k, v, o, lse, *meta, ctx.opts)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def local_attention(q, k, v, q_pos, q_doc, k_pos, k_doc, opts: AttentionOptions):
+    """Attention of q (B, H, M, D) over k, v (B, KH, N, D) by the metadata (kernels/flash_attention_ref.py)."""
+    return _LocalAttention.apply(q, k, v, (q_pos, q_doc, k_pos, k_doc), opts)
+
+
 def ulysses_fits(heads, kv_heads, cp) -> bool:
     return heads % cp == 0 and kv_heads % cp == 0
 

@@ -14,7 +14,8 @@ follow the query heads that read them:
 The one QKV GEMM per forward is `column_parallel_linear` on the concatenation of the local
 q / k / v rows, so the input is all-gathered (sequence_parallel) or its gradient all-reduced
 once, not once per projection. Attention itself is local: RoPE on the local heads, then
-`scaled_dot_product_attention`; o_proj is row-parallel (all-reduce, or reduce-scatter along
+`scaled_dot_product_attention` (the flash-attention kernel, kernels/flash_attention.py, on the
+Triton backend); o_proj is row-parallel (all-reduce, or reduce-scatter along
 the sequence with sequence_parallel).
 """
 
@@ -26,9 +27,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Replicate
 
+from tplayers.backend import uses_triton
 from tplayers.distributed import resolve_group
 from tplayers.functional.auto_overlap import check_overlap
 from tplayers.functional.collectives import copy_to_tp_region
+from tplayers.functional.context import AttentionOptions, local_attention
 from tplayers.functional.linear import column_parallel_linear
 from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear, _ParallelLinear
 from tplayers.placement import SharesGroups, even_sizes, shard_range
@@ -75,6 +78,8 @@ def attend(q, k, v, layer, seq, attention_mask, position_ids, position_embedding
     if position_embeddings is not None:
         cos, sin = position_embeddings
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if uses_triton(q):  # the flash-attention kernel: GQA without expanding K / V, masks from metadata
+        return _flash(q, k, v, layer, seq, attention_mask).transpose(1, 2).reshape(B, seq, hq * D)
     if hq != hkv:  # GQA / MQA: each local kv head serves hq / hkv consecutive query heads
         k, v = (t.repeat_interleave(hq // hkv, dim=1) for t in (k, v))
     if attention_mask is None:
@@ -86,6 +91,17 @@ def attend(q, k, v, layer, seq, attention_mask, position_ids, position_embedding
         has_key = mask.any(-1, keepdim=True)  # (B, 1, S, 1): rows with no key output zeros
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~has_key) * has_key
     return out.transpose(1, 2).reshape(B, seq, hq * D)  # (B, S, hq*D)
+
+
+def _flash(q, k, v, layer, seq, attention_mask):
+    """kernels/flash_attention.py through `local_attention`: positions 0..S-1, one document, the
+    padding keys hidden (a query that sees no key outputs zeros, as the SDPA path gives)."""
+    B = q.shape[0]
+    pos = torch.arange(seq, dtype=torch.int32, device=q.device).expand(B, seq).contiguous()
+    q_doc = torch.zeros((B, seq), dtype=torch.int32, device=q.device)
+    k_doc = q_doc if attention_mask is None else torch.where(attention_mask.bool(), 0, -1).to(torch.int32)
+    opts = AttentionOptions(scale=layer.head_dim**-0.5, causal=layer.causal)
+    return local_attention(q, k, v, pos, q_doc, pos, k_doc, opts)
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
