@@ -236,7 +236,9 @@ def calls(dtype):
         "flash-fwd-d64": attention(64),
         "flash-fwd-d128": attention(128),
         "flash-fwd-d128+window+softcap": attention(128, window=5, softcap=30.0),
+        "flash-dkdv-d64": attention(64, backward=True),
         "flash-dkdv-d128": attention(128, backward=True),
+        "flash-dq-d64": attention(64, backward=True),
         "flash-dq-d128": attention(128, backward=True),
     }
 

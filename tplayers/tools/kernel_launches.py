@@ -252,14 +252,16 @@ def _weight_grad_configs(module, cc):
 
 # -- flash attention (kernels/flash_attention.py) ------------------------------------------------
 
-# (kernel, head size, flags): the forward at head sizes 64 and 128 (causal, as the models run it;
-# a sliding window with softcapping at 128), each backward kernel at 128. Every tensor is a (B, H,
-# S, D) view with unit stride along D (HF's transposed q); metadata int32, tile bounds int32 (B, T, 4).
+# (kernel, head size, flags): each kernel at head sizes 64 and 128 (causal, as the models run it;
+# the forward also with a sliding window and softcapping at 128). Every tensor is a (B, H,
+# S, D) view with unit stride along D (HF's transposed q); metadata int32, the tile schedule int32 (B, T, 3).
 FLASH_VARIANTS = {
     "flash-fwd-d64": ("_flash_fwd_kernel", 64, False),
     "flash-fwd-d128": ("_flash_fwd_kernel", 128, False),
     "flash-fwd-d128+window+softcap": ("_flash_fwd_kernel", 128, True),
+    "flash-dkdv-d64": ("_flash_dkdv_kernel", 64, False),
     "flash-dkdv-d128": ("_flash_dkdv_kernel", 128, False),
+    "flash-dq-d64": ("_flash_dq_kernel", 64, False),
     "flash-dq-d128": ("_flash_dq_kernel", 128, False),
 }
 FLASH_STRIDES = ("stride_qb stride_qh stride_qm stride_kb stride_kh stride_kn stride_vb stride_vh stride_vn").split()
@@ -270,7 +272,7 @@ def _flash_launch(variant):
 
     def launch(dtype):
         meta = dict(qpos_ptr=Ptr("i32"), qdoc_ptr=Ptr("i32"), kpos_ptr=Ptr("i32"), kdoc_ptr=Ptr("i32"),
-                    qbounds_ptr=Ptr("i32"), kbounds_ptr=Ptr("i32"))  # fmt: skip
+                    sched_ptr=Ptr("i32"))  # fmt: skip
         if kernel == "_flash_fwd_kernel":
             tensors = dict(q_ptr=Ptr(dtype), k_ptr=Ptr(dtype), v_ptr=Ptr(dtype), o_ptr=Ptr(dtype), lse_ptr=Ptr("fp32"))
             last = ("stride_ob", "stride_oh", "stride_om")
@@ -296,7 +298,8 @@ def _flash_configs(variant):
     kernel, head_dim, _ = FLASH_VARIANTS[variant]
 
     def configs(module, cc):
-        return [module._gpu_config("fwd" if kernel == "_flash_fwd_kernel" else "bwd", head_dim, cc)]
+        name = {"_flash_fwd_kernel": "fwd", "_flash_dkdv_kernel": "dkdv", "_flash_dq_kernel": "dq"}[kernel]
+        return [module._gpu_config(name, head_dim, cc)]
 
     return configs
 
