@@ -4,11 +4,10 @@ contract).
 
 Forward: one program per (BLOCK_M queries, head); an online softmax over BLOCK_N key tiles in
 fp32, returning o and the natural-log lse that context parallelism merges partial results with.
-Which key tiles a query tile visits comes from the tiles' position / document bounds
-(`tile_schedule`, on the host before the launch): a tile none of whose pairs is allowed (every key
-after every query, outside the window, no document in common) is not visited, and a tile all of
-whose pairs are allowed (below the diagonal, inside one document) skips the mask. Any token order
-(head-tail, per-document) skips what it can, and the loops carry no branch, so loads pipeline.
+A key tile is skipped whole when its tokens' bounds cannot meet the query tile's: every key after
+every query (causal), every key outside the window, or no document in common. The bounds come
+from the metadata the program loads anyway, so any token order (head-tail, per-document) skips
+what it can.
 
 Backward, FA2's split: `_flash_dkdv_kernel` walks the query tiles for one key/value tile of one
 key/value head (every query head of its group in turn, so K / V are never expanded) and keeps dK,
@@ -43,86 +42,22 @@ _BIG = 1 << 30  # tile bounds of a tile without real tokens: meets nothing
 def _gpu_config(kernel, head_dim, arch):
     """Tiles and warps per kernel ("fwd", "dkdv", "dq"), head size and arch (80: Ampere, 90:
     Hopper), from the compile report (`tplayers compile-report --kernel flash-...`): no spills on
-    sm_80 / sm_90a. A 128-row forward tile at head size 128 spills on sm_80 (255 registers at 8
-    warps): 64 rows there. dK / dV keep two (BLOCK_N, D) fp32 accumulators beside the K / V tile:
-    32 query rows a step (64 spill at 4 or 8 warps)."""
+    sm_80 / sm_90a. On sm_80 a 128-row forward tile with head size 128 spills at 8 warps (255
+    registers): 64 rows there; dK / dV at head size 64 spill with 64-key tiles at 4 or 8 warps: 32."""
     wide = head_dim > 64
     if kernel == "fwd":
         if arch == 80 and wide:
             return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
         return dict(BLOCK_M=128, BLOCK_N=64 if head_dim <= 128 else 32, num_warps=8 if wide else 4, num_stages=2)
-    if kernel == "dkdv":  # at head size 64 on sm_80 every 64-key tile spills a little: 32 there
-        if arch == 80 and not wide:
-            return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)
-        return dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=2)
+    if kernel == "dkdv" and arch == 80 and not wide:
+        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+    # dkdv: one key tile against every query tile; dq: one query tile against every key tile
     return dict(BLOCK_M=64, BLOCK_N=64 if head_dim <= 128 else 32, num_warps=8 if wide else 4, num_stages=2)
 
 
 @triton.jit
-def _scores(q, k, scale, softcap, HAS_SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    """fp32 scores of a tile, softcapped (softcap * tanh(s / softcap)); and the tanh for the backward."""
-    s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale
-    t = s
-    if HAS_SOFTCAP:
-        t = 2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0
-        s = t * softcap
-    return s, t
-
-
-@triton.jit
-def _allowed(qp, qd, kp, kd, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    """(BLOCK_M, BLOCK_N): which query sees which key, from the tokens' metadata."""
-    ok = qd[:, None] == kd[None, :]
-    diff = qp[:, None] - kp[None, :]
-    if CAUSAL:
-        ok = ok & (diff >= 0)
-    if HAS_WINDOW:
-        ok = ok & (diff < window) & (diff > -window)
-    return ok
-
-
-@triton.jit
-def _tile(base, offs, stride, n, offs_d, d_ok, MASKED: tl.constexpr, UPCAST: tl.constexpr):
-    """A (len(offs), BLOCK_D) tile of rows `offs` of a (n, D) matrix; a full tile's rows are all
-    in range (MASKED False: no row mask)."""
-    ptrs = base + offs[:, None] * stride + offs_d[None, :]
-    if MASKED:
-        x = tl.load(ptrs, mask=(offs < n)[:, None] & d_ok[None, :], other=0.0)
-    else:
-        x = tl.load(ptrs, mask=d_ok[None, :], other=0.0)
-    if UPCAST:
-        x = x.to(tl.float32)
-    return x
-
-
-@triton.jit
-def _fwd_step(acc, m_i, l_i, q, qp, qd, k_base, v_base, kpos, kdoc, n0, N, offs_d, d_ok, stride_kn, stride_vn,
-              scale, softcap, window, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-              HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-              BLOCK_N: tl.constexpr):  # fmt: skip
-    """One key tile of the online softmax."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    k = _tile(k_base, offs_n, stride_kn, N, offs_d, d_ok, MASKED, UPCAST)
-    v = _tile(v_base, offs_n, stride_vn, N, offs_d, d_ok, MASKED, UPCAST)
-    s, _ = _scores(q, k, scale, softcap, HAS_SOFTCAP, INPUT_PRECISION)
-    if MASKED:
-        n_ok = offs_n < N
-        kp = tl.load(kpos + offs_n, mask=n_ok, other=0)
-        kd = tl.load(kdoc + offs_n, mask=n_ok, other=-1)
-        s = tl.where(_allowed(qp, qd, kp, kd, window, CAUSAL, HAS_WINDOW), s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    # rows that have seen no allowed key yet keep max -inf: shift by 0 so no nan appears
-    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp(s - shift[:, None])
-    alpha = tl.exp(m_i - shift)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-    return acc, m_new, l_i
-
-
-@triton.jit
 def _flash_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qpos_ptr, qdoc_ptr, kpos_ptr, kdoc_ptr, sched_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qpos_ptr, qdoc_ptr, kpos_ptr, kdoc_ptr, qbounds_ptr, kbounds_ptr,
     H, N_REP, M, N, D, scale, softcap, window,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
@@ -135,27 +70,61 @@ def _flash_fwd_kernel(
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_ok, d_ok = offs_m < M, offs_d < D
-    q = _tile(q_ptr + b.to(tl.int64) * stride_qb + h * stride_qh, offs_m, stride_qm, M, offs_d, d_ok, True, UPCAST)
+    q_base = q_ptr + b.to(tl.int64) * stride_qb + h * stride_qh
+    q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     qp = tl.load(qpos_ptr + b * M + offs_m, mask=m_ok, other=0)
     qd = tl.load(qdoc_ptr + b * M + offs_m, mask=m_ok, other=-2)
+    qb = qbounds_ptr + (b * ((M + BLOCK_M - 1) // BLOCK_M) + tl.program_id(0)).to(tl.int64) * 4
+    qp_lo, qp_hi = tl.load(qb), tl.load(qb + 1)
+    qd_lo, qd_hi = tl.load(qb + 2), tl.load(qb + 3)
+    if UPCAST:
+        q = q.to(tl.float32)
     k_base = k_ptr + b.to(tl.int64) * stride_kb + kh * stride_kh
     v_base = v_ptr + b.to(tl.int64) * stride_vb + kh * stride_vh
-    kpos, kdoc = kpos_ptr + b * N, kdoc_ptr + b * N
-    # the key tiles this query tile meets: [lo, full) every pair allowed, [full, hi) masked (tile_schedule)
-    sched = sched_ptr + (b * ((M + BLOCK_M - 1) // BLOCK_M) + tl.program_id(0)).to(tl.int64) * 3
-    lo, full, hi = tl.load(sched), tl.load(sched + 1), tl.load(sched + 2)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    for t in range(lo, full):
-        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, qp, qd, k_base, v_base, kpos, kdoc, t * BLOCK_N, N, offs_d, d_ok,
-                                  stride_kn, stride_vn, scale, softcap, window, False, CAUSAL, HAS_WINDOW,
-                                  HAS_SOFTCAP, UPCAST, INPUT_PRECISION, BLOCK_N)  # fmt: skip
-    for t in range(full, hi):
-        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, qp, qd, k_base, v_base, kpos, kdoc, t * BLOCK_N, N, offs_d, d_ok,
-                                  stride_kn, stride_vn, scale, softcap, window, True, CAUSAL, HAS_WINDOW,
-                                  HAS_SOFTCAP, UPCAST, INPUT_PRECISION, BLOCK_N)  # fmt: skip
+    for n0 in range(0, N, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        kp = tl.load(kpos_ptr + b * N + offs_n, mask=n_ok, other=0)
+        kd = tl.load(kdoc_ptr + b * N + offs_n, mask=n_ok, other=-1)
+        kb = kbounds_ptr + (b * ((N + BLOCK_N - 1) // BLOCK_N) + n0 // BLOCK_N).to(tl.int64) * 4
+        kp_lo, kp_hi = tl.load(kb), tl.load(kb + 1)
+        kd_lo, kd_hi = tl.load(kb + 2), tl.load(kb + 3)
+        meets = (kd_hi >= qd_lo) & (kd_lo <= qd_hi)  # false where either tile has no real token
+        if CAUSAL:
+            meets = meets & (kp_lo <= qp_hi)
+        if HAS_WINDOW:
+            meets = meets & (kp_hi > qp_lo - window) & (kp_lo < qp_hi + window)
+        if meets:
+            kv_mask = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale
+            t = s
+            if HAS_SOFTCAP:  # softcap * tanh(s / softcap); t = tanh for the backward
+                t = 2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0
+                s = t * softcap
+            ok = qd[:, None] == kd[None, :]
+            diff = qp[:, None] - kp[None, :]
+            if CAUSAL:
+                ok = ok & (diff >= 0)
+            if HAS_WINDOW:
+                ok = ok & (diff < window) & (diff > -window)
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # rows that have seen no allowed key yet keep max -inf: shift by 0 so no nan appears
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - shift[:, None])
+            alpha = tl.exp(m_i - shift)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+            m_i = m_new
 
     seen = l_i > 0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -167,43 +136,9 @@ def _flash_fwd_kernel(
 
 
 @triton.jit
-def _probabilities(s, lse, MASKED: tl.constexpr):
-    """exp(s - lse); with masks, 0 where not allowed (also on rows that see nothing: lse = -inf)."""
-    if MASKED:
-        return tl.where(s == float("-inf"), 0.0, tl.exp(s - tl.where(lse == float("-inf"), 0.0, lse)[:, None]))
-    return tl.exp(s - lse[:, None])
-
-
-@triton.jit
-def _dkdv_step(dk, dv, k, v, kp, kd, q_base, do_base, lse_base, delta_base, qpos, qdoc, m0, M, offs_d, d_ok,
-               stride_qm, stride_dom, scale, softcap, window, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-               HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
-               INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
-    """One query tile's share of a key tile's dK, dV."""
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < M
-    q = _tile(q_base, offs_m, stride_qm, M, offs_d, d_ok, MASKED, UPCAST)
-    do = _tile(do_base, offs_m, stride_dom, M, offs_d, d_ok, MASKED, UPCAST)
-    lse = tl.load(lse_base + offs_m, mask=m_ok, other=float("-inf"))
-    delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
-    s, t = _scores(q, k, scale, softcap, HAS_SOFTCAP, INPUT_PRECISION)
-    if MASKED:
-        qp = tl.load(qpos + offs_m, mask=m_ok, other=0)
-        qd = tl.load(qdoc + offs_m, mask=m_ok, other=-2)
-        s = tl.where(_allowed(qp, qd, kp, kd, window, CAUSAL, HAS_WINDOW), s, float("-inf"))
-    p = _probabilities(s, lse, MASKED)
-    dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=INPUT_PRECISION)
-    ds = p * (tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION) - delta[:, None])
-    if HAS_SOFTCAP:
-        ds = ds * (1.0 - t * t)
-    dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=INPUT_PRECISION)
-    return dk, dv
-
-
-@triton.jit
 def _flash_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-    qpos_ptr, qdoc_ptr, kpos_ptr, kdoc_ptr, sched_ptr,
+    qpos_ptr, qdoc_ptr, kpos_ptr, kdoc_ptr, qbounds_ptr, kbounds_ptr,
     H, N_REP, M, N, D, scale, softcap, window,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
@@ -216,14 +151,19 @@ def _flash_dkdv_kernel(
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     n_ok, d_ok = offs_n < N, offs_d < D
-    k = _tile(k_ptr + b.to(tl.int64) * stride_kb + kh * stride_kh, offs_n, stride_kn, N, offs_d, d_ok, True, UPCAST)
-    v = _tile(v_ptr + b.to(tl.int64) * stride_vb + kh * stride_vh, offs_n, stride_vn, N, offs_d, d_ok, True, UPCAST)
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_ptr + b.to(tl.int64) * stride_kb + kh * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :],
+                mask=kv_mask, other=0.0)  # fmt: skip
+    v = tl.load(v_ptr + b.to(tl.int64) * stride_vb + kh * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :],
+                mask=kv_mask, other=0.0)  # fmt: skip
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
     kp = tl.load(kpos_ptr + b * N + offs_n, mask=n_ok, other=0)
     kd = tl.load(kdoc_ptr + b * N + offs_n, mask=n_ok, other=-1)
-    # the query tiles this key tile meets (tile_schedule, transposed)
-    sched = sched_ptr + (b * ((N + BLOCK_N - 1) // BLOCK_N) + tl.program_id(0)).to(tl.int64) * 3
-    lo, full, hi = tl.load(sched), tl.load(sched + 1), tl.load(sched + 2)
-    qpos, qdoc = qpos_ptr + b * M, qdoc_ptr + b * M
+    kb = kbounds_ptr + (b * ((N + BLOCK_N - 1) // BLOCK_N) + tl.program_id(0)).to(tl.int64) * 4
+    kp_lo, kp_hi = tl.load(kb), tl.load(kb + 1)
+    kd_lo, kd_hi = tl.load(kb + 2), tl.load(kb + 3)
 
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
@@ -231,48 +171,58 @@ def _flash_dkdv_kernel(
         h = kh * N_REP + g
         q_base = q_ptr + b.to(tl.int64) * stride_qb + h * stride_qh
         do_base = do_ptr + b.to(tl.int64) * stride_dob + h * stride_doh
-        rows = (b * H + h).to(tl.int64) * M
-        for t in range(lo, full):
-            dk, dv = _dkdv_step(dk, dv, k, v, kp, kd, q_base, do_base, lse_ptr + rows, delta_ptr + rows, qpos, qdoc,
-                                t * BLOCK_M, M, offs_d, d_ok, stride_qm, stride_dom, scale, softcap, window, False,
-                                CAUSAL, HAS_WINDOW, HAS_SOFTCAP, UPCAST, INPUT_PRECISION, BLOCK_M)  # fmt: skip
-        for t in range(full, hi):
-            dk, dv = _dkdv_step(dk, dv, k, v, kp, kd, q_base, do_base, lse_ptr + rows, delta_ptr + rows, qpos, qdoc,
-                                t * BLOCK_M, M, offs_d, d_ok, stride_qm, stride_dom, scale, softcap, window, True,
-                                CAUSAL, HAS_WINDOW, HAS_SOFTCAP, UPCAST, INPUT_PRECISION, BLOCK_M)  # fmt: skip
+        row_base = (b * H + h).to(tl.int64) * M
+        for m0 in range(0, M, BLOCK_M):
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            m_ok = offs_m < M
+            qp = tl.load(qpos_ptr + b * M + offs_m, mask=m_ok, other=0)
+            qd = tl.load(qdoc_ptr + b * M + offs_m, mask=m_ok, other=-2)
+            qb = qbounds_ptr + (b * ((M + BLOCK_M - 1) // BLOCK_M) + m0 // BLOCK_M).to(tl.int64) * 4
+            qp_lo, qp_hi = tl.load(qb), tl.load(qb + 1)
+            qd_lo, qd_hi = tl.load(qb + 2), tl.load(qb + 3)
+            meets = (kd_hi >= qd_lo) & (kd_lo <= qd_hi)  # false where either tile has no real token
+            if CAUSAL:
+                meets = meets & (kp_lo <= qp_hi)
+            if HAS_WINDOW:
+                meets = meets & (kp_hi > qp_lo - window) & (kp_lo < qp_hi + window)
+            if meets:
+                q_mask = m_ok[:, None] & d_ok[None, :]
+                q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=q_mask, other=0.0)
+                do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :], mask=q_mask, other=0.0)
+                if UPCAST:
+                    q = q.to(tl.float32)
+                    do = do.to(tl.float32)
+                lse = tl.load(lse_ptr + row_base + offs_m, mask=m_ok, other=float("-inf"))
+                delta = tl.load(delta_ptr + row_base + offs_m, mask=m_ok, other=0.0)
+                s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale
+                t = s
+                if HAS_SOFTCAP:  # softcap * tanh(s / softcap); t = tanh for the backward
+                    t = 2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0
+                    s = t * softcap
+                ok = qd[:, None] == kd[None, :]
+                diff = qp[:, None] - kp[None, :]
+                if CAUSAL:
+                    ok = ok & (diff >= 0)
+                if HAS_WINDOW:
+                    ok = ok & (diff < window) & (diff > -window)
+                s = tl.where(ok, s, float("-inf"))
+                # exp(s - lse), 0 where not allowed (also on rows that see nothing: lse = -inf)
+                p = tl.where(s == float("-inf"), 0.0, tl.exp(s - tl.where(lse == float("-inf"), 0.0, lse)[:, None]))
+                dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=INPUT_PRECISION)
+                ds = p * (tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION) - delta[:, None])
+                if HAS_SOFTCAP:
+                    ds = ds * (1.0 - t * t)
+                dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=INPUT_PRECISION)
 
     out = b.to(tl.int64) * KH * N * D + kh * N * D + offs_n[:, None] * D + offs_d[None, :]
-    kv_mask = n_ok[:, None] & d_ok[None, :]
     tl.store(dk_ptr + out, dk * scale, mask=kv_mask)
     tl.store(dv_ptr + out, dv, mask=kv_mask)
 
 
 @triton.jit
-def _dq_step(dq, q, do, lse, delta, qp, qd, k_base, v_base, kpos, kdoc, n0, N, offs_d, d_ok, stride_kn, stride_vn,
-             scale, softcap, window, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-             HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-             BLOCK_N: tl.constexpr):  # fmt: skip
-    """One key tile's share of a query tile's dQ."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    k = _tile(k_base, offs_n, stride_kn, N, offs_d, d_ok, MASKED, UPCAST)
-    v = _tile(v_base, offs_n, stride_vn, N, offs_d, d_ok, MASKED, UPCAST)
-    s, t = _scores(q, k, scale, softcap, HAS_SOFTCAP, INPUT_PRECISION)
-    if MASKED:
-        n_ok = offs_n < N
-        kp = tl.load(kpos + offs_n, mask=n_ok, other=0)
-        kd = tl.load(kdoc + offs_n, mask=n_ok, other=-1)
-        s = tl.where(_allowed(qp, qd, kp, kd, window, CAUSAL, HAS_WINDOW), s, float("-inf"))
-    p = _probabilities(s, lse, MASKED)
-    ds = p * (tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION) - delta[:, None])
-    if HAS_SOFTCAP:
-        ds = ds * (1.0 - t * t)
-    return dq + tl.dot(ds.to(k.dtype), k, input_precision=INPUT_PRECISION)
-
-
-@triton.jit
 def _flash_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
-    qpos_ptr, qdoc_ptr, kpos_ptr, kdoc_ptr, sched_ptr,
+    qpos_ptr, qdoc_ptr, kpos_ptr, kdoc_ptr, qbounds_ptr, kbounds_ptr,
     H, N_REP, M, N, D, scale, softcap, window,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
@@ -285,75 +235,80 @@ def _flash_dq_kernel(
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_ok, d_ok = offs_m < M, offs_d < D
-    q = _tile(q_ptr + b.to(tl.int64) * stride_qb + h * stride_qh, offs_m, stride_qm, M, offs_d, d_ok, True, UPCAST)
-    do = _tile(do_ptr + b.to(tl.int64) * stride_dob + h * stride_doh, offs_m, stride_dom, M, offs_d, d_ok, True,
-               UPCAST)  # fmt: skip
+    q_mask = m_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
+                mask=q_mask, other=0.0)  # fmt: skip
+    do = tl.load(do_ptr + b.to(tl.int64) * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom
+                 + offs_d[None, :], mask=q_mask, other=0.0)  # fmt: skip
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
     lse = tl.load(lse_ptr + bh.to(tl.int64) * M + offs_m, mask=m_ok, other=float("-inf"))
     delta = tl.load(delta_ptr + bh.to(tl.int64) * M + offs_m, mask=m_ok, other=0.0)
     qp = tl.load(qpos_ptr + b * M + offs_m, mask=m_ok, other=0)
     qd = tl.load(qdoc_ptr + b * M + offs_m, mask=m_ok, other=-2)
+    qb = qbounds_ptr + (b * ((M + BLOCK_M - 1) // BLOCK_M) + tl.program_id(0)).to(tl.int64) * 4
+    qp_lo, qp_hi = tl.load(qb), tl.load(qb + 1)
+    qd_lo, qd_hi = tl.load(qb + 2), tl.load(qb + 3)
     k_base = k_ptr + b.to(tl.int64) * stride_kb + kh * stride_kh
     v_base = v_ptr + b.to(tl.int64) * stride_vb + kh * stride_vh
-    kpos, kdoc = kpos_ptr + b * N, kdoc_ptr + b * N
-    sched = sched_ptr + (b * ((M + BLOCK_M - 1) // BLOCK_M) + tl.program_id(0)).to(tl.int64) * 3
-    lo, full, hi = tl.load(sched), tl.load(sched + 1), tl.load(sched + 2)
 
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    for t in range(lo, full):
-        dq = _dq_step(dq, q, do, lse, delta, qp, qd, k_base, v_base, kpos, kdoc, t * BLOCK_N, N, offs_d, d_ok,
-                      stride_kn, stride_vn, scale, softcap, window, False, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, UPCAST,
-                      INPUT_PRECISION, BLOCK_N)  # fmt: skip
-    for t in range(full, hi):
-        dq = _dq_step(dq, q, do, lse, delta, qp, qd, k_base, v_base, kpos, kdoc, t * BLOCK_N, N, offs_d, d_ok,
-                      stride_kn, stride_vn, scale, softcap, window, True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, UPCAST,
-                      INPUT_PRECISION, BLOCK_N)  # fmt: skip
+    for n0 in range(0, N, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        kp = tl.load(kpos_ptr + b * N + offs_n, mask=n_ok, other=0)
+        kd = tl.load(kdoc_ptr + b * N + offs_n, mask=n_ok, other=-1)
+        kb = kbounds_ptr + (b * ((N + BLOCK_N - 1) // BLOCK_N) + n0 // BLOCK_N).to(tl.int64) * 4
+        kp_lo, kp_hi = tl.load(kb), tl.load(kb + 1)
+        kd_lo, kd_hi = tl.load(kb + 2), tl.load(kb + 3)
+        meets = (kd_hi >= qd_lo) & (kd_lo <= qd_hi)  # false where either tile has no real token
+        if CAUSAL:
+            meets = meets & (kp_lo <= qp_hi)
+        if HAS_WINDOW:
+            meets = meets & (kp_hi > qp_lo - window) & (kp_lo < qp_hi + window)
+        if meets:
+            kv_mask = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale
+            t = s
+            if HAS_SOFTCAP:  # softcap * tanh(s / softcap); t = tanh for the backward
+                t = 2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0
+                s = t * softcap
+            ok = qd[:, None] == kd[None, :]
+            diff = qp[:, None] - kp[None, :]
+            if CAUSAL:
+                ok = ok & (diff >= 0)
+            if HAS_WINDOW:
+                ok = ok & (diff < window) & (diff > -window)
+            s = tl.where(ok, s, float("-inf"))
+            # exp(s - lse), 0 where not allowed (also on rows that see nothing: lse = -inf)
+            p = tl.where(s == float("-inf"), 0.0, tl.exp(s - tl.where(lse == float("-inf"), 0.0, lse)[:, None]))
+            ds = p * (tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION) - delta[:, None])
+            if HAS_SOFTCAP:
+                ds = ds * (1.0 - t * t)
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=INPUT_PRECISION)
 
     out = bh.to(tl.int64) * M * D + offs_m[:, None] * D + offs_d[None, :]
-    tl.store(dq_ptr + out, dq * scale, mask=m_ok[:, None] & d_ok[None, :])
+    tl.store(dq_ptr + out, dq * scale, mask=q_mask)
 
 
-def _tile_bounds(pos, doc, block):
-    """Per tile of `block` tokens: its lowest / highest position and document over its real tokens
-    (doc >= 0; none: +-2**30, which meets nothing), and whether every token in it is real."""
+def tile_bounds(pos, doc, block):
+    """(B, cdiv(n, block), 4) int32: each tile's lowest / highest position and document over its
+    real tokens (doc >= 0; none: +-2**30, which meets nothing). A few torch reductions per call, so
+    the kernels skip tiles with four scalar loads."""
     B, n = pos.shape
     pad = -n % block
-    doc = F.pad(doc.long(), (0, pad), value=-1).view(B, -1, block)
-    pos = F.pad(pos.long(), (0, pad)).view(B, -1, block)
+    doc = F.pad(doc, (0, pad), value=-1).view(B, -1, block)
+    pos = F.pad(pos, (0, pad)).view(B, -1, block)
     real = doc >= 0
-    lo = [torch.where(real, t, _BIG).amin(-1) for t in (pos, doc)]
-    hi = [torch.where(real, t, -_BIG).amax(-1) for t in (pos, doc)]
-    return lo[0], hi[0], lo[1], hi[1], real.all(-1)
-
-
-def _ranges(meets, full):
-    """(B, T, U) -> (B, T, 3) int32: per row tile, the first column tile it meets, the end of the
-    run of fully allowed tiles from there, one past the last it meets (all 0 where none)."""
-    U = meets.shape[-1]
-    j = torch.arange(U, device=meets.device)
-    some = meets.any(-1)
-    lo = torch.where(some, torch.where(meets, j, U).amin(-1), 0)
-    hi = torch.where(meets, j + 1, 0).amax(-1)
-    stop = torch.where((j >= lo[..., None]) & ~full, j, U).amin(-1)
-    return torch.stack([lo, torch.minimum(stop, hi).maximum(lo), hi], -1).to(torch.int32).contiguous()
-
-
-def tile_schedule(q_pos, q_doc, k_pos, k_doc, block_m, block_n, causal, window):
-    """The tiles each program visits: ((B, query tiles, 3), (B, key tiles, 3)) int32, each row
-    [lo, full, hi): the tiles it meets from the tokens' bounds (every key after every query when
-    causal, outside the window, or no document in common: skipped), the first `full - lo` of them
-    with every pair allowed (no mask computed). A few torch reductions per call, on the device:
-    the kernels loop without a branch, so their loads pipeline."""
-    qp_lo, qp_hi, qd_lo, qd_hi, q_real = (t[:, :, None] for t in _tile_bounds(q_pos, q_doc, block_m))
-    kp_lo, kp_hi, kd_lo, kd_hi, k_real = (t[:, None, :] for t in _tile_bounds(k_pos, k_doc, block_n))
-    meets = (kd_hi >= qd_lo) & (kd_lo <= qd_hi)
-    full = q_real & k_real & (qd_lo == qd_hi) & (kd_lo == kd_hi) & (qd_lo == kd_lo)
-    if causal:
-        meets &= kp_lo <= qp_hi
-        full &= kp_hi <= qp_lo
-    if window is not None:
-        meets &= (kp_hi > qp_lo - window) & (kp_lo < qp_hi + window)
-        full &= (qp_hi - kp_lo < window) & (kp_hi - qp_lo < window)
-    return _ranges(meets, full), _ranges(meets.transpose(1, 2), full.transpose(1, 2))
+    bounds = [torch.where(real, t, fill).amin(-1) if fill > 0 else torch.where(real, t, fill).amax(-1)
+              for t, fill in ((pos, _BIG), (pos, -_BIG), (doc, _BIG), (doc, -_BIG))]  # fmt: skip
+    return torch.stack(bounds, -1).to(torch.int32).contiguous()
 
 
 def _unit_last(t):
@@ -408,10 +363,10 @@ def flash_attention(
         return o, lse
     cfg = _config("fwd", D)
     grid = (triton.cdiv(M, cfg["BLOCK_M"]), B * H)
-    sched, _ = tile_schedule(q_pos, q_doc, k_pos, k_doc, cfg["BLOCK_M"], cfg["BLOCK_N"], causal, window)
+    bounds = tile_bounds(q_pos, q_doc, cfg["BLOCK_M"]), tile_bounds(k_pos, k_doc, cfg["BLOCK_N"])
     with _on(q):
         _flash_fwd_kernel[grid](
-            q, k, v, o, lse, q_pos.contiguous(), q_doc.contiguous(), k_pos.contiguous(), k_doc.contiguous(), sched,
+            q, k, v, o, lse, q_pos.contiguous(), q_doc.contiguous(), k_pos.contiguous(), k_doc.contiguous(), *bounds,
             H, H // KH, M, N, D, *_scalars(q, scale, window, softcap),
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
             **_flags(q, causal, window, softcap), **cfg,
@@ -434,18 +389,20 @@ def flash_attention_backward(
     dv = torch.zeros_like(dk)
     if B * H * M * N == 0:
         return dq, dk, dv
-    kv_cfg, q_cfg = _config("dkdv", D), _config("dq", D)
     meta = (q_pos.contiguous(), q_doc.contiguous(), k_pos.contiguous(), k_doc.contiguous())
-    _, k_sched = tile_schedule(q_pos, q_doc, k_pos, k_doc, kv_cfg["BLOCK_M"], kv_cfg["BLOCK_N"], causal, window)
-    q_sched, _ = tile_schedule(q_pos, q_doc, k_pos, k_doc, q_cfg["BLOCK_M"], q_cfg["BLOCK_N"], causal, window)
+    kv_cfg, q_cfg = _config("dkdv", D), _config("dq", D)
+
+    def bounds(cfg):
+        return tile_bounds(q_pos, q_doc, cfg["BLOCK_M"]), tile_bounds(k_pos, k_doc, cfg["BLOCK_N"])
+
     common = (H, H // KH, M, N, D, *_scalars(q, scale, window, softcap),
               *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])  # fmt: skip
     flags = _flags(q, causal, window, softcap)
     with _on(q):
         _flash_dkdv_kernel[(triton.cdiv(N, kv_cfg["BLOCK_N"]), B * KH)](
-            q, k, v, do, lse, delta, dk, dv, *meta, k_sched, *common, **flags, **kv_cfg
+            q, k, v, do, lse, delta, dk, dv, *meta, *bounds(kv_cfg), *common, **flags, **kv_cfg
         )
         _flash_dq_kernel[(triton.cdiv(M, q_cfg["BLOCK_M"]), B * H)](
-            q, k, v, do, lse, delta, dq, *meta, q_sched, *common, **flags, **q_cfg
+            q, k, v, do, lse, delta, dq, *meta, *bounds(q_cfg), *common, **flags, **q_cfg
         )
     return dq, dk, dv

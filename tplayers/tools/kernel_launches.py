@@ -254,7 +254,7 @@ def _weight_grad_configs(module, cc):
 
 # (kernel, head size, flags): each kernel at head sizes 64 and 128 (causal, as the models run it;
 # the forward also with a sliding window and softcapping at 128). Every tensor is a (B, H,
-# S, D) view with unit stride along D (HF's transposed q); metadata int32, the tile schedule int32 (B, T, 3).
+# S, D) view with unit stride along D (HF's transposed q); metadata int32, tile bounds int32 (B, T, 4).
 FLASH_VARIANTS = {
     "flash-fwd-d64": ("_flash_fwd_kernel", 64, False),
     "flash-fwd-d128": ("_flash_fwd_kernel", 128, False),
@@ -272,7 +272,7 @@ def _flash_launch(variant):
 
     def launch(dtype):
         meta = dict(qpos_ptr=Ptr("i32"), qdoc_ptr=Ptr("i32"), kpos_ptr=Ptr("i32"), kdoc_ptr=Ptr("i32"),
-                    sched_ptr=Ptr("i32"))  # fmt: skip
+                    qbounds_ptr=Ptr("i32"), kbounds_ptr=Ptr("i32"))  # fmt: skip
         if kernel == "_flash_fwd_kernel":
             tensors = dict(q_ptr=Ptr(dtype), k_ptr=Ptr(dtype), v_ptr=Ptr(dtype), o_ptr=Ptr(dtype), lse_ptr=Ptr("fp32"))
             last = ("stride_ob", "stride_oh", "stride_om")
