@@ -189,7 +189,7 @@ def memory_per_rank(rank, world, group, seq):
     return whole, mine, ring, sent.by_axis()["cp"], layers
 
 
-@pytest.mark.parametrize("seq", [512, 2048])
+@pytest.mark.parametrize("seq", [512, 4096])
 def test_activation_memory_shrinks_by_cp(pool, seq):
     for cp in (2, 4):
         for whole, mine, ring, sent, layers in pool.run(memory_per_rank, cp, seq, mesh=("cp", 1, 1, cp, 1)):
@@ -307,3 +307,27 @@ def test_check_parallel_takes_context_parallel_layouts(pool):
     check_parallel(tiny_llama, context_parallel, token_batch, layouts=layouts, steps=2, pool=pool)
     with pytest.raises(AssertionError, match="check_parallel"):
         check_parallel(tiny_llama, context_parallel_wrong, token_batch, layouts=[Layout(cp=2)], pool=pool)
+
+
+def split_logits(rank, world, group):
+    """context_logits="split": each rank's logits of its own tokens, in local_tokens' order."""
+    groups = context_mesh(1, 1, 2, 1)
+    model, reference = build("qwen2"), build("qwen2")
+    ids, labels, kwargs = inputs(2, 13, 3, 0)
+    tplayers.parallelize(model, group=groups["tp"], context_group=groups["cp"], context_logits="split")
+    with comm.count_bytes() as sent:
+        out = model(ids, labels=labels, **kwargs)
+    want = reference(ids, labels=labels, **kwargs)
+    tokens = tplayers.hf.context.local_tokens(model)
+    real = tokens >= 0
+    assert out.logits.shape[:2] == tokens.shape
+    assert_close(out.logits[real], want.logits[torch.arange(2)[:, None].expand_as(tokens)[real], tokens[real]])
+    assert_close(out.loss, want.loss)
+    config = model.config
+    ring = 2 * tokens.numel() * config.num_key_value_heads * config.head_dim * 4  # one hop's K / V, fp32
+    return sent.by_axis()["cp"], config.num_hidden_layers * ring + 4  # the hops and the loss: no logits
+
+
+def test_split_logits_stay_local(pool):
+    for sent, hops_and_loss in pool.run(split_logits, 2, mesh=("cp", 1, 1, 2, 1)):
+        assert sent == hops_and_loss

@@ -148,9 +148,8 @@ def init_mesh(*, dp: int = 1, pp: int = 1, cp: int = 1, tp: int | tuple[int, int
     tp_size = grid[0] * grid[1] if grid else tp
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     if world_size != dp * pp * cp * tp_size:
-        raise ValueError(
-            f"world size {world_size} != dp*pp*cp*tp = {dp}*{pp}*{cp}*{tp_size} = {dp * pp * cp * tp_size}"
-        )
+        names, sizes = ("dp*pp*cp*tp", f"{dp}*{pp}*{cp}*{tp_size}") if cp > 1 else ("dp*pp*tp", f"{dp}*{pp}*{tp_size}")
+        raise ValueError(f"world size {world_size} != {names} = {sizes} = {dp * pp * cp * tp_size}")
     # One GPU per local rank, or CPU ranks on gloo when there are not enough GPUs for that.
     if dist.is_initialized():
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"

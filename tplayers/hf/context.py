@@ -14,7 +14,8 @@ sliding window and softcap arrive as it passes them; it attends over every rank'
 Labels are shifted over the whole row before the split (no label crosses a rank), the loss is the
 sum over this rank's tokens divided by the whole batch's count of valid labels (or the
 `num_items_in_batch` given), summed over the group: the unsharded model's loss on every rank.
-Logits come back whole, in the row's order (all-gathered; backward keeps this rank's part).
+Logits come back whole, in the row's order (all-gathered; backward keeps this rank's part), or
+with `context_logits="split"` as this rank's only, in the order `local_tokens(model)` gives.
 
 Weights are replicated over the group, each rank's gradient covering its own tokens: summed over
 the group by a hook on each parameter, or, once `tplayers.data_parallel` wraps the model, reduced
@@ -55,6 +56,8 @@ class ContextState:
     seq_len: int = 0
     labels: tuple | None = None  # (this rank's shifted labels, the denominator)
     reduced_by_data_parallel: bool = False  # data_parallel averages over dp x cp: scale by cp instead
+    split_logits: bool = False  # logits stay this rank's (context_logits="split")
+    tokens: object = None  # the last forward's (B, L) indices of this rank's tokens in the row (-1: padding)
     hooked: "weakref.WeakValueDictionary" = field(default_factory=weakref.WeakValueDictionary)
 
     @property
@@ -229,7 +232,9 @@ def _whole_outputs(state: ContextState):
             labels, denominator = state.labels
             local = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
             out["loss"] = _SumOverContext.apply(local / denominator, state.group, state.factor)
-        out["logits"] = whole_sequence(logits, state)
+        state.tokens = state.layout.index[:, dist.get_rank(state.group)]
+        if not state.split_logits:
+            out["logits"] = whole_sequence(logits, state)
         state.layout = state.labels = None
         return out
 
@@ -302,16 +307,32 @@ def _check_ulysses(config, ways):
         )
 
 
-def apply_context(model, group, method="auto", *, multiple=1, tp=1):
-    """Split `model`'s sequence over `group` (module docstring); in place."""
+def local_tokens(model) -> torch.Tensor:
+    """(B, L): where in the row each of this rank's tokens sits (-1: padding), for the model's last
+    forward; what `context_logits="split"` logits are in the order of."""
+    state = context_state(model)
+    if state is None or state.tokens is None:
+        raise ValueError("local_tokens: the model is not context-parallel, or has not run a forward yet")
+    return state.tokens
+
+
+LOGITS = ("whole", "split")
+
+
+def apply_context(model, group, method="auto", logits="whole", *, multiple=1, tp=1):
+    """Split `model`'s sequence over `group` (module docstring); in place. logits: "whole" (every
+    rank gets the whole rows' logits) or "split" (this rank's tokens only, in the order
+    `local_tokens(model)` gives: no all-gather of (B, S, V))."""
     if method not in CHOICES:
         raise ValueError(f"parallelize: context must be one of {CHOICES}, got {method!r}")
+    if logits not in LOGITS:
+        raise ValueError(f"parallelize: context_logits must be one of {LOGITS}, got {logits!r}")
     if hasattr(model, STATE):
         raise ValueError("parallelize: the model is already context-parallel")
     attention = _check_model(model)
     if method == "ulysses":
         _check_ulysses(model.config, dist.get_world_size(group) * tp)
-    state = ContextState(group, method, multiple)
+    state = ContextState(group, method, multiple)  # split logits once parallelize's self-check is done
     for module in attention:
         setattr(module, STATE, state)
     _register()

@@ -38,7 +38,7 @@ from tplayers.functional.collectives import (
 )
 from tplayers.hf import families, lora
 from tplayers.hf import verify as verification
-from tplayers.hf.context import apply_context
+from tplayers.hf.context import apply_context, context_state
 from tplayers.hf.grid import parallelize_grid
 from tplayers.hf.pipeline_split import SEQUENCE_PARALLEL
 from tplayers.hf.same_inputs import check_same_inputs
@@ -253,7 +253,7 @@ def _decoder_blocks(model, placed):
 
 def parallelize(
     model, *, group=None, sequence_parallel=False, plan=None, vocab_parallel_logits=False, verify=None, overlap="auto",
-    expert_group=None, context_group=None, context="auto",
+    expert_group=None, context_group=None, context="auto", context_logits="whole",
 ):  # fmt: skip
     """Shard `model` in place over `group` (see the module docstring); returns it.
 
@@ -289,7 +289,8 @@ def parallelize(
     attention too (`tplayers.hf.context`); every rank of it is given the same whole batch, and the
     loss and logits come back whole. context: "auto" (priced by the cost model per attention
     call), "ring", "allgather" or "ulysses". `tplayers.data_parallel` then reduces gradients over
-    dp x cp.
+    dp x cp. context_logits: "whole" (default) or "split": each rank's logits of its own tokens,
+    in the order `tplayers.hf.context.local_tokens(model)` gives (no all-gather of the logits).
     """
     check_overlap(overlap, "parallelize")
     guards.guard_accelerate()  # a plain Trainer / Accelerator handed the result raises (accelerate is loaded by now)
@@ -299,7 +300,8 @@ def parallelize(
     if expert_group is not None:
         kwargs["expert_group"] = _expert_group(expert_group, group)
     if context_group is not None:
-        kwargs["context"] = _context(context_group, context, group, expert_group, vocab_parallel_logits)
+        kwargs["context"] = (*_context(context_group, context, group, expert_group, vocab_parallel_logits),
+                             context_logits)  # fmt: skip
     if is_grid(group):  # a 2-D tensor-parallel mesh (tplayers.hf.grid)
         if expert_group is not None:
             raise ValueError("parallelize: expert_group with a 2-D tensor-parallel mesh is not supported")
@@ -396,4 +398,5 @@ def _parallelize(
     check_same_inputs(model, group)  # armed after the self-check: the user's first forward is checked
     if context is not None:
         check_same_inputs(model, context[0], "context-parallel")
+        context_state(model).split_logits = context[2] == "split"  # after the self-check's whole ones
     return model
