@@ -258,6 +258,8 @@ def refusals(rank, world, group):
         tplayers.pipeline_split(model, group=groups["pp"])
     with pytest.raises(ValueError, match="KV cache"):
         model(ids[:1], past_key_values=transformers.DynamicCache(config=model.config))
+    with pytest.raises(ValueError, match="token_type_ids .* is per token"):
+        model(ids, token_type_ids=torch.zeros_like(ids))
     for method, match in (("ulysses", "must divide by cp x tp"), ("spiral", "context must")):
         with pytest.raises(ValueError, match=match):
             config = transformers.LlamaConfig(**{**BASE, "num_key_value_heads": 1})
@@ -331,3 +333,33 @@ def split_logits(rank, world, group):
 def test_split_logits_stay_local(pool):
     for sent, hops_and_loss in pool.run(split_logits, 2, mesh=("cp", 1, 1, 2, 1)):
         assert sent == hops_and_loss
+
+
+def lora_under_context(rank, world, group):
+    """peft's LoRA, then parallelize with a context group: the adapters' gradients (and the frozen
+    base's none) equal the unsharded peft model's; a frozen weight trained later still gets its
+    sum over CP."""
+    import peft
+
+    groups = context_mesh(1, 1, 2, 1)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    torch.manual_seed(0)
+    model = peft.get_peft_model(build("llama"), config)
+    reference = copy.deepcopy(model)
+    tplayers.parallelize(model, group=groups["tp"], context_group=groups["cp"], verify=False)
+    ids, labels, kwargs = inputs(2, 12, 0, 0)
+    out, want = train_once(model, ids, labels, kwargs), train_once(reference, ids, labels, kwargs)
+    assert_close(out.loss, want.loss)
+    mine = dict(model.named_parameters())
+    for name, p in reference.named_parameters():
+        if p.grad is not None:
+            assert_close(mine[name].grad, p.grad, msg=lambda m, n=name: f"{n}: {m}")
+    norm = next(n for n in mine if n.endswith("model.norm.weight"))  # frozen at the first forward
+    for m in (model, reference):
+        dict(m.named_parameters())[norm].requires_grad_(True)
+    train_once(model, ids, labels, kwargs), train_once(reference, ids, labels, kwargs)
+    assert_close(mine[norm].grad, dict(reference.named_parameters())[norm].grad)
+
+
+def test_lora_adapters_under_context_parallelism(pool):
+    pool.run(lora_under_context, 2, mesh=("cp", 1, 1, 2, 1))

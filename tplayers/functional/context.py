@@ -84,50 +84,28 @@ def _expanded(q, t):
     return t.repeat_interleave(q.shape[1] // t.shape[1], dim=1)
 
 
-def _active(allowed):
-    """The queries that see some key and the keys some query sees (over the batch): torch's kernel
-    runs on those only (a head-tail layout's off-diagonal hop: half its queries see every key,
-    the other half none)."""
-    rows, cols = allowed.any(-1).any(0), allowed.any(-2).any(0)
-    return rows.nonzero().squeeze(1), cols.nonzero().squeeze(1)
-
-
 def _cpu_flash(q, k, v, qp, qd, kp, kd, opts):
     mask, allowed = _additive_mask(qp, qd, kp, kd, opts, q.dtype)
-    rows, cols = _active(allowed)
-    o = q.new_zeros(q.shape)
-    lse = torch.full(q.shape[:3], float("-inf"), device=q.device)  # a query that sees no key here
-    if len(rows) and len(cols):
-        o_part, lse_part = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q[:, :, rows], _expanded(q, k[:, :, cols]), _expanded(q, v[:, :, cols]), 0.0, False,
-            attn_mask=mask[:, :, rows][..., cols], scale=opts.scale,
-        )  # fmt: skip
-        seen = allowed[:, rows][..., cols].any(-1)[:, None]  # torch's kernel says lse 0 where none
-        o[:, :, rows] = o_part
-        lse[:, :, rows] = torch.where(seen, lse_part.float(), float("-inf"))
-    return o, lse
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, _expanded(q, k), _expanded(q, v), 0.0, False, attn_mask=mask, scale=opts.scale
+    )
+    seen = allowed.any(-1)[:, None]  # a query that sees no key here: lse -inf (torch's kernel says 0)
+    return o, torch.where(seen, lse.float(), float("-inf"))
 
 
 def _cpu_flash_backward(do, q, k, v, o, lse, qp, qd, kp, kd, opts):
-    mask, allowed = _additive_mask(qp, qd, kp, kd, opts, q.dtype)
-    rows, cols = _active(allowed)
-    B, KH, N, D = k.shape
-    dq = torch.zeros(q.shape, device=q.device)
-    dk, dv = torch.zeros(k.shape, device=q.device), torch.zeros(k.shape, device=q.device)
-    if not (len(rows) and len(cols)):
-        return dq, dk, dv
-    lse = torch.where(torch.isinf(lse), 0.0, lse)[:, :, rows]  # rows that see nothing: every p is 0 anyway
-    dq_part, dk_part, dv_part = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        do[:, :, rows].to(q.dtype), q[:, :, rows], _expanded(q, k[:, :, cols]), _expanded(q, v[:, :, cols]),
-        o[:, :, rows].to(q.dtype), lse, 0.0, False, attn_mask=mask[:, :, rows][..., cols], scale=opts.scale,
+    mask, _ = _additive_mask(qp, qd, kp, kd, opts, q.dtype)
+    lse = torch.where(torch.isinf(lse), 0.0, lse)  # rows that see nothing anywhere: every p is 0 anyway
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        do.to(q.dtype), q, _expanded(q, k), _expanded(q, v), o.to(q.dtype), lse, 0.0, False,
+        attn_mask=mask, scale=opts.scale,
     )  # fmt: skip
+    B, KH, N, D = k.shape
 
     def grouped(t):  # the query heads' shares of each key/value head summed
-        return t.float().view(B, KH, -1, len(cols), D).sum(2)
+        return t.float().view(B, KH, -1, N, D).sum(2)
 
-    dq[:, :, rows] = dq_part.float()
-    dk[:, :, cols], dv[:, :, cols] = grouped(dk_part), grouped(dv_part)
-    return dq, dk, dv
+    return dq.float(), grouped(dk), grouped(dv)
 
 
 def merge_partials(o, lse, o_i, lse_i):

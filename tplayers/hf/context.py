@@ -209,6 +209,13 @@ def _split_inputs(state: ContextState, signature):
                                  attention_mask=mask, multiple=state.multiple, device=x.device)  # fmt: skip
         if position_ids is None:
             position_ids = torch.arange(S, device=x.device).expand(B, S)
+        split = {"input_ids", "inputs_embeds", "position_ids", "attention_mask", "labels"}
+        unsplit = [k for k, t in kwargs.items() if k not in split and isinstance(t, torch.Tensor) and t.dim() >= 2
+                   and tuple(t.shape[:2]) == (B, S)]  # fmt: skip
+        if unsplit:  # per-token inputs this hook does not know how to split: not passed on whole, silently
+            shape = tuple(kwargs[unsplit[0]].shape)
+            raise ValueError(f"context parallelism: {unsplit[0]} {shape} is per token; only input_ids / "
+                             "inputs_embeds, position_ids, attention_mask and labels are split")  # fmt: skip
         kwargs["input_ids" if ids is not None else "inputs_embeds"] = layout.take(x)
         kwargs.update(position_ids=layout.take(position_ids), attention_mask=None, use_cache=False)
         labels = kwargs.pop("labels", None)
@@ -255,8 +262,11 @@ def _summed_over_context(state: ContextState):
 
     def hook(module, *_):
         for p in module.parameters():
-            if state.hooked.get(id(p)) is not p and p.requires_grad:
+            if state.hooked.get(id(p)) is not p:
+                trainable = p.requires_grad  # a frozen weight (an inactive adapter) may train later:
+                p.requires_grad_(True)  # its hook goes on now, and stays through requires_grad_ toggles
                 p.register_hook(summed)
+                p.requires_grad_(trainable)
                 state.hooked[id(p)] = p
 
     return hook
