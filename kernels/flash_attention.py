@@ -56,6 +56,38 @@ def _gpu_config(kernel, head_dim, arch):
 
 
 @triton.jit
+def _meets(qp_lo, qp_hi, qd_lo, qd_hi, kb, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Whether a query tile and the key tile whose bounds `kb` points at may have an allowed pair."""
+    kp_lo, kp_hi = tl.load(kb), tl.load(kb + 1)
+    kd_lo, kd_hi = tl.load(kb + 2), tl.load(kb + 3)
+    meets = (kd_hi >= qd_lo) & (kd_lo <= qd_hi)  # false where either tile has no real token
+    if CAUSAL:
+        meets = meets & (kp_lo <= qp_hi)
+    if HAS_WINDOW:
+        meets = meets & (kp_hi > qp_lo - window) & (kp_lo < qp_hi + window)
+    return meets
+
+
+@triton.jit
+def _scores(q, k, qp, qd, kp, kd, scale, softcap, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+            HAS_SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr):  # fmt: skip
+    """fp32 scores of a tile (softcapped), -inf where a query may not see a key; and the softcap's
+    tanh for the backward."""
+    s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale
+    t = s
+    if HAS_SOFTCAP:  # softcap * tanh(s / softcap); t = tanh for the backward
+        t = 2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0
+        s = t * softcap
+    ok = qd[:, None] == kd[None, :]
+    diff = qp[:, None] - kp[None, :]
+    if CAUSAL:
+        ok = ok & (diff >= 0)
+    if HAS_WINDOW:
+        ok = ok & (diff < window) & (diff > -window)
+    return tl.where(ok, s, float("-inf")), t
+
+
+@triton.jit
 def _flash_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qpos_ptr, qdoc_ptr, kpos_ptr, kdoc_ptr, qbounds_ptr, kbounds_ptr,
     H, N_REP, M, N, D, scale, softcap, window,
@@ -91,32 +123,15 @@ def _flash_fwd_kernel(
         kp = tl.load(kpos_ptr + b * N + offs_n, mask=n_ok, other=0)
         kd = tl.load(kdoc_ptr + b * N + offs_n, mask=n_ok, other=-1)
         kb = kbounds_ptr + (b * ((N + BLOCK_N - 1) // BLOCK_N) + n0 // BLOCK_N).to(tl.int64) * 4
-        kp_lo, kp_hi = tl.load(kb), tl.load(kb + 1)
-        kd_lo, kd_hi = tl.load(kb + 2), tl.load(kb + 3)
-        meets = (kd_hi >= qd_lo) & (kd_lo <= qd_hi)  # false where either tile has no real token
-        if CAUSAL:
-            meets = meets & (kp_lo <= qp_hi)
-        if HAS_WINDOW:
-            meets = meets & (kp_hi > qp_lo - window) & (kp_lo < qp_hi + window)
-        if meets:
+        if _meets(qp_lo, qp_hi, qd_lo, qd_hi, kb, window, CAUSAL, HAS_WINDOW):
             kv_mask = n_ok[:, None] & d_ok[None, :]
             k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale
-            t = s
-            if HAS_SOFTCAP:  # softcap * tanh(s / softcap); t = tanh for the backward
-                t = 2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0
-                s = t * softcap
-            ok = qd[:, None] == kd[None, :]
-            diff = qp[:, None] - kp[None, :]
-            if CAUSAL:
-                ok = ok & (diff >= 0)
-            if HAS_WINDOW:
-                ok = ok & (diff < window) & (diff > -window)
-            s = tl.where(ok, s, float("-inf"))
+            s, t = _scores(q, k, qp, qd, kp, kd, scale, softcap, window, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+                             INPUT_PRECISION)  # fmt: skip
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             # rows that have seen no allowed key yet keep max -inf: shift by 0 so no nan appears
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -194,18 +209,8 @@ def _flash_dkdv_kernel(
                     do = do.to(tl.float32)
                 lse = tl.load(lse_ptr + row_base + offs_m, mask=m_ok, other=float("-inf"))
                 delta = tl.load(delta_ptr + row_base + offs_m, mask=m_ok, other=0.0)
-                s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale
-                t = s
-                if HAS_SOFTCAP:  # softcap * tanh(s / softcap); t = tanh for the backward
-                    t = 2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0
-                    s = t * softcap
-                ok = qd[:, None] == kd[None, :]
-                diff = qp[:, None] - kp[None, :]
-                if CAUSAL:
-                    ok = ok & (diff >= 0)
-                if HAS_WINDOW:
-                    ok = ok & (diff < window) & (diff > -window)
-                s = tl.where(ok, s, float("-inf"))
+                s, t = _scores(q, k, qp, qd, kp, kd, scale, softcap, window, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+                                 INPUT_PRECISION)  # fmt: skip
                 # exp(s - lse), 0 where not allowed (also on rows that see nothing: lse = -inf)
                 p = tl.where(s == float("-inf"), 0.0, tl.exp(s - tl.where(lse == float("-inf"), 0.0, lse)[:, None]))
                 dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=INPUT_PRECISION)
@@ -260,32 +265,15 @@ def _flash_dq_kernel(
         kp = tl.load(kpos_ptr + b * N + offs_n, mask=n_ok, other=0)
         kd = tl.load(kdoc_ptr + b * N + offs_n, mask=n_ok, other=-1)
         kb = kbounds_ptr + (b * ((N + BLOCK_N - 1) // BLOCK_N) + n0 // BLOCK_N).to(tl.int64) * 4
-        kp_lo, kp_hi = tl.load(kb), tl.load(kb + 1)
-        kd_lo, kd_hi = tl.load(kb + 2), tl.load(kb + 3)
-        meets = (kd_hi >= qd_lo) & (kd_lo <= qd_hi)  # false where either tile has no real token
-        if CAUSAL:
-            meets = meets & (kp_lo <= qp_hi)
-        if HAS_WINDOW:
-            meets = meets & (kp_hi > qp_lo - window) & (kp_lo < qp_hi + window)
-        if meets:
+        if _meets(qp_lo, qp_hi, qd_lo, qd_hi, kb, window, CAUSAL, HAS_WINDOW):
             kv_mask = n_ok[:, None] & d_ok[None, :]
             k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale
-            t = s
-            if HAS_SOFTCAP:  # softcap * tanh(s / softcap); t = tanh for the backward
-                t = 2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0
-                s = t * softcap
-            ok = qd[:, None] == kd[None, :]
-            diff = qp[:, None] - kp[None, :]
-            if CAUSAL:
-                ok = ok & (diff >= 0)
-            if HAS_WINDOW:
-                ok = ok & (diff < window) & (diff > -window)
-            s = tl.where(ok, s, float("-inf"))
+            s, t = _scores(q, k, qp, qd, kp, kd, scale, softcap, window, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+                             INPUT_PRECISION)  # fmt: skip
             # exp(s - lse), 0 where not allowed (also on rows that see nothing: lse = -inf)
             p = tl.where(s == float("-inf"), 0.0, tl.exp(s - tl.where(lse == float("-inf"), 0.0, lse)[:, None]))
             ds = p * (tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION) - delta[:, None])
