@@ -363,3 +363,24 @@ def lora_under_context(rank, world, group):
 
 def test_lora_adapters_under_context_parallelism(pool):
     pool.run(lora_under_context, 2, mesh=("cp", 1, 1, 2, 1))
+
+
+def driven_like_users(rank, world, group):
+    """`.to()`, `load_state_dict(assign=True)` and a deep copy of a CP model: the copy trains like
+    the unsharded model (its new parameters get their CP sums too)."""
+    groups = context_mesh(1, 1, 2, 1)
+    model, reference = build("llama"), build("llama")
+    tplayers.parallelize(model, group=groups["tp"], context_group=groups["cp"], verify=False)
+    model = model.to(torch.float32)
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    clone = copy.deepcopy(model)
+    ids, labels, kwargs = inputs(2, 12, 0, 0)
+    out, want = train_once(clone, ids, labels, kwargs), train_once(reference, ids, labels, kwargs)
+    assert_close(out.loss, want.loss)
+    grads = tplayers.hf.state_dict.gather_grads(clone, group=groups["tp"])
+    for name, p in reference.named_parameters():
+        assert_close(grads[name], p.grad, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_to_assign_load_and_deep_copy(pool):
+    pool.run(driven_like_users, 2, mesh=("cp", 1, 1, 2, 1))

@@ -60,6 +60,11 @@ class ContextState:
     tokens: object = None  # the last forward's (B, L) indices of this rank's tokens in the row (-1: padding)
     hooked: "weakref.WeakValueDictionary" = field(default_factory=weakref.WeakValueDictionary)
 
+    def __deepcopy__(self, memo):
+        """A deep copy of the model shares it (its hooks, copied by reference, already do): the
+        process group cannot be copied, and the copy's parameters get their own CP hooks."""
+        return self
+
     @property
     def size(self) -> int:
         return dist.get_world_size(self.group)

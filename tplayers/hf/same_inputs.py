@@ -35,10 +35,18 @@ def _inputs(args, kwargs) -> dict:
     return {k: v for k, v in found.items() if isinstance(v, torch.Tensor)}
 
 
+class _Groups(list):
+    """The (group, role) pairs checked; shared by a deep copy of the model (a process group cannot
+    be copied)."""
+
+    def __deepcopy__(self, memo):
+        return self
+
+
 def check_same_inputs(model, group=None, role="tensor-parallel") -> None:
     """Install (or re-arm) the check on `model` over `group` (the model's tensor-parallel group;
     a context-parallel group, `role`, is checked too: its ranks split one batch's sequence)."""
-    groups = model.__dict__.setdefault("_tplayers_same_inputs_groups", [])
+    groups = model.__dict__.setdefault("_tplayers_same_inputs_groups", _Groups())
     if group is not None and all(g is not group for g, _ in groups):
         if not groups:  # first: before any hook that splits the inputs (context parallelism)
             model.register_forward_pre_hook(_hook, with_kwargs=True, prepend=True)
