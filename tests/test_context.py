@@ -254,8 +254,6 @@ def refusals(rank, world, group):
     model = tplayers.parallelize(build("llama"), group=groups["tp"], context_group=groups["cp"], verify=False)
     with pytest.raises(ValueError, match="context-parallel ranks .* were given different inputs"):
         model(ids)
-    with pytest.raises(ValueError, match="pipeline_split: a context-parallel model"):
-        tplayers.pipeline_split(model, group=groups["pp"])
     with pytest.raises(ValueError, match="KV cache"):
         model(ids[:1], past_key_values=transformers.DynamicCache(config=model.config))
     with pytest.raises(ValueError, match="token_type_ids .* is per token"):
@@ -288,9 +286,11 @@ def context_parallel(model, mesh, layout, wrong=False):
     if wrong and layout.cp > 1 and mesh["cp"].get_local_rank() == 1:  # negative control: one CP rank's weight off
         with torch.no_grad():
             model.model.norm.weight.add_(1e-3)
+    parts = tplayers.pipeline_split(model, group=mesh["pp"]) if layout.pp > 1 else [model]
     if layout.dp > 1 or layout.cp > 1 and layout.zero_stage:
-        tplayers.data_parallel(model, group=mesh["dp"], zero_stage=layout.zero_stage)
-    return model
+        for part in parts:
+            tplayers.data_parallel(getattr(part, "module", part), group=mesh["dp"], zero_stage=layout.zero_stage)
+    return parts if layout.pp > 1 else model
 
 
 def context_parallel_wrong(model, mesh, layout):
@@ -305,7 +305,8 @@ def test_check_parallel_takes_context_parallel_layouts(pool):
     from tplayers.plan import Layout
     from tplayers.testing import check_parallel
 
-    layouts = [Layout(cp=2), Layout(tp=2, cp=2, sequence_parallel=True), Layout(dp=2, cp=2, zero_stage=2)]
+    layouts = [Layout(cp=2), Layout(tp=2, cp=2, sequence_parallel=True), Layout(dp=2, cp=2, zero_stage=2),
+               Layout(pp=2, cp=2)]  # fmt: skip
     check_parallel(tiny_llama, context_parallel, token_batch, layouts=layouts, steps=2, pool=pool)
     with pytest.raises(AssertionError, match="check_parallel"):
         check_parallel(tiny_llama, context_parallel_wrong, token_batch, layouts=[Layout(cp=2)], pool=pool)

@@ -253,7 +253,7 @@ def _whole_outputs(state: ContextState):
     return hook
 
 
-def _summed_over_context(state: ContextState):
+def summed_over_context(state: ContextState):
     """Every parameter's gradient summed over the group as it is computed (each rank's covers its
     own tokens); skipped once data_parallel reduces over dp x cp. Run before each forward, so a
     tensor assigned in or a deep copy's gets its hook too."""
@@ -331,6 +331,17 @@ def local_tokens(model) -> torch.Tensor:
     return state.tokens
 
 
+def stage_positions(state: ContextState, batch: int, seq_len: int, device) -> torch.Tensor:
+    """A pipeline stage's forward (`tplayers.pipeline_split`) on rows of `seq_len` tokens, neither
+    packed nor masked (a stage takes token ids only): the layout set for its attention calls; returns
+    this rank's tokens' positions in the row (B, L), what rotary embeddings read."""
+    layout = balanced_layout(batch, seq_len, state.size, dist.get_rank(state.group), multiple=state.multiple,
+                             device=device)  # fmt: skip
+    state.layout, state.seq_len = layout, seq_len
+    state.tokens = layout.index[:, layout.rank]
+    return layout.take(torch.arange(seq_len, device=device).expand(batch, seq_len))
+
+
 LOGITS = ("whole", "split")
 
 
@@ -353,7 +364,7 @@ def apply_context(model, group, method="auto", logits="whole", *, multiple=1, tp
     _register()
     model.set_attn_implementation(ATTENTION)
     signature = inspect.signature(model.forward)
-    model.register_forward_pre_hook(_summed_over_context(state))
+    model.register_forward_pre_hook(summed_over_context(state))
     model.register_forward_pre_hook(_split_inputs(state, signature), with_kwargs=True)
     model.register_forward_hook(_whole_outputs(state), with_kwargs=True)
     setattr(model, STATE, state)

@@ -19,6 +19,15 @@ before splitting, every rank checks on a probe sequence that the stages chained 
 model's own logits (a model that scales its embeddings or logits, as Gemma, Granite and Cohere
 do, is refused with the difference named), and sliding-window attention, which a short probe
 cannot see, is refused from the config.
+
+A context-parallel model (`parallelize(context_group=...)`) splits the same way: the batch is split
+once, by the first stage, which keeps this rank's tokens of the whole rows it is given (as the
+model's own pre-hook does); every stage attends over every CP rank's keys with the layout of the
+micro-batch's (B, S), which the schedule tells the stages past the first (they receive only this
+rank's share of each row); the last stage gathers the whole rows' logits, so the schedule's
+`loss_fn` is the one the unsharded model takes. No mask is built, the attention reads windows
+from the model's layers, so sliding windows are not refused there. The schedule's first step
+checks that the CP ranks were given the same rows.
 """
 
 import torch
@@ -26,6 +35,8 @@ import torch.distributed as dist
 from torch import nn
 
 from tplayers.distributed import CONTEXT_STATE, resolve_group
+from tplayers.hf.context import stage_positions, summed_over_context, whole_sequence
+from tplayers.hf.same_inputs import compare_inputs
 from tplayers.hf.state_dict import export_records
 from tplayers.pipeline import PipelineStage
 from tplayers.placement import refuse_overlap
@@ -50,6 +61,11 @@ class DecoderStage(nn.Module):
         self.lm_head = model.get_output_embeddings() if last else None
         self.rotary_emb = decoder.rotary_emb
         self.sequence_group = getattr(model, SEQUENCE_PARALLEL, None)
+        self.context = getattr(model, CONTEXT_STATE, None)
+        if self.context is not None:  # data_parallel(stage.module) reduces over dp x cp, as for the model
+            setattr(self, CONTEXT_STATE, self.context)
+            self.sum_over_context = summed_over_context(self.context)
+            self.pipeline_batch, self.check_inputs = None, first
         # The model's names for this stage's parts, and its export records for them: what a
         # checkpoint of the stage alone needs once the model itself is gone.
         names = {id(m): name for name, m in model.named_modules()}
@@ -67,9 +83,27 @@ class DecoderStage(nn.Module):
             return f"{self.hf_prefixes['layers']}.{self.layer_indices[int(index)]}.{rest}"
         return f"{self.hf_prefixes[part]}.{rest}"
 
+    def set_pipeline_batch(self, shape):
+        """The shape of the micro-batch entering the first stage (told by the schedule on every rank)."""
+        self.pipeline_batch = tuple(shape)
+
+    def check_pipeline_batch(self, x) -> str | None:
+        """The first stage under context parallelism, at the schedule's first step: every CP rank was
+        given the same rows (the message if not), as the model's own first forward checks."""
+        if self.context is None or not self.check_inputs:
+            return None
+        self.check_inputs = False
+        try:
+            compare_inputs({"input_ids": x} if x is not None else {}, self.context.group, "context-parallel")
+        except ValueError as e:
+            return str(e)
+        return None
+
     def forward(self, x):
         from transformers.masking_utils import create_causal_mask
 
+        if self.context is not None:
+            return self._forward_in_context(x)
         hidden = self.embed_tokens(x) if self.first else x
         length = hidden.shape[1]
         if self.sequence_group is not None and not self.first:  # this rank's sequence shard arrived
@@ -94,6 +128,38 @@ class DecoderStage(nn.Module):
             hidden = self.lm_head(self.norm(hidden))
         return hidden
 
+    def _forward_in_context(self, x):
+        """Under context parallelism: the first stage keeps this rank's tokens of the whole rows it
+        is given (as the model's own pre-hook does); every stage attends over every rank's keys with
+        the layout of the micro-batch's (B, S), which stages past the first learn from the schedule
+        (`set_pipeline_batch`); the last gathers the whole rows' logits (backward keeps this rank's
+        part), so the schedule's loss_fn sees what the unsharded model gives."""
+        state = self.context
+        if self.first:
+            batch, seq_len = x.shape[:2]
+        elif self.pipeline_batch is None or self.pipeline_batch[0] != x.shape[0]:
+            raise ValueError(
+                f"pipeline stage of layers {self.layer_indices}: a context-parallel stage past the first needs the "
+                f"shape of the micro-batch entering the first stage (told {self.pipeline_batch}, received "
+                f"{tuple(x.shape)}); run it through a tplayers schedule, or call set_pipeline_batch(shape)"
+            )
+        else:
+            batch, seq_len = self.pipeline_batch[:2]
+        self.sum_over_context(self)
+        positions = stage_positions(state, batch, seq_len, x.device)
+        try:
+            hidden = self.embed_tokens(state.layout.take(x)) if self.first else x
+            position_embeddings = self.rotary_emb(hidden, position_ids=positions)
+            for layer in self.layers:  # no mask: the attention reads the layout
+                hidden = layer(hidden, attention_mask=None, position_ids=positions,
+                               position_embeddings=position_embeddings)  # fmt: skip
+                hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+            if self.last:
+                hidden = whole_sequence(self.lm_head(self.norm(hidden)), state)
+        finally:
+            state.layout = None
+        return hidden
+
 
 def _layer_counts(total, stages, given):
     if given is not None:
@@ -113,10 +179,11 @@ def pipeline_split(model, *, group=None, virtual_stages: int = 1, layers_per_sta
     (ProcessGroup or 1-D DeviceMesh; None: every rank): `virtual_stages` per rank, looped (stage
     i on rank i % n), for the interleaved schedules. `layers_per_stage`: the decoder layers of
     each stage (default: as even as possible)."""
-    if getattr(model, CONTEXT_STATE, None) is not None:
+    context = getattr(model, CONTEXT_STATE, None)
+    if context is not None and context.split_logits:
         raise ValueError(
-            "pipeline_split: a context-parallel model (parallelize(context_group=...)) is not supported: its sequence "
-            "is split by a hook on the whole model, which pipeline stages do not run"
+            "pipeline_split: context_logits='split' is not supported: the last stage gives the schedule's loss_fn "
+            "the whole rows' logits (parallelize with context_logits='whole')"
         )
     pg = resolve_group(group)
     refuse_overlap(model.parameters(), pg, "pipeline_split", ("tp", "dp"),
@@ -132,7 +199,8 @@ def pipeline_split(model, *, group=None, virtual_stages: int = 1, layers_per_sta
         )
     if not isinstance(virtual_stages, int) or virtual_stages < 1:
         raise ValueError(f"pipeline_split: virtual_stages must be a positive int, got {virtual_stages!r}")
-    _refuse_sliding_windows(model)
+    if context is None:  # under context parallelism the attention takes the window itself, no mask is built
+        _refuse_sliding_windows(model)
     num_stages = n * virtual_stages
     counts = _layer_counts(len(decoder.layers), num_stages, layers_per_stage)
     starts = [sum(counts[:i]) for i in range(num_stages)]
@@ -189,6 +257,8 @@ def _check_the_stages_compute_the_model(model, modules):
             expected = model(ids).logits
             got = ids
             for module in modules:
+                if getattr(module, "context", None) is not None:
+                    module.set_pipeline_batch(ids.shape)
                 got = module(got)
     finally:
         for m, training in modes:

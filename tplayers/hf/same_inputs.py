@@ -60,10 +60,11 @@ def _hook(model, args, kwargs):
     setattr(model, _ARMED, False)
     inputs = _inputs(args, kwargs)
     for group, role in model._tplayers_same_inputs_groups:
-        _compare(inputs, group, role)
+        compare_inputs(inputs, group, role)
 
 
-def _compare(inputs, group, role):
+def compare_inputs(inputs: dict, group, role: str) -> None:
+    """Raise on every rank of `group` unless its ranks were given the same `inputs` (name -> tensor)."""
     names = list(CHECKED)
     device = next(iter(inputs.values())).device if inputs else torch.device("cpu")
     mine = torch.stack([_fingerprint(inputs[k]) if k in inputs else torch.zeros(4, dtype=torch.float64,

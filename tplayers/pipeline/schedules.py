@@ -19,7 +19,12 @@ What tplayers adds to torch's schedules:
 - tied parameters shared by two stages (`PipelineStage(tied=...)`) have their gradients summed
   over the pipeline group after the step;
 - bad input (a batch that does not split into the micro-batches, too few micro-batches for the
-  schedule) is refused before anything is sent.
+  schedule) is refused before anything is sent;
+- every stage is told the shape of the micro-batch entering the first stage, on every rank
+  (`PipelineStage.tell_batch`): a stage past the first cannot see it, and a context-parallel
+  decoder's stages need the sequence length to know which tokens each rank holds; and the
+  first stage may refuse its batch (`PipelineStage.check_batch`: a context-parallel decoder's
+  ranks must be given the same rows), the refusal raised on every rank before anything is sent.
 """
 
 import torch
@@ -93,7 +98,11 @@ class _Schedule:
         rank of the last); see the module docstring."""
         first = any(s.is_first for s in self.stages)
         last = any(s.is_last for s in self.stages)
-        self._agree_shapes(x, target if last else None, self._refuse_batch(x, target, first, last))
+        # every first stage's own check of the batch (a collective among the ranks holding it) runs
+        # whatever else is wrong, then the refusals go to every rank of the pipeline together
+        checked = [stage.check_batch(x) for stage in self.stages if stage.is_first]
+        refusal = self._refuse_batch(x, target, first, last) or next((c for c in checked if c), None)
+        self._agree_shapes(x, target if last else None, refusal)
         losses = []  # the micro-batches' losses / n, as torch's schedule computed them for backward
         self._schedule.step(*((x,) if first else ()), **({"target": target, "losses": losses} if last else {}))
         self._sum_tied_grads()
@@ -120,6 +129,8 @@ class _Schedule:
         if refusals:
             raise ValueError(refusals[0])
         batch = [shared[0][1]]  # stage 0 lives on pipeline rank 0
+        for stage in self.stages:
+            stage.tell_batch(batch[0][0])
         if batch[0] == self._agreed:
             return
         here = {s.stage_index: s for s in self.stages}

@@ -89,6 +89,21 @@ class PipelineStage:
         for name in ("get_fwd_send_ops", "get_bwd_send_ops"):  # activations and their gradients
             setattr(self.torch_stage, name, _counted_sends(getattr(self.torch_stage, name), self.group))
 
+    def tell_batch(self, shape):
+        """The schedule tells every stage, on every rank, the shape of the micro-batch entering the
+        first stage, before each step and each shape check; passed on to a module that defines
+        `set_pipeline_batch(shape)` (a context-parallel decoder stage: the sequence length decides
+        which tokens each rank holds, and a stage past the first receives only its share)."""
+        setter = getattr(self.module, "set_pipeline_batch", None)
+        if setter is not None:
+            setter(tuple(shape))
+
+    def check_batch(self, x) -> str | None:
+        """The first stage's module's refusal of the batch `x` (None: accepted), from its
+        `check_pipeline_batch(x)` where it defines one; the schedule raises it on every rank."""
+        check = getattr(self.module, "check_pipeline_batch", None)
+        return check(x) if check is not None else None
+
     @property
     def is_first(self) -> bool:
         return self.stage_index == 0

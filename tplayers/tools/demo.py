@@ -11,6 +11,7 @@ approximate, so the report shows the sharded run as close to it as the unsharded
 Checkpoints (`--save`) go to `<save>/step_<n>`, the last `keep` of them kept.
 """
 
+import functools
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -115,9 +116,12 @@ def model_state_bytes(model, optimizer) -> dict:
     )
 
 
-def _loss_of(local_logits, ids, group):
-    """The pipeline's last stage: next-byte cross-entropy from this rank's vocabulary slice."""
-    return tplayers.vocab_parallel_cross_entropy(local_logits[:, :-1], ids[:, 1:], group=group, vocab_size=BYTES)
+def _loss_of(logits, ids, group, context=False):
+    """The pipeline's last stage: next-byte cross-entropy from this rank's vocabulary slice (context
+    parallelism: from the whole rows' logits the last stage gathers)."""
+    if context:
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+    return tplayers.vocab_parallel_cross_entropy(logits[:, :-1], ids[:, 1:], group=group, vocab_size=BYTES)
 
 
 def _own_keys(full, trained, pp):
@@ -228,7 +232,8 @@ def train_on_rank(rank, world_size, cfg: DemoConfig):
         stage = tplayers.pipeline_split(model, group=mesh["pp"])[0]
         trained = stage.module
         n_microbatches = max(cfg.pp, cfg.micro_batches)
-        schedule = tplayers.Schedule1F1B(stage, n_microbatches, lambda logits, ids: _loss_of(logits, ids, group))
+        loss_of = functools.partial(_loss_of, group=group, context=cfg.cp > 1)
+        schedule = tplayers.Schedule1F1B(stage, n_microbatches, loss_of)
     if data_parallel:  # 16-bit: FSDP2 computes in it, its fp32 shards are the masters
         param_dtype = DTYPES[cfg.dtype] if cfg.dtype != "fp32" else None
         tplayers.data_parallel(trained, group=mesh["dp"], zero_stage=cfg.zero, param_dtype=param_dtype)
@@ -372,8 +377,8 @@ def run_demo(cfg: DemoConfig) -> dict:
         raise ValueError(
             f"batch ({cfg.batch}) is not divisible into {cfg.dp} replicas x {pipeline_microbatches} micro-batches"
         )
-    if cfg.cp > 1 and (grid or cfg.pp > 1):
-        raise ValueError("--cp with a 2-D --tp grid or with --pp is not supported")
+    if cfg.cp > 1 and grid:
+        raise ValueError("--cp with a 2-D --tp grid is not supported")
     for name in ("dp", "pp", "cp", "steps", "layers", "hidden", "heads", "kv_heads", "ffn", "batch", "seq"):
         if getattr(cfg, name) <= 0:
             raise ValueError(f"{name} must be positive, got {getattr(cfg, name)}")

@@ -1,0 +1,134 @@
+"""Context parallelism through pipeline stages (`pipeline_split` of a model parallelized with
+`context_group`) against the unsharded model: every loss, clipped norm and weight after AdamW
+steps, with the schedules' micro-batches, tied embeddings, a sliding window, one key/value head,
+interleaved stages and data parallelism over dp x cp; what is refused."""
+
+import copy
+import re
+
+import pytest
+import torch
+import transformers
+
+import tplayers
+from tplayers.testing import assert_close
+from tplayers.testing.meshes import context_mesh
+
+pytestmark = pytest.mark.multirank
+
+VOCAB = 53
+BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=64)  # fmt: skip
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True)),
+    "llama-untied": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False)),  # data parallelism
+    # one key/value head (fewer than cp) and a window shorter than the sequence
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(num_key_value_heads=1, use_sliding_window=True, sliding_window=5, max_window_layers=0),
+    ),  # fmt: skip
+}
+SCHEDULES = {"1f1b": (tplayers.Schedule1F1B, 1), "interleaved-1f1b": (tplayers.ScheduleInterleaved1F1B, 2)}
+
+
+def build(family):
+    config_cls, model_cls, extra = FAMILIES[family]
+    config = getattr(transformers, config_cls)(**{**BASE, **extra})
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return getattr(transformers, model_cls)(config).train()
+
+
+def next_token_loss(logits, ids):
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+
+
+def pipeline_matches(rank, world, group, family, mesh, schedule_name, seq, zero=None, sp=False, steps=2):
+    """pipeline_split of a CP model: `steps` AdamW steps with clipping over the stages equal the
+    unsharded model's (each data-parallel replica its own batch: the reference steps on their mean)."""
+    dp, pp, cp, tp = mesh
+    groups = context_mesh(*mesh)
+    schedule_class, virtual = SCHEDULES[schedule_name]
+    model = build(family)
+    reference = copy.deepcopy(model)
+    tplayers.parallelize(model, group=groups["tp"], context_group=groups["cp"], sequence_parallel=sp, verify=False)
+    stages = tplayers.pipeline_split(model, group=groups["pp"], virtual_stages=virtual)
+    if zero is not None:
+        for stage in stages:
+            tplayers.data_parallel(stage.module, group=groups["dp"], zero_stage=zero)
+    schedule = schedule_class(stages if virtual > 1 else stages[0], 2 * pp, next_token_loss)
+    params = list({id(p): p for s in stages for p in s.parameters()}.values())
+    opt = torch.optim.AdamW(params, lr=1e-2, eps=1e-4)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-4)
+    replica = torch.distributed.get_rank(groups["dp"])
+    for step in range(steps):
+        batches = [torch.randint(0, VOCAB, (2 * pp, seq), generator=torch.Generator().manual_seed(10 * step + r))
+                   for r in range(dp)]  # fmt: skip
+        loss = schedule.forward_backward(batches[replica], batches[replica])
+        norm = tplayers.clip_grad_norm_(params, 0.5)
+        opt.step()
+        opt.zero_grad()
+        ref_losses = [next_token_loss(reference(ids).logits, ids) for ids in batches]
+        (sum(ref_losses) / dp).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert_close(loss, ref_losses[replica].detach(), msg=lambda m, s=step: f"loss at step {s}: {m}")
+        assert_close(norm, ref_norm, msg=lambda m, s=step: f"clipped norm at step {s}: {m}")
+    full = tplayers.gather_state_dict(model, group=groups["tp"])
+    layers = {i for s in stages for i in s.module.layer_indices}
+    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+    held = 0
+    for key, value in reference.state_dict().items():
+        index = re.match(r"model\.layers\.(\d+)\.", key)
+        if int(index[1]) in layers if index else (first if "embed_tokens" in key else last):
+            assert_close(full[key], value, msg=lambda m, k=key: f"{k} after {steps} steps: {m}")
+            held += 1
+    assert held > 0
+
+
+CASES = [
+    # family, (dp, pp, cp, tp), schedule, sequence length, zero stage, sequence parallelism
+    ("llama", (1, 2, 2, 1), "1f1b", 13, None, False),
+    ("qwen2", (1, 2, 2, 1), "interleaved-1f1b", 11, None, False),
+    ("llama-untied", (1, 2, 2, 1), "1f1b", 12, 2, False),
+    ("llama", (1, 2, 2, 2), "1f1b", 13, None, True),  # each rank holds S / (cp x tp) between stages
+    ("llama-untied", (2, 2, 2, 1), "interleaved-1f1b", 9, 3, False),  # gradients over dp x cp
+]
+
+
+def _case_id(c):
+    dp, pp, cp, tp = c[1]
+    return f"{c[0]}-dp{dp}-pp{pp}-cp{cp}-tp{tp}{'-sp' if c[5] else ''}-{c[2]}-s{c[3]}-zero{c[4]}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_pipeline_stages_under_context_parallelism_equal_unsharded(pool, tplayers_pool, case):
+    family, mesh, schedule_name, seq, zero, sp = case
+    n = mesh[0] * mesh[1] * mesh[2] * mesh[3]
+    workers = pool if n <= pool.world_size else tplayers_pool
+    workers.run(pipeline_matches, n, family, mesh, schedule_name, seq, zero, sp, mesh=("cp", *mesh))
+
+
+def refusals(rank, world, group):
+    groups = context_mesh(1, 2, 2, 1)
+    model = tplayers.parallelize(build("llama"), group=groups["tp"], context_group=groups["cp"], verify=False)
+    stage = tplayers.pipeline_split(model, group=groups["pp"])[0]
+    schedule = tplayers.Schedule1F1B(stage, 2, next_token_loss)
+    if not stage.is_first:  # run alone, a later stage cannot know the sequence its share comes from
+        with pytest.raises(ValueError, match="needs the shape of the micro-batch entering the first stage"):
+            stage.module(torch.zeros(2, 7, 32))
+    cp_rank = torch.distributed.get_rank(groups["cp"])
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(cp_rank))  # differ over cp
+    with pytest.raises(ValueError, match=r"context-parallel ranks \[0, 1\] were given different inputs"):
+        schedule.step(ids, target=ids)  # raised on the later stage's ranks too, before anything is sent
+    split = tplayers.parallelize(build("llama"), group=groups["tp"], context_group=groups["cp"],
+                                 context_logits="split", verify=False)  # fmt: skip
+    with pytest.raises(ValueError, match="context_logits='split' is not supported"):
+        tplayers.pipeline_split(split, group=groups["pp"])
+    return True
+
+
+def test_refused_with_a_message_on_every_rank(pool):
+    assert all(pool.run(refusals, 4, mesh=("cp", 1, 2, 2, 1)))
