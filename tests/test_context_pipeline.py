@@ -11,6 +11,7 @@ import torch
 import transformers
 
 import tplayers
+from tplayers.functional import comm
 from tplayers.testing import assert_close
 from tplayers.testing.meshes import context_mesh
 
@@ -44,7 +45,8 @@ def next_token_loss(logits, ids):
     return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
 
 
-def pipeline_matches(rank, world, group, family, mesh, schedule_name, seq, zero=None, sp=False, steps=2):
+def pipeline_matches(rank, world, group, family, mesh, schedule_name, seq, zero=None, sp=False, logits="whole",
+                     steps=2):  # fmt: skip
     """pipeline_split of a CP model: `steps` AdamW steps with clipping over the stages equal the
     unsharded model's (each data-parallel replica its own batch: the reference steps on their mean)."""
     dp, pp, cp, tp = mesh
@@ -52,12 +54,16 @@ def pipeline_matches(rank, world, group, family, mesh, schedule_name, seq, zero=
     schedule_class, virtual = SCHEDULES[schedule_name]
     model = build(family)
     reference = copy.deepcopy(model)
-    tplayers.parallelize(model, group=groups["tp"], context_group=groups["cp"], sequence_parallel=sp, verify=False)
+    method = "ring" if logits == "split" else "auto"  # the ring gathers nothing: split logits send none
+    tplayers.parallelize(model, group=groups["tp"], context_group=groups["cp"], context=method, sequence_parallel=sp,
+                         context_logits=logits, verify=False)  # fmt: skip
+    # split logits: each CP rank scores its own tokens, the loss summed over the group
+    loss_fn = next_token_loss if logits == "whole" else tplayers.hf.context.next_token_loss(model)
     stages = tplayers.pipeline_split(model, group=groups["pp"], virtual_stages=virtual)
     if zero is not None:
         for stage in stages:
             tplayers.data_parallel(stage.module, group=groups["dp"], zero_stage=zero)
-    schedule = schedule_class(stages if virtual > 1 else stages[0], 2 * pp, next_token_loss)
+    schedule = schedule_class(stages if virtual > 1 else stages[0], 2 * pp, loss_fn)
     params = list({id(p): p for s in stages for p in s.parameters()}.values())
     opt = torch.optim.AdamW(params, lr=1e-2, eps=1e-4)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-4)
@@ -65,7 +71,13 @@ def pipeline_matches(rank, world, group, family, mesh, schedule_name, seq, zero=
     for step in range(steps):
         batches = [torch.randint(0, VOCAB, (2 * pp, seq), generator=torch.Generator().manual_seed(10 * step + r))
                    for r in range(dp)]  # fmt: skip
-        loss = schedule.forward_backward(batches[replica], batches[replica])
+        with comm.count_bytes() as sent:
+            loss = schedule.forward_backward(batches[replica], batches[replica])
+        gathered = batches[0].numel() * VOCAB * 4 * (cp - 1) / cp  # the whole rows' fp32 logits, at least
+        if any(s.is_last for s in stages) and logits == "whole":
+            assert sent["all_gather"] >= gathered, sent
+        if logits == "split" and zero is None:  # no logits all-gathered (FSDP's gathers aside)
+            assert sent["all_gather"] == 0, sent
         norm = tplayers.clip_grad_norm_(params, 0.5)
         opt.step()
         opt.zero_grad()
@@ -95,20 +107,23 @@ CASES = [
     ("llama-untied", (1, 2, 2, 1), "1f1b", 12, 2, False),
     ("llama", (1, 2, 2, 2), "1f1b", 13, None, True),  # each rank holds S / (cp x tp) between stages
     ("llama-untied", (2, 2, 2, 1), "interleaved-1f1b", 9, 3, False),  # gradients over dp x cp
+    ("llama", (1, 2, 2, 1), "1f1b", 13, None, False, "split"),  # each rank's logits stay its own
+    ("llama-untied", (1, 2, 2, 1), "1f1b", 10, 2, False, "split"),  # ... with the loss scaled by cp
 ]
 
 
 def _case_id(c):
     dp, pp, cp, tp = c[1]
-    return f"{c[0]}-dp{dp}-pp{pp}-cp{cp}-tp{tp}{'-sp' if c[5] else ''}-{c[2]}-s{c[3]}-zero{c[4]}"
+    split = "-split" if c[6:] == ("split",) else ""
+    return f"{c[0]}-dp{dp}-pp{pp}-cp{cp}-tp{tp}{'-sp' if c[5] else ''}-{c[2]}-s{c[3]}-zero{c[4]}{split}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
 def test_pipeline_stages_under_context_parallelism_equal_unsharded(pool, tplayers_pool, case):
-    family, mesh, schedule_name, seq, zero, sp = case
+    family, mesh, schedule_name, seq, zero, sp, *logits = case
     n = mesh[0] * mesh[1] * mesh[2] * mesh[3]
     workers = pool if n <= pool.world_size else tplayers_pool
-    workers.run(pipeline_matches, n, family, mesh, schedule_name, seq, zero, sp, mesh=("cp", *mesh))
+    workers.run(pipeline_matches, n, family, mesh, schedule_name, seq, zero, sp, *logits, mesh=("cp", *mesh))
 
 
 def refusals(rank, world, group):
@@ -125,8 +140,11 @@ def refusals(rank, world, group):
         schedule.step(ids, target=ids)  # raised on the later stage's ranks too, before anything is sent
     split = tplayers.parallelize(build("llama"), group=groups["tp"], context_group=groups["cp"],
                                  context_logits="split", verify=False)  # fmt: skip
-    with pytest.raises(ValueError, match="context_logits='split' is not supported"):
-        tplayers.pipeline_split(split, group=groups["pp"])
+    stage = tplayers.pipeline_split(split, group=groups["pp"])[0]
+    schedule = tplayers.Schedule1F1B(stage, 2, next_token_loss)  # a loss of whole rows on split logits
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"stage 1 \(pipeline rank 1\) cannot take what stage 0 gives it"):
+        schedule.step(ids, target=ids)
     return True
 
 

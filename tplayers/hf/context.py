@@ -342,6 +342,28 @@ def stage_positions(state: ContextState, batch: int, seq_len: int, device) -> to
     return layout.take(torch.arange(seq_len, device=device).expand(batch, seq_len))
 
 
+def next_token_loss(model):
+    """A loss_fn(logits, labels) for the pipeline schedules of `model` (`tplayers.pipeline_split`):
+    HF's causal-LM loss (labels shifted over the whole row, the mean over those not -100). With
+    `context_logits="split"` the last stage gives each CP rank's logits only (no (B, S, V)
+    all-gather): the loss is then its tokens' sum over the batch's count of valid labels, summed
+    over the group, as the model's own loss is."""
+    state = context_state(model)
+
+    def loss_fn(logits, labels):
+        shifted = _shifted(labels)
+        if state is None or not state.split_logits:
+            return F.cross_entropy(logits.float().flatten(0, 1), shifted.flatten(), ignore_index=-100)
+        B, S = labels.shape[:2]
+        layout = balanced_layout(B, S, state.size, dist.get_rank(state.group), multiple=state.multiple,
+                                 device=labels.device)  # fmt: skip
+        local = layout.take(shifted, fill=-100)
+        total = F.cross_entropy(logits.float().flatten(0, 1), local.flatten(), ignore_index=-100, reduction="sum")
+        return _SumOverContext.apply(total / (shifted != -100).sum(), state.group, state.factor)
+
+    return loss_fn
+
+
 LOGITS = ("whole", "split")
 
 

@@ -25,9 +25,10 @@ once, by the first stage, which keeps this rank's tokens of the whole rows it is
 model's own pre-hook does); every stage attends over every CP rank's keys with the layout of the
 micro-batch's (B, S), which the schedule tells the stages past the first (they receive only this
 rank's share of each row); the last stage gathers the whole rows' logits, so the schedule's
-`loss_fn` is the one the unsharded model takes. No mask is built, the attention reads windows
-from the model's layers, so sliding windows are not refused there. The schedule's first step
-checks that the CP ranks were given the same rows.
+`loss_fn` is the one the unsharded model takes (with `context_logits="split"` it keeps this rank's
+logits, and `tplayers.hf.context.next_token_loss(model)` is the loss_fn that reads them). No mask
+is built, the attention reads windows from the model's layers, so sliding windows are not refused
+there. The schedule's first step checks that the CP ranks were given the same rows.
 """
 
 import torch
@@ -133,7 +134,8 @@ class DecoderStage(nn.Module):
         is given (as the model's own pre-hook does); every stage attends over every rank's keys with
         the layout of the micro-batch's (B, S), which stages past the first learn from the schedule
         (`set_pipeline_batch`); the last gathers the whole rows' logits (backward keeps this rank's
-        part), so the schedule's loss_fn sees what the unsharded model gives."""
+        part), so the schedule's loss_fn sees what the unsharded model gives, or keeps its own
+        (context_logits="split")."""
         state = self.context
         if self.first:
             batch, seq_len = x.shape[:2]
@@ -155,7 +157,10 @@ class DecoderStage(nn.Module):
                                position_embeddings=position_embeddings)  # fmt: skip
                 hidden = hidden[0] if isinstance(hidden, tuple) else hidden
             if self.last:
-                hidden = whole_sequence(self.lm_head(self.norm(hidden)), state)
+                logits = self.lm_head(self.norm(hidden))
+                hidden = logits if state.split_logits else whole_sequence(logits, state)
+                if hidden._is_view():  # TP's gather at tp = 1 returns its input: a view, whose pre-backward
+                    hidden = hidden.clone()  # hook (FSDP2's) an in-place op in the user's loss_fn would drop
         finally:
             state.layout = None
         return hidden
@@ -180,11 +185,6 @@ def pipeline_split(model, *, group=None, virtual_stages: int = 1, layers_per_sta
     i on rank i % n), for the interleaved schedules. `layers_per_stage`: the decoder layers of
     each stage (default: as even as possible)."""
     context = getattr(model, CONTEXT_STATE, None)
-    if context is not None and context.split_logits:
-        raise ValueError(
-            "pipeline_split: context_logits='split' is not supported: the last stage gives the schedule's loss_fn "
-            "the whole rows' logits (parallelize with context_logits='whole')"
-        )
     pg = resolve_group(group)
     refuse_overlap(model.parameters(), pg, "pipeline_split", ("tp", "dp"),
                    "the stages are split over ranks that hold the same stage's shards or replicas (use "
