@@ -291,3 +291,32 @@ def state_dict_round_trip(rank, world, group, stage):
 @pytest.mark.parametrize("stage", [0, 3])
 def test_full_state_dict_round_trips_under_zero(pool, stage):
     pool.run(state_dict_round_trip, 4, stage)
+
+
+def read_after_evaluation(rank, world, group, path):
+    """ZeRO-2 keeps the gathered parameters after a forward without backward (evaluation): the full
+    state dict, a checkpoint and an HF checkpoint read then are the weights (at TP 1 the records give
+    the tensors themselves, which FSDP2 frees at its next reshard: they read freed storage before)."""
+    mesh = tplayers.init_mesh(dp=4, tp=1)
+    model = tiny_llama()
+    want = copy.deepcopy(model.state_dict())
+    tplayers.parallelize(model, group=mesh["tp"], verify=False)
+    tplayers.data_parallel(model, group=mesh["dp"], zero_stage=2)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model.eval()(ids)
+    for key, value in tplayers.gather_state_dict(model).items():
+        assert torch.equal(value.clone(), want[key]), key
+    model.eval()(ids)  # gathered again
+    tplayers.save_checkpoint(path, model=model)
+    fresh = tplayers.parallelize(tiny_llama(layers=2), group=mesh["tp"], verify=False)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    tplayers.load_checkpoint(path, model=fresh)
+    for key, value in tplayers.gather_state_dict(fresh).items():
+        assert torch.equal(value, want[key]), key
+
+
+def test_reads_after_an_evaluation_forward_see_the_weights(pool, tmp_path):
+    pool.run(read_after_evaluation, 4, str(tmp_path / "ckpt"))

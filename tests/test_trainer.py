@@ -210,6 +210,14 @@ def world_of_two(rank, world, root):
     m = tplayers.parallelize(model(lora=True), group=mesh["tp"])
     out["dpo"] = dpo(tplayers.hf.parallel_trainer(DPOTrainer), m, f"{root}/dpo")
 
+    cp = tplayers.init_mesh(cp=2, tp=1)  # the sequence split over both ranks: one replica
+    m = tplayers.parallelize(model(), group=cp["tp"], context_group=cp["cp"])
+    _, out["cp"] = train(tplayers.hf.Trainer, m, f"{root}/cp", 2)
+    out["cp"]["weights"] = full_weights(m)
+    out["accelerate_cp"] = accelerate_loop(
+        tplayers.parallelize(model(), group=cp["tp"], context_group=cp["cp"]), tplayers.hf.prepare
+    )
+
     out["accelerate"], *out["accelerate_state"] = accelerate_loop(
         tplayers.parallelize(model(), group=mesh["tp"]), tplayers.hf.prepare, state=f"{root}/accelerate-state"
     )
@@ -255,6 +263,12 @@ def world_of_four(rank, world, root):
         "weights": full_weights(m),
         "optimizer": type(trainer.optimizer.optimizer).__name__,
     }
+
+    cp = tplayers.init_mesh(dp=2, cp=2, tp=1)  # two replicas, each sequence split over two ranks
+    m = tplayers.parallelize(model(), group=cp["tp"], context_group=cp["cp"])
+    tplayers.data_parallel(m, group=cp["dp"], zero_stage=2)
+    _, out["cp_dp"] = train(tplayers.hf.Trainer, m, f"{root}/cp_dp", 1)
+    out["cp_dp"]["weights"] = full_weights(m)
 
     grid = tplayers.init_mesh(tp=(2, 2))  # a 2-D tensor-parallel grid over the 4 ranks: one replica
     m = tplayers.parallelize(model(), group=grid["tp_r", "tp_c"])
@@ -378,6 +392,17 @@ def test_tensor_and_data_parallel_zero3_trains_as_unsharded(runs):
     torch.testing.assert_close(got["predictions"], predicted_by_unsharded(got["weights"]), **tolerance(torch.float32))
 
 
+@pytest.mark.parametrize("world, run", [("two", "cp"), ("four", "cp_dp")], ids=["cp2", "dp2-cp2-zero2"])
+def test_context_parallel_trains_as_unsharded(runs, world, run):
+    """The Trainer gives every rank of a context-parallel group the same rows (each splits their
+    sequence), the replicas their own; the loss, its token count and the clipped norm as unsharded."""
+    got, want = runs[world][run], runs["reference"]["full"]
+    same_history(got["history"], want["history"])
+    assert got["eval_loss"] == pytest.approx(want["eval_loss"], abs=LOSS_ATOL)
+    same_weights(got["weights"], want["weights"])
+    torch.testing.assert_close(got["predictions"], predicted_by_unsharded(got["weights"]), **tolerance(torch.float32))
+
+
 def test_a_two_dimensional_grid_trains_as_unsharded(runs):
     got, want = runs["four"]["grid"], runs["reference"]["full"]
     same_history(got["history"], want["history"])
@@ -441,8 +466,9 @@ def test_trl_dpo_trainer_with_lora_trains_as_unsharded(runs):
     same_history(runs["two"]["dpo"], runs["reference"]["dpo"])
 
 
-def test_accelerate_loop_trains_as_unsharded(runs):
-    got, want = runs["two"]["accelerate"], runs["reference"]["accelerate"]
+@pytest.mark.parametrize("run", ["accelerate", "accelerate_cp"], ids=["tp2", "cp2"])
+def test_accelerate_loop_trains_as_unsharded(runs, run):
+    got, want = runs["two"][run], runs["reference"]["accelerate"]
     assert len(got) == len(want) == 3
     for (loss, norm, lr), (loss_r, norm_r, lr_r) in zip(got, want, strict=True):
         assert loss == pytest.approx(loss_r, abs=LOSS_ATOL) and norm == pytest.approx(norm_r, abs=LOSS_ATOL)

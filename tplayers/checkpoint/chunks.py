@@ -19,7 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from tplayers.hf.pieces import Piece, split, whole
-from tplayers.hf.state_dict import export_records, record_name, under_records
+from tplayers.hf.state_dict import export_records, record_name, reshard, under_records
 from tplayers.placement import get_placement, local_tensor, replica_rows
 
 
@@ -174,6 +174,7 @@ def _stages(model):
 
 
 def _pieces(model, records, rename, held) -> dict[str, list[Piece]]:
+    reshard(model)  # the pieces hold the parameters: their shards, not gathered tensors FSDP2 will free
     out: dict[str, list[Piece]] = {}
     covered = []
     for prefix, _export, _load, pieces in records:

@@ -29,7 +29,7 @@ from tplayers.checkpoint.experts import stacked_sources
 from tplayers.checkpoint.planners import CheckpointError
 from tplayers.hf import lora
 from tplayers.hf.parallelize import carry_sum_hook
-from tplayers.hf.state_dict import export_records, record_name, under_records
+from tplayers.hf.state_dict import export_records, record_name, reshard, under_records
 from tplayers.placement import covering_group, full_tensor, tensor_parallel_group
 
 SAFE_INDEX, SAFE_SINGLE = "model.safetensors.index.json", "model.safetensors"
@@ -251,6 +251,7 @@ def _full_tensors(model, names, tp_group):
     """(name, full tensor) for every state-dict tensor this rank holds, one record at a time
     (the TP gathers are collectives over each record's group, in the same order on every rank)."""
     sharded = []
+    reshard(model)
     for prefix, export, _, _ in export_records(model):
         sharded.append(prefix)
         for key, tensor in export(lambda p: full_tensor(p.detach()), tp_group).items():

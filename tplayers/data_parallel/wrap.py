@@ -257,7 +257,7 @@ def data_parallel(
     compressor is `module._tplayers_compressor` (its residuals, PowerSGD's state) at stages 0-1."""
     global _stale_hook
     mesh, pg = _mesh_and_group(group)
-    context = getattr(module, CONTEXT_STATE, None)
+    context, data_group = getattr(module, CONTEXT_STATE, None), pg
     if context is not None:  # a context-parallel model: its weights' replicas are dp x cp
         pg = context_data_group(pg, context.group)
         mesh = DeviceMesh.from_group(pg, mesh.device_type)
@@ -346,6 +346,7 @@ def data_parallel(
     setattr(module, _WRAPPED, (sharded_over, zero_stage))
     if context is not None:  # the parameters' own sums over cp stand down; the loss scales by cp
         context.reduced_by_data_parallel = True
+        context.replica_group = data_group  # the batch's replicas (dp alone): what a Trainer splits rows over
     if any(get_placement(p) is not None for p in module.parameters()):
         seal(module)  # the records of FSDP2's new parameters, kept by their modules
     return module

@@ -56,6 +56,7 @@ class ContextState:
     seq_len: int = 0
     labels: tuple | None = None  # (this rank's shifted labels, the denominator)
     reduced_by_data_parallel: bool = False  # data_parallel averages over dp x cp: scale by cp instead
+    replica_group: object = None  # data_parallel's own group (dp, without cp): ranks with other batches
     split_logits: bool = False  # logits stay this rank's (context_logits="split")
     tokens: object = None  # the last forward's (B, L) indices of this rank's tokens in the row (-1: padding)
     hooked: "weakref.WeakValueDictionary" = field(default_factory=weakref.WeakValueDictionary)
@@ -266,6 +267,8 @@ def summed_over_context(state: ContextState):
         return grad
 
     def hook(module, *_):
+        if state.reduced_by_data_parallel:  # FSDP2 swaps its sharded / unsharded parameters in: leave them be
+            return
         for p in module.parameters():
             if state.hooked.get(id(p)) is not p:
                 trainable = p.requires_grad  # a frozen weight (an inactive adapter) may train later:

@@ -86,8 +86,21 @@ def under_records(name: str, prefixes) -> bool:
     return False
 
 
+def reshard(model) -> None:
+    """FSDP2's parameters back to their shards. ZeRO-2 keeps the gathered ones after a forward without
+    backward (evaluation); a tensor read from them would alias storage FSDP2 frees at its next
+    reshard (which `state_dict()` runs): at TP 1 the records return the tensor itself, not a copy.
+    Run first by everything that reads the parameters through the records."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def _gathered(model, group, pick):
     """{original name: full tensor} for every sharded module; a collective on every rank."""
+    reshard(model)
     full = {}
     for prefix, export, *_ in export_records(model):
         for key, tensor in export(pick, group).items():

@@ -3,8 +3,9 @@ placement records.
 
 A training loop written for data parallelism (HF Trainer, accelerate) thinks of every process as
 one replica with its own rows. Under tensor parallelism the ranks of one tensor-parallel group
-hold parts of one model and must see the same rows; only the data-parallel replicas
-(`tplayers.data_parallel`'s group) split them. The records name both groups, so nothing here is
+hold parts of one model and must see the same rows, as do the ranks of a context-parallel group
+(each splits the same rows' sequence); only the data-parallel replicas (`tplayers.data_parallel`'s
+group) split them. The records name both groups, so nothing here is
 guessed: a parameter without a record inside a parallelized model raises (`get_placement`), and
 ranks that no record accounts for are refused rather than taken as replicas.
 """
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch import nn
 
+from tplayers.distributed import CONTEXT_STATE
 from tplayers.placement import ranks_of, recorded_groups
 
 
@@ -26,7 +28,7 @@ class Replicas:
     size: int  # replicas: batches per optimizer step (each tensor-parallel group reads one)
     index: int  # which of them this rank belongs to
     group: dist.ProcessGroup | None  # the ranks holding this rank's shards in the other replicas
-    sharing: int  # ranks that read each batch: the tensor-parallel group's size
+    sharing: int  # ranks that read each batch: the tensor-parallel group's size (x the context-parallel one)
 
     @property
     def parallel(self) -> bool:
@@ -54,6 +56,10 @@ def replicas_of(model: nn.Module, caller: str) -> Replicas:
             )
     sharing = len(ranks_of(tp[0])) if tp else 1
     group = dp[0] if dp else None
+    context = next((s for m in model.modules() if (s := getattr(m, CONTEXT_STATE, None)) is not None), None)
+    if context is not None:  # the context-parallel ranks split one batch's sequence: they read the same rows
+        sharing *= dist.get_world_size(context.group)
+        group = context.replica_group  # the records' data-parallel group is dp x cp (data_parallel)
     size = len(ranks_of(group)) if group is not None else 1
     if size * sharing != world:
         hint = (
@@ -64,7 +70,8 @@ def replicas_of(model: nn.Module, caller: str) -> Replicas:
         )
         raise ValueError(
             f"{caller}: {world} ranks, but the model's records account for {size * sharing} "
-            f"({size} data-parallel replica(s) x {sharing} tensor-parallel rank(s)): {hint}"
+            f"({size} data-parallel replica(s) x {sharing} {'tensor- / context-' if context else 'tensor-'}parallel "
+            f"rank(s)): {hint}"
         )
     index = dist.get_rank(group) if group is not None else 0
     return Replicas(size=size, index=index, group=group, sharing=sharing)
