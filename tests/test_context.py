@@ -1,6 +1,7 @@
 """Context parallelism on HF models against the unsharded model: logits, loss and every gradient
 (through one SGD step) at CP 2 and 4 and CP 2 x TP 2 + SP, for Llama, Qwen2 with one key/value
-head, Mistral and Gemma 2 with sliding windows (Gemma 2 with its softcaps too), packed documents
+head, Mistral and Gemma 2 with sliding windows (Gemma 2 with its softcaps too), gpt-oss with its
+attention sinks, packed documents
 of unequal lengths (each equal to running it alone) and padding; gradients reduced by the
 parameters' own hooks and by `data_parallel` over dp x cp; refusals."""
 
@@ -30,11 +31,17 @@ FAMILIES = {
         "Gemma2ForCausalLM",
         dict(sliding_window=4, attn_logit_softcapping=3.0, final_logit_softcapping=20.0),
     ),  # fmt: skip
+    # attention sinks, sliding / full layers, experts: test_families' gpt-oss
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", "gpt_oss"),
 }
 
 
 def build(family, dtype=torch.float32):
     config_cls, model_cls, extra = FAMILIES[family]
+    if isinstance(extra, str):
+        from test_families import VARIANTS
+
+        extra = VARIANTS[extra][1]
     config = getattr(transformers, config_cls)(**{**BASE, **extra})
     config._attn_implementation = "eager"
     torch.manual_seed(0)
@@ -92,7 +99,9 @@ def context_matches(rank, world, group, family, mesh, method="auto", sp=False, b
             train_once(reference, *inputs(batch, seq, docs, padding, seed=3 + other))
     for p in reference.parameters():
         p.grad /= dp
-    if docs:  # the reference packs as it should: each document's logits are its own alone
+    # the reference packs as it should: each document's logits are its own alone (gpt-oss's masks do not
+    # read packed documents in transformers 5.24: it attends across them, and so does its CP run)
+    if docs and tplayers.hf.context.reads_packed_documents(reference):
         starts = (kwargs["position_ids"][0] == 0).nonzero().flatten().tolist() + [seq]
         with torch.no_grad():
             for a, b in zip(starts[:-1], starts[1:], strict=True):
@@ -120,6 +129,8 @@ CASES = [
     ("mistral", (1, 1, 2, 1), "ulysses", False, 3, 0),
     ("gemma2", (1, 1, 2, 1), "allgather", False, 0, 0),
     ("gemma2", (1, 1, 2, 2), "ring", True, 2, 0),
+    ("gpt_oss", (1, 1, 2, 2), "ring", True, 0, 0),  # the sinks cut per head over TP
+    ("gpt_oss", (1, 1, 2, 1), "ulysses", False, 2, 0),  # each rank's heads' sinks; documents not read
 ]
 
 
@@ -254,8 +265,9 @@ def refusals(rank, world, group):
     model = tplayers.parallelize(build("llama"), group=groups["tp"], context_group=groups["cp"], verify=False)
     with pytest.raises(ValueError, match="context-parallel ranks .* were given different inputs"):
         model(ids)
-    with pytest.raises(ValueError, match="KV cache"):
-        model(ids[:1], past_key_values=transformers.DynamicCache(config=model.config))
+    for name in ("past_key_values", "cache"):  # transformers 5.24 names it cache
+        with pytest.raises(ValueError, match="KV cache"):
+            model(ids[:1], **{name: transformers.DynamicCache(config=model.config)})
     with pytest.raises(ValueError, match="token_type_ids .* is per token"):
         model(ids, token_type_ids=torch.zeros_like(ids))
     for method, match in (("ulysses", "must divide by cp x tp"), ("spiral", "context must")):

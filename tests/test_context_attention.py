@@ -39,28 +39,34 @@ def _case(seed, B, H, KH, S, D, dtype, docs, padding):
     return q, k, v, do, position_ids, mask
 
 
-def _reference(q, k, v, do, layout_whole, opts):
-    """Whole-sequence attention on one rank (fp64), the same metadata in the row's order."""
+def _reference(q, k, v, do, layout_whole, opts, sinks=None):
+    """Whole-sequence attention on one rank (fp64), the same metadata in the row's order; with
+    `sinks`, each head's sink logit in the softmax as HF's eager gpt-oss has it (a column with no
+    value: the output scaled by the keys' share, sigmoid(lse - sink))."""
     pos, q_doc, k_doc = layout_whole
-    leaves = [t.double().requires_grad_() for t in (q, k, v)]
-    o, _ = flash_attention_ref(*leaves, pos, q_doc, pos, k_doc, **opts.kwargs())
+    leaves = [t.double().requires_grad_() for t in (q, k, v, *([sinks] if sinks is not None else []))]
+    o, lse = flash_attention_ref(*leaves[:3], pos, q_doc, pos, k_doc, **opts.kwargs())
+    if sinks is not None:
+        o = o * torch.sigmoid(lse - leaves[3][:, None]).unsqueeze(-1)
     o.backward(do.double())
     return o, *(t.grad for t in leaves)
 
 
 def context_task(rank, world, group, method, seed, B, H, KH, S, D, dtype, docs, padding, window, softcap,
-                 wrong=False, backend="torch"):  # fmt: skip
+                 wrong=False, backend="torch", sinks=False):  # fmt: skip
     before = tplayers.backend.get_backend()
     tplayers.set_backend(backend)  # this task's only (the pool's workers serve later tests)
     try:
         return _context_task(rank, world, group, method, seed, B, H, KH, S, D, dtype, docs, padding, window, softcap,
-                             wrong)  # fmt: skip
+                             wrong, sinks)  # fmt: skip
     finally:
         tplayers.set_backend(before)
 
 
-def _context_task(rank, world, group, method, seed, B, H, KH, S, D, dtype, docs, padding, window, softcap, wrong):
+def _context_task(rank, world, group, method, seed, B, H, KH, S, D, dtype, docs, padding, window, softcap, wrong,
+                  with_sinks):  # fmt: skip
     q, k, v, do, position_ids, mask = _case(seed, B, H, KH, S, D, dtype, docs, padding)
+    sinks = torch.randn(H, generator=torch.Generator().manual_seed(seed + 1)).to(dtype) if with_sinks else None
     layout = balanced_layout(B, S, world, rank, position_ids=position_ids, attention_mask=mask)
     if wrong:  # negative control: every rank's queries told they sit where the next rank's do
         layout.pos = layout.pos.roll(1, dims=1)
@@ -69,16 +75,21 @@ def _context_task(rank, world, group, method, seed, B, H, KH, S, D, dtype, docs,
     whole = balanced_layout(B, S, 1, 0, position_ids=position_ids, attention_mask=mask)
     order = whole.inverse(S)
     meta = tuple(t[:, 0].gather(1, order) for t in (whole.pos, whole.q_doc, whole.k_doc))
-    ref = _reference(q, k, v, do, meta, opts)
+    ref = _reference(q, k, v, do, meta, opts, sinks)
     leaves = [_local(layout, t).requires_grad_() for t in (q, k, v)]
+    mine = sinks.clone().requires_grad_() if sinks is not None else None
     with comm.count_bytes() as sent:
-        out = context_attention(*leaves, layout, group, opts, method)
+        out = context_attention(*leaves, layout, group, opts, method, sinks=mine)
     with comm.count_bytes() as sent_backward:
         out.backward(_local(layout, do))
     real = (layout.index[:, rank] >= 0)[:, None, :, None]
-    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in leaves)), ref, strict=True):
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in leaves)), ref, strict=False):
         want = _local(layout, want.to(got.dtype))
         assert_close(got * real, want * real, msg=f"{method} {name}")
+    if sinks is not None:  # each rank's share of the sinks' gradient: its queries (ring) or heads (Ulysses)
+        dsinks = mine.grad.clone()
+        torch.distributed.all_reduce(dsinks, group=group)
+        assert_close(dsinks, ref[4].to(dsinks.dtype), msg=f"{method} dsinks")
     return sent.by_axis()["cp"], sent_backward.by_axis()["cp"], layout.local_len
 
 
@@ -99,6 +110,21 @@ METHOD_CASES = [
 def test_context_attention_equals_whole_sequence(pool, case):
     method, cp, shape, docs, padding, window, softcap = case
     pool.run(context_task, cp, method, 0, *shape, torch.float32, docs, padding, window, softcap)
+
+
+SINK_CASES = [  # attention sinks (gpt-oss): the sink logit in every query's softmax
+    ("ring", 3, (1, 4, 2, 13, 8), 2, 0, 4, None),  # documents and a window: some queries see few keys
+    ("allgather", 2, (2, 4, 1, 10, 4), 0, 3, None, None),  # padding: a query that sees no key gets 0
+    ("ulysses", 2, (1, 4, 2, 12, 8), 0, 0, 5, None),  # each rank's share of the heads' sinks
+]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", SINK_CASES, ids=[f"{c[0]}-cp{c[1]}" for c in SINK_CASES])
+def test_context_attention_with_sinks_equals_whole_sequence(pool, case):
+    method, cp, shape, docs, padding, window, softcap = case
+    pool.run(context_task, cp, method, 2, *shape, torch.float32, docs, padding, window, softcap, False, "torch",
+             True)  # fmt: skip
 
 
 @pytest.mark.multirank

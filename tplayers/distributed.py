@@ -166,6 +166,24 @@ def init_mesh(*, dp: int = 1, pp: int = 1, cp: int = 1, tp: int | tuple[int, int
         else:  # a single process started by hand: a private one-rank world
             init = f"tcp://127.0.0.1:{free_port()}"
             dist.init_process_group(backend, init_method=init, rank=0, world_size=1, timeout=DEFAULT_TIMEOUT)
+    # the same sizes again in the same world: the same mesh (torch would make new process groups,
+    # and every group's connections keep a thread polling them, which slows every later collective)
+    key = (device_type, dp, pp, cp, tp, ep)
+    default = dist.distributed_c10d._get_default_group()
+    made = _MESHES.get(key)
+    if made is not None and made[0] is default:
+        return made[1]
+    mesh = _new_mesh(device_type, dp, pp, cp, tp, ep)
+    _MESHES[key] = (default, mesh)
+    return mesh
+
+
+# (device type, dp, pp, cp, tp, ep) -> (the default group it was made in, the mesh)
+_MESHES: dict[tuple, tuple] = {}
+
+
+def _new_mesh(device_type, dp, pp, cp, tp, ep) -> DeviceMesh:
+    grid = tp if isinstance(tp, tuple) else None
     if grid:
         mesh = init_device_mesh(device_type, (dp, pp, *grid), mesh_dim_names=("dp", "pp", "tp_r", "tp_c"))
         # the grid's flattened group (resolve_group) is made by every rank of the world: now, while all are here

@@ -11,6 +11,11 @@ their positions and documents) and its q, k, v (B, H, L, D) / (B, KH, L, D). The
     ulysses    all-to-all from sequence-split to head-split (heads and key/value heads divisible
                by cp), whole-sequence attention on H / cp heads, all-to-all back.
 
+Attention sinks (gpt-oss: a learned logit per head with no value, in every query's softmax) join
+after the keys are merged: lse' = logaddexp(lse, sink), o' = o exp(lse - lse'). The backward of
+every key block then takes o' and lse' (the sink only adds to the denominator), and the sink's own
+gradient is -sum_i exp(sink - lse'_i) rowsum(do_i o'_i).
+
 K / V are never expanded to the query heads before they are sent: a ring hop moves
 2 x L x KH x D elements. Every way calls one local attention (kernels/flash_attention.py on the
 Triton backend, its reference otherwise) whose backward takes the final o and lse, so each key
@@ -117,6 +122,23 @@ def merge_partials(o, lse, o_i, lse_i):
     return o, new
 
 
+def with_sinks(o, lse, sinks):
+    """(o, lse) over the keys -> with each head's sink logit in the softmax (module docstring); o in
+    its own dtype, lse fp32. A query that saw no key gets o = 0 (the sink takes all of it)."""
+    if sinks is None:
+        return o, lse
+    new = torch.logaddexp(lse, sinks.float().view(1, -1, 1))
+    return (o.float() * torch.exp(lse - new).unsqueeze(-1)).to(o.dtype), new
+
+
+def sink_grad(do, o, lse, sinks):
+    """d loss / d sinks from the final o' and lse' (with the sinks); None without sinks."""
+    if sinks is None:
+        return None
+    p = torch.exp(sinks.float().view(1, -1, 1) - lse)
+    return -(p * (do.float() * o.float()).sum(-1)).sum((0, 2)).to(sinks.dtype)
+
+
 def _neighbours(group):
     n, r = dist.get_world_size(group), dist.get_rank(group)
     return n, r, (r + 1) % n, (r - 1) % n
@@ -124,7 +146,7 @@ def _neighbours(group):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, layout, group, opts):
+    def forward(ctx, q, k, v, sinks, layout, group, opts):
         n, r, nxt, prev = _neighbours(group)
         qp, qd, _ = layout.local()
         kv = torch.stack([k, v])
@@ -139,14 +161,15 @@ class _RingAttention(torch.autograd.Function):
                 for w in works:
                     w.wait()
                 kv = incoming
+        o, lse = with_sinks(o, lse, sinks)
         out = o.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, sinks, out, lse)
         ctx.layout, ctx.group, ctx.opts = layout, group, opts
         return out
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, sinks, o, lse = ctx.saved_tensors
         layout, group, opts = ctx.layout, ctx.group, ctx.opts
         n, r, nxt, prev = _neighbours(group)
         qp, qd, _ = layout.local()
@@ -175,7 +198,8 @@ class _RingAttention(torch.autograd.Function):
         for w in in_flight[0]:
             w.wait()
         dkv = in_flight[1]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        dsinks = sink_grad(do, o, lse, sinks)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks, None, None, None
 
 
 def _gathered(kv, group):
@@ -189,18 +213,18 @@ def _gathered(kv, group):
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, layout, group, opts):
+    def forward(ctx, q, k, v, sinks, layout, group, opts):
         qp, qd, _ = layout.local()
         kp, _, kd = layout.whole()
         kv = _gathered(torch.stack([k, v]), group)
-        o, lse = _attend(q, kv[0], kv[1], qp, qd, kp, kd, opts)
-        ctx.save_for_backward(q, k, v, o, lse)
+        o, lse = with_sinks(*_attend(q, kv[0], kv[1], qp, qd, kp, kd, opts), sinks)
+        ctx.save_for_backward(q, k, v, sinks, o, lse)
         ctx.layout, ctx.group, ctx.opts = layout, group, opts
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, sinks, o, lse = ctx.saved_tensors
         layout, group = ctx.layout, ctx.group
         n = dist.get_world_size(group)
         qp, qd, _ = layout.local()
@@ -212,7 +236,8 @@ class _AllGatherAttention(torch.autograd.Function):
         blocks = torch.stack([dk, dv]).view(2, B, KH, n, L, D).permute(3, 0, 1, 2, 4, 5).contiguous()
         dkv = torch.empty((2, B, KH, L, D), dtype=blocks.dtype, device=blocks.device)
         comm.reduce_scatter_into(dkv, blocks, group, axis="cp")
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        dsinks = sink_grad(do, o, lse, sinks)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks, None, None, None
 
 
 def _to_heads(x, group):
@@ -237,21 +262,30 @@ def _to_sequence(y, group):
 
 class _UlyssesAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, layout, group, opts):
+    def forward(ctx, q, k, v, sinks, layout, group, opts):
         pos, q_doc, k_doc = layout.whole()
         qh, kh, vh = (_to_heads(t, group) for t in (q, k, v))
-        o, lse = _attend(qh, kh, vh, pos, q_doc, pos, k_doc, opts)
-        ctx.save_for_backward(qh, kh, vh, o, lse)
+        mine = None if sinks is None else sinks.view(dist.get_world_size(group), -1)[dist.get_rank(group)]
+        o, lse = with_sinks(*_attend(qh, kh, vh, pos, q_doc, pos, k_doc, opts), mine)
+        ctx.save_for_backward(qh, kh, vh, sinks, o, lse)
         ctx.layout, ctx.group, ctx.opts = layout, group, opts
         return _to_sequence(o, group)
 
     @staticmethod
     def backward(ctx, do):
-        qh, kh, vh, o, lse = ctx.saved_tensors
+        qh, kh, vh, sinks, o, lse = ctx.saved_tensors
+        group = ctx.group
         pos, q_doc, k_doc = ctx.layout.whole()
-        grads = _attend_backward(_to_heads(do, ctx.group), qh, kh, vh, o, lse, pos, q_doc, pos, k_doc, ctx.opts)
-        dq, dk, dv = (_to_sequence(g.to(qh.dtype), ctx.group) for g in grads)
-        return dq, dk, dv, None, None, None
+        do = _to_heads(do, group)
+        grads = _attend_backward(do, qh, kh, vh, o, lse, pos, q_doc, pos, k_doc, ctx.opts)
+        dq, dk, dv = (_to_sequence(g.to(qh.dtype), group) for g in grads)
+        dsinks = None
+        if sinks is not None:  # this rank's heads' share, for every query; the sum over cp adds the others'
+            n, r = dist.get_world_size(group), dist.get_rank(group)
+            dsinks = torch.zeros_like(sinks).view(n, -1)
+            dsinks[r] = sink_grad(do, o, lse, sinks.view(n, -1)[r])
+            dsinks = dsinks.view_as(sinks)
+        return dq, dk, dv, dsinks, None, None, None
 
 
 class _LocalAttention(torch.autograd.Function):
@@ -280,12 +314,15 @@ def ulysses_fits(heads, kv_heads, cp) -> bool:
     return heads % cp == 0 and kv_heads % cp == 0
 
 
-def context_attention(q, k, v, layout, group, opts: AttentionOptions, method="ring"):
-    """Attention of this rank's queries q (B, H, L, D) over every rank's keys; k, v (B, KH, L, D)."""
+def context_attention(q, k, v, layout, group, opts: AttentionOptions, method="ring", sinks=None):
+    """Attention of this rank's queries q (B, H, L, D) over every rank's keys; k, v (B, KH, L, D);
+    `sinks` (H,): each head's sink logit, or None."""
     if method == "ulysses" and not ulysses_fits(q.shape[1], k.shape[1], dist.get_world_size(group)):
         raise ValueError(
             f"context='ulysses' needs the heads ({q.shape[1]}) and key/value heads ({k.shape[1]}) on each rank to "
             f"divide by the context-parallel size ({dist.get_world_size(group)}); use 'ring' or 'allgather'"
         )
     fn = {"ring": _RingAttention, "allgather": _AllGatherAttention, "ulysses": _UlyssesAttention}[method]
-    return fn.apply(q, k, v, layout, group, opts)
+    if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(f"context attention: sinks of shape {tuple(sinks.shape)} for {q.shape[1]} heads")
+    return fn.apply(q, k, v, sinks, layout, group, opts)

@@ -24,6 +24,7 @@ are then scaled by cp, as Megatron scales its loss).
 """
 
 import inspect
+import re
 import weakref
 from dataclasses import dataclass, field
 
@@ -58,6 +59,7 @@ class ContextState:
     reduced_by_data_parallel: bool = False  # data_parallel averages over dp x cp: scale by cp instead
     replica_group: object = None  # data_parallel's own group (dp, without cp): ranks with other batches
     split_logits: bool = False  # logits stay this rank's (context_logits="split")
+    packed: bool | None = True  # the model's masks read packed documents from position_ids (None: unknown)
     tokens: object = None  # the last forward's (B, L) indices of this rank's tokens in the row (-1: padding)
     hooked: "weakref.WeakValueDictionary" = field(default_factory=weakref.WeakValueDictionary)
 
@@ -166,14 +168,15 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         )
     if dropout:
         raise ValueError(f"context parallelism: attention dropout ({dropout}) is not supported; set it to 0")
-    for name in ("s_aux", "position_bias"):
-        if kwargs.get(name) is not None:
-            raise ValueError(f"context parallelism: {type(module).__name__} passes {name}, which it does not take")
+    if kwargs.get("position_bias") is not None:
+        raise ValueError(f"context parallelism: {type(module).__name__} passes position_bias, which it does not take")
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
     opts = AttentionOptions(scale=scaling if scaling is not None else query.shape[-1] ** -0.5, causal=bool(causal),
                             window=sliding_window, softcap=softcap)  # fmt: skip
-    out = context_attention(query, key, value, state.layout, state.group, opts, choose_method(state, query, key))
+    out = context_attention(
+        query, key, value, state.layout, state.group, opts, choose_method(state, query, key), sinks=kwargs.get("s_aux")
+    )  # attention sinks (gpt-oss): per head, in every softmax
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -197,7 +200,7 @@ def _split_inputs(state: ContextState, signature):
     def hook(module, args, kwargs):
         kwargs = dict(signature.bind_partial(*args, **kwargs).arguments)
         kwargs.update(kwargs.pop("kwargs", None) or {})
-        if kwargs.get("past_key_values") is not None:
+        if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
             raise ValueError("context parallelism: a KV cache is not supported (generate with a model parallelized "
                              "without context_group)")  # fmt: skip
         ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
@@ -211,6 +214,14 @@ def _split_inputs(state: ContextState, signature):
         # HF reads packed documents from position_ids only without a mask and without a cache (which
         # `use_cache` makes even in training): the same rule here
         packed = position_ids if mask is None and not use_cache else None
+        if packed is not None and not state.packed:  # a model whose masks do not read them attends across
+            if state.packed is None and bool((torch.diff(packed, dim=-1) != 1).any()):
+                raise ValueError(
+                    f"context parallelism: position_ids that restart (packed documents), but whether "
+                    f"{type(module).__name__}'s masks read them is not known; pass an attention_mask or "
+                    "position_ids that do not restart"
+                )
+            packed = None
         layout = balanced_layout(B, S, state.size, dist.get_rank(state.group), position_ids=packed,
                                  attention_mask=mask, multiple=state.multiple, device=x.device)  # fmt: skip
         if position_ids is None:
@@ -278,6 +289,18 @@ def summed_over_context(state: ContextState):
                 state.hooked[id(p)] = p
 
     return hook
+
+
+def reads_packed_documents(model) -> bool | None:
+    """Whether the model's masks read packed documents from position_ids: HF's mask functions do when
+    passed them, and most decoders pass them; some do not (gpt-oss in transformers 5.24), and attend
+    across the documents. None where the decoder's source does not show its mask call."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    source = forward_source(decoder)
+    found = re.search(r"mask_kwargs\s*=\s*\{(.*?)\}", source, re.S) or re.search(
+        r"(?:create_\w*mask|mask_function)\((.*?)\)", source, re.S
+    )
+    return None if found is None else "position_ids" in found.group(1)
 
 
 def _check_model(model):
@@ -384,6 +407,7 @@ def apply_context(model, group, method="auto", logits="whole", *, multiple=1, tp
     if method == "ulysses":
         _check_ulysses(model.config, dist.get_world_size(group) * tp)
     state = ContextState(group, method, multiple)  # split logits once parallelize's self-check is done
+    state.packed = reads_packed_documents(model)
     for module in attention:
         setattr(module, STATE, state)
     _register()

@@ -22,6 +22,18 @@ DIMS = ("dp", "pp", "tp")
 GRID_DIMS = ("dp", "pp", "tp_r", "tp_c")
 # (dp, pp, tp) or (dp, pp, r, c) -> this rank's groups, one per dim (None: not a member)
 _meshes: dict[tuple, list] = {}
+# ranks -> their process group: one per set of ranks, whichever meshes share it (every group's
+# connections keep a thread polling them: hundreds of duplicates slowed every later collective)
+_groups: dict[tuple, object] = {}
+
+
+def group_of(ranks) -> dist.ProcessGroup:
+    """The pool's process group over `ranks`, made on first use (a collective over every rank of the
+    default group, members or not: every rank asks for the same ranks in the same order)."""
+    key = tuple(int(r) for r in ranks)
+    if key not in _groups:
+        _groups[key] = dist.new_group(list(key))
+    return _groups[key]
 
 
 def _grid(*sizes):
@@ -47,12 +59,12 @@ def prepare_mesh(*sizes: int) -> None:
     mine = [None] * len(key)
     for dim in range(len(key)):
         for ranks in _lines(grid, dim):
-            group = dist.new_group(ranks)
+            group = group_of(ranks)
             if rank in ranks:
                 mine[dim] = group
     if len(key) == 4:  # the grid flattened: each (dp, pp) slice's r * c ranks
         for ranks in grid.reshape(key[0] * key[1], -1).tolist():
-            group = dist.new_group(ranks)
+            group = group_of(ranks)
             if rank in ranks:
                 register_grid_group(ranks, group)
     _meshes[key] = mine
@@ -78,11 +90,11 @@ def _context_groups(dp, pp, cp, tp) -> dict:
     grid, rank, mine = _grid(dp, pp, cp, tp), dist.get_rank(), {}
     for dim, name in enumerate(CONTEXT_DIMS):
         for ranks in _lines(grid, dim):
-            group = dist.new_group(ranks)
+            group = group_of(ranks)
             if rank in ranks:
                 mine[name] = group
     for ranks in _lines(grid.permute(0, 2, 1, 3).reshape(dp * cp, pp, tp), 0):
-        group = dist.new_group(ranks)
+        group = group_of(ranks)
         if rank in ranks:
             mine["dp_cp"] = group
     if len(mine) == len(CONTEXT_DIMS) + 1:
@@ -107,11 +119,11 @@ def _expert_groups(dp, ep, pp, tp) -> dict:
     grid, rank, mine = _grid(dp // ep, ep, pp, tp), dist.get_rank(), {}
     for dim, name in enumerate(EXPERT_DIMS):
         for ranks in _lines(grid, dim):
-            group = dist.new_group(ranks)
+            group = group_of(ranks)
             if rank in ranks:
                 mine[name] = group
     for ranks in _lines(grid.reshape(dp, pp, tp), 0):
-        group = dist.new_group(ranks)
+        group = group_of(ranks)
         if rank in ranks:
             mine["dp"] = group
     if len(mine) == len(EXPERT_DIMS) + 1:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from tplayers.distributed import RankError, free_port
-from tplayers.testing.meshes import mesh_ranks, prepare_mesh
+from tplayers.testing.meshes import group_of, mesh_ranks, prepare_mesh
 
 # After one rank fails, how long the others get to report (they may be failing too).
 _GRACE_S = 3.0
@@ -53,7 +53,7 @@ def _worker(rank, world_size, port, tasks, results, timeout_s, dump_dir):
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-        groups = {k: dist.new_group(list(range(k))) for k in range(1, world_size + 1)}
+        groups = {k: group_of(range(k)) for k in range(1, world_size + 1)}
         results.put((rank, -1, "ready", None))
     except BaseException:
         results.put((rank, -1, "error", RemoteError(rank, "StartupError", "", traceback.format_exc())))
