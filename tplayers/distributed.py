@@ -129,7 +129,10 @@ def init_mesh(*, dp: int = 1, pp: int = 1, cp: int = 1, tp: int | tuple[int, int
     dims are then ("edp", "ep", "pp", "tp"), with "dp" their first two flattened; `mesh["ep"]`
     is the expert group (consecutive data-parallel ranks, for `parallelize(expert_group=)`),
     `mesh["edp"]` the replicas of each rank's experts (`data_parallel` reduces expert weights
-    over it)."""
+    over it).
+
+    Called again with the same sizes in the same world, it returns the same mesh: no new process
+    groups (each keeps a thread polling its connections, which slows every later collective)."""
     grid = tp if isinstance(tp, tuple) else None
     if grid is not None and len(grid) != 2:
         raise ValueError(f"tp must be an int or a pair (r, c), got {tp!r}")
