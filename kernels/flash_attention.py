@@ -56,16 +56,23 @@ def _gpu_config(kernel, head_dim, arch):
 
 
 @triton.jit
-def _meets(qp_lo, qp_hi, qd_lo, qd_hi, kb, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    """Whether a query tile and the key tile whose bounds `kb` points at may have an allowed pair."""
-    kp_lo, kp_hi = tl.load(kb), tl.load(kb + 1)
-    kd_lo, kd_hi = tl.load(kb + 2), tl.load(kb + 3)
+def _bounds_meet(qp_lo, qp_hi, qd_lo, qd_hi, kp_lo, kp_hi, kd_lo, kd_hi, window, CAUSAL: tl.constexpr,
+                 HAS_WINDOW: tl.constexpr):  # fmt: skip
+    """Whether a query tile and a key tile with these position / document bounds may have an allowed pair."""
     meets = (kd_hi >= qd_lo) & (kd_lo <= qd_hi)  # false where either tile has no real token
     if CAUSAL:
         meets = meets & (kp_lo <= qp_hi)
     if HAS_WINDOW:
         meets = meets & (kp_hi > qp_lo - window) & (kp_lo < qp_hi + window)
     return meets
+
+
+@triton.jit
+def _meets(qp_lo, qp_hi, qd_lo, qd_hi, kb, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Whether a query tile and the key tile whose bounds `kb` points at may have an allowed pair."""
+    kp_lo, kp_hi = tl.load(kb), tl.load(kb + 1)
+    kd_lo, kd_hi = tl.load(kb + 2), tl.load(kb + 3)
+    return _bounds_meet(qp_lo, qp_hi, qd_lo, qd_hi, kp_lo, kp_hi, kd_lo, kd_hi, window, CAUSAL, HAS_WINDOW)
 
 
 @triton.jit
@@ -195,12 +202,7 @@ def _flash_dkdv_kernel(
             qb = qbounds_ptr + (b * ((M + BLOCK_M - 1) // BLOCK_M) + m0 // BLOCK_M).to(tl.int64) * 4
             qp_lo, qp_hi = tl.load(qb), tl.load(qb + 1)
             qd_lo, qd_hi = tl.load(qb + 2), tl.load(qb + 3)
-            meets = (kd_hi >= qd_lo) & (kd_lo <= qd_hi)  # false where either tile has no real token
-            if CAUSAL:
-                meets = meets & (kp_lo <= qp_hi)
-            if HAS_WINDOW:
-                meets = meets & (kp_hi > qp_lo - window) & (kp_lo < qp_hi + window)
-            if meets:
+            if _bounds_meet(qp_lo, qp_hi, qd_lo, qd_hi, kp_lo, kp_hi, kd_lo, kd_hi, window, CAUSAL, HAS_WINDOW):
                 q_mask = m_ok[:, None] & d_ok[None, :]
                 q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=q_mask, other=0.0)
                 do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :], mask=q_mask, other=0.0)
