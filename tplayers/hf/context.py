@@ -62,6 +62,7 @@ class ContextState:
     packed: bool | None = True  # the model's masks read packed documents from position_ids (None: unknown)
     tokens: object = None  # the last forward's (B, L) indices of this rank's tokens in the row (-1: padding)
     hooked: "weakref.WeakValueDictionary" = field(default_factory=weakref.WeakValueDictionary)
+    plain_layouts: dict = field(default_factory=dict)  # (B, S, device) -> layout (pipeline stages)
 
     def __deepcopy__(self, memo):
         """A deep copy of the model shares it (its hooks, copied by reference, already do): the
@@ -357,12 +358,21 @@ def local_tokens(model) -> torch.Tensor:
     return state.tokens
 
 
+def plain_layout(state: ContextState, batch: int, seq_len: int, device):
+    """The layout of rows neither packed nor masked (what pipeline stages take), made once per shape:
+    every stage and the loss of every micro-batch ask for the same one."""
+    key = (batch, seq_len, str(device))
+    if key not in state.plain_layouts:
+        state.plain_layouts[key] = balanced_layout(batch, seq_len, state.size, dist.get_rank(state.group),
+                                                   multiple=state.multiple, device=device)  # fmt: skip
+    return state.plain_layouts[key]
+
+
 def stage_positions(state: ContextState, batch: int, seq_len: int, device) -> torch.Tensor:
     """A pipeline stage's forward (`tplayers.pipeline_split`) on rows of `seq_len` tokens, neither
     packed nor masked (a stage takes token ids only): the layout set for its attention calls; returns
     this rank's tokens' positions in the row (B, L), what rotary embeddings read."""
-    layout = balanced_layout(batch, seq_len, state.size, dist.get_rank(state.group), multiple=state.multiple,
-                             device=device)  # fmt: skip
+    layout = plain_layout(state, batch, seq_len, device)
     state.layout, state.seq_len = layout, seq_len
     state.tokens = layout.index[:, layout.rank]
     return layout.take(torch.arange(seq_len, device=device).expand(batch, seq_len))
@@ -381,9 +391,7 @@ def next_token_loss(model):
         if state is None or not state.split_logits:
             return F.cross_entropy(logits.float().flatten(0, 1), shifted.flatten(), ignore_index=-100)
         B, S = labels.shape[:2]
-        layout = balanced_layout(B, S, state.size, dist.get_rank(state.group), multiple=state.multiple,
-                                 device=labels.device)  # fmt: skip
-        local = layout.take(shifted, fill=-100)
+        local = plain_layout(state, B, S, labels.device).take(shifted, fill=-100)
         total = F.cross_entropy(logits.float().flatten(0, 1), local.flatten(), ignore_index=-100, reduction="sum")
         return _SumOverContext.apply(total / (shifted != -100).sum(), state.group, state.factor)
 
