@@ -6,6 +6,11 @@ local sum of exp(logit - local max), the target logit if the target falls in thi
 re-exported here. Each program owns BLOCK_R rows and walks the vocab shard in BLOCK_V columns
 with an online max / sum-exp, so any shard size works in bounded registers. The logits may be
 a strided view (rows and columns), e.g. a slice of the LM head's output.
+
+`vocab_ce_grad` is the fused LM-head loss's second pass over a chunk of logits it owns: with the
+rows' global log-sum-exp known, it overwrites the logits with their gradient
+scale * (softmax - onehot(target)) (the contract is `vocab_ce_grad_ref`), so the chunk's
+gradient GEMMs read it without another (rows x vocabulary) buffer.
 """
 
 import os
@@ -14,9 +19,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .vocab_ce_ref import MAX, SUM, SUMEXP, TARGET, check_args, vocab_ce_stats_ref
+from .vocab_ce_ref import (
+    MAX,
+    SUM,
+    SUMEXP,
+    TARGET,
+    check_args,
+    check_grad_args,
+    vocab_ce_grad_ref,
+    vocab_ce_stats_ref,
+)
 
-__all__ = ["MAX", "SUM", "SUMEXP", "TARGET", "vocab_ce_stats", "vocab_ce_stats_ref"]
+__all__ = ["MAX", "SUM", "SUMEXP", "TARGET", "vocab_ce_grad", "vocab_ce_grad_ref", "vocab_ce_stats", "vocab_ce_stats_ref"]
 
 # The interpreter must be chosen before triton is imported; record what was chosen.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -69,6 +83,32 @@ def _vocab_ce_stats_kernel(
     tl.store(out + 3, row_sum, mask=row_ok)
 
 
+@triton.jit
+def _vocab_ce_grad_kernel(
+    logits_ptr, target_ptr, lse_ptr, scale_ptr,
+    R, V, vocab_start,
+    stride_lr, stride_lv, stride_t,
+    BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    offs_r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = offs_r < R
+    rows = (offs_r % R).to(tl.int64)
+    lse = tl.load(lse_ptr + rows)
+    scale = tl.load(scale_ptr + rows)
+    local = tl.load(target_ptr + rows * stride_t).to(tl.int64) - vocab_start
+    row_ptrs = logits_ptr + rows * stride_lr
+    offs_v = tl.arange(0, BLOCK_V)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + offs_v
+        ok = row_ok[:, None] & (cols < V)[None, :]
+        ptrs = row_ptrs[:, None] + cols.to(tl.int64)[None, :] * stride_lv
+        x = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+        p = tl.exp(x - lse[:, None])
+        p = tl.where(cols[None, :] == local[:, None], p - 1.0, p)
+        tl.store(ptrs, (p * scale[:, None]).to(logits_ptr.dtype.element_ty), mask=ok)
+
+
 def _gpu_config(V):
     """One row per program, the vocab shard in tiles of up to 4096 columns (fp32: 32 per thread at 4 warps)."""
     block_v = min(triton.next_power_of_2(V), 4096)
@@ -100,3 +140,26 @@ def vocab_ce_stats(logits, target, vocab_start=0):
         with torch.cuda.device(logits.device):
             _vocab_ce_stats_kernel[(triton.cdiv(R, meta["BLOCK_R"]),)](*args, **meta, num_warps=warps)
     return stats
+
+
+def vocab_ce_grad(logits, target, lse, scale, vocab_start=0):
+    """Overwrite `logits` (R, V_local) with scale * (softmax - onehot(target)), softmax over the
+    whole vocabulary through the rows' global `lse` (R,) fp32; `scale` (R,) fp32 (0: an ignored
+    row); returns `logits`. One read and one write of the shard, fp32 math."""
+    check_grad_args(logits, target, lse, scale, vocab_start)
+    if not INTERPRET and not logits.is_cuda:
+        raise RuntimeError(
+            "the Triton vocab_ce_grad needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported to "
+            "run in Triton's interpreter; set_backend('torch') uses the reference"
+        )
+    R, V = logits.shape
+    if R == 0:
+        return logits
+    args = (logits, target, lse, scale, R, V, vocab_start, logits.stride(0), logits.stride(1), target.stride(0))
+    if INTERPRET:
+        _vocab_ce_grad_kernel[(triton.cdiv(R, INTERPRETER_CONFIG["BLOCK_R"]),)](*args, **INTERPRETER_CONFIG)
+    else:
+        meta, warps = _gpu_config(V)
+        with torch.cuda.device(logits.device):
+            _vocab_ce_grad_kernel[(triton.cdiv(R, meta["BLOCK_R"]),)](*args, **meta, num_warps=warps)
+    return logits

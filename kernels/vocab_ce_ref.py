@@ -9,6 +9,12 @@ integer dtype), `vocab_start` the global id of this shard's first column. Return
     [:, SUMEXP]  sum_j exp(logits[r, j] - max)
     [:, TARGET]  logits[r, target[r] - vocab_start] if the target falls in this shard, else 0
     [:, SUM]     sum_j logits[r, j]                 (the label-smoothing term)
+
+`vocab_ce_grad_ref` is the pure-torch version of the gradient pass the fused LM-head loss makes
+over the same shard once the rows' global log-sum-exp `lse` (R,) fp32 is known: with `scale` (R,)
+fp32 each row's weight (0 on ignored rows) and `target` global ids,
+    grad[r, j] = scale[r] * (exp(logits[r, j] - lse[r]) - [j == target[r] - vocab_start])
+in logits' dtype, fp32 math. The Triton `vocab_ce_grad` writes it over `logits` in place.
 """
 
 import torch
@@ -32,6 +38,26 @@ def check_args(logits, target, vocab_start):
         raise ValueError(f"vocab_ce_stats: target is on {target.device} but logits are on {logits.device}")
     if not isinstance(vocab_start, int) or vocab_start < 0:
         raise ValueError(f"vocab_ce_stats: vocab_start must be a non-negative int, got {vocab_start!r}")
+
+
+def check_grad_args(logits, target, lse, scale, vocab_start):
+    check_args(logits, target, vocab_start)
+    for name, t in (("lse", lse), ("scale", scale)):
+        if t.dtype != torch.float32 or tuple(t.shape) != (logits.shape[0],) or t.device != logits.device:
+            raise ValueError(
+                f"vocab_ce_grad: {name} must be fp32 ({logits.shape[0]},) on {logits.device}, got {t.dtype} "
+                f"{tuple(t.shape)} on {t.device}"
+            )
+
+
+def vocab_ce_grad_ref(logits, target, lse, scale, vocab_start=0):
+    """The cross-entropy gradient of a vocab shard's logits, a new tensor (see the module docstring)."""
+    check_grad_args(logits, target, lse, scale, vocab_start)
+    grad = torch.exp(logits.float() - lse[:, None])
+    local = target.long() - vocab_start
+    rows = ((local >= 0) & (local < logits.shape[1])).nonzero().squeeze(1)
+    grad[rows, local[rows]] -= 1.0
+    return (grad * scale[:, None]).to(logits.dtype)
 
 
 def vocab_ce_stats_ref(logits, target, vocab_start=0):

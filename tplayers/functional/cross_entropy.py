@@ -30,7 +30,7 @@ from tplayers.placement import shard_range
 REDUCTIONS = ("mean", "sum", "none")
 
 
-def _stats(logits, target, vocab_start):
+def local_stats(logits, target, vocab_start):
     """The fused local pass on the selected backend (kernels/vocab_ce_ref.py gives the contract)."""
     if logits.shape[1] == 0:  # a rank holding none of the vocabulary: a shard that adds nothing
         empty = torch.tensor([float("-inf"), 0.0, 0.0, 0.0], device=logits.device)
@@ -40,6 +40,15 @@ def _stats(logits, target, vocab_start):
     else:  # the reference module does not import triton
         from tplayers.kernels.vocab_ce_ref import vocab_ce_stats_ref as vocab_ce_stats
     return vocab_ce_stats(logits, target, vocab_start)
+
+
+def combined_lse(local_max, local_sum_exp):
+    """(R,) log-sum-exp over the whole vocabulary from every shard's (n, R) max and sum-exp,
+    combined in rank order (the same on every rank)."""
+    row_max = local_max.amax(0)
+    # A shard masked to -inf contributes nothing (its sum-exp is 0), never a nan.
+    scale = torch.where(local_max == float("-inf"), 0.0, torch.exp(local_max - row_max))
+    return row_max + torch.log((local_sum_exp * scale).sum(0))
 
 
 def check_cross_entropy_args(local_logits, target, ignore_index, label_smoothing, reduction, vocab_size=None):
@@ -116,7 +125,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             lse = logits.new_zeros((0,), dtype=torch.float32)
             loss = lse
         else:
-            stats = _stats(logits, target, vocab_start)  # (R, 4): max, sum-exp, target logit, logit sum
+            stats = local_stats(logits, target, vocab_start)  # (R, 4): max, sum-exp, target logit, logit sum
             # the target ids travel along (exact in fp32 below 2**24): ranks that disagree on them
             # are not one tensor-parallel group (e.g. data-parallel replicas in `group`)
             stats = torch.cat([stats, target.to(stats.dtype)[:, None]], 1)
@@ -126,10 +135,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             comm.all_gather_into(gathered, torch.cat([stats, told]), group)
             _refuse_what_ranks_disagree_on(gathered, group, ignore_index)
             local_max, local_sum_exp, target_logit, logit_sum = gathered[:, :-1, :4].unbind(-1)  # each (n, R)
-            row_max = local_max.amax(0)
-            # A shard masked to -inf contributes nothing (its sum-exp is 0), never a nan.
-            scale = torch.where(local_max == float("-inf"), 0.0, torch.exp(local_max - row_max))
-            lse = row_max + torch.log((local_sum_exp * scale).sum(0))
+            lse = combined_lse(local_max, local_sum_exp)
             eps = label_smoothing
             loss = lse - (1.0 - eps) * target_logit.sum(0)
             if eps:

@@ -37,6 +37,7 @@ from tplayers.functional.collectives import (
     scatter_to_tp_region,
 )
 from tplayers.hf import families, lora
+from tplayers.hf import fused_loss as fused
 from tplayers.hf import verify as verification
 from tplayers.hf.context import apply_context, context_state
 from tplayers.hf.grid import parallelize_grid
@@ -253,7 +254,7 @@ def _decoder_blocks(model, placed):
 
 def parallelize(
     model, *, group=None, sequence_parallel=False, plan=None, vocab_parallel_logits=False, verify=None, overlap="auto",
-    expert_group=None, context_group=None, context="auto", context_logits="whole",
+    expert_group=None, context_group=None, context="auto", context_logits="whole", training_logits=False,
 ):  # fmt: skip
     """Shard `model` in place over `group` (see the module docstring); returns it.
 
@@ -291,11 +292,18 @@ def parallelize(
     call), "ring", "allgather" or "ulysses". `tplayers.data_parallel` then reduces gradients over
     dp x cp. context_logits: "whole" (default) or "split": each rank's logits of its own tokens,
     in the order `tplayers.hf.context.local_tokens(model)` gives (no all-gather of the logits).
+
+    training_logits: False (default): a train-mode forward given `labels=` computes its loss with
+    the fused LM-head cross-entropy and holds no (tokens x vocabulary) logits (its output's
+    `logits` are None; eval mode, or no labels, gives them), where the model's forward only scores
+    its logits with HF's causal-LM loss (`tplayers.hf.fused_loss`); True: the logits path always.
     """
     check_overlap(overlap, "parallelize")
     guards.guard_accelerate()  # a plain Trainer / Accelerator handed the result raises (accelerate is loaded by now)
     kwargs = dict(sequence_parallel=sequence_parallel, plan=plan, vocab_parallel_logits=vocab_parallel_logits,
                   overlap=overlap)  # fmt: skip
+    if not is_grid(group):
+        kwargs["fused_loss"] = not training_logits
     layers = lora.lora_layers(model)
     if expert_group is not None:
         kwargs["expert_group"] = _expert_group(expert_group, group)
@@ -353,7 +361,7 @@ def _expert_group(expert_group, group):
 
 def _parallelize(
     model, *, group, sequence_parallel=False, plan=None, vocab_parallel_logits=False, verify=None, overlap="auto",
-    keep=frozenset(), expert_group=None, context=None,
+    keep=frozenset(), expert_group=None, context=None, fused_loss=True,
 ):  # fmt: skip
     """`parallelize` of a model without adapters; `keep`: modules no sharding layout may fuse
     with another (they carry LoRA adapters)."""
@@ -390,6 +398,8 @@ def _parallelize(
     setattr(model, TIED, parallelizer.tied)
     lora.record_weight_maps(model, parallelizer.exports)  # what adapters added later follow
     parallelizer.release()  # the export records outlive the pass: they must not hold the model
+    if fused_loss and not vocab_parallel_logits and context is None:  # the loss without logits, where it is exact
+        fused.install(model)
     if context is not None:  # the sequence split over the context group too, before the self-check
         tp = dist.get_world_size(group)
         apply_context(model, *context, multiple=tp if sequence_parallel else 1, tp=tp)

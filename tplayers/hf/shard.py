@@ -16,6 +16,7 @@ from torch import nn
 from tplayers.functional.collectives import all_gather_any, own_slice
 from tplayers.hf import pieces
 from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear, _ParallelLinear, refuse_own_forward
+from tplayers.nn.lm_head import ParallelLMHead
 from tplayers.placement import SharesGroups, copy_into
 
 PLAN_KINDS = ("colwise", "rowwise", "vocab", "replicate")
@@ -210,9 +211,9 @@ class ShardingPass(SharesGroups):
         setattr(parent, child, new)
         self.done.add(name)
 
-    def column(self, name, module, sequence_parallel=None, **kwargs):
+    def column(self, name, module, sequence_parallel=None, layer_class=ColumnParallelLinear, **kwargs):
         sp = self.sp if sequence_parallel is None else sequence_parallel
-        layer = ColumnParallelLinear.from_linear(
+        layer = layer_class.from_linear(
             as_linear(module, name), group=self.group, sequence_parallel=sp, **kwargs
         )
         layer = on_device(layer, module.weight.device)
@@ -271,8 +272,10 @@ class ShardingPass(SharesGroups):
             new_emb = self.vocab_parallel(names[id(emb)], emb)
             if isinstance(head, nn.Linear) and self.planned(names.get(id(head))) is None:
                 # the LM head sees the whole sequence: sequence parallelism ends after the last block
-                new_head = self.column(
-                    names[id(head)], head, sequence_parallel=False, gather_output=not self.vocab_parallel_logits
+                new_head = (
+                    self.column(names[id(head)], head, sequence_parallel=False, gather_output=False)
+                    if self.vocab_parallel_logits
+                    else self.column(names[id(head)], head, sequence_parallel=False, layer_class=ParallelLMHead)
                 )
                 if tied:  # one Parameter, one placement: still tied after sharding
                     new_head.weight = new_emb.weight

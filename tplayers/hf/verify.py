@@ -184,6 +184,9 @@ def _train_forward(model, ids):
         logits = out.logits if hasattr(out, "logits") else out[0] if isinstance(out, tuple | list) else out
         loss = out.loss if labelled and getattr(out, "loss", None) is not None else logits.float().pow(2).mean()
         loss.backward()
+        if logits is None:  # the loss was fused, without logits (tplayers.hf.fused_loss): they are checked too
+            with torch.no_grad():
+                logits = model(ids, **{k: v for k, v in kwargs.items() if k != "labels"}).logits
     return logits.detach(), loss.detach()
 
 

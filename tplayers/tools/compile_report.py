@@ -2,7 +2,7 @@
 
 KERNELS (`tplayers.tools.kernel_launches`) is one table: each row is a kernel launched one way
 (the GEMM's four epilogue variants, the SwiGLU epilogue forward and backward, the vocab-parallel
-cross-entropy statistics pass, the fused gradient unscale + statistics pass with and without the
+cross-entropy statistics and gradient passes, the fused gradient unscale + statistics pass with and without the
 unscale, the experts' grouped GEMM's three launches and its weight gradient), with the arguments
 its launcher passes, its configs for sm_80 / sm_90a and the dtypes it is launched with. Every
 (kernel, arch, config, dtype) is compiled with `triton.compile` for its target, specialised as

@@ -170,6 +170,16 @@ def _vocab_ce_launch(dtype):
     return args, {}
 
 
+def _vocab_ce_grad_launch(dtype):
+    """The fused LM-head loss's chunk of logits (R, V_local) contiguous, overwritten in place;
+    target (R,) int64, lse and scale (R,) fp32."""
+    args = dict(
+        logits_ptr=Ptr(dtype), target_ptr=Ptr("i64"), lse_ptr=Ptr("fp32"), scale_ptr=Ptr("fp32"),
+        R=DIV16, V=DIV16, vocab_start=DIV16, stride_lr=DIV16, stride_lv=1, stride_t=1,
+    )  # fmt: skip
+    return args, {}
+
+
 # The launcher picks its tile from the shard size: every shard over 2048 columns gets the 4096
 # tile on 8 warps, smaller ones a tile of at most 2048 on 4 warps (2048 is the heaviest of those).
 VOCAB_SHARDS = (4096, 2048)
@@ -313,6 +323,7 @@ KERNELS = {
     "swiglu-bwd": KernelSpec("swiglu", "_swiglu_bwd_kernel", _swiglu_bwd_launch, _gpu_config, DTYPES),
     "swiglu-bwd-pairs": KernelSpec("swiglu", "_swiglu_bwd_pairs_kernel", _swiglu_bwd_pairs_launch, _gpu_config, DTYPES),
     "vocab-ce-stats": KernelSpec("vocab_ce", "_vocab_ce_stats_kernel", _vocab_ce_launch, _vocab_ce_configs, DTYPES),
+    "vocab-ce-grad": KernelSpec("vocab_ce", "_vocab_ce_grad_kernel", _vocab_ce_grad_launch, _vocab_ce_configs, DTYPES),
     # DynamicLossScaler.unscale_ (UNSCALE), and statistics only (inv_scale None)
     "grad-stats+unscale": KernelSpec(
         "grad_stats", "_unscale_stats_kernel", _grad_stats_launch(True), _gpu_config, DTYPES
