@@ -14,7 +14,7 @@ integer dtype), `vocab_start` the global id of this shard's first column. Return
 over the same shard once the rows' global log-sum-exp `lse` (R,) fp32 is known: with `scale` (R,)
 fp32 each row's weight (0 on ignored rows) and `target` global ids,
     grad[r, j] = scale[r] * (exp(logits[r, j] - lse[r]) - [j == target[r] - vocab_start])
-in logits' dtype, fp32 math. The Triton `vocab_ce_grad` writes it over `logits` in place.
+in logits' dtype, fp32 math, written over `logits` in place (as the Triton `vocab_ce_grad` does).
 """
 
 import torch
@@ -51,13 +51,16 @@ def check_grad_args(logits, target, lse, scale, vocab_start):
 
 
 def vocab_ce_grad_ref(logits, target, lse, scale, vocab_start=0):
-    """The cross-entropy gradient of a vocab shard's logits, a new tensor (see the module docstring)."""
+    """Overwrite `logits` with their cross-entropy gradient and return it (see the module
+    docstring); fp32 math in one fp32 copy of a 16-bit shard, none of an fp32 one."""
     check_grad_args(logits, target, lse, scale, vocab_start)
-    grad = torch.exp(logits.float() - lse[:, None])
+    grad = logits.float()  # the shard itself when fp32
+    grad.sub_(lse[:, None]).exp_()
     local = target.long() - vocab_start
     rows = ((local >= 0) & (local < logits.shape[1])).nonzero().squeeze(1)
     grad[rows, local[rows]] -= 1.0
-    return (grad * scale[:, None]).to(logits.dtype)
+    grad.mul_(scale[:, None])
+    return logits if grad is logits else logits.copy_(grad)
 
 
 def vocab_ce_stats_ref(logits, target, vocab_start=0):

@@ -206,18 +206,20 @@ def llama_bytes(rank, tp, group, sequence_parallel):
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
 def test_communication_is_the_megatron_minimum(pool, sequence_parallel):
-    """One collective per (block input, block output) each way, as Megatron-LM's layers need."""
+    """One collective per (block input, block output) each way, as Megatron-LM's layers need; the
+    loss gathers per-row statistics, not logits."""
     tp, layers, hidden, tokens = 2, 2, 32, 2 * 8
     act = tokens * hidden * 4  # one (B, S, H) fp32 activation
     ring, all_reduce = (tp - 1) / tp, 2 * (tp - 1) / tp
-    logits_gather = ring * tokens * VOCAB * 4  # the LM head's full-vocabulary logits, forward
+    # the fused loss: 4 fp32 statistics per row from every rank, never the (tokens, VOCAB) logits
+    loss_stats = ring * tp * tokens * 4 * 4
     edges = all_reduce * act * 2  # the embedding's partial sums (fwd), the LM head's input grad (bwd)
     if sequence_parallel:  # per block: attention and MLP each gather in, reduce-scatter out, both ways
         per_block = 8 * ring * act + 2 * all_reduce * hidden * 4  # + the two norm weights' grads
         edges += 2 * ring * act  # entering the first block (bwd) and leaving the last (fwd)
     else:  # per block: attention and MLP each one all-reduce forward, one backward
         per_block = 4 * all_reduce * act
-    expected = layers * per_block + edges + logits_gather
+    expected = layers * per_block + edges + loss_stats
     assert pool.run(llama_bytes, tp, sequence_parallel) == [pytest.approx(expected, rel=1e-6)] * tp
 
 

@@ -137,12 +137,37 @@ def unfused_because(model, head) -> str | None:
 # -- the hooks -------------------------------------------------------------------------------------
 
 
+# Wrappers of a model's forward that pass its logits on untouched: accelerate's autocast and fp32
+# conversion of 16-bit outputs (the placeholder is fp32), torch.autocast as a decorator.
+_PASS_THROUGH = ("/accelerate/", "/torch/amp/", "/torch/utils/")
+
+
+def _runs_class_forward(module) -> bool:
+    """Whether calling `module` runs the forward `unfused_because` read: its class's, or that one
+    inside wrappers known to pass the logits on. Another forward set on the instance (TRL's fused
+    LM head, a user's patch) may read the logits itself: those get them."""
+    forward = vars(module).get("forward")
+    if forward is None:
+        return True
+    fn = getattr(forward, "__func__", forward)
+    while fn is not None and fn is not type(module).forward:
+        if type(fn).__module__.startswith("accelerate.") and hasattr(fn, "model_forward"):
+            fn = fn.model_forward  # accelerate's ConvertOutputsToFp32
+            continue
+        code = getattr(fn, "__code__", None)
+        if code is None or not any(part in code.co_filename for part in _PASS_THROUGH):
+            return False
+        fn = getattr(fn, "__wrapped__", None)
+    return fn is not None
+
+
 def _arm(module, args, kwargs):
-    """Defer the head's logits for this forward if it is a training forward given labels."""
+    """Defer the head's logits for this forward if it is a training forward given labels, run by
+    the forward that only scores them."""
     head = module.get_output_embeddings()
     if isinstance(head, ParallelLMHead):
-        head.defer_logits = (module.training and kwargs.get("labels") is not None
-                             and vars(module).get("_loss_function") is causal_lm_loss)  # fmt: skip
+        head.defer_logits = (module.training and kwargs.get("labels") is not None and installed(module)
+                             and _runs_class_forward(module))  # fmt: skip
 
 
 def _disarm(module, args, kwargs, output):
@@ -156,6 +181,11 @@ def _disarm(module, args, kwargs, output):
     elif isinstance(output, tuple) and any(is_deferred(t) for t in output):
         return tuple(None if is_deferred(t) else t for t in output)
     return output
+
+
+def installed(model) -> bool:
+    """Whether `model`'s training loss is fused (`install` found its forward plain)."""
+    return vars(model).get("_loss_function") is causal_lm_loss
 
 
 def install(model) -> str | None:
