@@ -267,3 +267,18 @@ def test_bench_calibrate_writes_a_costs_file_the_layers_read(tmp_path):
 def test_bench_without_scripts_exit_code_2(tmp_path):
     result = run_cli("bench", "--bench-dir", str(tmp_path), cwd=tmp_path)
     assert result.returncode == 2 and "no benchmark scripts" in result.stderr
+
+
+def test_bench_step_runs_on_cpu_and_writes_csv_and_png(tmp_path):
+    """Without a GPU, `tplayers bench --step` checks its script on a tiny shape: every provider
+    that can run here gives a row with the same first loss as plain HF's, Liger a note."""
+    result = run_cli("bench", "--step", "--out", str(tmp_path), "--", "--providers", "hf", "liger", "tplayers-torch",
+                     cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {r["provider"]: r for r in csv.DictReader(open(tmp_path / "step" / "step.csv"))}
+    assert set(rows) == {"hf", "liger", "tplayers-torch"}
+    assert "CUDA" in rows["liger"]["note"]
+    assert abs(float(rows["tplayers-torch"]["loss_minus_hf"])) < 1e-4
+    assert float(rows["tplayers-torch"]["ms_per_step"]) > 0 and float(rows["tplayers-torch"]["time_vs_hf"]) > 0
+    assert (tmp_path / "step" / "step.png").stat().st_size > 0
+    assert "aten::mm" in (tmp_path / "step" / "step_tplayers-torch_kernels.txt").read_text()

@@ -3,8 +3,11 @@
 
     tplayers bench [--quick] [--only linear --only amp] [--out bench/out] [--bench-dir bench]
     tplayers bench --kernels [--quick] [--no-tests] [--out bench/out]
+    tplayers bench --step [--quick] [--out bench/out] [-- <bench/step.py flags: --layers 8 --vocab 32000 ...>]
 
-`--kernels` runs bench/kernels.py alone: on one CUDA GPU the suite's kernel tests there first
+`--step` runs bench/step.py alone: one HF training step on one GPU, plain HF against Liger
+Kernel against `parallelize` at TP 1 on both backends, into `<out>/step/` (a tiny shape on CPU
+without a GPU). `--kernels` runs bench/kernels.py alone: on one CUDA GPU the suite's kernel tests there first
 (`pytest -m kernel`, compiled), then every Triton kernel against torch's own op (checked, then
 timed with triton.testing.do_bench), into `<out>/kernels/` (its CSV, PNG, table and
 kernel_tests.txt; no merged bench.csv). Without a GPU it says so and runs the same checks on tiny
@@ -58,6 +61,10 @@ def add_arguments(parser) -> None:
         "--kernels", action="store_true", help="only bench/kernels.py: each Triton kernel against torch's op on a GPU"
     )
     parser.add_argument("--no-tests", action="store_true", help="with --kernels on a GPU: skip the kernel tests there")
+    parser.add_argument(
+        "--step", action="store_true", help="only bench/step.py: an HF training step, plain HF vs Liger vs parallelize"
+    )
+    parser.add_argument("step_flags", nargs="*", help="with --step, after --: bench/step.py's own flags")
     parser.add_argument("--only", action="append", choices=SCRIPTS, help="run only these scripts (repeatable)")
     parser.add_argument("--reps", type=int, help="timed rounds, passed to every script")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: <bench-dir>/out)")
@@ -221,9 +228,25 @@ def run_kernels(args) -> int:
     return subprocess.run(command, cwd=bench_dir).returncode
 
 
+def run_step(args) -> int:
+    """`--step`: bench/step.py alone, into <out>/step/."""
+    if args.only or args.reps or args.calibrate or args.kernels:
+        raise ValueError("--step runs bench/step.py alone: leave out --kernels, --only, --reps and --calibrate")
+    bench_dir = _bench_dir(args.bench_dir, ("step",))
+    out = (args.out if args.out is not None else bench_dir / "out") / "step"
+    command = [sys.executable, str(bench_dir / "step.py"), "--out", str(out), *(["--quick"] if args.quick else []),
+               *args.step_flags]  # fmt: skip
+    print(f"== step: {' '.join(command)}", flush=True)
+    return subprocess.run(command, cwd=bench_dir).returncode
+
+
 def run(args) -> int:
     if args.no_tests and not args.kernels:
         raise ValueError("--no-tests belongs to --kernels (the kernel tests it runs on a GPU first)")
+    if args.step_flags and not args.step:
+        raise ValueError(f"{args.step_flags} are bench/step.py's flags: they go with --step")
+    if args.step:
+        return run_step(args)
     if args.kernels:
         return run_kernels(args)
     if args.calibrate:
