@@ -92,9 +92,12 @@ def matmul_ref(
         a, b, bias=bias, scale=scale, activation=activation, residual=residual, out=out,
         accumulate=accumulate, reduce_batch=reduce_batch, out_dtype=out_dtype,
     )  # fmt: skip
-    if swiglu_out is not None:
-        y = c.float()
-        swiglu_out.copy_(torch.nn.functional.silu(y[..., 0::2]) * y[..., 1::2])
+    if swiglu_out is not None:  # as eager torch computes it (HF's MLP), no fp32 copy of c
+        gate, up = c[..., 0::2], c[..., 1::2]
+        if swiglu_out.dtype == c.dtype:
+            torch.mul(torch.nn.functional.silu(gate), up, out=swiglu_out)
+        else:
+            swiglu_out.copy_(torch.nn.functional.silu(gate) * up)
     return c
 
 

@@ -3,11 +3,13 @@ signatures and contract, and the argument checks both share. No triton import he
 CPU path, the test oracle and the benchmark baseline.
 
 Shapes: gate, up, dh, h, dgate, dup are all (M, N); any strides (gate and up are usually the two
-halves of one fused [gate | up] GEMM output, (M, 2N), read in place). Math in fp32:
+halves of one fused [gate | up] GEMM output, (M, 2N), read in place):
     forward   h     = silu(g) * u                    silu(g) = g * sigmoid(g)
     backward  dup   = dh * silu(g)
               dgate = dh * u * sigmoid(g) * (1 + g * (1 - sigmoid(g)))
-Outputs are cast to their dtype (default: gate's) once, at the end.
+The reference computes them as eager torch (HF's MLP and its autograd) does: each op in the
+inputs' dtype (fp32 inside each kernel, rounded per op), written into the outputs without a
+copy; the Triton kernels keep fp32 from input to output and round once.
 """
 
 import torch
@@ -61,17 +63,24 @@ def _store(value, out, dtype):
 
 
 def swiglu_ref(gate, up, *, out=None):
-    """h = silu(gate) * up in fp32, written to `out` (any strides) or a new tensor of gate's dtype."""
+    """h = silu(gate) * up as eager torch computes it, written to `out` (any strides) or a new tensor."""
     check_forward(gate, up, out)
-    h = torch.nn.functional.silu(gate.float()) * up.float()
-    return _store(h, out, gate.dtype)
+    silu = torch.nn.functional.silu(gate)
+    return torch.mul(silu, up, out=out) if out is not None and out.dtype == gate.dtype else _store(
+        silu * up, out, gate.dtype)  # fmt: skip
 
 
 def swiglu_backward_ref(dh, gate, up, *, dgate=None, dup=None):
-    """(dgate, dup) of h = silu(gate) * up, in fp32; written to `dgate` / `dup` (any strides: the
-    two halves of one fused gradient buffer) or new tensors of gate's dtype."""
+    """(dgate, dup) of h = silu(gate) * up as eager torch's autograd computes them; written to
+    `dgate` / `dup` (any strides: the two halves of one fused gradient buffer) or new tensors."""
     check_backward(dh, gate, up, dgate, dup)
-    g, u, d = gate.float(), up.float(), dh.float()
+    d = dh.to(gate.dtype)
     # dgate = dh * up * silu'(gate), with torch's fused silu backward; dup = dh * silu(gate)
-    dg = torch.ops.aten.silu_backward(d * u, g)
-    return _store(dg, dgate, gate.dtype), _store(d * torch.nn.functional.silu(g), dup, gate.dtype)
+    if dgate is not None and dgate.dtype == gate.dtype:
+        dg = torch.ops.aten.silu_backward.grad_input(d * up, gate, grad_input=dgate)
+    else:
+        dg = _store(torch.ops.aten.silu_backward(d * up, gate), dgate, gate.dtype)
+    silu = torch.nn.functional.silu(gate)
+    du = torch.mul(d, silu, out=dup) if dup is not None and dup.dtype == gate.dtype else _store(d * silu, dup,
+                                                                                                gate.dtype)  # fmt: skip
+    return dg, du

@@ -57,8 +57,8 @@ def vocab_ce_grad_ref(logits, target, lse, scale, vocab_start=0):
     grad = logits.float()  # the shard itself when fp32
     grad.sub_(lse[:, None]).exp_()
     local = target.long() - vocab_start
-    rows = ((local >= 0) & (local < logits.shape[1])).nonzero().squeeze(1)
-    grad[rows, local[rows]] -= 1.0
+    hit = (local >= 0) & (local < logits.shape[1])  # no host sync (no nonzero()): the one-hot by scatter
+    grad.scatter_add_(1, local.clamp(0, logits.shape[1] - 1)[:, None], -hit.to(grad.dtype)[:, None])
     grad.mul_(scale[:, None])
     return logits if grad is logits else logits.copy_(grad)
 

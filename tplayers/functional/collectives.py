@@ -165,31 +165,40 @@ class _ReduceScatterSequence(torch.autograd.Function):
         return all_gather_dim(dy, ctx.dim, ctx.group), None, None
 
 
+# On a group of one every region function is the identity, forward and backward: it returns its
+# input itself, with no autograd node, copy or collective (a model parallelized at TP 1 runs what
+# the unsharded one does).
+
+
+def _alone(group) -> bool:
+    return dist.get_world_size(group) == 1
+
+
 def copy_to_tp_region(x, group):
-    return _CopyToTPRegion.apply(x, group)
+    return x if _alone(group) else _CopyToTPRegion.apply(x, group)
 
 
 def reduce_from_tp_region(x, group):
-    return _ReduceFromTPRegion.apply(x, group)
+    return x if _alone(group) else _ReduceFromTPRegion.apply(x, group)
 
 
 def sum_over_tp_region(x, group):
-    return _SumOverTPRegion.apply(x, group)
+    return x if _alone(group) else _SumOverTPRegion.apply(x, group)
 
 
 def scatter_to_tp_region(x, group, dim=-1):
-    return _ScatterToTPRegion.apply(x, dim, group)
+    return x if _alone(group) else _ScatterToTPRegion.apply(x, dim, group)
 
 
 def gather_from_tp_region(x, group, dim=-1, total=None):
     """All-gather along `dim` (`total`: the gathered size, for uneven slices); backward keeps this
     rank's slice."""
-    return _GatherFromTPRegion.apply(x, dim, group, total)
+    return x if _alone(group) else _GatherFromTPRegion.apply(x, dim, group, total)
 
 
 def all_gather_sequence(x, group, dim=1):
-    return _AllGatherSequence.apply(x, group, dim)
+    return x if _alone(group) else _AllGatherSequence.apply(x, group, dim)
 
 
 def reduce_scatter_sequence(x, group, dim=1):
-    return _ReduceScatterSequence.apply(x, group, dim)
+    return x if _alone(group) else _ReduceScatterSequence.apply(x, group, dim)

@@ -103,7 +103,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grads, ctx.grads = ctx.grads, None
         for g in grads:
             if g is not None:
-                g.mul_(grad_loss.to(g.dtype))
+                g.mul_(grad_loss)  # a 0-d fp32 factor keeps g's dtype: no cast
         return (*grads, None, None, None, None, None, None)
 
 

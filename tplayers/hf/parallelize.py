@@ -390,8 +390,9 @@ def _parallelize(
     for p in model.parameters():  # everything else is whole on every rank, with its whole gradient
         if placement_or_none(p) is None:
             set_placement(p, group, Replicate())
-    model.register_load_state_dict_post_hook(_rehook_summed)  # a tensor assigned in: its hook again
-    model.register_forward_pre_hook(_rehook_summed)  # and a deep copy's tensors, before they get a gradient
+    if dist.get_world_size(group) > 1:  # a sum over a group of one is the gradient itself: nothing to re-hook
+        model.register_load_state_dict_post_hook(_rehook_summed)  # a tensor assigned in: its hook again
+        model.register_forward_pre_hook(_rehook_summed)  # and a deep copy's tensors, before they get a gradient
     setattr(model, SEQUENCE_PARALLEL, group if sequence_parallel else None)  # for pipeline_split
     setattr(model, EXPORTS, Records(parallelizer.exports))
     setattr(model, ORIGINAL_KEYS, keys)

@@ -47,7 +47,8 @@ def check_same_inputs(model, group=None, role="tensor-parallel") -> None:
     """Install (or re-arm) the check on `model` over `group` (the model's tensor-parallel group;
     a context-parallel group, `role`, is checked too: its ranks split one batch's sequence)."""
     groups = model.__dict__.setdefault("_tplayers_same_inputs_groups", _Groups())
-    if group is not None and all(g is not group for g, _ in groups):
+    alone = group is not None and dist.get_world_size(group) == 1  # nothing to compare with
+    if group is not None and not alone and all(g is not group for g, _ in groups):
         if not groups:  # first: before any hook that splits the inputs (context parallelism)
             model.register_forward_pre_hook(_hook, with_kwargs=True, prepend=True)
         groups.append((group, role))

@@ -96,7 +96,12 @@ class VocabParallelEmbedding(PlacedModule):
             raise TypeError(f"{name}: input must be an integer tensor of token ids, got {ids.dtype}")
         if ids.device != self.weight.device:
             raise ValueError(f"{name}: input is on {ids.device} but the weight is on {self.weight.device}")
-        if ids.numel():
+        if self.tp_size == 1:  # the whole table here: F.embedding itself refuses an id outside it
+            return
+        if ids.is_cuda:  # checked on the device, no host sync: an id outside fails the step loudly
+            torch._assert_async(((ids >= 0) & (ids < self.num_embeddings)).all(),
+                                f"{name}: token ids must be in [0, {self.num_embeddings})")  # fmt: skip
+        elif ids.numel():
             low, high = int(ids.min()), int(ids.max())
             if low < 0 or high >= self.num_embeddings:
                 raise ValueError(
@@ -105,6 +110,8 @@ class VocabParallelEmbedding(PlacedModule):
 
     def forward(self, ids):
         self.check_input(ids)
+        if self.tp_size == 1:  # nothing is another rank's: nn.Embedding's own lookup
+            return nn.functional.embedding(ids, self.weight, self.local_padding_idx)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.num_embeddings_per_rank)
         # Out-of-shard ids look up row 0 and are zeroed: their gradient to row 0 is exactly zero.
