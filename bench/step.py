@@ -218,7 +218,17 @@ def _child(args, provider) -> dict:
                       "steps", "warmup")]  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "row.json"
-        cmd = [sys.executable, __file__, *flags, "--provider", provider, "--result", str(result), "--out", str(args.out)]
+        cmd = [
+            sys.executable,
+            __file__,
+            *flags,
+            "--provider",
+            provider,
+            "--result",
+            str(result),
+            "--out",
+            str(args.out),
+        ]
         cmd += ["--no-profile"] if args.no_profile else []
         done = subprocess.run(cmd)
         if done.returncode != 0 or not result.is_file():
@@ -287,7 +297,7 @@ def main(argv=None) -> int:
         if "ms_per_step" not in r:
             print(f"{r['provider']:<18}{r.get('note', '')}")
             continue
-        fmt = lambda k, spec: format(r[k], spec) if k in r else format("-", spec.split(".")[0])
+        fmt = lambda k, spec, r=r: format(r[k], spec) if k in r else format("-", spec.split(".")[0])
         print(f"{r['provider']:<18}{r['ms_per_step']:>10.1f}{r['tokens_per_s']:>12.0f}{r['peak_gib']:>10.3g}"
               f"{fmt('time_vs_hf', '>8.3f')}{fmt('time_vs_liger', '>10.3f')}{fmt('memory_vs_liger', '>14.3f')}"
               f"{fmt('loss_minus_hf', '>12.2e')}")  # fmt: skip

@@ -30,7 +30,16 @@ from .vocab_ce_ref import (
     vocab_ce_stats_ref,
 )
 
-__all__ = ["MAX", "SUM", "SUMEXP", "TARGET", "vocab_ce_grad", "vocab_ce_grad_ref", "vocab_ce_stats", "vocab_ce_stats_ref"]
+__all__ = [
+    "MAX",
+    "SUM",
+    "SUMEXP",
+    "TARGET",
+    "vocab_ce_grad",
+    "vocab_ce_grad_ref",
+    "vocab_ce_stats",
+    "vocab_ce_stats_ref",
+]
 
 # The interpreter must be chosen before triton is imported; record what was chosen.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"

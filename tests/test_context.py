@@ -14,7 +14,7 @@ import transformers
 
 import tplayers
 from tplayers.functional import comm
-from tplayers.testing import assert_close
+from tplayers.testing import assert_close, logits_of
 from tplayers.testing.meshes import context_mesh
 
 pytestmark = pytest.mark.multirank
@@ -110,7 +110,8 @@ def context_matches(rank, world, group, family, mesh, method="auto", sp=False, b
     seen = torch.ones(batch, seq, dtype=torch.bool)
     if padding:  # a query that sees no key (left padding) has no defined output: HF gives it nan or 0
         seen = kwargs["attention_mask"].cumsum(1) > 0
-    assert_close(out.logits[seen], want.logits[seen], msg=lambda m: f"{family} logits: {m}")
+    got = logits_of(model, out, ids, **kwargs)
+    assert_close(got[seen], want.logits[seen], msg=lambda m: f"{family} logits: {m}")
     assert_close(out.loss, want.loss, msg=lambda m: f"{family} loss: {m}")
     grads = tplayers.hf.state_dict.gather_grads(model, group=groups["tp"])
     for name, p in reference.named_parameters():
@@ -205,9 +206,10 @@ def test_activation_memory_shrinks_by_cp(pool, seq):
     for cp in (2, 4):
         for whole, mine, ring, sent, layers in pool.run(memory_per_rank, cp, seq, mesh=("cp", 1, 1, cp, 1)):
             assert mine <= 1.1 * whole / cp + ring, (cp, seq, whole, mine)
-            # the forward's K / V hops, cp - 1 per layer, the whole logits' all-gather, the loss's all-reduce
-            logits, loss = (cp - 1) * (seq // cp) * VOCAB * 4, round(2 * (cp - 1) / cp * 4)
-            assert sent == layers * (cp - 1) * ring + logits + loss, (sent, layers, ring, logits)
+            # the forward's K / V hops, cp - 1 per layer, and the loss's all-reduce: the training loss is
+            # fused (tplayers.hf.fused_loss), so no logits are computed, nor all-gathered
+            loss = round(2 * (cp - 1) / cp * 4)
+            assert sent == layers * (cp - 1) * ring + loss, (sent, layers, ring)
 
 
 def bf16_error(rank, world, group):
@@ -221,7 +223,7 @@ def bf16_error(rank, world, group):
     for o in outs:
         o.loss.backward()
     errors = {}
-    for name, pick in (("logits", lambda o, m: o.logits), ("loss", lambda o, m: o.loss)):
+    for name, pick in (("logits", lambda o, m: logits_of(m, o, ids, **kwargs)), ("loss", lambda o, m: o.loss)):
         got, want, truth = (pick(o, m).double() for o, m in zip(outs, (model, reference, exact), strict=True))
         errors[name] = ((got - truth).square().mean().sqrt().item(), (want - truth).square().mean().sqrt().item())
     grads = tplayers.hf.state_dict.gather_grads(model, group=groups["tp"])
@@ -329,7 +331,8 @@ def split_logits(rank, world, group):
     groups = context_mesh(1, 1, 2, 1)
     model, reference = build("qwen2"), build("qwen2")
     ids, labels, kwargs = inputs(2, 13, 3, 0)
-    tplayers.parallelize(model, group=groups["tp"], context_group=groups["cp"], context_logits="split")
+    tplayers.parallelize(model, group=groups["tp"], context_group=groups["cp"], context_logits="split",
+                         training_logits=True)  # fmt: skip
     with comm.count_bytes() as sent:
         out = model(ids, labels=labels, **kwargs)
     want = reference(ids, labels=labels, **kwargs)

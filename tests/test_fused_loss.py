@@ -15,11 +15,9 @@ from hypothesis import strategies as st
 
 import tplayers
 from tplayers.functional.linear_cross_entropy import linear_cross_entropy
-from tplayers.hf import gather_grads
-from tplayers.hf import fused_loss
+from tplayers.hf import fused_loss, gather_grads
 from tplayers.hf.fused_loss import unfused_because
-from tplayers.testing import assert_close, assert_shard_close, examples, kernel_generator, layout_mesh, shard_of
-from tplayers.testing import memory
+from tplayers.testing import assert_close, assert_shard_close, examples, kernel_generator, layout_mesh, memory, shard_of
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -283,13 +281,15 @@ def test_logits_when_asked_and_tuple_outputs(pool):
 
 
 def test_which_forwards_are_fused():
-    """A forward that only scores its logits with HF's loss is fused; a softcap, a logit scale or a
-    custom loss function keeps the logits path; a softcap configured off is fused."""
+    """A forward that only scores its logits with HF's loss is fused, also through a softcap or a
+    logit scale (read as the steps the loss applies); a softcap configured off is no step; any other
+    use of the logits, or a custom loss function, keeps the logits path."""
     import transformers as tf
 
+    from tplayers.hf.fused_loss import read_forward
     from tplayers.nn.lm_head import ParallelLMHead
 
-    def head_of(model):  # unfused_because reads the head's type: a stand-in of the same shape
+    def head_of(model):  # read_forward reads the head's type: a stand-in of the same shape
         head = object.__new__(ParallelLMHead)
         torch.nn.Module.__init__(head)
         model.lm_head = head
@@ -298,18 +298,32 @@ def test_which_forwards_are_fused():
     small = dict(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=4)  # fmt: skip
     llama = head_of(tf.LlamaForCausalLM(tf.LlamaConfig(**small)))
-    assert unfused_because(llama, llama.lm_head) is None
-    gemma2 = head_of(tf.Gemma2ForCausalLM(tf.Gemma2Config(**small)))
-    assert "does more with 'logits'" in unfused_because(gemma2, gemma2.lm_head)
+    assert read_forward(llama, llama.lm_head).resolve(llama) == ()
+    gemma2 = head_of(tf.Gemma2ForCausalLM(tf.Gemma2Config(**small, final_logit_softcapping=30.0)))
+    assert read_forward(gemma2, gemma2.lm_head).resolve(gemma2) == (("div", 30.0), ("tanh", None), ("mul", 30.0))
     gemma2_off = head_of(tf.Gemma2ForCausalLM(tf.Gemma2Config(**small, final_logit_softcapping=None)))
-    assert unfused_because(gemma2_off, gemma2_off.lm_head) is None
-    cohere = head_of(tf.CohereForCausalLM(tf.CohereConfig(**small)))
-    assert "does more with 'logits'" in unfused_because(cohere, cohere.lm_head)
+    reading = read_forward(gemma2_off, gemma2_off.lm_head)
+    assert reading.resolve(gemma2_off) == ()
+    gemma2_off.config.final_logit_softcapping = 20.0  # the branch read as not taken now is: no longer fused
+    assert reading.resolve(gemma2_off) is None
+    cohere = head_of(tf.CohereForCausalLM(tf.CohereConfig(**small, logit_scale=0.25)))
+    assert read_forward(cohere, cohere.lm_head).resolve(cohere) == (("mul", 0.25),)
     custom = head_of(tf.LlamaForCausalLM(tf.LlamaConfig(**small)))
     custom.loss_function = lambda logits, labels, vocab_size, **kw: logits.sum()
     assert "own loss_function" in unfused_because(custom, custom.lm_head)
     plain = tf.LlamaForCausalLM(tf.LlamaConfig(**small))  # an nn.Linear head: nothing to defer
     assert "not a vocabulary-parallel head" in unfused_because(plain, plain.lm_head)
+
+    class Biased(tf.LlamaForCausalLM):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            hidden = self.model(input_ids=input_ids, **kwargs).last_hidden_state
+            logits = self.lm_head(hidden)
+            logits = logits + 1.0
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
+            return tf.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    biased = head_of(Biased(tf.LlamaConfig(**small)))
+    assert "does more with 'logits'" in unfused_because(biased, biased.lm_head)
 
 
 def test_only_the_class_forward_defers():
@@ -336,3 +350,100 @@ def test_only_the_class_forward_defers():
 
     model.forward = types.MethodType(reads_logits, model)
     assert not _runs_class_forward(model)
+
+
+def fused_on_grid_and_context(rank, world, group, where):
+    """The loss without logits on a 2 x 2 grid (the head over the flattened grid) and at CP 2 x TP 2
+    (each rank scores its own tokens, summed over the CP group): loss and every gradient equal to
+    the unsharded model's, no logits in the training output."""
+    from tplayers.testing.meshes import context_mesh
+
+    model, reference = tiny_llama(), tiny_llama()
+    ids, labels = batch(0)
+    if where == "grid":
+        tplayers.parallelize(model, group=tplayers.init_mesh(tp=(2, 2))["tp_r", "tp_c"], sequence_parallel=True)
+        tp = None
+    else:
+        groups = context_mesh(1, 1, 2, 2)
+        tp = groups["tp"]
+        tplayers.parallelize(model, group=tp, context_group=groups["cp"], sequence_parallel=True)
+    assert fused_loss.installed(model)
+    out, ref = model(input_ids=ids, labels=labels), reference(input_ids=ids, labels=labels)
+    assert out.logits is None
+    out.loss.backward()
+    ref.loss.backward()
+    assert_close(out.loss, ref.loss)
+    grads = gather_grads(model, group=tp)
+    for name, p in reference.named_parameters():
+        assert_close(grads[name], p.grad, msg=lambda m, k=name: f"{where} grad of {k}: {m}")
+
+
+@pytest.mark.multirank
+def test_fused_loss_on_a_grid(pool):
+    pool.run(fused_on_grid_and_context, 4, "grid")
+
+
+@pytest.mark.multirank
+def test_fused_loss_under_context_parallelism(pool):
+    pool.run(fused_on_grid_and_context, 4, "context", mesh=("cp", 1, 1, 2, 2))
+
+
+def scaled_logits_match(rank, tp, group, family):
+    """Gemma 2's softcap (small, so tanh bends), Cohere's logit scale and Granite's logit division,
+    fused: the loss and every gradient equal to the unsharded model's, no logits."""
+    import transformers as tf
+
+    small = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=4, max_position_embeddings=64)  # fmt: skip
+    torch.manual_seed(0)
+    if family == "gemma2":
+        model = tf.Gemma2ForCausalLM(tf.Gemma2Config(**small, final_logit_softcapping=0.5, attn_logit_softcapping=None))
+        steps = (("div", 0.5), ("tanh", None), ("mul", 0.5))
+    elif family == "cohere":
+        model, steps = tf.CohereForCausalLM(tf.CohereConfig(**small, logit_scale=0.25)), (("mul", 0.25),)
+    else:
+        model, steps = tf.GraniteForCausalLM(tf.GraniteConfig(**small, logits_scaling=3.0)), (("div", 3.0),)
+    model.train()
+    reference = copy.deepcopy(model)
+    tplayers.parallelize(model, group=group)
+    assert fused_loss.installed(model)
+    ids, labels = batch(0)
+    out, ref = model(input_ids=ids, labels=labels), reference(input_ids=ids, labels=labels)
+    assert out.logits is None and model.lm_head.logit_transforms == ()  # disarmed after the forward
+    out.loss.backward()
+    ref.loss.backward()
+    assert_close(out.loss, ref.loss)
+    grads = gather_grads(model)
+    for name, p in reference.named_parameters():
+        assert_close(grads[name], p.grad, msg=lambda m, k=name: f"{family} grad of {k}: {m}")
+    assert model.lm_head.forward_reading.resolve(model) == steps
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("family", ["gemma2", "cohere", "granite"])
+def test_softcapped_and_scaled_logits_are_fused(pool, family):
+    pool.run(scaled_logits_match, 2, family)
+
+
+def test_the_placeholder_refuses_what_it_was_not_told():
+    """Deferred logits let through the steps the loss applies, in order, and refuse anything else
+    by name: a forward that used them otherwise fails loudly, never computes from nothing."""
+    from tplayers.nn.lm_head import _PENDING, DeferredLogitsError, ParallelLMHead, is_deferred
+
+    head = object.__new__(ParallelLMHead)
+    torch.nn.Module.__init__(head)
+    head.in_features, head.out_features, head.sequence_parallel = 4, 7, False
+    head.weight, head.bias = torch.nn.Parameter(torch.ones(7, 4)), None
+    head.defer_logits, head.logit_transforms = True, (("div", 2.0), ("tanh", None))
+    placeholder = head(torch.ones(2, 3, 4))
+    assert is_deferred(placeholder) and placeholder.shape == (2, 3, 7)
+    assert torch.tanh(placeholder / 2.0).float() is placeholder  # the expected steps: the placeholder itself
+    with pytest.raises(DeferredLogitsError, match=r"add.*training_logits=True"):
+        placeholder + 1
+    other = head(torch.ones(2, 3, 4))
+    with pytest.raises(DeferredLogitsError, match="training_logits=True"):
+        other * 2.0  # not the step expected first
+    with pytest.raises(ValueError, match="applied 0 of the 2 logit transforms"):
+        ParallelLMHead.loss(head(torch.ones(2, 3, 4)), torch.zeros(2, 3, dtype=torch.long))
+    del placeholder, other
+    assert not _PENDING  # freed with the placeholders

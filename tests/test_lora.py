@@ -13,7 +13,7 @@ import torch
 import tplayers
 from tplayers.hf import gather_grads
 from tplayers.hf import lora as tp_lora
-from tplayers.testing import assert_close
+from tplayers.testing import assert_close, logits_of
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_families import VOCAB, tiny_model  # noqa: E402
@@ -86,7 +86,8 @@ def train_against_unsharded(rank, world, group, family, order, sequence_parallel
             for m in (model, reference)]  # fmt: skip
     for step in range(STEPS):
         out, out_ref = model(input_ids=IDS, labels=IDS), reference(input_ids=IDS, labels=IDS)
-        assert_close(out.logits, out_ref.logits, msg=lambda m, s=step: f"{family} logits, step {s}: {m}")
+        got = logits_of(model, out, input_ids=IDS)
+        assert_close(got, out_ref.logits, msg=lambda m, s=step: f"{family} logits, step {s}: {m}")
         assert_close(out.loss, out_ref.loss, msg=lambda m: f"{family} loss: {m}")
         out.loss.backward()
         out_ref.loss.backward()

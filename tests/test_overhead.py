@@ -42,7 +42,9 @@ def counts(rank, tp, group, dtype, extra_clone=False):
         model = tplayers.parallelize(llama(layers, dtype), group=group, verify=False, overlap=False)
         if extra_clone:  # negative control: one more copy per layer
             for block in model.model.layers:
-                block.register_forward_hook(lambda m, a, o: (o[0].clone(), *o[1:]) if isinstance(o, tuple) else o.clone())
+                block.register_forward_hook(
+                    lambda m, a, o: (o[0].clone(), *o[1:]) if isinstance(o, tuple) else o.clone()
+                )
         out["tp", layers] = ops_per_step(model)
     return {k: (v.launches, v.syncs, dict(v.by_name)) for k, v in out.items()}
 

@@ -11,6 +11,11 @@ lse = logsumexp over all V logits of a row and x_t its target logit:
     dhidden   dlogits @ weight            summed over the group (each rank has its slice of V)
     dweight   dlogits^T @ hidden,  dbias = sum_rows dlogits
 
+`transforms` are elementwise steps the model takes from the head's output to the logits it scores,
+in order: ("mul", c), ("div", c), ("tanh", None) (Gemma 2's softcap is div, tanh, mul; Cohere's
+logit scale a mul). Each chunk takes them in place, in its dtype, as the model's own ops would;
+the gradient goes back through them (tanh' from the tanh's output, kept per chunk).
+
 The rows go through in chunks of at most `chunk_bytes` of logits: each chunk's logits are one
 GEMM in the operands' dtype (what the unfused head computes), the statistics pass reads them
 (kernels/vocab_ce.py: max, sum-exp, target logit in fp32), one all-gather of those (rows, 4)
@@ -45,6 +50,31 @@ def _gradient(logits, target, lse, scale, vocab_start):
     return vocab_ce_grad(logits, target, lse, scale, vocab_start)
 
 
+def _transform(logits, transforms) -> list:
+    """Apply the model's logit transforms to a chunk in place; the tanh outputs, for the backward."""
+    kept = []
+    for op, value in transforms:
+        if op == "mul":
+            logits.mul_(value)
+        elif op == "div":
+            logits.div_(value)
+        else:
+            kept.append(logits.tanh_().clone())
+    return kept
+
+
+def _back_through(grad, transforms, tanh_outputs):
+    """d loss / d (the head's output) from d loss / d (the scored logits), in the chunk's dtype."""
+    for op, value in reversed(transforms):
+        if op == "mul":
+            grad.mul_(value)
+        elif op == "div":
+            grad.div_(value)
+        else:
+            grad = torch.ops.aten.tanh_backward(grad, tanh_outputs.pop())
+    return grad
+
+
 def _global_lse_and_target(stats, group, n):
     """(lse, target logit) per row over the whole vocabulary from this rank's (rows, 4) statistics."""
     if n == 1:
@@ -58,7 +88,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """hidden (N, H), weight (V_r, H), bias (V_r,) or None, target (N,) -> the fp32 scalar loss."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, divisor, group, ignore_index, vocab_size, chunk_bytes):
+    def forward(ctx, hidden, weight, bias, target, divisor, group, ignore_index, vocab_size, chunk_bytes, transforms):
         n, rank = dist.get_world_size(group), dist.get_rank(group)
         rows, v_local = hidden.shape[0], weight.shape[0]
         vocab_start = shard_range(vocab_size, n, rank)[0]
@@ -77,11 +107,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 end = min(rows, start + step)
                 h, t = hidden[start:end], target[start:end]
                 logits = F.linear(h, weight, bias)  # (chunk, V_r): what the unfused head computes
+                tanh_outputs = _transform(logits, transforms)
                 lse, target_logit = _global_lse_and_target(local_stats(logits, t, vocab_start), group, n)
                 losses[start:end] = torch.where(valid[start:end], lse - target_logit, 0.0)
                 if not (want_hidden or want_weight or want_bias):
                     continue
-                grad = _gradient(logits, t, lse, scale[start:end], vocab_start)
+                grad = _back_through(_gradient(logits, t, lse, scale[start:end], vocab_start), transforms,
+                                     tanh_outputs)  # fmt: skip
                 if want_hidden:
                     torch.mm(grad, weight, out=grad_hidden[start:end])
                 if want_weight:
@@ -104,28 +136,36 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for g in grads:
             if g is not None:
                 g.mul_(grad_loss)  # a 0-d fp32 factor keeps g's dtype: no cast
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 def linear_cross_entropy(
-    hidden, weight, bias, target, *, group, vocab_size, ignore_index=-100, divisor=None,
+    hidden, weight, bias, target, *, group, vocab_size, ignore_index=-100, divisor=None, transforms=(),
     chunk_bytes=DEFAULT_CHUNK_BYTES,
 ):  # fmt: skip
     """F.cross_entropy(hidden @ full_weight^T + full_bias, target) (see the module docstring)
     from this rank's vocabulary slice of the head, without the logits. hidden (..., H), target
     (...): flattened together. divisor: None for the mean over rows not ignored, else the sum's
     divisor (a number or a tensor, HF's num_items_in_batch). Returns an fp32 scalar, the same on
-    every rank. `group`: a ProcessGroup (the head's)."""
+    every rank. `group`: a ProcessGroup (the head's). `transforms`: the model's steps from the
+    head's output to its logits (module docstring)."""
+    bad = [t for t in transforms if not (t[0] == "tanh" or (t[0] in ("mul", "div") and isinstance(t[1], int | float)))]
+    if bad:
+        raise ValueError(
+            f"linear_cross_entropy: transforms must be ('mul' | 'div', number) or ('tanh', None), got {bad}"
+        )
     if hidden.shape[:-1] != target.shape:
         raise ValueError(
             f"linear_cross_entropy: target {tuple(target.shape)} does not match the hidden states "
             f"{tuple(hidden.shape)} without their last dim"
         )
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"linear_cross_entropy: weight {tuple(weight.shape)} does not take hidden {tuple(hidden.shape)}")
+        raise ValueError(
+            f"linear_cross_entropy: weight {tuple(weight.shape)} does not take hidden {tuple(hidden.shape)}"
+        )
     if torch.is_tensor(divisor):
         divisor = divisor.to(device=hidden.device, dtype=torch.float32)
     return _LinearCrossEntropy.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, target.reshape(-1), divisor, group, ignore_index,
-        vocab_size, chunk_bytes,
+        vocab_size, chunk_bytes, tuple(transforms),
     )  # fmt: skip

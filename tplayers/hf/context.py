@@ -38,6 +38,7 @@ from tplayers.functional.context import METHODS, AttentionOptions, context_atten
 from tplayers.functional.context_layout import balanced_layout
 from tplayers.functional.cost_model import default_costs
 from tplayers.hf.attention import forward_source
+from tplayers.nn.lm_head import ParallelLMHead, is_deferred
 
 ATTENTION = "tplayers_context"
 STATE = CONTEXT_STATE
@@ -255,10 +256,17 @@ def _whole_outputs(state: ContextState):
         logits = out["logits"]
         if state.labels is not None:
             labels, denominator = state.labels
-            local = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
-            out["loss"] = _SumOverContext.apply(local / denominator, state.group, state.factor)
+            if is_deferred(logits):  # the loss without logits (tplayers.hf.fused_loss): this rank's tokens
+                mine = ParallelLMHead.loss(logits, labels, divisor=denominator)
+            else:
+                local = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100,
+                                        reduction="sum")  # fmt: skip
+                mine = local / denominator
+            out["loss"] = _SumOverContext.apply(mine, state.group, state.factor)
         state.tokens = state.layout.index[:, dist.get_rank(state.group)]
-        if not state.split_logits:
+        if is_deferred(logits):
+            out["logits"] = None
+        elif not state.split_logits:
             out["logits"] = whole_sequence(logits, state)
         state.layout = state.labels = None
         return out

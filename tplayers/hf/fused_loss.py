@@ -14,22 +14,24 @@ their mean or their sum over `num_items_in_batch`). For such a model the LM head
   - a forward hook: the output's `logits` are None (Liger Kernel's and HF's convention for a
     loss computed without them); eval mode, or no labels, gives the logits as before.
 
-Only a forward known to do nothing else with the logits is fused: the forward's source is read
-once (`unfused_because`): the head called once, its result named, that name used only as the
-loss function's logits and in the output. A logit softcap, scale or any other use (Gemma 2's
-softcapping, Cohere's logit_scale, Granite's logits_scaling), a custom `loss_function`, or a
-loss type other than ForCausalLM keeps the logits path, unchanged. A branch on a config value
-that is None (`if self.config.final_logit_softcapping is not None:`) is not taken and not read.
-The placeholder is a meta tensor: a use the reading missed fails loudly, never silently.
+Only a forward read to do nothing else with the logits is fused (`read_forward`, once): the head
+called once, its result named, that name only scaled by numbers of the model or its config and
+passed through tanh on the way (Gemma 2's final logit softcap: / cap, tanh, * cap; Cohere's
+logit_scale; Granite's logits_scaling: the fused loss applies the same steps to each chunk, in the
+same dtype), and used only as the loss function's logits and in the output. A branch on a config
+value's `is not None` is read as this model takes it, and checked again at every forward. Any
+other use, a custom `loss_function`, or a loss type other than ForCausalLM keeps the logits path,
+unchanged. The placeholder refuses any use it was not told of, loudly: never silently wrong.
 """
 
 import ast
 import inspect
 import textwrap
+from dataclasses import dataclass
 
 import torch.nn.functional as F
 
-from tplayers.nn.lm_head import ParallelLMHead, is_deferred
+from tplayers.nn.lm_head import ParallelLMHead, is_deferred, is_scored
 
 
 def _hf_causal_lm_loss():
@@ -63,34 +65,114 @@ def _self_attr(node, *path) -> bool:
     return isinstance(node, ast.Name) and node.id == "self"
 
 
-def _config_none(test, model) -> bool:
-    """Whether an if-test is `self.config.X is not None` (or `self.X is not None`) with X None now:
-    a branch the forward never takes for this model."""
+def _config_test(test, model):
+    """For an if-test `self.config.X is not None` (or `self.X is not None`): ((owner, X), whether X is
+    None now), the branch the forward takes for this model; else None."""
     if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.IsNot)):
-        return False
+        return None
     right, left = test.comparators[0], test.left
     if not (isinstance(right, ast.Constant) and right.value is None and isinstance(left, ast.Attribute)):
-        return False
-    owner = getattr(model, "config", None) if _self_attr(left.value, "config") else model
-    if not (_self_attr(left.value, "config") or _self_attr(left.value)):
-        return False
-    return hasattr(owner, left.attr) and getattr(owner, left.attr) is None
+        return None
+    owner = "config" if _self_attr(left.value, "config") else "self" if _self_attr(left.value) else None
+    if owner is None or not hasattr(_owner(model, owner), left.attr):
+        return None
+    return (owner, left.attr), getattr(_owner(model, owner), left.attr) is None
 
 
-def _live(node, model):
-    """Every AST node under `node`, without the bodies of branches never taken (`_config_none`)."""
-    yield node
-    for field, value in ast.iter_fields(node):
-        if isinstance(node, ast.If) and field == "body" and _config_none(node.test, model):
+def _owner(model, owner):
+    return getattr(model, "config", None) if owner == "config" else model
+
+
+@dataclass(frozen=True)
+class ForwardReading:
+    """What the forward does with the head's output, for this model: the transforms on the way to
+    the loss, in order ((op, owner, attribute) or ("tanh", None, None)), and the config values its
+    branches were read under ((owner, attribute), None or not)."""
+
+    transforms: tuple = ()
+    branches: tuple = ()
+
+    def resolve(self, model):
+        """The transforms with their numbers, as `ParallelLMHead.logit_transforms` takes them, or
+        None where the model no longer is what was read (a branch would go the other way, a scale
+        is not a number)."""
+        if any((getattr(_owner(model, owner), attr, None) is None) != none for (owner, attr), none in self.branches):
+            return None
+        out = []
+        for op, owner, attr in self.transforms:
+            value = None if op == "tanh" else getattr(_owner(model, owner), attr, None)
+            if op != "tanh" and (isinstance(value, bool) or not isinstance(value, int | float)):
+                return None
+            out.append((op, value))
+        return tuple(out)
+
+
+def _statements(body, model, unconditional, branches):
+    """(statement, whether it always runs) for every statement, in order, without branches never taken
+    for this model (a config value's `is not None`); the tests read go to `branches`."""
+    for stmt in body:
+        yield stmt, unconditional
+        read = _config_test(stmt.test, model) if isinstance(stmt, ast.If) else None
+        if read is not None:
+            branches.append(read)
+            yield from _statements(stmt.orelse if read[1] else stmt.body, model, unconditional, branches)
             continue
-        for child in value if isinstance(value, list) else [value]:
-            if isinstance(child, ast.AST):
-                yield from _live(child, model)
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            inner = getattr(stmt, field, None)
+            if inner:
+                yield from _statements(inner, model, False, branches)
 
 
-def unfused_because(model, head) -> str | None:
-    """None when `model`'s forward hands the output of `head` only to HF's ForCausalLMLoss (and
-    to its output), else why its loss keeps the logits path."""
+def _unwrapped(node):
+    """`x` of `x.float()` / `x.contiguous()` (chained too): calls the placeholder passes through."""
+    while (isinstance(node, ast.Call) and not node.args and not node.keywords and isinstance(node.func, ast.Attribute)
+           and node.func.attr in ("float", "contiguous")):  # fmt: skip
+        node = node.func.value
+    return node
+
+
+def _own_nodes(stmt):
+    """`stmt` and the expressions in it, not the statements nested in it (`_statements` gives those)."""
+    todo = [stmt]
+    while todo:
+        node = todo.pop()
+        yield node
+        todo.extend(c for c in ast.iter_child_nodes(node) if not isinstance(c, ast.stmt | ast.excepthandler))
+
+
+def _transform(stmt, name):
+    """(op, owner, attribute) of `name = name * self.config.X` / `name / ...` / `X * name` /
+    `torch.tanh(name)` / `name.tanh()`; else None."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+            and stmt.targets[0].id == name):  # fmt: skip
+        return None
+    value, is_name = stmt.value, lambda n: isinstance(n, ast.Name) and n.id == name
+
+    def scalar(n):
+        if isinstance(n, ast.Attribute) and (_self_attr(n.value, "config") or _self_attr(n.value)):
+            return ("config" if _self_attr(n.value, "config") else "self"), n.attr
+        return None
+
+    if isinstance(value, ast.BinOp) and isinstance(value.op, ast.Mult | ast.Div):
+        op = "mul" if isinstance(value.op, ast.Mult) else "div"
+        if is_name(value.left) and scalar(value.right):
+            return (op, *scalar(value.right))
+        if op == "mul" and is_name(value.right) and scalar(value.left):
+            return (op, *scalar(value.left))
+    if isinstance(value, ast.Call) and not value.keywords:
+        f = value.func
+        torch_tanh = isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "torch"
+        if torch_tanh and f.attr == "tanh" and len(value.args) == 1 and is_name(value.args[0]):
+            return ("tanh", None, None)
+        if isinstance(f, ast.Attribute) and f.attr == "tanh" and is_name(f.value) and not value.args:
+            return ("tanh", None, None)
+    return None
+
+
+def read_forward(model, head) -> "ForwardReading | str":
+    """How `model`'s forward takes the output of `head` to HF's ForCausalLMLoss: it names that output
+    once, transforms it only by scales and tanh, and uses it only as the loss function's logits and
+    in its output. A ForwardReading, else why its loss keeps the logits path."""
     if not isinstance(head, ParallelLMHead):
         return "its LM head is not a vocabulary-parallel head with gathered logits"
     if "_loss_function" in vars(model):
@@ -107,14 +189,23 @@ def unfused_because(model, head) -> str | None:
         fn = ast.parse(textwrap.dedent(inspect.getsource(type(model).forward))).body[0]
     except (OSError, TypeError, SyntaxError, IndexError):
         return "its forward's source cannot be read"
-    nodes = list(_live(fn, model))
+    branches = []
+    statements = list(_statements(fn.body, model, True, branches))
+    nodes = [n for stmt, _ in statements for n in _own_nodes(stmt)]
     calls = [n for n in nodes if isinstance(n, ast.Call) and _self_attr(n.func, attr)]
-    assigned = [n for n in nodes if isinstance(n, ast.Assign) and n.value in calls]
+    assigned = [n for n in nodes if isinstance(n, ast.Assign) and _unwrapped(n.value) in calls]
     if len(calls) != 1 or len(assigned) != 1 or not isinstance(assigned[0].targets[0], ast.Name):
         return f"its forward does not name the output of self.{attr}(...) once"
     name = assigned[0].targets[0].id
-    allowed = set()  # the uses of `name` that pass it on untouched
-    losses = 0
+    allowed = set()  # the uses of `name` that pass it on untouched, or transform it as the loss can
+    losses, transforms = 0, []
+    for stmt, always in statements:
+        step = _transform(stmt, name)
+        if step is not None:
+            if not always:
+                return f"its forward transforms {name!r} under a condition (line {stmt.lineno} of forward)"
+            transforms.append(step)
+            allowed.update(id(n) for n in _own_nodes(stmt))
     for n in nodes:
         if isinstance(n, ast.Call):
             to_loss = _self_attr(n.func, "loss_function")
@@ -126,12 +217,23 @@ def unfused_because(model, head) -> str | None:
             allowed.update(id(v) for v in n.elts if isinstance(v, ast.Name) and v.id == name)
     uses = [n for n in nodes if isinstance(n, ast.Name) and n.id == name]
     other = [n.lineno for n in uses if id(n) not in allowed and not isinstance(n.ctx, ast.Store)]
-    stores = [n for n in uses if isinstance(n.ctx, ast.Store)]
+    stores = [n for n in uses if isinstance(n.ctx, ast.Store) and id(n) not in allowed]
     if losses != 1:
         return f"its forward calls self.loss_function {losses} times"
     if len(stores) != 1 or other:
-        return f"its forward does more with {name!r} than score it (line {(other or [stores[-1].lineno])[0]} of forward)"
-    return None
+        return (
+            f"its forward does more with {name!r} than score it (line {(other or [stores[-1].lineno])[0]} of forward)"
+        )
+    reading = ForwardReading(tuple(transforms), tuple(branches))
+    if reading.resolve(model) is None:
+        return f"its logits are scaled by something other than a number ({transforms})"
+    return reading
+
+
+def unfused_because(model, head) -> str | None:
+    """None when `model`'s training loss can be fused (`read_forward`), else why it keeps the logits path."""
+    reading = read_forward(model, head)
+    return reading if isinstance(reading, str) else None
 
 
 # -- the hooks -------------------------------------------------------------------------------------
@@ -165,22 +267,27 @@ def _arm(module, args, kwargs):
     """Defer the head's logits for this forward if it is a training forward given labels, run by
     the forward that only scores them."""
     head = module.get_output_embeddings()
-    if isinstance(head, ParallelLMHead):
-        head.defer_logits = (module.training and kwargs.get("labels") is not None and installed(module)
-                             and _runs_class_forward(module))  # fmt: skip
+    if not isinstance(head, ParallelLMHead):
+        return
+    transforms = None
+    if module.training and kwargs.get("labels") is not None and installed(module) and _runs_class_forward(module):
+        reading = head.forward_reading
+        transforms = reading.resolve(module) if reading is not None else None  # None: the model changed
+    head.defer_logits = transforms is not None
+    head.logit_transforms = transforms or ()
 
 
 def _disarm(module, args, kwargs, output):
-    """The head back to computing logits; the placeholder out of the output (None, as HF gives a
-    loss computed without logits)."""
+    """The head back to computing logits; a scored placeholder out of the output (None, as HF gives
+    a loss computed without logits)."""
     head = module.get_output_embeddings()
     if isinstance(head, ParallelLMHead):
-        head.defer_logits = False
-    if hasattr(output, "keys") and is_deferred(output.get("logits")):
+        head.defer_logits, head.logit_transforms = False, ()
+    if hasattr(output, "keys") and is_scored(output.get("logits")):
         output["logits"] = None
-    elif isinstance(output, tuple) and any(is_deferred(t) for t in output):
-        return tuple(None if is_deferred(t) else t for t in output)
-    return output
+    elif isinstance(output, tuple) and any(is_scored(t) for t in output):
+        return tuple(None if is_scored(t) else t for t in output)
+    return output  # a placeholder not scored yet is for a later hook (context parallelism's loss)
 
 
 def installed(model) -> bool:
@@ -192,9 +299,11 @@ def install(model) -> str | None:
     """Fuse `model`'s training loss (see the module docstring) where its forward allows; returns
     None when installed, else why not (the model keeps its logits path)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    reason = unfused_because(model, head)
-    if reason is None:
-        model.loss_function = causal_lm_loss  # HF's setter: an instance attribute, kept by deepcopy / pickle
-        model.register_forward_pre_hook(_arm, with_kwargs=True)
-        model.register_forward_hook(_disarm, with_kwargs=True)
-    return reason
+    reading = read_forward(model, head)
+    if isinstance(reading, str):
+        return reading
+    model.loss_function = causal_lm_loss  # HF's setter: an instance attribute, kept by deepcopy / pickle
+    head.forward_reading = reading  # checked again at each forward against the model's config
+    model.register_forward_pre_hook(_arm, with_kwargs=True)
+    model.register_forward_hook(_disarm, with_kwargs=True)
+    return None

@@ -49,6 +49,7 @@ from tplayers.functional.collectives import (
     scatter_to_tp_region,
 )
 from tplayers.hf import families, pieces
+from tplayers.hf import fused_loss as fused
 from tplayers.hf import verify as verification
 from tplayers.hf.attention import HEAD_COUNTS, HIDDEN_WIDTHS, KV_HEAD_COUNTS, localize_attributes, rms_norm_eps
 from tplayers.hf.mlp import is_silu
@@ -260,7 +261,7 @@ def _edge_hooks(blocks, groups, hidden, sequence_parallel):
 
 
 def parallelize_grid(model, mesh, *, sequence_parallel=False, plan=None, vocab_parallel_logits=False, verify=None,
-                     overlap="auto"):  # fmt: skip
+                     overlap="auto", fused_loss=True):  # fmt: skip
     """`parallelize` over a 2-D mesh (module docstring)."""
     if plan:
         _refuse(type(model).__name__, "plan= is not supported on a grid yet")
@@ -297,6 +298,8 @@ def parallelize_grid(model, mesh, *, sequence_parallel=False, plan=None, vocab_p
     setattr(model, ORIGINAL_KEYS, keys)
     setattr(model, TIED, edges.tied)
     edges.release()
+    if fused_loss and not vocab_parallel_logits:  # the loss without logits, over the flattened grid
+        fused.install(model)
     seal(model)
     verification.after(probe, model, group=whole, vocab_parallel=vocab_parallel_logits)
     check_same_inputs(model, whole)

@@ -302,8 +302,7 @@ def parallelize(
     guards.guard_accelerate()  # a plain Trainer / Accelerator handed the result raises (accelerate is loaded by now)
     kwargs = dict(sequence_parallel=sequence_parallel, plan=plan, vocab_parallel_logits=vocab_parallel_logits,
                   overlap=overlap)  # fmt: skip
-    if not is_grid(group):
-        kwargs["fused_loss"] = not training_logits
+    kwargs["fused_loss"] = not training_logits
     layers = lora.lora_layers(model)
     if expert_group is not None:
         kwargs["expert_group"] = _expert_group(expert_group, group)
@@ -399,7 +398,7 @@ def _parallelize(
     setattr(model, TIED, parallelizer.tied)
     lora.record_weight_maps(model, parallelizer.exports)  # what adapters added later follow
     parallelizer.release()  # the export records outlive the pass: they must not hold the model
-    if fused_loss and not vocab_parallel_logits and context is None:  # the loss without logits, where it is exact
+    if fused_loss and not vocab_parallel_logits:  # the loss without logits, where the forward allows it
         fused.install(model)
     if context is not None:  # the sequence split over the context group too, before the self-check
         tp = dist.get_world_size(group)

@@ -2,6 +2,7 @@
 MQA), the gated MLP with its fused SwiGLU epilogue, and the vocabulary-parallel embedding.
 
     linear.py     ColumnParallelLinear, RowParallelLinear (and their shared base)
+    lm_head.py    ParallelLMHead: the vocabulary-parallel LM head whose logits a fused loss may skip
     attention.py  ParallelAttention, RoPE, ReplicatedLinear
     mlp.py        ParallelMLP (one gate|up GEMM + SwiGLU), fuse / unfuse the gate|up layout
     embedding.py  VocabParallelEmbedding
@@ -16,6 +17,7 @@ from tplayers.nn.attention import ParallelAttention
 from tplayers.nn.embedding import VocabParallelEmbedding
 from tplayers.nn.grid import GridLinear
 from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear
+from tplayers.nn.lm_head import ParallelLMHead
 from tplayers.nn.mlp import ParallelMLP
 from tplayers.nn.norm import ParallelRMSNorm
 
@@ -23,6 +25,7 @@ __all__ = [
     "ColumnParallelLinear",
     "GridLinear",
     "ParallelAttention",
+    "ParallelLMHead",
     "ParallelMLP",
     "ParallelRMSNorm",
     "RowParallelLinear",

@@ -3,11 +3,14 @@
 It is ColumnParallelLinear(gather_output=True): weight (V_r, H) this rank's slice of the
 vocabulary, input (..., H) the same on every rank, output the full (..., V) logits. While
 `defer_logits` is set (tplayers.hf sets it for a training forward given labels), its forward
-computes nothing: it returns a placeholder, an fp32 meta tensor of the logits' shape (no memory;
-anything computed from it fails loudly instead of giving numbers), and keeps its input for
-`loss(placeholder, target, ...)`, which scores the rows with the fused LM-head cross-entropy
+computes nothing: it returns a placeholder of the logits' shape (no memory) and keeps its input
+for `loss(placeholder, target, ...)`, which scores the rows with the fused LM-head cross-entropy
 (tplayers.functional.linear_cross_entropy): no rank holds the (tokens x V) logits, in any dtype.
-fp32 and contiguous, so `.float()` and `.contiguous()` on the placeholder return it unchanged.
+
+The placeholder is a meta tensor of a subclass that lets through only what the caller said the
+model does to its logits before the loss (`logit_transforms`: a scale, a division, a tanh, which
+the loss applies itself; and `.float()` / `.contiguous()`), each returning the placeholder
+itself; any other use raises, naming the op: never numbers computed from nothing.
 """
 
 import weakref
@@ -17,7 +20,8 @@ import torch
 from tplayers.functional.linear_cross_entropy import linear_cross_entropy
 from tplayers.nn.linear import ColumnParallelLinear, autocast_operands, check_input
 
-# id(placeholder) -> (a weak reference to it, the head, its GEMM operands; None once scored),
+# id(placeholder) -> (a weak reference to it, the head, its GEMM operands, the transforms it expects,
+# how many it has seen; the head and operands None once scored),
 # dropped when the placeholder is freed (also after a forward that failed in between). By
 # identity: a tensor key would be compared with `==`, elementwise.
 _PENDING: dict[int, tuple] = {}
@@ -33,11 +37,65 @@ def is_deferred(logits) -> bool:
     return _entry(logits) is not None
 
 
+def is_scored(logits) -> bool:
+    """Whether `logits` is a placeholder whose loss `ParallelLMHead.loss` has computed."""
+    entry = _entry(logits)
+    return entry is not None and entry[1] is None
+
+
+# What a model may do to its logits before its loss, as the placeholder sees it: (op, torch functions).
+_TRANSFORMS = {
+    "mul": {torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.mul},
+    "div": {torch.Tensor.div, torch.Tensor.__truediv__, torch.div, torch.true_divide},
+    "tanh": {torch.Tensor.tanh, torch.tanh},
+}
+_UNCHANGED = {torch.Tensor.float, torch.Tensor.contiguous}
+
+
+class DeferredLogitsError(RuntimeError):
+    """A forward used the logits the LM head deferred in a way the fused loss was not told of.
+    (Not a TypeError: Python's binary operators turn a TypeError into NotImplemented.)"""
+
+
+class _Placeholder(torch.Tensor):
+    """Deferred logits: a meta tensor that passes through the transforms it was told of and
+    refuses everything else (see the module docstring)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") == "__get__":  # shape, dtype, device, ...: metadata reads
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        me = args[0] if args and isinstance(args[0], _Placeholder) else None
+        others = [a for a in (*args[1:], *kwargs.values()) if a is not me]
+        if me is not None and func in _UNCHANGED and not others:
+            return me
+        entry = _entry(me) if me is not None else None
+        expected = entry[5] if entry is not None and len(entry) > 5 else ()
+        if me is not None and entry is not None and entry[6] < len(expected):
+            op, value = expected[entry[6]]
+            if func in _TRANSFORMS[op] and [a for a in others if not isinstance(a, str)] == (
+                    [] if op == "tanh" else [value]):  # fmt: skip
+                _PENDING[id(me)] = (*entry[:6], entry[6] + 1)
+                return me
+        name = getattr(func, "__qualname__", getattr(func, "__name__", str(func)))
+        raise DeferredLogitsError(
+            f"the LM head's logits of a training forward given labels are not computed (the loss is fused, "
+            f"tplayers.hf.fused_loss), but the forward ran {name} on them; parallelize(..., training_logits=True) "
+            "keeps the logits"
+        )
+
+
 class ParallelLMHead(ColumnParallelLinear):
     """ColumnParallelLinear over the vocabulary with its output gathered, whose logits can be
     deferred to a fused loss (see the module docstring)."""
 
     defer_logits = False  # set per forward by whoever knows the logits will only be scored
+    # what the model's forward does to the logits before its loss, in order: ("mul" | "div", number)
+    # or ("tanh", None); the placeholder lets these through and the loss applies them
+    logit_transforms: tuple = ()
+    forward_reading = None  # what tplayers.hf.fused_loss read of the forward that calls this head
 
     def __init__(self, in_features, out_features, bias=True, *, gather_output=True, **kwargs):
         if not gather_output:
@@ -49,8 +107,10 @@ class ParallelLMHead(ColumnParallelLinear):
             return super().forward(x)
         x, weight, bias = autocast_operands(self, x)
         check_input(self, x, self.in_features, False, weight)
-        placeholder = torch.empty((*x.shape[:-1], self.out_features), dtype=torch.float32, device="meta")
-        _PENDING[id(placeholder)] = (weakref.ref(placeholder), self, x, weight, bias)
+        meta = torch.empty((*x.shape[:-1], self.out_features), dtype=torch.float32, device="meta")
+        placeholder = torch.Tensor._make_subclass(_Placeholder, meta, False)
+        # (ref, head, operands, the transforms it will see, how many it has seen)
+        _PENDING[id(placeholder)] = (weakref.ref(placeholder), self, x, weight, bias, tuple(self.logit_transforms), 0)
         weakref.finalize(placeholder, _PENDING.pop, id(placeholder), None)
         return placeholder
 
@@ -62,13 +122,18 @@ class ParallelLMHead(ColumnParallelLinear):
         entry = _entry(placeholder)
         if entry is None or entry[1] is None:
             raise ValueError("ParallelLMHead.loss: not a placeholder of deferred logits, or one scored already")
-        ref, head, x, weight, bias = entry
-        _PENDING[id(placeholder)] = (ref, None, None, None, None)  # still a placeholder; its operands freed
+        ref, head, x, weight, bias, transforms, seen = entry
+        if seen != len(transforms):
+            raise ValueError(
+                f"ParallelLMHead.loss: the forward applied {seen} of the {len(transforms)} logit transforms "
+                f"{list(transforms)} it was expected to; the fused loss would score other logits"
+            )
+        _PENDING[id(placeholder)] = (ref, None, None, None, None, (), 0)  # still a placeholder; its operands freed
         if tuple(target.shape) != tuple(placeholder.shape[:-1]):
             raise ValueError(
                 f"ParallelLMHead.loss: labels {tuple(target.shape)} do not match the logits {tuple(placeholder.shape)}"
             )
         return linear_cross_entropy(
             x, weight, bias, target.to(x.device), group=head.group, vocab_size=head.out_features,
-            ignore_index=ignore_index, divisor=divisor,
+            ignore_index=ignore_index, divisor=divisor, transforms=transforms,
         )  # fmt: skip

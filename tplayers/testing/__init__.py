@@ -10,6 +10,9 @@ layouts; the parts it is built from serve hand-written checks. tplayers' own sui
                    shown, hung ranks' stacks dumped at a deadline
     meshes.py      layout_mesh: a ("dp", "pp", "tp") DeviceMesh over the first ranks of a pool
     numerics.py    TOLERANCES (one per-dtype table), assert_close, assert_shard_close, shard_of
+    outputs.py     logits_of: the logits of a forward that computed its loss without them
+    memory.py      peak_bytes: the peak of host memory in use (glibc), for CPU memory tests
+    ops.py         count_ops: the ops a block runs (kernel launches, host syncs), through the dispatcher
 
 A user-facing top layer: may import anything in tplayers; nothing in tplayers imports it.
 """
@@ -27,6 +30,7 @@ from tplayers.testing.numerics import (
     shard_of,
     tolerance,
 )
+from tplayers.testing.outputs import logits_of
 from tplayers.testing.pool import RemoteError, WorkerPool
 
 __all__ = [
@@ -42,6 +46,7 @@ __all__ = [
     "examples",
     "kernel_device",
     "kernel_generator",
+    "logits_of",
     "integer_valued",
     "shard_of",
     "tolerance",

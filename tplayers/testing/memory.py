@@ -14,13 +14,11 @@ import ctypes.util
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
+_MALLINFO2 = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
+
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                     "keepcost")  # fmt: skip
-    ]
+    _fields_ = [(name, ctypes.c_size_t) for name in _MALLINFO2]
 
 
 def _libc():
