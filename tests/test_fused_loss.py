@@ -146,6 +146,24 @@ def test_linear_loss_matches_cross_entropy_triton_backend(pool, data):
     check_linear_loss(pool, *data.draw(st.composite(lambda draw: linear_cases(draw, "triton"))()))
 
 
+def loss_without_grad(rank, tp, group):
+    from tplayers.testing.ops import count_ops
+
+    hidden, weight = torch.randn(6, 4, requires_grad=True), torch.randn(11, 4, requires_grad=True)
+    target = torch.randint(0, 11, (6,))
+    with count_ops() as ops, torch.no_grad():
+        loss = linear_cross_entropy(hidden, weight, None, target, group=group, vocab_size=11)
+    assert ops.by_name["mm"] == 1 and ops.by_name["addmm_"] == 0 and ops.by_name["zeros_like"] == 0  # logits only
+    assert_close(loss, F.cross_entropy(hidden @ weight.t(), target).detach())
+
+
+@pytest.mark.multirank
+def test_linear_loss_under_no_grad_computes_no_gradient(pool):
+    """Under torch.no_grad (an evaluation in train mode) the loss alone: the logits' GEMM, no
+    gradient GEMMs and no (V, H) weight-gradient buffer."""
+    pool.run(loss_without_grad, 1)
+
+
 @pytest.mark.multirank
 def test_linear_loss_negative_control_wrong_shard_fails(pool):
     case = Case(rows=6, hidden=5, vocab=14, ignored=0.0, wrong_shard=True)

@@ -88,7 +88,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """hidden (N, H), weight (V_r, H), bias (V_r,) or None, target (N,) -> the fp32 scalar loss."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, divisor, group, ignore_index, vocab_size, chunk_bytes, transforms):
+    def forward(
+        ctx, hidden, weight, bias, target, divisor, group, ignore_index, vocab_size, chunk_bytes, transforms, grad_mode
+    ):  # fmt: skip
         n, rank = dist.get_world_size(group), dist.get_rank(group)
         rows, v_local = hidden.shape[0], weight.shape[0]
         vocab_start = shard_range(vocab_size, n, rank)[0]
@@ -96,7 +98,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         count = valid.sum()
         divisor = count if divisor is None else divisor
         scale = valid / divisor  # fp32 per-row weight of the loss, 0 on ignored rows
-        want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
+        # needs_input_grad says True under no_grad too: grad mode, as the caller saw it, decides
+        want_hidden, want_weight, want_bias = [grad_mode and need for need in ctx.needs_input_grad[:3]]
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
         grad_weight = torch.zeros_like(weight) if want_weight else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if want_bias else None
@@ -136,7 +139,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for g in grads:
             if g is not None:
                 g.mul_(grad_loss)  # a 0-d fp32 factor keeps g's dtype: no cast
-        return (*grads, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None)
 
 
 def linear_cross_entropy(
@@ -167,5 +170,5 @@ def linear_cross_entropy(
         divisor = divisor.to(device=hidden.device, dtype=torch.float32)
     return _LinearCrossEntropy.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, target.reshape(-1), divisor, group, ignore_index,
-        vocab_size, chunk_bytes, tuple(transforms),
+        vocab_size, chunk_bytes, tuple(transforms), torch.is_grad_enabled(),
     )  # fmt: skip
