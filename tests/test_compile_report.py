@@ -200,6 +200,7 @@ def calls(dtype):
     vocab_ce_stats = cr.kernel_module("vocab_ce").vocab_ce_stats
     vocab_ce_grad = cr.kernel_module("vocab_ce").vocab_ce_grad
     rows = torch.zeros(M, dtype=torch.float32)
+    norm = cr.kernel_module("rms_norm")
     unscale_and_stats_ = cr.kernel_module("grad_stats").unscale_and_stats_
     grouped = cr.kernel_module("grouped_matmul")
     counts, index = torch.tensor([M // 2, M // 2]), torch.arange(M)  # two experts, M pairs
@@ -224,6 +225,8 @@ def calls(dtype):
         "swiglu-bwd-pairs": lambda: swiglu.swiglu_backward(t(M, N), y[:, 0::2], y[:, 1::2], dgate=dy[:, 0::2],
                                                            dup=dy[:, 1::2]),
         "vocab-ce-stats": lambda: vocab_ce_stats(t(M, V), torch.zeros(M, dtype=torch.int64), vocab_start=V),
+        "rms-norm-fwd": lambda: norm.rms_norm(t(M, K), t(K), 1e-6),
+        "rms-norm-bwd": lambda: norm.rms_norm_backward(t(M, K), t(M, K), t(K), rows),
         "vocab-ce-grad": lambda: vocab_ce_grad(t(M, V), torch.zeros(M, dtype=torch.int64), rows, rows, vocab_start=V),
         "grad-stats+unscale": lambda: unscale_and_stats_(grads, torch.ones(1)),
         "grad-stats": lambda: unscale_and_stats_(grads, None),

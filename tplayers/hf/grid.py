@@ -53,6 +53,7 @@ from tplayers.hf import fused_loss as fused
 from tplayers.hf import verify as verification
 from tplayers.hf.attention import HEAD_COUNTS, HIDDEN_WIDTHS, KV_HEAD_COUNTS, localize_attributes, rms_norm_eps
 from tplayers.hf.mlp import is_silu
+from tplayers.hf.norms import fuse_rms_norms
 from tplayers.hf.pipeline_split import SEQUENCE_PARALLEL
 from tplayers.hf.same_inputs import check_same_inputs
 from tplayers.hf.shard import ShardingPass, copy_in, replace_hidden
@@ -288,6 +289,7 @@ def parallelize_grid(model, mesh, *, sequence_parallel=False, plan=None, vocab_p
             elif any(True for _ in module.parameters()):
                 _refuse(f"{name}.{child}", f"{type(module).__name__} is not part of the 2-D layout")
     _edge_hooks(blocks, groups, hidden, sequence_parallel)
+    fuse_rms_norms(model)  # the final norm, whole on every rank
     for p in model.parameters():
         if placement_or_none(p) is None:  # embeddings, final norm, LM head: whole on every rank
             set_placement(p, whole, Replicate())

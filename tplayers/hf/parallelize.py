@@ -41,6 +41,7 @@ from tplayers.hf import fused_loss as fused
 from tplayers.hf import verify as verification
 from tplayers.hf.context import apply_context, context_state
 from tplayers.hf.grid import parallelize_grid
+from tplayers.hf.norms import fuse_rms_norms
 from tplayers.hf.pipeline_split import SEQUENCE_PARALLEL
 from tplayers.hf.same_inputs import check_same_inputs
 from tplayers.hf.shard import ShardingPass, replace_hidden
@@ -370,6 +371,7 @@ def _parallelize(
         model, group, sequence_parallel, plan, vocab_parallel_logits, overlap, keep, expert_group
     )
     parallelizer.run(families.ADAPTERS, families.EMBEDDINGS, families.LINEAR_EQUIVALENTS)  # read per call: patchable
+    fuse_rms_norms(model)  # the norms left whole, LlamaRMSNorm's math exactly: the fused kernels
     if sequence_parallel:
         blocks = _decoder_blocks(model, parallelizer.shared_input)
         if not blocks:

@@ -6,7 +6,7 @@ MQA), the gated MLP with its fused SwiGLU epilogue, and the vocabulary-parallel 
     attention.py  ParallelAttention, RoPE, ReplicatedLinear
     mlp.py        ParallelMLP (one gate|up GEMM + SwiGLU), fuse / unfuse the gate|up layout
     embedding.py  VocabParallelEmbedding
-    norm.py       ParallelRMSNorm (over a dimension split across the group)
+    norm.py       ParallelRMSNorm (over a dimension split across the group), RMSNorm (HF's, fused kernels)
     grid.py       GridLinear: 2-D tensor parallelism, the weight split over a tp_r x tp_c grid
 
 May import: tplayers.functional and the foundations (backend, distributed, placement); never
@@ -19,7 +19,7 @@ from tplayers.nn.grid import GridLinear
 from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear
 from tplayers.nn.lm_head import ParallelLMHead
 from tplayers.nn.mlp import ParallelMLP
-from tplayers.nn.norm import ParallelRMSNorm
+from tplayers.nn.norm import ParallelRMSNorm, RMSNorm
 
 __all__ = [
     "ColumnParallelLinear",
@@ -28,6 +28,7 @@ __all__ = [
     "ParallelLMHead",
     "ParallelMLP",
     "ParallelRMSNorm",
+    "RMSNorm",
     "RowParallelLinear",
     "VocabParallelEmbedding",
 ]

@@ -1,4 +1,6 @@
-"""`ParallelRMSNorm`: an RMSNorm over a dimension split across the tensor-parallel group.
+"""`ParallelRMSNorm`: an RMSNorm over a dimension split across the tensor-parallel group; and
+`RMSNorm`, HF's LlamaRMSNorm (whole on every rank) in one fused kernel each way
+(tplayers.functional.rms_norm).
 
 Some models normalise a whole projection's output (OLMo2's q_norm / k_norm span every head),
 which column parallelism leaves split over the ranks. Each rank holds its slice of the weight
@@ -17,6 +19,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from tplayers.distributed import resolve_group
 from tplayers.functional.collectives import copy_to_tp_region, own_slice, sum_over_tp_region
+from tplayers.functional.rms_norm import rms_norm
 from tplayers.nn.grid import grid_groups, is_grid
 from tplayers.nn.linear import _split
 from tplayers.placement import PlacedModule
@@ -179,3 +182,29 @@ def gated_rms_norm(x, gate, weight, eps, group_size, *, norm_before_gate=False, 
     if gate is not None and norm_before_gate:
         h = h * nn.functional.silu(gate.float())
     return h.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """HF's LlamaRMSNorm, y = weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype), through the fused
+    RMSNorm kernels (the torch backend runs HF's own ops). The weight is whole (replicated); built
+    from an HF norm it holds that norm's Parameter itself, so the parameter's name, placement
+    record and gradient hooks stay as they were."""
+
+    def __init__(self, hidden_size, eps=1e-6, *, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.variance_epsilon = eps  # HF's name: code that reads a norm's epsilon finds it
+
+    @classmethod
+    def from_norm(cls, norm):
+        """The fused norm holding `norm`'s weight Parameter and epsilon (`norm` is left as it was)."""
+        layer = cls(norm.weight.shape[0], float(norm.variance_epsilon), device="meta")
+        layer.weight = norm.weight
+        layer.train(norm.training)
+        return layer
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.variance_epsilon)
+
+    def extra_repr(self):
+        return f"{self.weight.shape[0]}, eps={self.variance_epsilon}"

@@ -2,8 +2,9 @@
 
 KERNELS (`tplayers.tools.kernel_launches`) is one table: each row is a kernel launched one way
 (the GEMM's four epilogue variants, the SwiGLU epilogue forward and backward, the vocab-parallel
-cross-entropy statistics and gradient passes, the fused gradient unscale + statistics pass with and without the
-unscale, the experts' grouped GEMM's three launches and its weight gradient), with the arguments
+cross-entropy statistics and gradient passes, the RMSNorm forward and backward, the fused gradient
+unscale + statistics pass with and without the unscale, the experts' grouped GEMM's three launches
+and its weight gradient), with the arguments
 its launcher passes, its configs for sm_80 / sm_90a and the dtypes it is launched with. Every
 (kernel, arch, config, dtype) is compiled with `triton.compile` for its target, specialised as
 the JIT would specialise that launch, and the cubin is inspected with the wheel's `cuobjdump`

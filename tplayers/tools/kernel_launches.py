@@ -180,6 +180,34 @@ def _vocab_ce_grad_launch(dtype):
     return args, {}
 
 
+def _rms_norm_fwd_launch(dtype):
+    """x (R, N) contiguous rows of the hidden states, the weight (N,) in x's dtype, y a new (R, N),
+    rstd a new fp32 (R,); one row per program."""
+    args = dict(
+        x_ptr=Ptr(dtype), w_ptr=Ptr(dtype), y_ptr=Ptr(dtype), rstd_ptr=Ptr("fp32"),
+        R=DIV16, N=DIV16, stride_x=DIV16, stride_y=DIV16, eps=1e-6,
+    )  # fmt: skip
+    return args, {}
+
+
+def _rms_norm_bwd_launch(dtype):
+    """dy, x contiguous (R, N), the weight, rstd fp32 (R,), dx a new (R, N), the fp32 (programs, N)
+    dweight partials; each program a run of rows (any count)."""
+    args = dict(
+        dy_ptr=Ptr(dtype), x_ptr=Ptr(dtype), w_ptr=Ptr(dtype), rstd_ptr=Ptr("fp32"), dx_ptr=Ptr(dtype),
+        dw_ptr=Ptr("fp32"), R=DIV16, N=DIV16, stride_dy=DIV16, stride_x=DIV16, stride_dx=DIV16, rows_per_program=ANY,
+    )  # fmt: skip
+    return args, {}
+
+
+# Hidden sizes the report compiles the norm for: Llama-3-8B's, Llama-3-70B's, a small model's.
+NORM_WIDTHS = (4096, 8192, 2048)
+
+
+def _rms_norm_configs(backward):
+    return lambda rms_norm, cc: [rms_norm.gpu_config(n, rows_per_program=not backward) for n in NORM_WIDTHS]
+
+
 # The launcher picks its tile from the shard size: every shard over 2048 columns gets the 4096
 # tile on 8 warps, smaller ones a tile of at most 2048 on 4 warps (2048 is the heaviest of those).
 VOCAB_SHARDS = (4096, 2048)
@@ -324,6 +352,12 @@ KERNELS = {
     "swiglu-bwd-pairs": KernelSpec("swiglu", "_swiglu_bwd_pairs_kernel", _swiglu_bwd_pairs_launch, _gpu_config, DTYPES),
     "vocab-ce-stats": KernelSpec("vocab_ce", "_vocab_ce_stats_kernel", _vocab_ce_launch, _vocab_ce_configs, DTYPES),
     "vocab-ce-grad": KernelSpec("vocab_ce", "_vocab_ce_grad_kernel", _vocab_ce_grad_launch, _vocab_ce_configs, DTYPES),
+    "rms-norm-fwd": KernelSpec(
+        "rms_norm", "_rms_norm_fwd_kernel", _rms_norm_fwd_launch, _rms_norm_configs(False), DTYPES
+    ),
+    "rms-norm-bwd": KernelSpec(
+        "rms_norm", "_rms_norm_bwd_kernel", _rms_norm_bwd_launch, _rms_norm_configs(True), DTYPES
+    ),
     # DynamicLossScaler.unscale_ (UNSCALE), and statistics only (inv_scale None)
     "grad-stats+unscale": KernelSpec(
         "grad_stats", "_unscale_stats_kernel", _grad_stats_launch(True), _gpu_config, DTYPES
