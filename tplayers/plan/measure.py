@@ -304,7 +304,8 @@ def _measure_step(case: ValidationCase, spec: ModelSpec, assumptions: Assumption
         for batch in tokens:
             saved = _SavedStorages(model)
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-                logits = model(batch[:, :-1]).logits  # (b, s, V/tp)
+                # the ids as a loader gives them (their own storage: at TP 1 the embedding keeps them)
+                logits = model(batch[:, :-1].contiguous()).logits  # (b, s, V/tp)
                 loss = tplayers.vocab_parallel_cross_entropy(logits, batch[:, 1:], group=tp_group, vocab_size=vocab)
             activations = max(activations, saved.total)
             (loss / layout.num_microbatches).backward()

@@ -194,12 +194,14 @@ def hf_llama_extra_activations(model: ModelSpec, layout: Layout, precision: Prec
     GPU per micro-batch (read off transformers' LlamaRMSNorm and torch's fused CPU SDPA):
 
     - each RMSNorm keeps an fp32 copy of its input (4h per row; for fp32 models the input
-      itself), the fp32 1/rms (4 per row) and the normalised input in the model's dtype (d*h),
+      itself), the fp32 1/rms (4 per row) and the normalised input in the model's dtype (d*h)
+      (HF's ops: what `tplayers.nn.RMSNorm` runs on the torch backend, which validation uses),
       where the plan counts its input (d*h): 4h + 4 bytes per row more. Rows: s*b, /t for the
       blocks' norms under sequence parallelism (the final norm sees the whole sequence);
     - RoPE's cos and sin, (s, head_dim) each in the model's dtype, shared by the layers;
     - SDPA's fp32 log-sum-exp per local head and row;
-    - the embedding's local token ids (int64) and out-of-shard mask (bool);
+    - the embedding's token ids (int64) and, at TP > 1, its out-of-shard mask (bool; at TP 1 it is
+      nn.Embedding's own lookup);
     - the cross-entropy's targets (int64), per-row log-sum-exp (fp32), valid mask (bool) and
       count (one int64).
     """
@@ -210,7 +212,7 @@ def hf_llama_extra_activations(model: ModelSpec, layout: Layout, precision: Prec
     norms = (2 * model.layers * block_rows + rows) * (4 * h + 4)
     rope = 2 * s * model.head_dim * d
     log_sum_exp = model.layers * b * head_share(model.heads, t, tp_rank) * s * 4
-    embedding_ids = rows * (8 + 1)
+    embedding_ids = rows * (8 + (1 if t > 1 else 0))
     cross_entropy = rows * (8 + 4 + 1) + 8
     return norms + rope + log_sum_exp + embedding_ids + cross_entropy
 
