@@ -14,22 +14,34 @@ itself; any other use raises, naming the op: never numbers computed from nothing
 """
 
 import weakref
+from dataclasses import dataclass
 
 import torch
 
 from tplayers.functional.linear_cross_entropy import linear_cross_entropy
 from tplayers.nn.linear import ColumnParallelLinear, autocast_operands, check_input
 
-# id(placeholder) -> (a weak reference to it, the head, its GEMM operands, the transforms it expects,
-# how many it has seen; the head and operands None once scored),
-# dropped when the placeholder is freed (also after a forward that failed in between). By
-# identity: a tensor key would be compared with `==`, elementwise.
-_PENDING: dict[int, tuple] = {}
+
+@dataclass
+class _Pending:
+    """What a placeholder stands for: the head and its GEMM operands (None once scored), the
+    transforms the forward is expected to apply, and how many it has applied so far."""
+
+    ref: weakref.ref
+    head: "ParallelLMHead | None"
+    operands: tuple | None  # (x, weight, bias) as the head's GEMM takes them
+    transforms: tuple
+    seen: int = 0
 
 
-def _entry(placeholder):
+# id(placeholder) -> its _Pending, dropped when the placeholder is freed (also after a forward that
+# failed in between). By identity: a tensor key would be compared with `==`, elementwise.
+_PENDING: dict[int, _Pending] = {}
+
+
+def _entry(placeholder) -> _Pending | None:
     entry = _PENDING.get(id(placeholder)) if isinstance(placeholder, torch.Tensor) else None
-    return entry if entry is not None and entry[0]() is placeholder else None
+    return entry if entry is not None and entry.ref() is placeholder else None
 
 
 def is_deferred(logits) -> bool:
@@ -40,7 +52,7 @@ def is_deferred(logits) -> bool:
 def is_scored(logits) -> bool:
     """Whether `logits` is a placeholder whose loss `ParallelLMHead.loss` has computed."""
     entry = _entry(logits)
-    return entry is not None and entry[1] is None
+    return entry is not None and entry.head is None
 
 
 # What a model may do to its logits before its loss, as the placeholder sees it: (op, torch functions).
@@ -72,12 +84,11 @@ class _Placeholder(torch.Tensor):
         if me is not None and func in _UNCHANGED and not others:
             return me
         entry = _entry(me) if me is not None else None
-        expected = entry[5] if entry is not None and len(entry) > 5 else ()
-        if me is not None and entry is not None and entry[6] < len(expected):
-            op, value = expected[entry[6]]
+        if entry is not None and entry.seen < len(entry.transforms):
+            op, value = entry.transforms[entry.seen]
             if func in _TRANSFORMS[op] and [a for a in others if not isinstance(a, str)] == (
                     [] if op == "tanh" else [value]):  # fmt: skip
-                _PENDING[id(me)] = (*entry[:6], entry[6] + 1)
+                entry.seen += 1
                 return me
         name = getattr(func, "__qualname__", getattr(func, "__name__", str(func)))
         raise DeferredLogitsError(
@@ -109,8 +120,8 @@ class ParallelLMHead(ColumnParallelLinear):
         check_input(self, x, self.in_features, False, weight)
         meta = torch.empty((*x.shape[:-1], self.out_features), dtype=torch.float32, device="meta")
         placeholder = torch.Tensor._make_subclass(_Placeholder, meta, False)
-        # (ref, head, operands, the transforms it will see, how many it has seen)
-        _PENDING[id(placeholder)] = (weakref.ref(placeholder), self, x, weight, bias, tuple(self.logit_transforms), 0)
+        operands, transforms = (x, weight, bias), tuple(self.logit_transforms)
+        _PENDING[id(placeholder)] = _Pending(weakref.ref(placeholder), self, operands, transforms)
         weakref.finalize(placeholder, _PENDING.pop, id(placeholder), None)
         return placeholder
 
@@ -120,15 +131,15 @@ class ParallelLMHead(ColumnParallelLinear):
         without the vocabulary dim; global ids): the mean over rows not `ignore_index`, or their
         sum over `divisor`. An fp32 scalar, the same on every rank of the head's group."""
         entry = _entry(placeholder)
-        if entry is None or entry[1] is None:
+        if entry is None or entry.head is None:
             raise ValueError("ParallelLMHead.loss: not a placeholder of deferred logits, or one scored already")
-        ref, head, x, weight, bias, transforms, seen = entry
-        if seen != len(transforms):
+        head, (x, weight, bias), transforms = entry.head, entry.operands, entry.transforms
+        if entry.seen != len(transforms):
             raise ValueError(
-                f"ParallelLMHead.loss: the forward applied {seen} of the {len(transforms)} logit transforms "
+                f"ParallelLMHead.loss: the forward applied {entry.seen} of the {len(transforms)} logit transforms "
                 f"{list(transforms)} it was expected to; the fused loss would score other logits"
             )
-        _PENDING[id(placeholder)] = (ref, None, None, None, None, (), 0)  # still a placeholder; its operands freed
+        entry.head = entry.operands = None  # still a placeholder, scored; its operands freed
         if tuple(target.shape) != tuple(placeholder.shape[:-1]):
             raise ValueError(
                 f"ParallelLMHead.loss: labels {tuple(target.shape)} do not match the logits {tuple(placeholder.shape)}"
