@@ -124,6 +124,24 @@ def _gpu_config(V):
     return {"BLOCK_R": 1, "BLOCK_V": block_v}, (8 if block_v >= 4096 else 4)
 
 
+def _launch(kernel, name, logits, tensors, vocab_start, stride_t):
+    """Both kernels' launch: logits, the kernel's other tensors, then (R, V, vocab_start, the
+    strides); one row per program on the GPU, a few large programs in the interpreter."""
+    if not INTERPRET and not logits.is_cuda:
+        raise RuntimeError(
+            f"the Triton {name} needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported to run in "
+            "Triton's interpreter; set_backend('torch') uses the reference"
+        )
+    R, V = logits.shape
+    args = (logits, *tensors, R, V, vocab_start, logits.stride(0), logits.stride(1), stride_t)
+    if INTERPRET:
+        kernel[(triton.cdiv(R, INTERPRETER_CONFIG["BLOCK_R"]),)](*args, **INTERPRETER_CONFIG)
+        return
+    meta, warps = _gpu_config(V)
+    with torch.cuda.device(logits.device):
+        kernel[(triton.cdiv(R, meta["BLOCK_R"]),)](*args, **meta, num_warps=warps)
+
+
 def vocab_ce_stats(logits, target, vocab_start=0):
     """Per-row max, sum-exp, target logit and logit sum of a vocab shard, in fp32, in one kernel.
 
@@ -131,23 +149,10 @@ def vocab_ce_stats(logits, target, vocab_start=0):
     Returns a new contiguous fp32 (R, 4) tensor with columns MAX, SUMEXP, TARGET, SUM.
     """
     check_args(logits, target, vocab_start)
-    if not INTERPRET and not logits.is_cuda:
-        raise RuntimeError(
-            "the Triton vocab_ce_stats needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is "
-            "imported to run in Triton's interpreter; set_backend('torch') uses the reference"
-        )
     R, V = logits.shape
     stats = torch.empty((R, 4), device=logits.device, dtype=torch.float32)
-    if R == 0:
-        return stats
-    args = (logits, target, stats, R, V, vocab_start, logits.stride(0), logits.stride(1), target.stride(0))
-    if INTERPRET:
-        grid = (triton.cdiv(R, INTERPRETER_CONFIG["BLOCK_R"]),)
-        _vocab_ce_stats_kernel[grid](*args, **INTERPRETER_CONFIG)
-    else:
-        meta, warps = _gpu_config(V)
-        with torch.cuda.device(logits.device):
-            _vocab_ce_stats_kernel[(triton.cdiv(R, meta["BLOCK_R"]),)](*args, **meta, num_warps=warps)
+    if R:
+        _launch(_vocab_ce_stats_kernel, "vocab_ce_stats", logits, (target, stats), vocab_start, target.stride(0))
     return stats
 
 
@@ -156,19 +161,6 @@ def vocab_ce_grad(logits, target, lse, scale, vocab_start=0):
     whole vocabulary through the rows' global `lse` (R,) fp32; `scale` (R,) fp32 (0: an ignored
     row); returns `logits`. One read and one write of the shard, fp32 math."""
     check_grad_args(logits, target, lse, scale, vocab_start)
-    if not INTERPRET and not logits.is_cuda:
-        raise RuntimeError(
-            "the Triton vocab_ce_grad needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported to "
-            "run in Triton's interpreter; set_backend('torch') uses the reference"
-        )
-    R, V = logits.shape
-    if R == 0:
-        return logits
-    args = (logits, target, lse, scale, R, V, vocab_start, logits.stride(0), logits.stride(1), target.stride(0))
-    if INTERPRET:
-        _vocab_ce_grad_kernel[(triton.cdiv(R, INTERPRETER_CONFIG["BLOCK_R"]),)](*args, **INTERPRETER_CONFIG)
-    else:
-        meta, warps = _gpu_config(V)
-        with torch.cuda.device(logits.device):
-            _vocab_ce_grad_kernel[(triton.cdiv(R, meta["BLOCK_R"]),)](*args, **meta, num_warps=warps)
+    if logits.shape[0]:
+        _launch(_vocab_ce_grad_kernel, "vocab_ce_grad", logits, (target, lse, scale), vocab_start, target.stride(0))
     return logits
