@@ -4,15 +4,15 @@ steps, with the schedules' micro-batches, tied embeddings, a sliding window, one
 interleaved stages and data parallelism over dp x cp; what is refused."""
 
 import copy
-import re
 
 import pytest
 import torch
 import transformers
+from test_pipeline import assert_stage_weights_match, step_both
 
 import tplayers
 from tplayers.functional import comm
-from tplayers.testing import assert_close
+from tplayers.nn.lm_head import is_deferred
 from tplayers.testing.meshes import context_mesh
 
 pytestmark = pytest.mark.multirank
@@ -46,9 +46,11 @@ def next_token_loss(logits, ids):
 
 
 def pipeline_matches(rank, world, group, family, mesh, schedule_name, seq, zero=None, sp=False, logits="whole",
-                     steps=2):  # fmt: skip
+                     scoring="plain", steps=2):  # fmt: skip
     """pipeline_split of a CP model: `steps` AdamW steps with clipping over the stages equal the
-    unsharded model's (each data-parallel replica its own batch: the reference steps on their mean)."""
+    unsharded model's (each data-parallel replica its own batch: the reference steps on their mean).
+    scoring: "plain" (a loss_fn of the logits), "fused" (`tplayers.next_token_loss(model)`: the last
+    stage scores its labels without logits) or "logits" (the same with training_logits=True)."""
     dp, pp, cp, tp = mesh
     groups = context_mesh(*mesh)
     schedule_class, virtual = SCHEDULES[schedule_name]
@@ -56,9 +58,11 @@ def pipeline_matches(rank, world, group, family, mesh, schedule_name, seq, zero=
     reference = copy.deepcopy(model)
     method = "ring" if logits == "split" else "auto"  # the ring gathers nothing: split logits send none
     tplayers.parallelize(model, group=groups["tp"], context_group=groups["cp"], context=method, sequence_parallel=sp,
-                         context_logits=logits, verify=False)  # fmt: skip
+                         context_logits=logits, training_logits=scoring == "logits", verify=False)  # fmt: skip
     # split logits: each CP rank scores its own tokens, the loss summed over the group
-    loss_fn = next_token_loss if logits == "whole" else tplayers.hf.context.next_token_loss(model)
+    loss_fn = next_token_loss if scoring == "plain" else tplayers.next_token_loss(model)
+    deferred = []  # whether each forward of the head left its logits to the fused loss
+    model.get_output_embeddings().register_forward_hook(lambda m, a, out: deferred.append(is_deferred(out)))
     stages = tplayers.pipeline_split(model, group=groups["pp"], virtual_stages=virtual)
     if zero is not None:
         for stage in stages:
@@ -74,48 +78,38 @@ def pipeline_matches(rank, world, group, family, mesh, schedule_name, seq, zero=
         with comm.count_bytes() as sent:
             loss = schedule.forward_backward(batches[replica], batches[replica])
         gathered = batches[0].numel() * VOCAB * 4 * (cp - 1) / cp  # the whole rows' fp32 logits, at least
-        if any(s.is_last for s in stages) and logits == "whole":
+        if any(s.is_last for s in stages) and logits == "whole" and scoring != "fused":
             assert sent["all_gather"] >= gathered, sent
         if logits == "split" and zero is None:  # no logits all-gathered (FSDP's gathers aside)
             assert sent["all_gather"] == 0, sent
-        norm = tplayers.clip_grad_norm_(params, 0.5)
-        opt.step()
-        opt.zero_grad()
+        if scoring == "fused" and zero is None:  # the attention's keys / values only, no logits
+            assert sent["all_gather"] < gathered, sent
+        if any(s.is_last for s in stages):  # the training forwards (not the shape checks on zeros)
+            assert deferred and deferred[-1] == (scoring == "fused"), deferred
         ref_losses = [next_token_loss(reference(ids).logits, ids) for ids in batches]
-        (sum(ref_losses) / dp).backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
-        ref_opt.step()
-        ref_opt.zero_grad()
-        assert_close(loss, ref_losses[replica].detach(), msg=lambda m, s=step: f"loss at step {s}: {m}")
-        assert_close(norm, ref_norm, msg=lambda m, s=step: f"clipped norm at step {s}: {m}")
-    full = tplayers.gather_state_dict(model, group=groups["tp"])
-    layers = {i for s in stages for i in s.module.layer_indices}
-    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
-    held = 0
-    for key, value in reference.state_dict().items():
-        index = re.match(r"model\.layers\.(\d+)\.", key)
-        if int(index[1]) in layers if index else (first if "embed_tokens" in key else last):
-            assert_close(full[key], value, msg=lambda m, k=key: f"{k} after {steps} steps: {m}")
-            held += 1
-    assert held > 0
+        step_both(loss, params, opt, reference, ref_opt, ref_losses, replica, step)
+    assert_stage_weights_match(model, reference, stages, groups["tp"], steps)
 
 
 CASES = [
-    # family, (dp, pp, cp, tp), schedule, sequence length, zero stage, sequence parallelism
+    # family, (dp, pp, cp, tp), schedule, sequence length, zero stage, sequence parallelism[, logits, scoring]
     ("llama", (1, 2, 2, 1), "1f1b", 13, None, False),
     ("qwen2", (1, 2, 2, 1), "interleaved-1f1b", 11, None, False),
     ("llama-untied", (1, 2, 2, 1), "1f1b", 12, 2, False),
     ("llama", (1, 2, 2, 2), "1f1b", 13, None, True),  # each rank holds S / (cp x tp) between stages
     ("llama-untied", (2, 2, 2, 1), "interleaved-1f1b", 9, 3, False),  # gradients over dp x cp
-    ("llama", (1, 2, 2, 1), "1f1b", 13, None, False, "split"),  # each rank's logits stay its own
-    ("llama-untied", (1, 2, 2, 1), "1f1b", 10, 2, False, "split"),  # ... with the loss scaled by cp
+    ("llama", (1, 2, 2, 1), "1f1b", 13, None, False, "split", "logits"),  # each rank's logits stay its own
+    # the last stage scores its tokens without logits, whole or split alike
+    ("llama", (1, 2, 2, 1), "1f1b", 13, None, False, "whole", "fused"),
+    ("llama-untied", (1, 2, 2, 1), "1f1b", 10, 2, False, "split", "fused"),  # ... with the loss scaled by cp
+    ("llama-untied", (2, 2, 2, 1), "1f1b", 9, 3, False, "whole", "fused"),  # ZeRO-3 reshards the head
 ]
 
 
 def _case_id(c):
     dp, pp, cp, tp = c[1]
-    split = "-split" if c[6:] == ("split",) else ""
-    return f"{c[0]}-dp{dp}-pp{pp}-cp{cp}-tp{tp}{'-sp' if c[5] else ''}-{c[2]}-s{c[3]}-zero{c[4]}{split}"
+    extra = "".join(f"-{x}" for x in c[6:])
+    return f"{c[0]}-dp{dp}-pp{pp}-cp{cp}-tp{tp}{'-sp' if c[5] else ''}-{c[2]}-s{c[3]}-zero{c[4]}{extra}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])

@@ -164,6 +164,29 @@ def test_linear_loss_under_no_grad_computes_no_gradient(pool):
     pool.run(loss_without_grad, 1)
 
 
+def backward_twice(rank, tp, group):
+    hidden, weight = torch.randn(6, 4, requires_grad=True), torch.randn(11, 4, requires_grad=True)
+    ref_hidden, ref_weight = (t.detach().clone().requires_grad_() for t in (hidden, weight))
+    target = torch.randint(0, 11, (6,))
+    loss = linear_cross_entropy(hidden, weight, None, target, group=group, vocab_size=11)
+    ref = F.cross_entropy(ref_hidden @ ref_weight.t(), target)
+    for scale in (2.0, 0.5):  # as a zero-bubble schedule's input pass, then its weight pass
+        (loss * scale).backward(retain_graph=True)
+        (ref * scale).backward(retain_graph=True)
+    for mine, theirs in ((hidden, ref_hidden), (weight, ref_weight)):
+        assert_close(mine.grad, theirs.grad)
+    loss.backward()  # the last: the graph's gradients given up ...
+    with pytest.raises(RuntimeError, match="backpropagated twice"):
+        loss.backward()  # ... so another is refused, never silently zero or doubled
+
+
+@pytest.mark.multirank
+def test_linear_loss_backward_again_with_retain_graph(pool):
+    """retain_graph=True keeps the gradients the forward computed: a second backward (a zero-bubble
+    schedule's weight pass) gives what the unfused loss gives; after the last one, a further one raises."""
+    pool.run(backward_twice, 1)
+
+
 @pytest.mark.multirank
 def test_linear_loss_negative_control_wrong_shard_fails(pool):
     case = Case(rows=6, hidden=5, vocab=14, ignored=0.0, wrong_shard=True)

@@ -14,6 +14,7 @@ from torch import nn
 import tplayers
 from tplayers.plan import Layout
 from tplayers.testing import RemoteError, assert_close, check_parallel
+from tplayers.testing.meshes import layout_mesh
 
 pytestmark = pytest.mark.multirank
 
@@ -142,6 +143,87 @@ def test_hf_split_pp2_matches_unsharded(pool, schedule_name, tied):
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
 def test_hf_split_pp2_tp2_matches_unsharded(pool, sequence_parallel):
     pool.run(hf_split_trains_like_unsharded, 4, 2, 2, "1f1b", sequence_parallel, True)
+
+
+def step_both(loss, params, opt, reference, ref_opt, ref_losses, replica, step):
+    """After a schedule's step that returned `loss` (this replica's): clip and step the stages'
+    `params` and the unsharded `reference` (on the mean of every replica's `ref_losses`); the loss
+    and the clipped norm agree."""
+    norm = tplayers.clip_grad_norm_(params, 0.5)
+    opt.step()
+    opt.zero_grad()
+    (sum(ref_losses) / len(ref_losses)).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+    ref_opt.step()
+    ref_opt.zero_grad()
+    assert_close(loss, ref_losses[replica].detach(), msg=lambda m: f"loss at step {step}: {m}")
+    assert_close(norm, ref_norm, msg=lambda m: f"clipped norm at step {step}: {m}")
+
+
+def assert_stage_weights_match(model, reference, stages, tp_group, steps):
+    """Every weight this rank's stages hold (gathered over TP, HF's names) equals the reference's."""
+    full = tplayers.gather_state_dict(model, group=tp_group)
+    layers = {i for s in stages for i in s.module.layer_indices}
+    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+    held = 0
+    for key, value in reference.state_dict().items():
+        index = re.match(r"model\.layers\.(\d+)\.", key)
+        if int(index[1]) in layers if index else (first if "embed_tokens" in key else last):
+            assert_close(full[key], value, msg=lambda m, k=key: f"{k} after {steps} steps: {m}")
+            held += 1
+    assert held > 0
+
+
+def fused_last_stage_trains_like_unsharded(rank, world, group, mesh, schedule_name, sequence_parallel=False,
+                                           training_logits=False, tied=False):  # fmt: skip
+    """`tplayers.next_token_loss(model)` on the stages of a parallelized tiny Llama (mesh (dp, pp, tp);
+    ZeRO-3 over dp): the last stage scores its labels with the fused LM-head loss, no logits made,
+    and 2 AdamW steps with clipping equal the unsharded model's own `model(ids, labels=ids).loss`
+    (each replica's on its half of the batch); with training_logits=True the head makes its logits."""
+    from tplayers.nn.lm_head import is_deferred
+
+    dp, pp, tp = mesh
+    schedule_class, virtual = SCHEDULES[schedule_name]
+    model = tiny_llama(tied).train()
+    reference = copy.deepcopy(model)
+    groups = layout_mesh(dp, pp, tp)
+    tplayers.parallelize(model, group=groups["tp"], sequence_parallel=sequence_parallel,
+                         training_logits=training_logits, verify=False)  # fmt: skip
+    deferred = []  # whether each training forward of the head left its logits to the fused loss
+    model.get_output_embeddings().register_forward_hook(lambda m, a, out: deferred.append(is_deferred(out)))
+    stages = tplayers.pipeline_split(model, group=groups["pp"], virtual_stages=virtual)
+    for stage in stages if dp > 1 else ():
+        tplayers.data_parallel(stage.module, group=groups["dp"], zero_stage=3)
+    schedule = schedule_class(stages if virtual > 1 else stages[0], 2 * pp, tplayers.next_token_loss(model))
+    params = list({id(p): p for s in stages for p in s.parameters()}.values())
+    opt = torch.optim.AdamW(params, lr=1e-2, eps=1e-4)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-4)
+    replica = groups["dp"].get_local_rank()
+    last = any(s.is_last for s in stages)
+    for step in range(2):
+        ids = torch.randint(0, 96, (4 * pp * dp, 8), generator=torch.Generator().manual_seed(step))
+        mine = ids.chunk(dp)[replica]
+        loss = schedule.forward_backward(mine, mine)
+        ref_losses = [reference(input_ids=part, labels=part).loss for part in ids.chunk(dp)]
+        step_both(loss, params, opt, reference, ref_opt, ref_losses, replica, step)
+        if last:  # the schedule's training forwards (the shape check on zeros runs in eval mode)
+            assert deferred and deferred[-1] == (not training_logits), deferred
+    assert_stage_weights_match(model, reference, stages, groups["tp"], 2)
+
+
+FUSED_CASES = {
+    "pp2-1f1b": ((1, 2, 1), "1f1b"),
+    "pp2-interleaved-zero-bubble-tied": ((1, 2, 1), "interleaved-zero-bubble", False, False, True),
+    "pp2-tp2-sp-gpipe": ((1, 2, 2), "gpipe", True),
+    "dp2-pp2-zero3-1f1b": ((2, 2, 1), "1f1b"),  # FSDP2 reshards the head after the stage's forward
+    "pp2-training-logits": ((1, 2, 1), "1f1b", False, True),  # the control: the head makes its logits
+}
+
+
+@pytest.mark.parametrize("case", list(FUSED_CASES))
+def test_the_last_stage_scores_its_labels_without_logits(pool, case):
+    mesh, *args = FUSED_CASES[case]
+    pool.run(fused_last_stage_trains_like_unsharded, mesh[0] * mesh[1] * mesh[2], mesh, *args, mesh=mesh)
 
 
 def misuse(rank, pp, group, case):

@@ -30,7 +30,7 @@ from tplayers.data_parallel import Compression, ZeRO3, data_parallel, data_paral
 from tplayers.distributed import RankError, init_mesh, launch
 from tplayers.functional.comm import count_bytes
 from tplayers.functional.cross_entropy import vocab_parallel_cross_entropy
-from tplayers.hf import gather_state_dict, load_full_state_dict, parallelize, pipeline_split
+from tplayers.hf import gather_state_dict, load_full_state_dict, next_token_loss, parallelize, pipeline_split
 from tplayers.hf.lora_targets import get_peft_model
 from tplayers.nn import (
     ColumnParallelLinear,
@@ -83,6 +83,7 @@ __all__ = [
     "load_checkpoint",
     "load_full_state_dict",
     "load_pretrained",
+    "next_token_loss",
     "parallelize",
     "pipeline_split",
     "save_checkpoint",

@@ -135,11 +135,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 "the fused LM-head cross-entropy was backpropagated twice; its gradients are computed in the "
                 "forward and given once (run the forward again, or parallelize(training_logits=True))"
             )
-        grads, ctx.grads = ctx.grads, None
+        if _graph_kept():  # retain_graph (a zero-bubble schedule's input pass, then its weight pass): kept
+            return (*[None if g is None else g * grad_loss for g in ctx.grads], *[None] * 8)
+        grads, ctx.grads = ctx.grads, None  # the last use: scaled in place, no copy at the step's peak
         for g in grads:
             if g is not None:
                 g.mul_(grad_loss)  # a 0-d fp32 factor keeps g's dtype: no cast
         return (*grads, None, None, None, None, None, None, None, None)
+
+
+def _graph_kept() -> bool:
+    """Whether the backward running now keeps the graph for another (retain_graph=True). torch's own
+    query; where a version lacks it, False: a second backward is then refused, never wrong."""
+    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return bool(query()) if query is not None else False
 
 
 def linear_cross_entropy(

@@ -24,12 +24,20 @@ and transformers; never tplayers.checkpoint, tplayers.plan or tplayers.tools.
 """
 
 from tplayers.hf.parallelize import parallelize
-from tplayers.hf.pipeline_split import pipeline_split
+from tplayers.hf.pipeline_split import next_token_loss, pipeline_split
 from tplayers.hf.state_dict import gather_grads, gather_state_dict, load_full_state_dict
 
 _LOOPS = ("Trainer", "parallel_trainer", "prepare")
 
-__all__ = ["gather_grads", "gather_state_dict", "load_full_state_dict", "parallelize", "pipeline_split", *_LOOPS]
+__all__ = [
+    "gather_grads",
+    "gather_state_dict",
+    "load_full_state_dict",
+    "next_token_loss",
+    "parallelize",
+    "pipeline_split",
+    *_LOOPS,
+]
 
 
 def __getattr__(name: str):

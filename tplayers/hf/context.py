@@ -193,7 +193,7 @@ def _register():
 # -- the model's hooks ----------------------------------------------------------------------------
 
 
-def _shifted(labels):
+def shifted_labels(labels):
     """HF's causal-LM shift over the whole row: position t is scored on token t + 1."""
     return F.pad(labels[:, 1:], (0, 1), value=-100)
 
@@ -240,7 +240,7 @@ def _split_inputs(state: ContextState, signature):
         labels = kwargs.pop("labels", None)
         state.labels = None
         if labels is not None:
-            shifted = _shifted(labels)
+            shifted = shifted_labels(labels)
             denominator = kwargs.pop("num_items_in_batch", None)
             if denominator is None:
                 denominator = (shifted != -100).sum()
@@ -386,24 +386,15 @@ def stage_positions(state: ContextState, batch: int, seq_len: int, device) -> to
     return layout.take(torch.arange(seq_len, device=device).expand(batch, seq_len))
 
 
-def next_token_loss(model):
-    """A loss_fn(logits, labels) for the pipeline schedules of `model` (`tplayers.pipeline_split`):
-    HF's causal-LM loss (labels shifted over the whole row, the mean over those not -100). With
-    `context_logits="split"` the last stage gives each CP rank's logits only (no (B, S, V)
-    all-gather): the loss is then its tokens' sum over the batch's count of valid labels, summed
-    over the group, as the model's own loss is."""
-    state = context_state(model)
-
-    def loss_fn(logits, labels):
-        shifted = _shifted(labels)
-        if state is None or not state.split_logits:
-            return F.cross_entropy(logits.float().flatten(0, 1), shifted.flatten(), ignore_index=-100)
-        B, S = labels.shape[:2]
-        local = plain_layout(state, B, S, labels.device).take(shifted, fill=-100)
-        total = F.cross_entropy(logits.float().flatten(0, 1), local.flatten(), ignore_index=-100, reduction="sum")
-        return _SumOverContext.apply(total / (shifted != -100).sum(), state.group, state.factor)
-
-    return loss_fn
+def rows_loss_of_rank(state: ContextState, labels, score):
+    """HF's causal-LM loss of the whole rows `labels` (B, S) from this rank's tokens of them (a
+    pipeline stage's, `plain_layout`): `score(local_labels, count)` is this rank's tokens' loss
+    summed over `count` (the valid labels of the whole batch), and the group's are summed, as the
+    model's own loss is."""
+    shifted = shifted_labels(labels)
+    B, S = labels.shape[:2]
+    local = plain_layout(state, B, S, labels.device).take(shifted, fill=-100)
+    return _SumOverContext.apply(score(local, (shifted != -100).sum()), state.group, state.factor)
 
 
 LOGITS = ("whole", "split")

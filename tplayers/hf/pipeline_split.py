@@ -26,24 +26,45 @@ model's own pre-hook does); every stage attends over every CP rank's keys with t
 micro-batch's (B, S), which the schedule tells the stages past the first (they receive only this
 rank's share of each row); the last stage gathers the whole rows' logits, so the schedule's
 `loss_fn` is the one the unsharded model takes (with `context_logits="split"` it keeps this rank's
-logits, and `tplayers.hf.context.next_token_loss(model)` is the loss_fn that reads them). No mask
+logits, and `tplayers.next_token_loss(model)` is the loss_fn that reads them). No mask
 is built, the attention reads windows from the model's layers, so sliding windows are not refused
 there. The schedule's first step checks that the CP ranks were given the same rows.
 """
 
+import functools
+import inspect
+
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from tplayers.distributed import CONTEXT_STATE, resolve_group
-from tplayers.hf.context import stage_positions, summed_over_context, whole_sequence
+from tplayers.hf.context import (
+    context_state,
+    rows_loss_of_rank,
+    shifted_labels,
+    stage_positions,
+    summed_over_context,
+    whole_sequence,
+)
+from tplayers.hf.fused_loss import installed
 from tplayers.hf.same_inputs import compare_inputs
 from tplayers.hf.state_dict import export_records
+from tplayers.nn.lm_head import ParallelLMHead
 from tplayers.pipeline import PipelineStage
 from tplayers.placement import refuse_overlap
 
 DECODER_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
 SEQUENCE_PARALLEL = "_tplayers_sequence_parallel"  # the TP group, set by parallelize(sequence_parallel=True)
+
+
+@functools.cache
+def _cache_argument() -> str:
+    """create_causal_mask's name for the KV cache: `cache` from transformers 5.2x, `past_key_values` before."""
+    from transformers.masking_utils import create_causal_mask
+
+    return "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
 
 
 class DecoderStage(nn.Module):
@@ -62,6 +83,8 @@ class DecoderStage(nn.Module):
         self.lm_head = model.get_output_embeddings() if last else None
         self.rotary_emb = decoder.rotary_emb
         self.sequence_group = getattr(model, SEQUENCE_PARALLEL, None)
+        # the model's training loss is fused (tplayers.hf.fused_loss): so is this stage's, given labels
+        self.scores_labels = last and installed(model)
         self.context = getattr(model, CONTEXT_STATE, None)
         if self.context is not None:  # data_parallel(stage.module) reduces over dp x cp, as for the model
             setattr(self, CONTEXT_STATE, self.context)
@@ -100,11 +123,15 @@ class DecoderStage(nn.Module):
             return str(e)
         return None
 
-    def forward(self, x):
+    def forward(self, x, labels=None):
+        """Hidden states (or the last stage's logits); the last stage of a model whose loss is fused,
+        given `labels` (B, S) in a training forward, returns HF's causal-LM loss of its rows instead,
+        from the fused LM-head cross-entropy: no logits held (`next_token_loss` passes them)."""
         from transformers.masking_utils import create_causal_mask
 
+        scoring = labels is not None and self.scores_labels and self.training and torch.is_grad_enabled()
         if self.context is not None:
-            return self._forward_in_context(x)
+            return self._forward_in_context(x, labels if scoring else None)
         hidden = self.embed_tokens(x) if self.first else x
         length = hidden.shape[1]
         if self.sequence_group is not None and not self.first:  # this rank's sequence shard arrived
@@ -112,8 +139,8 @@ class DecoderStage(nn.Module):
         shape_of = hidden[:, :1].expand(hidden.shape[0], length, hidden.shape[-1])  # no copy
         position_ids = torch.arange(length, device=hidden.device).unsqueeze(0)
         mask = create_causal_mask(
-            config=self.config, inputs_embeds=shape_of, attention_mask=None, past_key_values=None,
-            position_ids=position_ids,
+            config=self.config, inputs_embeds=shape_of, attention_mask=None, position_ids=position_ids,
+            **{_cache_argument(): None},
         )  # fmt: skip
         position_embeddings = self.rotary_emb(shape_of, position_ids=position_ids)
         types = getattr(self.config, "layer_types", None) or ()
@@ -126,10 +153,20 @@ class DecoderStage(nn.Module):
             )  # fmt: skip
             hidden = hidden[0] if isinstance(hidden, tuple) else hidden
         if self.last:
+            if scoring:
+                return ParallelLMHead.loss(self._deferred_logits(hidden), shifted_labels(labels))
             hidden = self.lm_head(self.norm(hidden))
         return hidden
 
-    def _forward_in_context(self, x):
+    def _deferred_logits(self, hidden):
+        """The head's placeholder for the logits of `hidden` (tplayers.nn.lm_head): nothing computed."""
+        self.lm_head.defer_logits = True
+        try:
+            return self.lm_head(self.norm(hidden))
+        finally:
+            self.lm_head.defer_logits = False
+
+    def _forward_in_context(self, x, labels=None):
         """Under context parallelism: the first stage keeps this rank's tokens of the whole rows it
         is given (as the model's own pre-hook does); every stage attends over every rank's keys with
         the layout of the micro-batch's (B, S), which stages past the first learn from the schedule
@@ -156,6 +193,10 @@ class DecoderStage(nn.Module):
                 hidden = layer(hidden, attention_mask=None, position_ids=positions,
                                position_embeddings=position_embeddings)  # fmt: skip
                 hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+            if self.last and labels is not None:  # the whole rows' loss from this rank's tokens, no logits
+                placeholder = self._deferred_logits(hidden)
+                return rows_loss_of_rank(state, labels, lambda mine, count: ParallelLMHead.loss(
+                    placeholder, mine, divisor=count))  # fmt: skip
             if self.last:
                 logits = self.lm_head(self.norm(hidden))
                 hidden = logits if state.split_logits else whole_sequence(logits, state)
@@ -164,6 +205,41 @@ class DecoderStage(nn.Module):
         finally:
             state.layout = None
         return hidden
+
+
+class NextTokenLoss:
+    """`next_token_loss(model)`: the loss_fn(output, labels) of the pipeline schedules of
+    `model`'s stages (`pipeline_split`): HF's causal-LM loss of the rows `labels` (B, S) (shifted
+    over the whole row, the mean over those not -100), what `model(ids, labels=labels).loss` gives.
+
+    The schedules hand a loss_fn that asks for them (`labels_to_last_stage`) the labels inside the
+    last stage's forward too: where the model's training loss is fused (tplayers.hf.fused_loss),
+    that stage then returns the loss itself, from the fused LM-head cross-entropy, and no micro-batch
+    holds its (tokens x vocabulary) logits; this loss_fn passes that scalar on. Otherwise it scores
+    the logits: with `context_logits="split"` each CP rank's tokens, summed over the group."""
+
+    labels_to_last_stage = True
+
+    def __init__(self, model):
+        self.context = context_state(model)
+
+    def __call__(self, output, labels):
+        if output.dim() == 0:  # the last stage's own loss of these labels (logits never are a scalar)
+            return output
+        if self.context is None or not self.context.split_logits:
+            return F.cross_entropy(output.float().flatten(0, 1), shifted_labels(labels).flatten(), ignore_index=-100)
+
+        def score(mine, count):
+            logits = output.float().flatten(0, 1)
+            return F.cross_entropy(logits, mine.flatten(), ignore_index=-100, reduction="sum") / count
+
+        return rows_loss_of_rank(self.context, labels, score)
+
+
+def next_token_loss(model) -> NextTokenLoss:
+    """The loss_fn for the pipeline schedules of `model`'s stages: HF's causal-LM loss, without
+    logits where the model's is fused (`NextTokenLoss`)."""
+    return NextTokenLoss(model)
 
 
 def _layer_counts(total, stages, given):

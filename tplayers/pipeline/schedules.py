@@ -20,12 +20,17 @@ What tplayers adds to torch's schedules:
   over the pipeline group after the step;
 - bad input (a batch that does not split into the micro-batches, too few micro-batches for the
   schedule) is refused before anything is sent;
+- a loss_fn that asks for it (`labels_to_last_stage = True`, as `tplayers.next_token_loss(model)`)
+  has the target given to the last stage's forward as `labels=` too, so that a stage can score its
+  labels itself (a fused LM-head cross-entropy, without logits) and hand the loss_fn a scalar;
 - every stage is told the shape of the micro-batch entering the first stage, on every rank
   (`PipelineStage.tell_batch`): a stage past the first cannot see it, and a context-parallel
   decoder's stages need the sequence length to know which tokens each rank holds; and the
   first stage may refuse its batch (`PipelineStage.check_batch`: a context-parallel decoder's
   ranks must be given the same rows), the refusal raised on every rank before anything is sent.
 """
+
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -78,6 +83,14 @@ class _Schedule:
         # the backward of the mean over the micro-batches (times the loss scale, if any)
         return self.loss_fn(output, target) * (self.loss_scale / self.n_microbatches)
 
+    def _labels_to_stages(self) -> bool:
+        """Whether the last stage's forward is given each micro-batch's target as `labels=` too: the
+        loss_fn asks for it (`labels_to_last_stage`, as `tplayers.hf.next_token_loss` does, whose
+        last stage may score the labels itself) and every stage on this rank takes them."""
+        return bool(getattr(self.loss_fn, "labels_to_last_stage", False)) and all(
+            "labels" in inspect.signature(s.module.forward).parameters for s in self.stages
+        )
+
     def _refuse_batch(self, x, target, first, last) -> str | None:
         """What is wrong with this rank's share of a step's arguments, or None."""
         name = f"{type(self).__name__}.step"
@@ -104,7 +117,11 @@ class _Schedule:
         refusal = self._refuse_batch(x, target, first, last) or next((c for c in checked if c), None)
         self._agree_shapes(x, target if last else None, refusal)
         losses = []  # the micro-batches' losses / n, as torch's schedule computed them for backward
-        self._schedule.step(*((x,) if first else ()), **({"target": target, "losses": losses} if last else {}))
+        kwargs = {"target": target, "losses": losses} if last else {}
+        if last and self._labels_to_stages():  # torch gives a step's keyword arguments to each stage here
+            kwargs["labels"] = target
+        # no outputs kept for a merge at the end: only the losses are read
+        self._schedule.step(*((x,) if first else ()), return_outputs=False, **kwargs)
         self._sum_tied_grads()
         return torch.stack([loss.detach() for loss in losses]).sum() / self.loss_scale if last else None
 
