@@ -29,8 +29,21 @@ from tplayers.testing import WorkerPool  # noqa: E402
 # References run without TF32 (no effect on CPU; keeps GPU runs of this suite honest).
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
-if KERNEL_DEVICE != "cpu":
+
+
+@pytest.fixture(autouse=True)
+def _kernel_device(request):
+    """A kernel test's tensors are made on TPLAYERS_TEST_DEVICE by default, while it runs: set then,
+    not at import, so that collecting the suite (module-level tensors, CPU generators) never
+    touches the device (tests/test_gpu_path.py keeps it so)."""
+    if KERNEL_DEVICE == "cpu" or "kernel" not in request.keywords:
+        yield
+        return
     torch.set_default_device(KERNEL_DEVICE)
+    try:
+        yield
+    finally:
+        torch.set_default_device(None)
 
 
 def pytest_collection_modifyitems(config, items):
