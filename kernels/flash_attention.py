@@ -3,17 +3,23 @@ launchers and the pure-torch references (re-exported from flash_attention_ref.py
 contract).
 
 Forward: one program per (BLOCK_M queries, head); an online softmax over BLOCK_N key tiles in
-fp32, returning o and the natural-log lse that context parallelism merges partial results with.
-A key tile is skipped whole when its tokens' bounds cannot meet the query tile's: every key after
-every query (causal), every key outside the window, or no document in common. The bounds come
-from the metadata the program loads anyway, so any token order (head-tail, per-document) skips
-what it can.
+fp32 (exp2, the scale and log2(e) folded into one multiply of the scores), returning o and the
+natural-log lse that context parallelism merges partial results with. Which key tiles a query
+tile visits comes from the tokens' metadata, before the launch (`tile_kinds`, a few torch
+reductions over each tile's position / document bounds, so any token order, head-tail or
+per-document, skips what it can): tiles where no pair is allowed (every key after every query,
+outside the window, no document in common) are not visited; tiles where every pair is allowed and
+every token real run without metadata loads, masks or guards (FA2's off-diagonal tiles); the rest
+run masked. Each program walks two lists of tile indices (`tile_lists`: whole, then masked) in
+loops without a branch, which Triton pipelines (a branch in the loop body had kept its loads
+from being pipelined), as FlexAttention's block masks do.
 
-Backward, FA2's split: `_flash_dkdv_kernel` walks the query tiles for one key/value tile of one
-key/value head (every query head of its group in turn, so K / V are never expanded) and keeps dK,
-dV in fp32; `_flash_dq_kernel` walks the key tiles for one query tile. Both use the final o and
-lse (delta = rowsum(dO * O) is one torch reduction before them), so a context-parallel ring calls
-it per key block with the merged o / lse and gets that block's exact share of each gradient.
+Backward, FA2's split: `_flash_dkdv_kernel` walks the query tiles (the same two lists, per key
+tile) for one key/value tile of one key/value head (every query head of its group in turn, so
+K / V are never expanded) and keeps dK, dV in fp32; `_flash_dq_kernel` walks the key tiles for
+one query tile. Both use the final o and lse (delta = rowsum(dO * O) is one torch reduction
+before them), so a context-parallel ring calls it per key block with the merged o / lse and gets
+that block's exact share of each gradient.
 
 Tensor cores: q k^T and p v (and the backward's four products) are tl.dot on the input dtype with
 fp32 accumulation; fp32 inputs use input_precision "ieee" unless TF32 is enabled. The interpreter
@@ -43,7 +49,8 @@ def _gpu_config(kernel, head_dim, arch):
     """Tiles and warps per kernel ("fwd", "dkdv", "dq"), head size and arch (80: Ampere, 90:
     Hopper), from the compile report (`tplayers compile-report --kernel flash-...`): no spills on
     sm_80 / sm_90a. On sm_80 a 128-row forward tile with head size 128 spills at 8 warps (255
-    registers): 64 rows there; dK / dV at head size 64 spill with 64-key tiles at 4 or 8 warps: 32."""
+    registers): 64 rows there; dK / dV at head size 64 spill with 64-key tiles at 4 or 8 warps: 32;
+    on sm_90a dK / dV at head size 128 spill with 64-query tiles: 32. Not yet tuned on a GPU."""
     wide = head_dim > 64
     if kernel == "fwd":
         if arch == 80 and wide:
@@ -51,53 +58,91 @@ def _gpu_config(kernel, head_dim, arch):
         return dict(BLOCK_M=128, BLOCK_N=64 if head_dim <= 128 else 32, num_warps=8 if wide else 4, num_stages=2)
     if kernel == "dkdv" and arch == 80 and not wide:
         return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+    if kernel == "dkdv" and arch == 90 and wide:  # 64-query tiles spill at 1-2 stages, 4-8 warps
+        return dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=2)
     # dkdv: one key tile against every query tile; dq: one query tile against every key tile
     return dict(BLOCK_M=64, BLOCK_N=64 if head_dim <= 128 else 32, num_warps=8 if wide else 4, num_stages=2)
 
 
-@triton.jit
-def _bounds_meet(qp_lo, qp_hi, qd_lo, qd_hi, kp_lo, kp_hi, kd_lo, kd_hi, window, CAUSAL: tl.constexpr,
-                 HAS_WINDOW: tl.constexpr):  # fmt: skip
-    """Whether a query tile and a key tile with these position / document bounds may have an allowed pair."""
-    meets = (kd_hi >= qd_lo) & (kd_lo <= qd_hi)  # false where either tile has no real token
-    if CAUSAL:
-        meets = meets & (kp_lo <= qp_hi)
-    if HAS_WINDOW:
-        meets = meets & (kp_hi > qp_lo - window) & (kp_lo < qp_hi + window)
-    return meets
+# exp(x) = exp2(x * log2(e)): the scores are kept in log2 units, the scale folded in (one multiply)
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _meets(qp_lo, qp_hi, qd_lo, qd_hi, kb, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    """Whether a query tile and the key tile whose bounds `kb` points at may have an allowed pair."""
-    kp_lo, kp_hi = tl.load(kb), tl.load(kb + 1)
-    kd_lo, kd_hi = tl.load(kb + 2), tl.load(kb + 3)
-    return _bounds_meet(qp_lo, qp_hi, qd_lo, qd_hi, kp_lo, kp_hi, kd_lo, kd_hi, window, CAUSAL, HAS_WINDOW)
+def _scores(q, k, scale, softcap, HAS_SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """A tile's scores in log2 units (softcapped), all pairs; and the softcap's tanh for the backward."""
+    s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+    if HAS_SOFTCAP:  # softcap * tanh(scale * s / softcap); t = tanh for the backward
+        t = 2.0 * tl.sigmoid(2.0 * scale * s / softcap) - 1.0
+        return t * (softcap * LOG2E), t
+    return s * (scale * LOG2E), s
 
 
 @triton.jit
-def _scores(q, k, qp, qd, kp, kd, scale, softcap, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-            HAS_SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr):  # fmt: skip
-    """fp32 scores of a tile (softcapped), -inf where a query may not see a key; and the softcap's
-    tanh for the backward."""
-    s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale
-    t = s
-    if HAS_SOFTCAP:  # softcap * tanh(s / softcap); t = tanh for the backward
-        t = 2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0
-        s = t * softcap
+def _masked(s, qp, qd, kp, kd, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """`s` with -inf where a query may not see a key (a tile that is not whole: see _tile_lists)."""
     ok = qd[:, None] == kd[None, :]
     diff = qp[:, None] - kp[None, :]
     if CAUSAL:
         ok = ok & (diff >= 0)
     if HAS_WINDOW:
         ok = ok & (diff < window) & (diff > -window)
-    return tl.where(ok, s, float("-inf")), t
+    return tl.where(ok, s, float("-inf"))
+
+
+@triton.jit
+def _key_tile_scores(q, qp, qd, k_base, v_base, kpos, kdoc, n0, N, offs_d, d_ok, stride_kn, stride_vn, scale,
+                     softcap, window, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                     HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                     BLOCK_N: tl.constexpr):  # fmt: skip
+    """A key tile's K and V and the query tile's scores against it (log2 units; masked where the
+    tile is not whole), with the softcap's tanh: what the forward and dQ passes share."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        n_ok = offs_n < N
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+    else:
+        kv_mask = d_ok[None, :]
+    k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s, t = _scores(q, k, scale, softcap, HAS_SOFTCAP, INPUT_PRECISION)
+    if MASKED:
+        kp = tl.load(kpos + offs_n, mask=n_ok, other=0)
+        kd = tl.load(kdoc + offs_n, mask=n_ok, other=-1)
+        s = _masked(s, qp, qd, kp, kd, window, CAUSAL, HAS_WINDOW)
+    return k, v, s, t
+
+
+@triton.jit
+def _fwd_tile(acc, m_i, l_i, q, qp, qd, k_base, v_base, kpos, kdoc, n0, N, offs_d, d_ok, stride_kn, stride_vn,
+              scale, softcap, window, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+              HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+              BLOCK_N: tl.constexpr):  # fmt: skip
+    """One key tile of the online softmax. A whole tile (every pair allowed, every token real) needs
+    no metadata, no mask and no guard for rows that see nothing: FA2's off-diagonal tiles."""
+    _, v, s, _ = _key_tile_scores(q, qp, qd, k_base, v_base, kpos, kdoc, n0, N, offs_d, d_ok, stride_kn, stride_vn,
+                                  scale, softcap, window, MASKED, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, UPCAST,
+                                  INPUT_PRECISION, BLOCK_N)  # fmt: skip
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    if MASKED:  # rows that have seen no allowed key yet keep max -inf: shift by 0 so no nan appears
+        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new_safe = m_new
+    p = tl.math.exp2(s - m_new_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_new_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+    return acc, m_new, l_i
 
 
 @triton.jit
 def _flash_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qpos_ptr, qdoc_ptr, kpos_ptr, kdoc_ptr, qbounds_ptr, kbounds_ptr,
-    H, N_REP, M, N, D, scale, softcap, window,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qpos_ptr, qdoc_ptr, kpos_ptr, kdoc_ptr, list_ptr, whole_ptr, meet_ptr,
+    H, N_REP, M, N, D, TILES_N, scale, softcap, window,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
@@ -113,44 +158,32 @@ def _flash_fwd_kernel(
     q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     qp = tl.load(qpos_ptr + b * M + offs_m, mask=m_ok, other=0)
     qd = tl.load(qdoc_ptr + b * M + offs_m, mask=m_ok, other=-2)
-    qb = qbounds_ptr + (b * ((M + BLOCK_M - 1) // BLOCK_M) + tl.program_id(0)).to(tl.int64) * 4
-    qp_lo, qp_hi = tl.load(qb), tl.load(qb + 1)
-    qd_lo, qd_hi = tl.load(qb + 2), tl.load(qb + 3)
     if UPCAST:
         q = q.to(tl.float32)
     k_base = k_ptr + b.to(tl.int64) * stride_kb + kh * stride_kh
     v_base = v_ptr + b.to(tl.int64) * stride_vb + kh * stride_vh
+    kpos, kdoc = kpos_ptr + b * N, kdoc_ptr + b * N
+    row = (b * tl.num_programs(0) + tl.program_id(0)).to(tl.int64)
+    tiles = list_ptr + row * TILES_N  # this query tile's key tiles: the whole ones first
+    whole, meet = tl.load(whole_ptr + row), tl.load(meet_ptr + row)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    for n0 in range(0, N, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        kp = tl.load(kpos_ptr + b * N + offs_n, mask=n_ok, other=0)
-        kd = tl.load(kdoc_ptr + b * N + offs_n, mask=n_ok, other=-1)
-        kb = kbounds_ptr + (b * ((N + BLOCK_N - 1) // BLOCK_N) + n0 // BLOCK_N).to(tl.int64) * 4
-        if _meets(qp_lo, qp_hi, qd_lo, qd_hi, kb, window, CAUSAL, HAS_WINDOW):
-            kv_mask = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            s, t = _scores(q, k, qp, qd, kp, kd, scale, softcap, window, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
-                             INPUT_PRECISION)  # fmt: skip
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            # rows that have seen no allowed key yet keep max -inf: shift by 0 so no nan appears
-            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - shift[:, None])
-            alpha = tl.exp(m_i - shift)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-            m_i = m_new
+    for i in range(0, whole):
+        n0 = tl.load(tiles + i) * BLOCK_N
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, qp, qd, k_base, v_base, kpos, kdoc, n0, N, offs_d, d_ok,
+                                  stride_kn, stride_vn, scale, softcap, window, False, CAUSAL, HAS_WINDOW,
+                                  HAS_SOFTCAP, UPCAST, INPUT_PRECISION, BLOCK_N)  # fmt: skip
+    for i in range(whole, meet):
+        n0 = tl.load(tiles + i) * BLOCK_N
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, qp, qd, k_base, v_base, kpos, kdoc, n0, N, offs_d, d_ok,
+                                  stride_kn, stride_vn, scale, softcap, window, True, CAUSAL, HAS_WINDOW,
+                                  HAS_SOFTCAP, UPCAST, INPUT_PRECISION, BLOCK_N)  # fmt: skip
 
     seen = l_i > 0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
     o_base = o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh
     tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
              mask=m_ok[:, None] & d_ok[None, :])  # fmt: skip
@@ -158,10 +191,53 @@ def _flash_fwd_kernel(
 
 
 @triton.jit
+def _probabilities(s, lse2, MASKED: tl.constexpr):
+    """exp(s - lse) from log2 units; under a mask 0 where not allowed (also on rows that see nothing:
+    lse = -inf). A whole tile has neither."""
+    if MASKED:
+        return tl.where(s == float("-inf"), 0.0, tl.math.exp2(s - tl.where(lse2 == float("-inf"), 0.0, lse2)[:, None]))
+    return tl.math.exp2(s - lse2[:, None])
+
+
+@triton.jit
+def _dkdv_tile(dk, dv, k, v, kp, kd, q_base, do_base, lse_ptr, delta_ptr, qpos, qdoc, m0, M, offs_d, d_ok,
+               stride_qm, stride_dom, scale, softcap, window, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+               HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
+               INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    if MASKED:
+        m_ok = offs_m < M
+        q_mask = m_ok[:, None] & d_ok[None, :]
+        lse = tl.load(lse_ptr + offs_m, mask=m_ok, other=float("-inf"))
+        delta = tl.load(delta_ptr + offs_m, mask=m_ok, other=0.0)
+    else:
+        q_mask = d_ok[None, :]
+        lse = tl.load(lse_ptr + offs_m)
+        delta = tl.load(delta_ptr + offs_m)
+    q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=q_mask, other=0.0)
+    do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :], mask=q_mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    s, t = _scores(q, k, scale, softcap, HAS_SOFTCAP, INPUT_PRECISION)
+    if MASKED:
+        qp = tl.load(qpos + offs_m, mask=m_ok, other=0)
+        qd = tl.load(qdoc + offs_m, mask=m_ok, other=-2)
+        s = _masked(s, qp, qd, kp, kd, window, CAUSAL, HAS_WINDOW)
+    p = _probabilities(s, lse * LOG2E, MASKED)
+    dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=INPUT_PRECISION)
+    ds = p * (tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION) - delta[:, None])
+    if HAS_SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=INPUT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
 def _flash_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-    qpos_ptr, qdoc_ptr, kpos_ptr, kdoc_ptr, qbounds_ptr, kbounds_ptr,
-    H, N_REP, M, N, D, scale, softcap, window,
+    qpos_ptr, qdoc_ptr, kpos_ptr, kdoc_ptr, list_ptr, whole_ptr, meet_ptr,
+    H, N_REP, M, N, D, TILES_M, scale, softcap, window,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
@@ -183,9 +259,10 @@ def _flash_dkdv_kernel(
         v = v.to(tl.float32)
     kp = tl.load(kpos_ptr + b * N + offs_n, mask=n_ok, other=0)
     kd = tl.load(kdoc_ptr + b * N + offs_n, mask=n_ok, other=-1)
-    kb = kbounds_ptr + (b * ((N + BLOCK_N - 1) // BLOCK_N) + tl.program_id(0)).to(tl.int64) * 4
-    kp_lo, kp_hi = tl.load(kb), tl.load(kb + 1)
-    kd_lo, kd_hi = tl.load(kb + 2), tl.load(kb + 3)
+    qpos, qdoc = qpos_ptr + b * M, qdoc_ptr + b * M
+    row = (b * tl.num_programs(0) + tl.program_id(0)).to(tl.int64)
+    tiles = list_ptr + row * TILES_M  # this key tile's query tiles: the whole ones first
+    whole, meet = tl.load(whole_ptr + row), tl.load(meet_ptr + row)
 
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
@@ -194,32 +271,16 @@ def _flash_dkdv_kernel(
         q_base = q_ptr + b.to(tl.int64) * stride_qb + h * stride_qh
         do_base = do_ptr + b.to(tl.int64) * stride_dob + h * stride_doh
         row_base = (b * H + h).to(tl.int64) * M
-        for m0 in range(0, M, BLOCK_M):
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            m_ok = offs_m < M
-            qp = tl.load(qpos_ptr + b * M + offs_m, mask=m_ok, other=0)
-            qd = tl.load(qdoc_ptr + b * M + offs_m, mask=m_ok, other=-2)
-            qb = qbounds_ptr + (b * ((M + BLOCK_M - 1) // BLOCK_M) + m0 // BLOCK_M).to(tl.int64) * 4
-            qp_lo, qp_hi = tl.load(qb), tl.load(qb + 1)
-            qd_lo, qd_hi = tl.load(qb + 2), tl.load(qb + 3)
-            if _bounds_meet(qp_lo, qp_hi, qd_lo, qd_hi, kp_lo, kp_hi, kd_lo, kd_hi, window, CAUSAL, HAS_WINDOW):
-                q_mask = m_ok[:, None] & d_ok[None, :]
-                q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=q_mask, other=0.0)
-                do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :], mask=q_mask, other=0.0)
-                if UPCAST:
-                    q = q.to(tl.float32)
-                    do = do.to(tl.float32)
-                lse = tl.load(lse_ptr + row_base + offs_m, mask=m_ok, other=float("-inf"))
-                delta = tl.load(delta_ptr + row_base + offs_m, mask=m_ok, other=0.0)
-                s, t = _scores(q, k, qp, qd, kp, kd, scale, softcap, window, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
-                                 INPUT_PRECISION)  # fmt: skip
-                # exp(s - lse), 0 where not allowed (also on rows that see nothing: lse = -inf)
-                p = tl.where(s == float("-inf"), 0.0, tl.exp(s - tl.where(lse == float("-inf"), 0.0, lse)[:, None]))
-                dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=INPUT_PRECISION)
-                ds = p * (tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION) - delta[:, None])
-                if HAS_SOFTCAP:
-                    ds = ds * (1.0 - t * t)
-                dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=INPUT_PRECISION)
+        for i in range(0, whole):
+            m0 = tl.load(tiles + i) * BLOCK_M
+            dk, dv = _dkdv_tile(dk, dv, k, v, kp, kd, q_base, do_base, lse_ptr + row_base, delta_ptr + row_base,
+                                qpos, qdoc, m0, M, offs_d, d_ok, stride_qm, stride_dom, scale, softcap, window,
+                                False, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, UPCAST, INPUT_PRECISION, BLOCK_M)  # fmt: skip
+        for i in range(whole, meet):
+            m0 = tl.load(tiles + i) * BLOCK_M
+            dk, dv = _dkdv_tile(dk, dv, k, v, kp, kd, q_base, do_base, lse_ptr + row_base, delta_ptr + row_base,
+                                qpos, qdoc, m0, M, offs_d, d_ok, stride_qm, stride_dom, scale, softcap, window,
+                                True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, UPCAST, INPUT_PRECISION, BLOCK_M)  # fmt: skip
 
     out = b.to(tl.int64) * KH * N * D + kh * N * D + offs_n[:, None] * D + offs_d[None, :]
     tl.store(dk_ptr + out, dk * scale, mask=kv_mask)
@@ -227,10 +288,25 @@ def _flash_dkdv_kernel(
 
 
 @triton.jit
+def _dq_tile(dq, q, do, lse2, delta, qp, qd, k_base, v_base, kpos, kdoc, n0, N, offs_d, d_ok, stride_kn, stride_vn,
+             scale, softcap, window, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+             HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+             BLOCK_N: tl.constexpr):  # fmt: skip
+    k, v, s, t = _key_tile_scores(q, qp, qd, k_base, v_base, kpos, kdoc, n0, N, offs_d, d_ok, stride_kn, stride_vn,
+                                  scale, softcap, window, MASKED, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, UPCAST,
+                                  INPUT_PRECISION, BLOCK_N)  # fmt: skip
+    p = _probabilities(s, lse2, MASKED)
+    ds = p * (tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION) - delta[:, None])
+    if HAS_SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    return dq + tl.dot(ds.to(k.dtype), k, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
 def _flash_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
-    qpos_ptr, qdoc_ptr, kpos_ptr, kdoc_ptr, qbounds_ptr, kbounds_ptr,
-    H, N_REP, M, N, D, scale, softcap, window,
+    qpos_ptr, qdoc_ptr, kpos_ptr, kdoc_ptr, list_ptr, whole_ptr, meet_ptr,
+    H, N_REP, M, N, D, TILES_N, scale, softcap, window,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
@@ -250,38 +326,28 @@ def _flash_dq_kernel(
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
-    lse = tl.load(lse_ptr + bh.to(tl.int64) * M + offs_m, mask=m_ok, other=float("-inf"))
+    lse2 = tl.load(lse_ptr + bh.to(tl.int64) * M + offs_m, mask=m_ok, other=float("-inf")) * LOG2E
     delta = tl.load(delta_ptr + bh.to(tl.int64) * M + offs_m, mask=m_ok, other=0.0)
     qp = tl.load(qpos_ptr + b * M + offs_m, mask=m_ok, other=0)
     qd = tl.load(qdoc_ptr + b * M + offs_m, mask=m_ok, other=-2)
-    qb = qbounds_ptr + (b * ((M + BLOCK_M - 1) // BLOCK_M) + tl.program_id(0)).to(tl.int64) * 4
-    qp_lo, qp_hi = tl.load(qb), tl.load(qb + 1)
-    qd_lo, qd_hi = tl.load(qb + 2), tl.load(qb + 3)
     k_base = k_ptr + b.to(tl.int64) * stride_kb + kh * stride_kh
     v_base = v_ptr + b.to(tl.int64) * stride_vb + kh * stride_vh
+    kpos, kdoc = kpos_ptr + b * N, kdoc_ptr + b * N
+    row = (b * tl.num_programs(0) + tl.program_id(0)).to(tl.int64)
+    tiles = list_ptr + row * TILES_N
+    whole, meet = tl.load(whole_ptr + row), tl.load(meet_ptr + row)
 
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    for n0 in range(0, N, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        kp = tl.load(kpos_ptr + b * N + offs_n, mask=n_ok, other=0)
-        kd = tl.load(kdoc_ptr + b * N + offs_n, mask=n_ok, other=-1)
-        kb = kbounds_ptr + (b * ((N + BLOCK_N - 1) // BLOCK_N) + n0 // BLOCK_N).to(tl.int64) * 4
-        if _meets(qp_lo, qp_hi, qd_lo, qd_hi, kb, window, CAUSAL, HAS_WINDOW):
-            kv_mask = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            s, t = _scores(q, k, qp, qd, kp, kd, scale, softcap, window, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
-                             INPUT_PRECISION)  # fmt: skip
-            # exp(s - lse), 0 where not allowed (also on rows that see nothing: lse = -inf)
-            p = tl.where(s == float("-inf"), 0.0, tl.exp(s - tl.where(lse == float("-inf"), 0.0, lse)[:, None]))
-            ds = p * (tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION) - delta[:, None])
-            if HAS_SOFTCAP:
-                ds = ds * (1.0 - t * t)
-            dq += tl.dot(ds.to(k.dtype), k, input_precision=INPUT_PRECISION)
+    for i in range(0, whole):
+        n0 = tl.load(tiles + i) * BLOCK_N
+        dq = _dq_tile(dq, q, do, lse2, delta, qp, qd, k_base, v_base, kpos, kdoc, n0, N, offs_d, d_ok, stride_kn,
+                      stride_vn, scale, softcap, window, False, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, UPCAST,
+                      INPUT_PRECISION, BLOCK_N)  # fmt: skip
+    for i in range(whole, meet):
+        n0 = tl.load(tiles + i) * BLOCK_N
+        dq = _dq_tile(dq, q, do, lse2, delta, qp, qd, k_base, v_base, kpos, kdoc, n0, N, offs_d, d_ok, stride_kn,
+                      stride_vn, scale, softcap, window, True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, UPCAST,
+                      INPUT_PRECISION, BLOCK_N)  # fmt: skip
 
     out = bh.to(tl.int64) * M * D + offs_m[:, None] * D + offs_d[None, :]
     tl.store(dq_ptr + out, dq * scale, mask=q_mask)
@@ -289,8 +355,8 @@ def _flash_dq_kernel(
 
 def tile_bounds(pos, doc, block):
     """(B, cdiv(n, block), 4) int32: each tile's lowest / highest position and document over its
-    real tokens (doc >= 0; none: +-2**30, which meets nothing). A few torch reductions per call, so
-    the kernels skip tiles with four scalar loads."""
+    real tokens (doc >= 0; none: +-2**30, which meets nothing); and (B, tiles) bool: whether every
+    token of the tile is real (a last tile past n is not)."""
     B, n = pos.shape
     pad = -n % block
     doc = F.pad(doc, (0, pad), value=-1).view(B, -1, block)
@@ -298,7 +364,36 @@ def tile_bounds(pos, doc, block):
     real = doc >= 0
     bounds = [torch.where(real, t, fill).amin(-1) if fill > 0 else torch.where(real, t, fill).amax(-1)
               for t, fill in ((pos, _BIG), (pos, -_BIG), (doc, _BIG), (doc, -_BIG))]  # fmt: skip
-    return torch.stack(bounds, -1).to(torch.int32).contiguous()
+    return torch.stack(bounds, -1), real.all(-1)
+
+
+def tile_kinds(q_pos, q_doc, k_pos, k_doc, block_m, block_n, causal, window):
+    """(B, query tiles, key tiles) int8: 0 where every pair of the two tiles is allowed and every
+    token real (a whole tile: no mask), 1 where some pair may be (a masked tile), 2 where none is
+    (skipped). From the tiles' bounds: any token order (head-tail, per-document) skips what it can."""
+    (qb, q_real), (kb, k_real) = tile_bounds(q_pos, q_doc, block_m), tile_bounds(k_pos, k_doc, block_n)
+    qp_lo, qp_hi, qd_lo, qd_hi = (t[:, :, None] for t in qb.unbind(-1))
+    kp_lo, kp_hi, kd_lo, kd_hi = (t[:, None, :] for t in kb.unbind(-1))
+    meets = (kd_hi >= qd_lo) & (kd_lo <= qd_hi)  # false where either tile has no real token
+    whole = q_real[:, :, None] & k_real[:, None, :] & (qd_lo == qd_hi) & (kd_lo == kd_hi) & (qd_lo == kd_lo)
+    if causal:
+        meets &= kp_lo <= qp_hi
+        whole &= kp_hi <= qp_lo
+    if window is not None:
+        meets &= (kp_hi > qp_lo - window) & (kp_lo < qp_hi + window)
+        whole &= (qp_hi - kp_lo < window) & (kp_hi - qp_lo < window)
+    return torch.where(whole & meets, 0, torch.where(meets, 1, 2)).to(torch.int8)
+
+
+def tile_lists(kinds):
+    """Per row of `kinds` (B, rows, tiles): the tiles to visit, whole ones first then masked ones,
+    in order within each (int32, (B, rows, tiles)), and how many are whole and how many meet at
+    all (int32, (B, rows) each). The kernels loop over these without a branch, which Triton's
+    software pipelining needs; FlexAttention's block masks keep the same two lists."""
+    order = torch.sort(kinds, dim=-1, stable=True).indices.to(torch.int32).contiguous()
+    whole = (kinds == 0).sum(-1, dtype=torch.int32).contiguous()
+    meet = (kinds <= 1).sum(-1, dtype=torch.int32).contiguous()
+    return order, whole, meet
 
 
 def _unit_last(t):
@@ -353,11 +448,11 @@ def flash_attention(
         return o, lse
     cfg = _config("fwd", D)
     grid = (triton.cdiv(M, cfg["BLOCK_M"]), B * H)
-    bounds = tile_bounds(q_pos, q_doc, cfg["BLOCK_M"]), tile_bounds(k_pos, k_doc, cfg["BLOCK_N"])
+    kinds = tile_kinds(q_pos, q_doc, k_pos, k_doc, cfg["BLOCK_M"], cfg["BLOCK_N"], causal, window)
     with _on(q):
         _flash_fwd_kernel[grid](
-            q, k, v, o, lse, q_pos.contiguous(), q_doc.contiguous(), k_pos.contiguous(), k_doc.contiguous(), *bounds,
-            H, H // KH, M, N, D, *_scalars(q, scale, window, softcap),
+            q, k, v, o, lse, q_pos.contiguous(), q_doc.contiguous(), k_pos.contiguous(), k_doc.contiguous(),
+            *tile_lists(kinds), H, H // KH, M, N, D, kinds.shape[2], *_scalars(q, scale, window, softcap),
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
             **_flags(q, causal, window, softcap), **cfg,
         )  # fmt: skip
@@ -382,17 +477,21 @@ def flash_attention_backward(
     meta = (q_pos.contiguous(), q_doc.contiguous(), k_pos.contiguous(), k_doc.contiguous())
     kv_cfg, q_cfg = _config("dkdv", D), _config("dq", D)
 
-    def bounds(cfg):
-        return tile_bounds(q_pos, q_doc, cfg["BLOCK_M"]), tile_bounds(k_pos, k_doc, cfg["BLOCK_N"])
+    def kinds(cfg):
+        return tile_kinds(q_pos, q_doc, k_pos, k_doc, cfg["BLOCK_M"], cfg["BLOCK_N"], causal, window)
 
-    common = (H, H // KH, M, N, D, *_scalars(q, scale, window, softcap),
-              *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])  # fmt: skip
+    scalars, strides = _scalars(q, scale, window, softcap), (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                                                              *do.stride()[:3])  # fmt: skip
     flags = _flags(q, causal, window, softcap)
+    by_key = kinds(kv_cfg).transpose(1, 2)  # per key tile, its query tiles
+    by_query = kinds(q_cfg)
     with _on(q):
         _flash_dkdv_kernel[(triton.cdiv(N, kv_cfg["BLOCK_N"]), B * KH)](
-            q, k, v, do, lse, delta, dk, dv, *meta, *bounds(kv_cfg), *common, **flags, **kv_cfg
-        )
+            q, k, v, do, lse, delta, dk, dv, *meta, *tile_lists(by_key), H, H // KH, M, N, D, by_key.shape[2],
+            *scalars, *strides, **flags, **kv_cfg,
+        )  # fmt: skip
         _flash_dq_kernel[(triton.cdiv(M, q_cfg["BLOCK_M"]), B * H)](
-            q, k, v, do, lse, delta, dq, *meta, *bounds(q_cfg), *common, **flags, **q_cfg
-        )
+            q, k, v, do, lse, delta, dq, *meta, *tile_lists(by_query), H, H // KH, M, N, D, by_query.shape[2],
+            *scalars, *strides, **flags, **q_cfg,
+        )  # fmt: skip
     return dq, dk, dv

@@ -55,6 +55,17 @@ SM90_CONFIGS = [
     _config(64, 128, 64, 8, 4, 4, 90),
     _config(64, 64, 64, 8, 4, 4, 90),
 ]
+# Hopper's TMA kernel (persistent, wgmma): the 128x256 tiles the pointer kernel's register budget
+# rules out, on 8 warps, with the stages shared memory allows. 128 accumulator registers per thread
+# only under a light epilogue (a bias at most): with an activation, a residual, SwiGLU or an fp32
+# accumulate those spill (compile-report), so they keep to 64 (`tma_configs`).
+TMA_CONFIGS = [
+    _config(128, 256, 64, 8, 8, 3, 90),
+    _config(128, 128, 64, 8, 8, 4, 90),
+    _config(128, 128, 64, 8, 4, 4, 90),
+    _config(64, 256, 64, 8, 4, 4, 90),
+    _config(128, 64, 64, 8, 4, 4, 90),
+]
 # The interpreter runs each program in numpy: few, large programs are fastest.
 INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}
 
@@ -118,6 +129,19 @@ def _matmul_kernel(
         a_batch += stride_ab
         b_batch += stride_bb
 
+    _epilogue(acc, offs_m, offs_n, offs_bn, pid_n, pid_batch, M, N, scale, c_ptr, bias_ptr, res_ptr, h_ptr,
+              stride_cb, stride_cm, stride_cn, stride_rb, stride_rm, stride_rn, stride_hb, stride_hm, stride_hn,
+              HAS_BIAS, ACTIVATION, HAS_RESIDUAL, ACCUMULATE, SWIGLU, BLOCK_M, BLOCK_N)  # fmt: skip
+
+
+@triton.jit
+def _epilogue(acc, offs_m, offs_n, offs_bn, pid_n, pid_batch, M, N, scale, c_ptr, bias_ptr, res_ptr, h_ptr,
+              stride_cb, stride_cm, stride_cn, stride_rb, stride_rm, stride_rn, stride_hb, stride_hm, stride_hn,
+              HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+              ACCUMULATE: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr):  # fmt: skip
+    """C = act(scale * acc + bias) + residual (+ C), stored through C's strides (any view), and the
+    SwiGLU output of C's interleaved (gate, up) columns: shared by both GEMM kernels."""
     c = acc * scale
     if HAS_BIAS:
         c += tl.load(bias_ptr + offs_bn).to(tl.float32)[None, :]
@@ -151,12 +175,170 @@ def _matmul_kernel(
         tl.store(h_ptrs, (gate * tl.sigmoid(gate) * up).to(h_ptr.dtype.element_ty), mask=h_mask)
 
 
+@triton.jit
+def _operand_tile(desc, batch, row0, k0, K_MAJOR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A (BLOCK_R, BLOCK_K) tile of an operand through its TMA descriptor: K-major (unit stride
+    along K, a weight or an activation) or row-major (unit stride along the rows: the transposed
+    activations of a weight gradient), the (BLOCK_K, BLOCK_R) box transposed in shared memory."""
+    if K_MAJOR:
+        return desc.load([batch, row0, k0]).reshape(BLOCK_R, BLOCK_K)
+    return desc.load([batch, k0, row0]).reshape(BLOCK_K, BLOCK_R).T
+
+
+@triton.jit
+def _matmul_tma_kernel(
+    a_ptr, b_ptr, c_ptr, bias_ptr, res_ptr, h_ptr,
+    M, N, K, BATCH, scale,
+    stride_ab, stride_am, stride_ak,
+    stride_bb, stride_bn, stride_bk,
+    stride_cb, stride_cm, stride_cn,
+    stride_rb, stride_rm, stride_rn,
+    stride_hb, stride_hm, stride_hn,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    ACCUMULATE: tl.constexpr, REDUCE_BATCH: tl.constexpr, UPCAST: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, INT64_OFFSETS: tl.constexpr, SWIGLU: tl.constexpr,
+    A_K_MAJOR: tl.constexpr, B_K_MAJOR: tl.constexpr, A_SHARED: tl.constexpr, B_SHARED: tl.constexpr,
+    NUM_SMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """Hopper's path (sm_90): the operands through tensor-memory-accelerator descriptors (3-D:
+    batch, rows, K), a persistent program per SM walking output tiles in grouped order (Triton's
+    persistent matmul), wgmma tiles, the same epilogue as `_matmul_kernel`. A 2-D operand of a
+    batched GEMM (`*_SHARED`) is one matrix every batch reads."""
+    a_batches = 1 if A_SHARED else BATCH
+    b_batches = 1 if B_SHARED else BATCH
+    if A_K_MAJOR:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[a_batches, M, K], strides=[stride_ab, stride_am, 1],
+                                           block_shape=[1, BLOCK_M, BLOCK_K])  # fmt: skip
+    else:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[a_batches, K, M], strides=[stride_ab, stride_ak, 1],
+                                           block_shape=[1, BLOCK_K, BLOCK_M])  # fmt: skip
+    if B_K_MAJOR:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[b_batches, N, K], strides=[stride_bb, stride_bn, 1],
+                                           block_shape=[1, BLOCK_N, BLOCK_K])  # fmt: skip
+    else:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[b_batches, K, N], strides=[stride_bb, stride_bk, 1],
+                                           block_shape=[1, BLOCK_K, BLOCK_N])  # fmt: skip
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    tiles_per_batch = num_pid_m * num_pid_n
+    num_tiles = tiles_per_batch * (1 if REDUCE_BATCH else BATCH)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    num_pid_in_group = GROUP_M * num_pid_n
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
+        pid_batch = tile // tiles_per_batch
+        t = tile % tiles_per_batch
+        first_pid_m = (t // num_pid_in_group) * GROUP_M
+        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + ((t % num_pid_in_group) % group_size_m)
+        pid_n = (t % num_pid_in_group) // group_size_m
+        m0, n0 = pid_m * BLOCK_M, pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # A batch is either its own tiles, or (reduce_batch) summed into every tile.
+        batch_end = BATCH if REDUCE_BATCH else pid_batch + 1
+        for batch in range(pid_batch, batch_end):
+            for kk in range(0, k_tiles):  # out-of-range rows / columns / K read as zeros (TMA)
+                a = _operand_tile(a_desc, 0 if A_SHARED else batch, m0, kk * BLOCK_K, A_K_MAJOR, BLOCK_M, BLOCK_K)
+                b = _operand_tile(b_desc, 0 if B_SHARED else batch, n0, kk * BLOCK_K, B_K_MAJOR, BLOCK_N, BLOCK_K)
+                if UPCAST:  # the interpreter multiplies bf16 bit patterns in tl.dot
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                acc = tl.dot(a, b.T, acc, input_precision=INPUT_PRECISION)
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        offs_bn = offs_n % N
+        if INT64_OFFSETS:
+            offs_m = offs_m.to(tl.int64)
+            offs_n = offs_n.to(tl.int64)
+            offs_bn = offs_bn.to(tl.int64)
+        _epilogue(acc, offs_m, offs_n, offs_bn, pid_n, pid_batch, M, N, scale, c_ptr, bias_ptr, res_ptr, h_ptr,
+                  stride_cb, stride_cm, stride_cn, stride_rb, stride_rm, stride_rn, stride_hb, stride_hm, stride_hn,
+                  HAS_BIAS, ACTIVATION, HAS_RESIDUAL, ACCUMULATE, SWIGLU, BLOCK_M, BLOCK_N)  # fmt: skip
+
+
 _matmul_autotuned = triton.autotune(
     configs=SM80_CONFIGS + SM90_CONFIGS,
     key=["M", "N", "K", "BATCH", "HAS_BIAS", "ACTIVATION", "HAS_RESIDUAL", "ACCUMULATE", "REDUCE_BATCH", "SWIGLU"],
     prune_configs_by={"early_config_prune": configs_for_running_gpu},
     restore_value=["c_ptr"],  # benchmarking an accumulating GEMM must not accumulate
 )(_matmul_kernel)
+
+
+def tma_configs(configs, light_epilogue: bool):
+    """`configs` that compile without spills for the TMA kernel under this epilogue (see TMA_CONFIGS)."""
+    return [c for c in configs
+            if light_epilogue or c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] // (32 * c.num_warps) <= 64]  # fmt: skip
+
+
+def light_epilogue(flags) -> bool:
+    """Whether a launch's epilogue is a bias at most (its constexpr flags)."""
+    return not any(flags.get(f) for f in ("ACTIVATION", "HAS_RESIDUAL", "SWIGLU", "ACCUMULATE"))
+
+
+def _tma_configs_for_launch(configs, named_args, **kwargs):
+    """Triton's `early_config_prune` for the TMA kernel: the epilogue's configs, for this GPU."""
+    return configs_for_running_gpu(tma_configs(configs, light_epilogue(kwargs)), named_args, **kwargs)
+
+
+_matmul_tma_autotuned = triton.autotune(
+    configs=TMA_CONFIGS,
+    key=["M", "N", "K", "BATCH", "HAS_BIAS", "ACTIVATION", "HAS_RESIDUAL", "ACCUMULATE", "REDUCE_BATCH", "SWIGLU",
+         "A_K_MAJOR", "B_K_MAJOR", "A_SHARED", "B_SHARED"],
+    prune_configs_by={"early_config_prune": _tma_configs_for_launch},
+    restore_value=["c_ptr"],
+)(_matmul_tma_kernel)  # fmt: skip
+
+# The TMA kernel in the interpreter too, where a test asks (on a GPU it runs on sm_90 by itself).
+TMA_IN_INTERPRETER = False
+_SM_COUNT: dict = {}
+
+
+def _tma_layout(t):
+    """How a TMA descriptor reads operand `t` ((M or N, K), or batched): "k" (unit stride along K),
+    "rows" (unit stride along the rows: a transposed activation), or None where it cannot (a 4-byte
+    dtype, an address or a stride not a multiple of 16 bytes): the pointer kernel runs those."""
+    if t.dtype not in (torch.float16, torch.bfloat16) or t.data_ptr() % 16:
+        return None
+    size = t.element_size()
+    rows, k = t.stride()[-2:]
+    if t.dim() == 3 and (t.stride(0) * size) % 16:
+        return None
+    if k == 1 and (rows * size) % 16 == 0:
+        return "k"
+    if rows == 1 and (k * size) % 16 == 0:
+        return "rows"
+    return None
+
+
+def _uses_tma(a, b):
+    if INTERPRET:
+        return TMA_IN_INTERPRETER and _tma_layout(a) is not None and _tma_layout(b) is not None
+    return (torch.cuda.get_device_capability(a.device)[0] >= 9 and _tma_layout(a) is not None
+            and _tma_layout(b) is not None)  # fmt: skip
+
+
+def _batch_stride(t):
+    """A 3-D operand's batch stride; for a 2-D one (one batch, never stepped over) a stride the
+    descriptor accepts: a multiple of 16 bytes past the matrix."""
+    if t.dim() == 3:
+        return t.stride(0)
+    step = 16 // t.element_size()
+    return (t.shape[-2] * t.stride(-2) + t.shape[-1] * t.stride(-1) + step - 1) // step * step
+
+
+def _scratch(size, alignment, stream):
+    """Global memory for the descriptors a kernel builds on the device (Triton asks its allocator)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _ensure_allocator():
+    """Device-side TMA descriptors need Triton's allocator. Triton keeps it per thread context (the
+    autograd engine runs backward GEMMs on its own threads): set ours where none is set, leaving a
+    user's own in place."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)
 
 
 def _max_offset(t):
@@ -217,6 +399,27 @@ def matmul(
         INT64_OFFSETS=any(_max_offset(t) >= 2**31 for t in (a, b, out, residual, swiglu_out) if t is not None),
         SWIGLU=swiglu_out is not None,
     )
+
+    if _uses_tma(a, b):
+        _ensure_allocator()
+        tma_flags = dict(flags, A_K_MAJOR=_tma_layout(a) == "k", B_K_MAJOR=_tma_layout(b) == "k",
+                         A_SHARED=a.dim() == 2, B_SHARED=b.dim() == 2)  # fmt: skip
+        tma_args = list(args)
+        tma_args[11], tma_args[14] = _batch_stride(a), _batch_stride(b)  # stride_ab, stride_bb
+        if a.is_cuda and a.device not in _SM_COUNT:
+            _SM_COUNT[a.device] = torch.cuda.get_device_properties(a.device).multi_processor_count
+        sms = _SM_COUNT.get(a.device, 4)  # the interpreter: a few programs, each several tiles
+
+        def persistent(meta):
+            tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]) * batch_programs
+            return (min(sms, tiles),)
+
+        if INTERPRET:
+            _matmul_tma_kernel[persistent](*tma_args, **tma_flags, NUM_SMS=sms, **INTERPRETER_CONFIG)
+        else:
+            with torch.cuda.device(a.device):
+                _matmul_tma_autotuned[persistent](*tma_args, **tma_flags, NUM_SMS=sms)
+        return out
 
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), batch_programs)

@@ -17,7 +17,8 @@ from tplayers.tools.kernel_launches import FLASH_VARIANTS, GROUPED_VARIANTS
 
 pytestmark = pytest.mark.compile
 
-GEMMS = set(cr.GEMM_VARIANTS) | {*GROUPED_VARIANTS, "grouped-wgrad"}  # the experts' grouped GEMM too
+TMA_GEMMS = {f"tma-{name}" for name in cr.GEMM_VARIANTS}  # Hopper's persistent TMA kernel, sm_90a only
+GEMMS = set(cr.GEMM_VARIANTS) | TMA_GEMMS | {*GROUPED_VARIANTS, "grouped-wgrad"}  # the experts' grouped GEMM too
 TENSOR_CORES = GEMMS | set(FLASH_VARIANTS)  # flash attention's q k^T and p v too
 
 
@@ -126,6 +127,29 @@ def test_checker_flags_spilling_elementwise_and_gemm_without_tensor_cores(toolch
     assert not fma_gemm["ok"] and fma_gemm["hmma"] == 0 and fma_gemm["error"] == "no HMMA"
 
 
+def test_tma_gemm_loads_through_the_accelerator_on_hopper_only(rows):
+    """The TMA kernel's rows are sm_90a's (Ampere runs the pointer kernel), each with TMA loads and
+    wgmma; the 128x256 tile the pointer kernel's budget rules out is among the plain GEMM's."""
+    tma_rows = [r for r in rows if r["kernel"] in TMA_GEMMS]
+    assert tma_rows and all(r["arch"] == "sm_90a" and r["tma"] > 0 and r["hgmma"] > 0 for r in tma_rows)
+    assert any(r["kernel"] == "tma-gemm" and "BLOCK_M=128 BLOCK_N=256" in r["blocks"] for r in tma_rows)
+    assert all(r["tma"] == 0 for r in rows if r["kernel"] in cr.GEMM_VARIANTS)  # the pointer kernel's plain loads
+
+
+_NO_TMA = """
+import dataclasses, json
+from tplayers.tools import compile_report as cr
+cr.KERNELS["gemm"] = dataclasses.replace(cr.KERNELS["gemm"], tma=True)  # the pointer kernel, said to use TMA
+print(json.dumps(cr.compile_row(("gemm", 90, "bf16", cr.configs_for("gemm", 90)[0]))))
+"""
+
+
+def test_checker_flags_a_tma_kernel_without_tma_loads(toolchain):
+    """Negative control: the pointer kernel checked as a TMA kernel is flagged for it."""
+    row = _run(_NO_TMA)
+    assert not row["ok"] and row["tma"] == 0 and "no UTMALDG" in row["error"]
+
+
 def test_config_option_and_spec_mismatch():
     assert cr._config("64,64,32,4,3") == dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3)
     assert cr._config("BLOCK_M=16,BLOCK_N=128,num_warps=4") == dict(BLOCK_M=16, BLOCK_N=128, num_warps=4)
@@ -162,7 +186,7 @@ from triton.compiler import make_backend
 from triton.runtime.jit import create_function_from_signature
 from tplayers.tools import compile_report as cr
 
-INTERPRETER_ONLY = {"UPCAST", "EMULATE_BF16"}
+INTERPRETER_ONLY = {"UPCAST", "EMULATE_BF16", "NUM_SMS"}  # NUM_SMS: the running GPU's count
 TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 M, N, K, B, V = 64, 96, 32, 3, 256
 
@@ -182,12 +206,17 @@ def launched(kernel, call):
     for a in attrs:
         setattr(module, a, recorders[a])
     module.INTERPRET = True
+    tma = getattr(module, "TMA_IN_INTERPRETER", None)
+    if tma is not None:  # the TMA GEMM's rows: its launcher's path on sm_90
+        module.TMA_IN_INTERPRETER = kernel.startswith("tma-")
     try:
         call()
     finally:
         for a in attrs:
             setattr(module, a, real[a])
         module.INTERPRET = interpret
+        if tma is not None:
+            module.TMA_IN_INTERPRETER = tma
     (launch,) = recorders[spec.attr].launches
     return launch
 
@@ -212,7 +241,7 @@ def calls(dtype):
             return lambda: flash.flash_attention_backward(t(1, 2, M, D), q, k, k, t(1, 2, M, D),
                                                           torch.zeros(1, 2, M), *meta, **opts)
         return lambda: flash.flash_attention(q, k, k, *meta, **opts)
-    return {
+    gemms = {
         "gemm": lambda: matmul(t(M, K), t(N, K), bias=t(N)),
         "gemm+swiglu": lambda: matmul(t(M, K), t(N, K), bias=t(N), swiglu_out=t(M, N // 2)),
         "gemm+bias+gelu+residual": lambda: matmul(t(M, K), t(N, K), bias=t(N), activation="gelu_tanh",
@@ -220,6 +249,10 @@ def calls(dtype):
         # dW += sum_b dY_b^T X_b from contiguous (B, M, N) dY and (B, M, K) X
         "wgrad-accumulate": lambda: matmul(t(B, M, N).mT, t(B, M, K).mT, out=t(N, K, dtype=torch.float32),
                                            accumulate=True, reduce_batch=True),
+    }
+    return {
+        **gemms,
+        **{f"tma-{name}": call for name, call in gemms.items()},  # the same calls, on Hopper's path
         "swiglu-fwd": lambda: swiglu.swiglu(y[:, 0::2], y[:, 1::2]),
         "swiglu-bwd": lambda: swiglu.swiglu_backward(t(M, N), y[:, 0::2], y[:, 1::2]),
         "swiglu-bwd-pairs": lambda: swiglu.swiglu_backward(t(M, N), y[:, 0::2], y[:, 1::2], dgate=dy[:, 0::2],

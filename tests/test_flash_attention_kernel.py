@@ -94,6 +94,67 @@ def test_kernel_matches_reference(case):
         assert_close(got.to(q.dtype), ref.to(q.dtype), msg=lambda m, n=name: f"{n}: {m}")
 
 
+def allowed_pairs(q_pos, q_doc, k_pos, k_doc, causal, window):
+    """(B, M, N) bool: the reference's rule, token by token."""
+    ok = q_doc[:, :, None] == k_doc[:, None, :]
+    diff = q_pos[:, :, None] - k_pos[:, None, :]
+    if causal:
+        ok &= diff >= 0
+    if window is not None:
+        ok &= diff.abs() < window
+    return ok
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(attention_cases(), st.sampled_from([(16, 16), (16, 32), (32, 16)]))
+def test_tile_kinds_agree_with_the_pairs(case, blocks):
+    """A whole tile (run without a mask) has every pair allowed and every token real; a skipped
+    tile has no pair allowed; the lists visit every tile that is not skipped, whole ones first."""
+    from tplayers.kernels.flash_attention import tile_kinds, tile_lists
+
+    B, N = case["B"], case["N"]
+    M = max(1, N // 2) if case["fewer_queries"] else N
+    meta = metadata(B, M, N, case["docs"], case["masked"], case["permute"], torch.Generator().manual_seed(case["seed"]))
+    bm, bn = blocks
+    kinds = tile_kinds(*meta, bm, bn, case["causal"], case["window"])
+    ok = allowed_pairs(*meta, case["causal"], case["window"])
+    tiles = F.pad(ok, (0, -N % bn, 0, -M % bm)).view(B, (M + bm - 1) // bm, bm, (N + bn - 1) // bn, bn)
+    any_pair, every_pair = tiles.any(-1).any(-2), tiles.all(-1).all(-2)
+    assert ((kinds == 0) <= every_pair).all() and ((kinds == 2) <= ~any_pair).all()
+    order, whole, meet = tile_lists(kinds)
+    assert torch.equal(whole, (kinds == 0).sum(-1, dtype=torch.int32))
+    for b in range(B):
+        for row in range(kinds.shape[1]):
+            visited = order[b, row, : meet[b, row]].long()
+            assert torch.equal(visited.sort().values, (kinds[b, row] <= 1).nonzero().flatten())
+            assert (kinds[b, row, visited[: whole[b, row]]] == 0).all()
+
+
+def test_whole_tiles_of_a_long_causal_sequence():
+    """Causal attention over 80 contiguous tokens (tiles of 16 in the interpreter): most tiles run
+    whole, without a mask, and forward and backward still match the reference; a window of 40
+    leaves whole tiles inside it too."""
+    from tplayers.kernels.flash_attention import tile_kinds
+
+    gen = kernel_generator(7)
+    B, H, KH, N, D = 1, 2, 1, 80, 16
+    q = torch.randn(B, H, N, D, generator=gen)
+    k, v = (torch.randn(B, KH, N, D, generator=gen) for _ in range(2))
+    do = torch.randn(B, H, N, D, generator=gen)
+    pos = torch.arange(N, dtype=torch.int32, device=q.device).expand(B, N).contiguous()
+    doc = torch.zeros(B, N, dtype=torch.int32, device=q.device)
+    for window in (None, 40):
+        assert (tile_kinds(pos, doc, pos, doc, 16, 16, True, window) == 0).sum() >= 4
+        o, lse = flash_attention(q, k, v, pos, doc, pos, doc, window=window)
+        o_ref, lse_ref = flash_attention_ref(q, k, v, pos, doc, pos, doc, window=window)
+        assert_close(o, o_ref)
+        assert_close(lse, lse_ref)
+        grads = flash_attention_backward(do, q, k, v, o_ref, lse_ref, pos, doc, pos, doc, window=window)
+        want = flash_attention_backward_ref(do, q, k, v, o_ref, lse_ref, pos, doc, pos, doc, window=window)
+        for name, got, ref in zip(("dq", "dk", "dv"), grads, want, strict=True):
+            assert_close(got, ref, msg=lambda m, n=name: f"{n}: {m}")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", [None, 3])
 def test_reference_matches_sdpa(dtype, window):

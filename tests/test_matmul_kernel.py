@@ -159,6 +159,66 @@ def test_swiglu_epilogue_rejects_bad_arguments():
         matmul_ref(a, w, activation="silu", swiglu_out=torch.empty(4, 3))
 
 
+@pytest.fixture
+def tma_path(monkeypatch):
+    """Hopper's TMA kernel in the interpreter (on a GPU of sm_90 or later it runs by itself)."""
+    from tplayers.kernels import matmul as module
+
+    monkeypatch.setattr(module, "TMA_IN_INTERPRETER", True)
+    return module
+
+
+@settings(max_examples=examples(40))
+@given(
+    mode=st.sampled_from(["2d", "batched", "reduce_batch"]), batch=st.integers(1, 3),
+    m=st.integers(1, 9).map(lambda x: 8 * x), n=st.integers(1, 9).map(lambda x: 8 * x),
+    k=st.integers(1, 9).map(lambda x: 8 * x), dtype=st.sampled_from([torch.float16, torch.bfloat16]),
+    layouts=st.lists(st.sampled_from(["contiguous", "transposed"]), min_size=2, max_size=2),
+    batched_b=st.booleans(), bias=st.booleans(), activation=st.sampled_from([None, "gelu_tanh", "silu"]),
+    residual=st.booleans(), accumulate=st.booleans(), seed=st.integers(0, 2**16),
+)  # fmt: skip
+def test_tma_kernel_matches_reference(tma_path, mode, batch, m, n, k, dtype, layouts, batched_b, bias, activation,
+                                      residual, accumulate, seed):  # fmt: skip
+    """The persistent TMA kernel on the operands its descriptors take (16-bit, 16-byte strides):
+    K-major and row-major (a weight gradient's transposed activations) operands, batched, reduced
+    over the batch, a weight shared by every batch, each epilogue, accumulating into fp32."""
+    gen = kernel_generator(seed)
+    lead = () if mode == "2d" else (batch,)
+    a = strided((*lead, m, k), dtype, layouts[0], gen)
+    b = strided((*lead, n, k) if batched_b and mode != "2d" else (n, k), dtype, layouts[1], gen)
+    assert tma_path._uses_tma(a, b)
+    out_shape = (batch, m, n) if mode == "batched" else (m, n)
+    out = torch.randn(out_shape, generator=gen).to(torch.float32 if accumulate else dtype)
+    bias_t = torch.randn(n, generator=gen).to(dtype) if bias else None
+    res = torch.randn(out_shape, generator=gen).to(dtype) if residual and mode != "reduce_batch" else None
+    epilogue = dict(activation=activation, accumulate=accumulate, reduce_batch=mode == "reduce_batch")
+    f32 = lambda t: None if t is None else t.float()  # noqa: E731
+    expected = matmul_ref(f32(a), f32(b), bias=f32(bias_t), residual=f32(res), out=out.float().clone(), **epilogue)
+    assert_close(matmul(a, b, bias=bias_t, residual=res, out=out, **epilogue), expected.to(out.dtype))
+
+
+def test_tma_kernel_swiglu_epilogue(tma_path):
+    gen = kernel_generator(3)
+    a, w = torch.randn(40, 24, generator=gen).half(), torch.randn(48, 24, generator=gen).half()
+    h = torch.empty(40, 24, dtype=torch.half)
+    y = matmul(a, w, swiglu_out=h)
+    h_ref = torch.empty(h.shape)
+    assert_close(y, matmul_ref(a.float(), w.float(), swiglu_out=h_ref).half())
+    assert_close(h, h_ref.half())
+
+
+def test_tma_takes_only_what_its_descriptors_can_read(tma_path):
+    """fp32, an address or a row stride not a multiple of 16 bytes, a view with no unit stride:
+    the pointer kernel runs those (and the results agree either way)."""
+    x = torch.randn(32, 40, dtype=torch.bfloat16)
+    w = torch.randn(24, 40, dtype=torch.bfloat16)
+    assert tma_path._uses_tma(x, w) and tma_path._uses_tma(x.t().contiguous().t(), w)
+    for other in (w.float(), w[:, 1:33], torch.randn(24, 44, dtype=torch.bfloat16)[:, :36], w[:, ::2]):
+        assert not tma_path._uses_tma(x[:, : other.shape[1]], other), other.stride()
+        got = matmul(x[:, : other.shape[1]].to(other.dtype), other)
+        assert_close(got, matmul_ref(x[:, : other.shape[1]].float(), other.float()).to(other.dtype))
+
+
 @pytest.mark.parametrize("capability, arch", [((8, 0), 80), ((9, 0), 90), ((12, 0), 90)])
 def test_configs_for_the_running_gpu(monkeypatch, capability, arch):
     """The autotuned GEMMs time their own architecture's configs; TPLAYERS_AUTOTUNE=0 takes the

@@ -9,9 +9,10 @@ its launcher passes, its configs for sm_80 / sm_90a and the dtypes it is launche
 (kernel, arch, config, dtype) is compiled with `triton.compile` for its target, specialised as
 the JIT would specialise that launch, and the cubin is inspected with the wheel's `cuobjdump`
 for registers, stack (spills), shared memory and tensor-core instructions (HMMA on sm_80, HGMMA
-= wgmma on sm_90a). A row is ok when its cubin is for its arch, nothing spills, its shared
-memory fits one block and, for the GEMM rows only (plain and grouped), tensor-core instructions were emitted (the
-elementwise and reduction kernels have no tl.dot).
+= wgmma on sm_90a) and tensor-memory-accelerator loads (UTMALDG). A row is ok when its cubin is
+for its arch, nothing spills, its shared memory fits one block, for the GEMM rows (plain and
+grouped) tensor-core instructions were emitted (the elementwise and reduction kernels have no
+tl.dot), and for the TMA GEMM (sm_90a only) TMA loads too.
 
     python -m tplayers.tools.compile_report [--kernel K] [--arch CC] [--dtype D] [--csv PATH] [--json]
     (exit code 1 if a row is not ok)
@@ -44,7 +45,7 @@ REGS_PER_SM, WARPS_PER_SM, BLOCKS_PER_SM = 65536, 64, 32
 OPTIONS = ("num_warps", "num_stages")
 COLUMNS = [
     "kernel", "arch", "dtype", "blocks", "num_warps", "num_stages",
-    "registers", "stack", "shared", "hmma", "hgmma", "blocks_per_sm", "occupancy_limit", "ok", "error",
+    "registers", "stack", "shared", "hmma", "hgmma", "tma", "blocks_per_sm", "occupancy_limit", "ok", "error",
 ]  # fmt: skip
 
 
@@ -165,6 +166,7 @@ def inspect_cubin(cubin, bin_dir):
         "static_shared": int(usage["SHARED"]),
         "hmma": len(re.findall(r"\bHMMA\.", text)),
         "hgmma": len(re.findall(r"\bHGMMA\.", text)),
+        "tma": len(re.findall(r"\bUTMALDG\b", text)),  # tensor-memory-accelerator loads
     }
 
 
@@ -203,13 +205,15 @@ def compile_row(job):
     blocks, limiter = occupancy(cc, info["registers"], shared, meta.num_warps)
     row = dict(kernel=kernel, arch=ARCHS[cc], dtype=dtype, blocks=_blocks(config))
     row.update(num_warps=meta.num_warps, num_stages=meta.num_stages, registers=info["registers"])
-    row.update(stack=info["stack"], shared=shared, hmma=info["hmma"], hgmma=info["hgmma"])
+    row.update(stack=info["stack"], shared=shared, hmma=info["hmma"], hgmma=info["hgmma"], tma=info["tma"])
     row.update(blocks_per_sm=blocks, occupancy_limit=limiter)
     problems = []
     if info["sass_arch"] != ARCHS[cc]:
         problems.append(f"cubin is {info['sass_arch']}")
     if KERNELS[kernel].tensor_cores and info[TENSOR_CORE_OP[cc].lower()] == 0:
         problems.append(f"no {TENSOR_CORE_OP[cc]}")
+    if KERNELS[kernel].tma and info["tma"] == 0:
+        problems.append("no UTMALDG (TMA loads)")
     if info["stack"]:
         problems.append(f"spills ({info['stack']} B stack)")
     if shared > SMEM_PER_BLOCK[cc]:

@@ -35,7 +35,8 @@ class KernelSpec:
     passes them, without the config's constexprs. configs(module, cc) -> the launcher's configs
     for that arch, each a dict of constexprs (BLOCK_*) plus the options it sets (num_warps,
     num_stages; triton's defaults otherwise). dtypes: the input dtypes it is launched with.
-    tensor_cores: the cubin must contain HMMA / HGMMA (GEMMs only).
+    tensor_cores: the cubin must contain HMMA / HGMMA (GEMMs only). tma: its sm_90a cubin must
+    load through the tensor memory accelerator (UTMALDG).
     """
 
     module: str
@@ -44,6 +45,7 @@ class KernelSpec:
     configs: Callable
     dtypes: tuple
     tensor_cores: bool = False
+    tma: bool = False
 
 
 def _tl_dtype(dtype):
@@ -122,6 +124,30 @@ def _gemm_launch(variant):
 def _gemm_configs(matmul, cc):
     configs = matmul.SM80_CONFIGS if cc == 80 else matmul.SM90_CONFIGS
     return [dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) for c in configs]
+
+
+def _gemm_tma_launch(variant):
+    """The TMA kernel (sm_90 and later) launched as the pointer kernel's `variant`: K-major operands,
+    or (the weight gradient) both read through their unit stride along the rows."""
+    base = _gemm_launch(variant)
+    wgrad = GEMM_VARIANTS[variant]["batched"]
+
+    def launch(dtype):
+        args, flags = base(dtype)
+        layout = dict(A_K_MAJOR=not wgrad, B_K_MAJOR=not wgrad, A_SHARED=not wgrad, B_SHARED=not wgrad)
+        return args, dict(flags, **layout, NUM_SMS=132)
+
+    return launch
+
+
+def _gemm_tma_configs(variant):
+    flags = GEMM_VARIANTS[variant]["flags"]
+
+    def configs(matmul, cc):  # Ampere has no TMA: the pointer kernel runs there
+        chosen = matmul.tma_configs(matmul.TMA_CONFIGS, matmul.light_epilogue(flags)) if cc >= 90 else []
+        return [dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) for c in chosen]
+
+    return configs
 
 
 # -- elementwise and reduction kernels -----------------------------------------------------------
@@ -292,7 +318,7 @@ def _weight_grad_configs(module, cc):
 
 # (kernel, head size, flags): each kernel at head sizes 64 and 128 (causal, as the models run it;
 # the forward also with a sliding window and softcapping at 128). Every tensor is a (B, H,
-# S, D) view with unit stride along D (HF's transposed q); metadata int32, tile bounds int32 (B, T, 4).
+# S, D) view with unit stride along D (HF's transposed q); metadata and tile lists int32.
 FLASH_VARIANTS = {
     "flash-fwd-d64": ("_flash_fwd_kernel", 64, False),
     "flash-fwd-d128": ("_flash_fwd_kernel", 128, False),
@@ -310,7 +336,7 @@ def _flash_launch(variant):
 
     def launch(dtype):
         meta = dict(qpos_ptr=Ptr("i32"), qdoc_ptr=Ptr("i32"), kpos_ptr=Ptr("i32"), kdoc_ptr=Ptr("i32"),
-                    qbounds_ptr=Ptr("i32"), kbounds_ptr=Ptr("i32"))  # fmt: skip
+                    list_ptr=Ptr("i32"), whole_ptr=Ptr("i32"), meet_ptr=Ptr("i32"))  # fmt: skip
         if kernel == "_flash_fwd_kernel":
             tensors = dict(q_ptr=Ptr(dtype), k_ptr=Ptr(dtype), v_ptr=Ptr(dtype), o_ptr=Ptr(dtype), lse_ptr=Ptr("fp32"))
             last = ("stride_ob", "stride_oh", "stride_om")
@@ -322,8 +348,9 @@ def _flash_launch(variant):
             )
             last = ("stride_dob", "stride_doh", "stride_dom")
         # window 0 (none) is a multiple of 16 to the JIT; a real window any int
+        tiles = "TILES_M" if "dkdv" in kernel else "TILES_N"  # the length of each row of the tile lists
         args = dict(tensors, **meta, H=ANY, N_REP=ANY, M=DIV16, N=DIV16, D=head_dim, scale=0.125, softcap=30.0,
-                    window=ANY if extras else DIV16)  # fmt: skip
+                    window=ANY if extras else DIV16, **{tiles: ANY})  # fmt: skip
         args.update({name: DIV16 for name in (*FLASH_STRIDES, *last)})
         flags = dict(CAUSAL=True, HAS_WINDOW=extras, HAS_SOFTCAP=extras, UPCAST=False, INPUT_PRECISION="ieee",
                      BLOCK_D=head_dim)  # fmt: skip
@@ -345,6 +372,18 @@ def _flash_configs(variant):
 KERNELS = {
     **{
         name: KernelSpec("matmul", "_matmul_kernel", _gemm_launch(name), _gemm_configs, ("fp16", "bf16"), True)
+        for name in GEMM_VARIANTS
+    },
+    **{
+        f"tma-{name}": KernelSpec(
+            "matmul",
+            "_matmul_tma_kernel",
+            _gemm_tma_launch(name),
+            _gemm_tma_configs(name),
+            ("fp16", "bf16"),
+            True,
+            True,
+        )  # fmt: skip
         for name in GEMM_VARIANTS
     },
     "swiglu-fwd": KernelSpec("swiglu", "_swiglu_fwd_kernel", _swiglu_fwd_launch, _gpu_config, DTYPES),
