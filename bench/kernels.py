@@ -34,6 +34,8 @@ summary to <out>/kernel_tests.txt.
 
     python bench/kernels.py [--quick] [--no-tests] [--out bench/out/kernels]   (or: tplayers bench --kernels)
 
+Each row also says which path backend="auto" takes there (tplayers.backend: measured on
+first use, the kernel only where faster than torch's op) and that path's time over torch's.
 Writes <out>/kernels.csv and <out>/kernels.png (triton / torch time per pair) and prints a
 table. Ratios below 1 favour Triton. TFLOP/s counts 2 M N K per GEMM; GB/s counts the least
 traffic of the op (each input read once, each output written once), the same bytes for both
@@ -154,7 +156,7 @@ NO_GPU = (
 LOSS_SCALE = 2.0**16
 FIELDS = (
     "kernel", "op", "provider", "dtype", "shape", "time_ms", "tflops", "gbps", "ratio_to_torch", "max_abs_err",
-    "err_over_tol", "ok", "device", "torch", "triton",
+    "err_over_tol", "ok", "auto_path", "auto_ratio_to_torch", "device", "torch", "triton",
 )  # fmt: skip
 
 
@@ -168,6 +170,9 @@ class Pair:
     # For long reductions in low precision (gradients summed over thousands of rows) both sides
     # are off by more than the dtype's tolerance: each is then measured against this fp64 run.
     fp64: Callable | None = None
+    # Whether backend="auto" runs the kernel here (tplayers.backend, measured on first use);
+    # ops it does not measure keep their kernel on a GPU
+    auto_runs_kernel: Callable = lambda: True
 
 
 @dataclass(frozen=True)
@@ -213,7 +218,14 @@ def gemm_pair(M, N, K, dtype, epilogue, impl, device):
             return y, F.silu(y[:, 0::2]) * y[:, 1::2]
         return y + residual if has_residual else y
 
-    return Pair(triton_fn, torch_fn)
+    def auto_runs_kernel():
+        from tplayers.backend import _gemm_key, kernel_is_faster
+
+        h = torch.empty((M, N // 2), device=device, dtype=dtype) if swiglu else None
+        epilogue = dict(bias=bias, activation=activation, residual=residual, swiglu_out=h)
+        return kernel_is_faster("gemm", _gemm_key(a, w, epilogue), dtype, a.device)
+
+    return Pair(triton_fn, torch_fn, auto_runs_kernel=auto_runs_kernel)
 
 
 def swiglu_pair(M, N, dtype, impl, device):
@@ -383,7 +395,13 @@ def attention_pair(B, H, KH, S, D, dtype, impl, device, *, backward):
     def fp64_fn():
         return sdpa(*(t.detach().double().requires_grad_() for t in (q, k, v)), do.double())
 
-    return Pair(triton_fn, lambda: sdpa(q, k, v, do), fp64=fp64_fn)
+    def auto_runs_kernel():  # nn.ParallelAttention's choice, measured forward + backward
+        from tplayers.backend import kernel_is_faster, token_bucket
+        from tplayers.nn import attention  # noqa: F401 -- registers its recipe
+
+        return kernel_is_faster("attention", (token_bucket(B * S), H, KH, token_bucket(S), D, 1, 0), dtype, q.device)
+
+    return Pair(triton_fn, lambda: sdpa(q, k, v, do), fp64=fp64_fn, auto_runs_kernel=auto_runs_kernel)
 
 
 def cases(shapes):
@@ -503,6 +521,7 @@ def bench_case(case, impl, device, timer):
         max_abs, over = compare_to_fp64(pair.triton(), pair.torch(), pair.fp64())
     pair.before_timing()
     ms = {"triton": timer(pair.triton), "torch": timer(pair.torch)}
+    auto = ("triton" if pair.auto_runs_kernel() else "torch") if device.type == "cuda" else "torch"
     rows = []
     for provider, t in ms.items():
         rows.append({
@@ -510,6 +529,7 @@ def bench_case(case, impl, device, timer):
             "shape": case.shape, "time_ms": t, "tflops": case.flops / t / 1e9 if case.flops else "",
             "gbps": case.nbytes / t / 1e6 if case.nbytes else "", "ratio_to_torch": t / ms["torch"],
             "max_abs_err": max_abs, "err_over_tol": over, "ok": over <= 1.0,  # nan: not ok
+            "auto_path": auto, "auto_ratio_to_torch": ms[auto] / ms["torch"],
         })  # fmt: skip
     return rows
 
@@ -571,12 +591,13 @@ def _rate(row):
 
 HEADER = (
     f"{'op':<28}{'dtype':<10}{'shape':<30}{'triton ms':>10}{'torch ms':>10}{'tri/torch':>10}"
-    f"{'triton':>16}{'torch':>16}{'max abs err':>13}{'err/tol':>9}  ok"
+    f"{'triton':>16}{'torch':>16}{'max abs err':>13}{'err/tol':>9}  ok  {'auto':>13}"
 )
 FOOTNOTE = (
     "(tri/torch < 1: Triton faster; err/tol: the largest |triton - torch| over atol + rtol |torch| from "
     "tplayers.tolerances for torch's dtype, <= 1 passes; for fwd+bwd, whose gradients sum thousands of rows, "
-    "that or, where smaller, Triton's rms error from an fp64 run over 1.25x torch's own)"
+    "that or, where smaller, Triton's rms error from an fp64 run over 1.25x torch's own; auto: the path "
+    "backend='auto' runs, measured on first use (tplayers.backend), and its time over torch's)"
 )
 
 
@@ -584,7 +605,8 @@ def _line(tri, ref):
     return (
         f"{tri['op']:<28}{tri['dtype']:<10}{tri['shape'][:29]:<30}{tri['time_ms']:10.3f}{ref['time_ms']:10.3f}"
         f"{tri['ratio_to_torch']:10.3f}{_rate(tri):>16}{_rate(ref):>16}{tri['max_abs_err']:13.3g}"
-        f"{tri['err_over_tol']:9.3f}  {'yes' if tri['ok'] else 'NO'}"
+        f"{tri['err_over_tol']:9.3f}  {'yes' if tri['ok'] else 'NO ':<3}"
+        f" {tri['auto_path']:>6} {tri['auto_ratio_to_torch']:5.2f}"
     )
 
 

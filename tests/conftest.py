@@ -14,6 +14,9 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 os.environ["TPLAYERS_OVERLAP_COSTS"] = os.path.join(
     __import__("tempfile").mkdtemp(prefix="tplayers-tests-"), "overlap_costs.json"
 )
+# backend="auto" keeps its measured kernel choices in a file too: the suite's own.
+os.environ["TPLAYERS_KERNEL_CHOICES"] = os.path.join(os.path.dirname(os.environ["TPLAYERS_OVERLAP_COSTS"]),
+                                                     "kernel_choices.json")  # fmt: skip
 # Measuring (overlap="auto" timing both paths on a new shape's first calls) makes the same call
 # give the ring's bits once and the plain path's the next (they sum in different orders), as
 # cudnn.benchmark does: the suite checks bit-exact repeats, so it runs the model's choice alone,

@@ -10,7 +10,7 @@ HF's eager norm keeps fp32 copies of x and of the normalised rows. No communicat
 
 import torch
 
-from tplayers.backend import uses_triton
+from tplayers.backend import register, token_bucket, uses_triton
 
 
 class _RMSNormFn(torch.autograd.Function):
@@ -38,9 +38,31 @@ class _RMSNormFn(torch.autograd.Function):
 
 def rms_norm(x, weight, eps: float):
     """HF's RMSNorm of x over its last dim (module docstring), on the selected backend."""
-    if uses_triton(x) and x.numel():
+    key = (token_bucket(x.numel() // max(1, x.shape[-1])), x.shape[-1], str(weight.dtype)) if x.is_cuda else ()
+    if x.numel() and uses_triton(x, "rms_norm", key):
         return _RMSNormFn.apply(x, weight, eps)
+    return _hf_rms_norm(x, weight, eps)
+
+
+def _hf_rms_norm(x, weight, eps):
     input_dtype = x.dtype  # the torch backend: HF's own ops, as its forward runs them
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(input_dtype)
+
+
+def _recipe(key, dtype, device):
+    """The norm's forward and backward on rows of the class `key`, each path (tplayers.backend.register)."""
+    rows, n, weight_dtype = key
+    x = torch.randn(rows, n, device=device, dtype=dtype, requires_grad=True)
+    weight = torch.ones(n, device=device, dtype=getattr(torch, weight_dtype.removeprefix("torch.")),
+                        requires_grad=True)  # fmt: skip
+    dy = torch.randn(rows, n, device=device, dtype=torch.promote_types(dtype, weight.dtype))
+
+    def step(fn):
+        return lambda: fn(x, weight, 1e-6).backward(dy)
+
+    return step(_RMSNormFn.apply), step(_hf_rms_norm)
+
+
+register("rms_norm", _recipe)

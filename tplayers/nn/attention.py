@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Replicate
 
-from tplayers.backend import uses_triton
+from tplayers.backend import register, token_bucket, uses_triton
 from tplayers.distributed import resolve_group
 from tplayers.functional.auto_overlap import check_overlap
 from tplayers.functional.collectives import copy_to_tp_region
@@ -78,30 +78,56 @@ def attend(q, k, v, layer, seq, attention_mask, position_ids, position_embedding
     if position_embeddings is not None:
         cos, sin = position_embeddings
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    if uses_triton(q):  # the flash-attention kernel: GQA without expanding K / V, masks from metadata
-        return _flash(q, k, v, layer, seq, attention_mask).transpose(1, 2).reshape(B, seq, hq * D)
-    if hq != hkv:  # GQA / MQA: each local kv head serves hq / hkv consecutive query heads
-        k, v = (t.repeat_interleave(hq // hkv, dim=1) for t in (k, v))
-    if attention_mask is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=layer.causal)
+    key = (token_bucket(B * seq), hq, hkv, token_bucket(seq), D, int(layer.causal), int(attention_mask is not None))
+    if uses_triton(q, "attention", key if q.is_cuda else ()):  # the flash kernel: GQA unexpanded, masks from metadata
+        out = _flash(q, k, v, layer.causal, seq, attention_mask)
     else:
-        mask = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, S) keys to attend
-        if layer.causal:
-            mask = mask & torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
-        has_key = mask.any(-1, keepdim=True)  # (B, 1, S, 1): rows with no key output zeros
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~has_key) * has_key
+        out = _sdpa(q, k, v, layer.causal, seq, attention_mask)
     return out.transpose(1, 2).reshape(B, seq, hq * D)  # (B, S, hq*D)
 
 
-def _flash(q, k, v, layer, seq, attention_mask):
+def _sdpa(q, k, v, causal, seq, attention_mask):
+    """torch's SDPA, K / V expanded for GQA, the padding and causal masks as one boolean mask."""
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq != hkv:  # GQA / MQA: each local kv head serves hq / hkv consecutive query heads
+        k, v = (t.repeat_interleave(hq // hkv, dim=1) for t in (k, v))
+    if attention_mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    mask = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, S) keys to attend
+    if causal:
+        mask = mask & torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+    has_key = mask.any(-1, keepdim=True)  # (B, 1, S, 1): rows with no key output zeros
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~has_key) * has_key
+
+
+def _flash(q, k, v, causal, seq, attention_mask):
     """kernels/flash_attention.py through `local_attention`: positions 0..S-1, one document, the
     padding keys hidden (a query that sees no key outputs zeros, as the SDPA path gives)."""
     B = q.shape[0]
     pos = torch.arange(seq, dtype=torch.int32, device=q.device).expand(B, seq).contiguous()
     q_doc = torch.zeros((B, seq), dtype=torch.int32, device=q.device)
     k_doc = q_doc if attention_mask is None else torch.where(attention_mask.bool(), 0, -1).to(torch.int32)
-    opts = AttentionOptions(scale=layer.head_dim**-0.5, causal=layer.causal)
+    opts = AttentionOptions(scale=q.shape[-1] ** -0.5, causal=causal)
     return local_attention(q, k, v, pos, q_doc, pos, k_doc, opts)
+
+
+def _attention_recipe(key, dtype, device):
+    """Forward and backward of both paths on heads of the class `key` (tplayers.backend.register): the rows
+    `key[0]` as batch x sequence `key[3]`, HF's (B, H, S, D) views."""
+    tokens, hq, hkv, seq, D, causal, masked = key
+    B = max(1, tokens // seq)
+    q = torch.randn(B, seq, hq, D, device=device, dtype=dtype).transpose(1, 2).requires_grad_()
+    k, v = (torch.randn(B, seq, hkv, D, device=device, dtype=dtype).transpose(1, 2).requires_grad_() for _ in "kv")
+    mask = torch.ones(B, seq, dtype=torch.long, device=device) if masked else None
+    do = torch.randn(B, hq, seq, D, device=device, dtype=dtype)
+
+    def step(fn):
+        return lambda: fn(q, k, v, bool(causal), seq, mask).backward(do)
+
+    return step(_flash), step(_sdpa)
+
+
+register("attention", _attention_recipe)
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
