@@ -58,6 +58,22 @@ def test_a_kernel_that_fails_is_dispatched_away(choices, monkeypatch):
     assert record["kernel"] is False and "out of resources" in record["error"]
 
 
+@pytest.mark.interpreter
+def test_a_first_use_inside_an_evaluation_measures_forward_and_backward(choices, monkeypatch):
+    """Met first under torch.no_grad / inference mode (an eval loop), the norm's recipe still runs
+    its backward: the choice is the timing's, not a failure's."""
+    import tplayers.functional.rms_norm  # noqa: F401 -- registers its recipe
+
+    monkeypatch.setattr(backend, "_elapsed_ms", lambda fn: (fn(), 1.0)[1])
+    for context in (torch.no_grad, torch.inference_mode):
+        backend.forget_choices()
+        choices.unlink(missing_ok=True)
+        with context():
+            backend.kernel_is_faster("rms_norm", (64, 32, "torch.float32"), torch.float32, torch.device("cpu"))
+        record = json.loads(choices.read_text())["Fake GPU"]["rms_norm|float32|64,32,torch.float32"]
+        assert "error" not in record and record["kernel"] is False, record  # even: torch's op
+
+
 def test_measured_once_then_read_from_the_file(choices, monkeypatch):
     calls = []
 

@@ -89,24 +89,30 @@ def kernel_is_faster(op: str, key: tuple, dtype, device) -> bool:
         with _locked():
             record = read_choices().get(gpu, {}).get(name)  # another rank of the node may have measured it
             if record is None:
-                record = measure(*_RECIPES[op](key, dtype, device), device)
+                record = measure(lambda: _RECIPES[op](key, dtype, device), device)
                 _write(gpu, name, record)
     chosen = True if record is None else bool(record["kernel"])  # not measured: the kernel
     _chosen[(gpu, name)] = chosen
     return chosen
 
 
-def measure(kernel_fn, torch_fn, device) -> dict:
-    """Both paths timed alternately on `device`: {"kernel": chosen, "kernel_ms", "torch_ms"}, or the
-    kernel's error (then torch's op is chosen)."""
-    paths = (kernel_fn, torch_fn)
+def measure(build, device) -> dict:
+    """Both paths of `build()` -> (kernel_fn, torch_fn) timed alternately on `device`: {"kernel":
+    chosen, "kernel_ms", "torch_ms"}, or the error of either (then torch's op is chosen)."""
+    # a first use inside an evaluation (no_grad, inference mode) or under autocast measures the same
+    # thing: the recipes build their inputs and run forward and backward in the dtype they were given
+    outside = (torch.inference_mode(False), torch.enable_grad(), torch.autocast("cuda", enabled=False))
     try:
-        for fn in paths * WARMUP:
-            fn()
-        times = [[], []]
-        for _ in range(REPS):
-            for i, fn in enumerate(paths):
-                times[i].append(_elapsed_ms(fn))
+        with contextlib.ExitStack() as stack:
+            for context in outside:
+                stack.enter_context(context)
+            paths = build()
+            for fn in paths * WARMUP:
+                fn()
+            times = [[], []]
+            for _ in range(REPS):
+                for i, fn in enumerate(paths):
+                    times[i].append(_elapsed_ms(fn))
     except Exception as e:  # noqa: BLE001 -- a kernel that fails here is dispatched away, not raised
         _synchronize(device)
         return {"kernel": False, "error": f"{type(e).__name__}: {e}"[:300]}
