@@ -126,3 +126,45 @@ def test_init_mesh_rejects_wrong_world_size(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(ValueError, match=r"world size 4 != dp\*pp\*tp = 1\*1\*3 = 3"):
         tplayers.init_mesh(tp=3)
+
+
+def _heads_from_the_config(model):
+    """Plant what a model's own code does when it reads its head count from the config instead of
+    its projection (a raw crash once sharded): the first layer's attention reshapes to every head."""
+    import types
+
+    attention = model.model.layers[0].self_attn
+    forward = attention.forward
+
+    def by_config(self, hidden_states, *args, **kwargs):
+        q = self.q_proj(hidden_states)
+        heads = self.config.num_attention_heads
+        q.view(*hidden_states.shape[:-1], heads, self.head_dim)  # the view HF's code would take
+        return forward(hidden_states, *args, **kwargs)
+
+    attention.forward = types.MethodType(by_config, attention)
+    return model
+
+
+def crash_inside_the_model(rank, tp, group, verify):
+    from test_fused_loss import tiny_llama
+
+    model = _heads_from_the_config(tiny_llama())
+    if verify:
+        with pytest.raises(tplayers.hf.verify.VerifyError) as caught:
+            tplayers.parallelize(model, group=group)
+        return str(caught.value)
+    tplayers.parallelize(model, group=group, verify=False)
+    with pytest.raises(RuntimeError, match="is invalid for input of size") as caught:
+        model(torch.randint(0, 50, (2, 6)))
+    return "\n".join(caught.value.__notes__)
+
+
+@pytest.mark.parametrize("verify", [True, False], ids=["self-check", "verify=False"])
+def test_a_crash_inside_the_sharded_model_names_tplayers_the_model_and_the_module(pool, verify):
+    """The self-check's failure, or (verify=False) the error of a later forward, names tplayers, the
+    model and type and the innermost module that raised, not only the model's own raw error."""
+    for message in pool.run(crash_inside_the_model, 2, verify):
+        assert "LlamaForCausalLM (llama)" in message, message
+        assert "in model.layers.0.self_attn (LlamaAttention)" in message, message
+        assert ("parallelize(verify)" if verify else "tplayers: raised") in message, message

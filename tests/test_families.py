@@ -28,7 +28,9 @@ EXACT = ["llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "gemma", 
          "gpt2", "gptj", "gpt_neox", "gpt_bigcode", "gpt_bigcode-mha", "falcon", "falcon-new", "falcon-alibi", "opt",
          "bloom", "stablelm", "starcoder2", "olmo", "olmo2", "cohere", "granite", "smollm3", "glm4", "codegen",
          "mpt", "nemotron", "exaone4", "arcee", "deepseek_v3", "deepseek_v2-lite", "gpt_oss", "llama4_text", "dbrx",
-         "phimoe", "bitnet", "gemma3n_text"]  # fmt: skip
+         "phimoe", "bitnet", "gemma3n_text",
+         # gated attention: an output gate per head element (AFMoE, HRM) or per head (Laguna), split with the heads
+         "afmoe", "laguna", "laguna-elementwise", "hrm_text"]  # fmt: skip
 # Multi-head latent attention: a query latent of 16, a key/value latent of 12, heads of [8 | 4 rope] for q and k
 # and 6 for v; the rotary width is head_dim, one key/value head per query head (the latents expand to every head)
 MLA = dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
@@ -39,6 +41,7 @@ VARIANTS = {
     "gpt_bigcode-mha": ("gpt_bigcode", dict(multi_query=False)),  # per-head [q, k, v] c_attn
     "falcon-new": ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2)),  # key/value groups
     "falcon-alibi": ("falcon", dict(alibi=True)),  # multi-query with ALiBi
+    "laguna-elementwise": ("laguna", dict(gating=False)),  # one gate per head element, not per head
     # CodeGen's qkv_proj holds 4 blocks of heads: 16 heads go over 4 ranks
     "codegen": ("codegen", dict(num_attention_heads=16, hidden_size=64, rotary_dim=4, head_dim=4)),
     "deepseek_v3": ("deepseek_v3", MLA),  # MLA with a query latent, interleaved rope, a shared expert, top-k groups
@@ -101,6 +104,7 @@ REFUSED = {
     "xglm": r"model.embed_tokens is a XGLMScaledWordEmbedding whose forward tplayers does not know",
 }
 SP_REFUSED = {
+    "hrm_text": r"blocks are in 2 lists \(model.L_module.layers, model.H_module.layers\)",  # its H and L modules
     # per-layer inputs over the whole sequence beside the hidden states (Gemma 3n: AltUp's stacked states too)
     "gemma3n_text": r"takes a per-layer input over the whole sequence.*sequence_parallel=False",
     "persimmon": r"could not place \[.*query_key_value",  # per-head q/k layer norms inside a fused projection

@@ -92,6 +92,35 @@ OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense")
 HIDDEN_WIDTHS = ("hidden_size", "embed_dim", "all_head_size")
 
 
+# Gated attention's output gates (AFMoE, Laguna, HRM): a projection of the attention's input with
+# one output per head or per head element, multiplied into the heads' output before o_proj.
+OUTPUT_GATES = ("gate_proj", "g_proj")
+
+
+def output_gate(attn, heads, head_dim) -> str | None:
+    """The name of `attn`'s output gate, or None: an nn.Linear among OUTPUT_GATES of the attention's
+    input width, fed `hidden_states` in the forward, one output per head or per head element. It
+    splits by the query heads (each rank gates its own heads); the self-check proves the product."""
+    for gate in OUTPUT_GATES:
+        module = getattr(attn, gate, None)
+        if (isinstance(module, nn.Linear) and module.in_features == attn.q_proj.in_features
+                and module.out_features in (heads, heads * head_dim)
+                and f"self.{gate}(hidden_states)" in forward_source(attn)):  # fmt: skip
+            return gate
+    return None
+
+
+def _split_output_gate(sp: ShardingPass, name, attn, heads, head_dim, sizes=None) -> set[str]:
+    """The output gate (if any) split as the query heads are; returns its name, or nothing."""
+    gate = output_gate(attn, heads, head_dim)
+    if gate is None:
+        return set()
+    module = getattr(attn, gate)
+    unit = head_dim if module.out_features == heads * head_dim else 1
+    sp.shared_input_column(f"{name}.{gate}", module, **(dict(split_unit=unit, split_sizes=sizes) if sizes else {}))
+    return {gate}
+
+
 def output_projection(attn) -> str | None:
     return next((p for p in OUTPUT_PROJECTIONS if isinstance(getattr(attn, p, None), nn.Linear)), None)
 
@@ -108,6 +137,7 @@ def qkvo_attention(sp: ShardingPass, name, attn):
     if heads % sp.n or (kv_heads % sp.n and sp.n % kv_heads):
         return _qkvo_by_whole_heads(sp, name, attn, out, head_dim, heads, kv_heads, q_unit)
     sp.shared_input_column(f"{name}.q_proj", attn.q_proj)
+    gates = _split_output_gate(sp, name, attn, heads, head_dim)
     if kv_heads % sp.n == 0:
         sp.shared_input_column(f"{name}.k_proj", attn.k_proj)
         sp.shared_input_column(f"{name}.v_proj", attn.v_proj)
@@ -124,7 +154,7 @@ def qkvo_attention(sp: ShardingPass, name, attn):
         attn,
         {**dict.fromkeys(HEAD_COUNTS, heads // sp.n), **dict.fromkeys(KV_HEAD_COUNTS, local_kv), **widths},
     )
-    _per_head_weights(sp, name, attn, head_dim, {"q_proj", "k_proj", "v_proj", out})
+    _per_head_weights(sp, name, attn, head_dim, {"q_proj", "k_proj", "v_proj", out, *gates})
     _held_per_head(sp, name, attn, heads, None)
     sp.shared_input.append(attn)
     sp.done.add(name)
@@ -177,6 +207,7 @@ def _qkvo_by_whole_heads(sp: ShardingPass, name, attn, out, head_dim, heads, kv_
     (2 head_dim with an output gate)."""
     sizes, local, rows = _heads_and_kv_rows(name, heads, kv_heads, head_dim, sp)
     sp.shared_input_column(f"{name}.q_proj", attn.q_proj, split_unit=q_unit or head_dim, split_sizes=sizes)
+    gates = _split_output_gate(sp, name, attn, heads, head_dim, sizes)
     _shared_kv(sp, name, attn, rows, head_dim)
     attn.num_key_value_groups = 1  # one key / value head computed per local query head
     sp.row(f"{name}.{out}", getattr(attn, out), split_unit=head_dim, split_sizes=sizes)
@@ -184,7 +215,7 @@ def _qkvo_by_whole_heads(sp: ShardingPass, name, attn, out, head_dim, heads, kv_
     localize_attributes(
         name, attn, {**dict.fromkeys(HEAD_COUNTS, local), **dict.fromkeys(KV_HEAD_COUNTS, local), **widths}
     )
-    _per_head_weights(sp, name, attn, head_dim, {"q_proj", "k_proj", "v_proj", out})
+    _per_head_weights(sp, name, attn, head_dim, {"q_proj", "k_proj", "v_proj", out, *gates})
     _held_per_head(sp, name, attn, heads, sizes)
     sp.shared_input.append(attn)
     sp.done.add(name)

@@ -304,5 +304,6 @@ def parallelize_grid(model, mesh, *, sequence_parallel=False, plan=None, vocab_p
         fused.install(model)
     seal(model)
     verification.after(probe, model, group=whole, vocab_parallel=vocab_parallel_logits)
+    verification.name_failures(model)
     check_same_inputs(model, whole)
     return model

@@ -247,10 +247,15 @@ def _decoder_blocks(model, placed):
             id(m) in placed_ids or isinstance(m, ColumnParallelLinear | RowParallelLinear) for m in item.modules()
         )
 
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) and all(holds_placed(item) for item in module):
-            return module
-    return None
+    names = {id(m): name for name, m in model.named_modules()}
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) and all(map(holds_placed, m))]
+    outer = [m for m in lists if not any(m is not o and any(m is x for x in o.modules()) for o in lists)]
+    if len(outer) > 1:  # HRM's H and L modules: the sequence between the lists is the model's own business
+        raise ValueError(
+            f"parallelize: sequence_parallel=True: {type(model).__name__}'s blocks are in {len(outer)} lists "
+            f"({', '.join(names[id(m)] for m in outer)}); tplayers splits the sequence around one list of blocks"
+        )
+    return outer[0] if outer else None
 
 
 def parallelize(
@@ -407,6 +412,7 @@ def _parallelize(
         apply_context(model, *context, multiple=tp if sequence_parallel else 1, tp=tp)
     seal(model)
     verification.after(probe, model, group=group, vocab_parallel=vocab_parallel_logits, expert_group=expert_group)
+    verification.name_failures(model)
     check_same_inputs(model, group)  # armed after the self-check: the user's first forward is checked
     if context is not None:
         check_same_inputs(model, context[0], "context-parallel")

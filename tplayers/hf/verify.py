@@ -18,6 +18,7 @@ models too big for that), as does a model whose logits stay split over the vocab
 
 import contextlib
 import inspect
+import sys
 import warnings
 from dataclasses import dataclass, field
 
@@ -232,7 +233,11 @@ def after(probe: Probe | None, model, *, group, vocab_parallel=False, expert_gro
     if probe is None:
         return
     if probe.mode == "logits":
-        check(probe.logits, logits(model, probe.ids), group=group, vocab_parallel=vocab_parallel)
+        try:
+            sharded_logits = logits(model, probe.ids)
+        except Exception as e:  # every rank runs the same shapes: each fails alike, none is left waiting
+            raise _failed(model, e, "a forward") from e
+        check(probe.logits, sharded_logits, group=group, vocab_parallel=vocab_parallel)
         return
     from tplayers.hf.state_dict import gather_grads
 
@@ -243,11 +248,7 @@ def after(probe: Probe | None, model, *, group, vocab_parallel=False, expert_gro
         try:
             sharded_logits, loss = _train_forward(model, probe.ids)
         except Exception as e:  # every rank runs the same shapes: each fails alike, none is left waiting
-            raise VerifyError(
-                "parallelize(verify): the sharded model fails in a training step on the probe batch, where the "
-                f"unsharded model ran: {type(e).__name__}: {e}. tplayers does not handle something in this model "
-                "exactly; the model was sharded in place and is not usable"
-            ) from e
+            raise _failed(model, e, "a training step") from e
         if expert_group is not None:
             n = dist.get_world_size(expert_group)
             for p in params:
@@ -261,6 +262,55 @@ def after(probe: Probe | None, model, *, group, vocab_parallel=False, expert_gro
     finally:
         for p in params:
             p.grad = probe.kept.get(p)
+
+
+def model_name(model) -> str:
+    """The model's class and HF model type, as messages name it."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return f"{type(model).__name__}" + (f" ({model_type})" if model_type else "")
+
+
+def failing_module(model, tb) -> str:
+    """The innermost module of `model` whose code raised along traceback `tb`: "in <name>
+    (<class>)", or "" where none did (the error came from outside its modules)."""
+    names = {id(m): name for name, m in model.named_modules()}
+    found = None
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in names:
+            found = owner
+        tb = tb.tb_next
+    if found is None:
+        return ""
+    return f" in {names[id(found)] or 'the model itself'} ({type(found).__name__})"
+
+
+def _failed(model, e, what) -> VerifyError:
+    return VerifyError(
+        f"parallelize(verify): {model_name(model)} fails in {what} on the probe batch after sharding, where the "
+        f"unsharded model ran, raised{failing_module(model, e.__traceback__)}: {type(e).__name__}: {e}. tplayers "
+        "does not handle something in this model exactly; the model was sharded in place and is not usable"
+    )
+
+
+def name_failures(model) -> None:
+    """Every later forward of `model` that raises carries a note naming tplayers, the model and the
+    innermost module of it that raised (a sharded module given shapes it cannot take, after
+    `parallelize(verify=False)`); the error itself is left as it was."""
+    model.register_forward_hook(_note_failure, with_kwargs=True, always_call=True)
+
+
+NOTE = "tplayers: raised"
+
+
+def _note_failure(module, args, kwargs, output):
+    error = sys.exc_info()[1]  # always_call hooks run inside torch's handler of the forward's error
+    if error is None or output is not None or any(n.startswith(NOTE) for n in getattr(error, "__notes__", ())):
+        return
+    error.add_note(
+        f"{NOTE}{failing_module(module, error.__traceback__) or ' in the forward'} of "
+        f"{model_name(module)}, sharded by tplayers.parallelize"
+    )
 
 
 def _check_grads(reference: dict, sharded: dict, group) -> None:
