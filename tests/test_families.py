@@ -30,7 +30,9 @@ EXACT = ["llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "gemma", 
          "mpt", "nemotron", "exaone4", "arcee", "deepseek_v3", "deepseek_v2-lite", "gpt_oss", "llama4_text", "dbrx",
          "phimoe", "bitnet", "gemma3n_text",
          # gated attention: an output gate per head element (AFMoE, HRM) or per head (Laguna), split with the heads
-         "afmoe", "laguna", "laguna-elementwise", "hrm_text"]  # fmt: skip
+         "afmoe", "laguna", "laguna-elementwise", "hrm_text",
+         # an embedding scaled by a number after the lookup
+         "biogpt", "xglm"]  # fmt: skip
 # Multi-head latent attention: a query latent of 16, a key/value latent of 12, heads of [8 | 4 rope] for q and k
 # and 6 for v; the rotary width is head_dim, one key/value head per query head (the latents expand to every head)
 MLA = dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
@@ -101,14 +103,12 @@ VARIANTS = {
 # Not known exactly: each is refused with the module that stops it (see the README's table).
 REFUSED = {
     "persimmon": r"could not place \[.*query_key_value",  # per-head q/k layer norms inside a fused projection
-    "xglm": r"model.embed_tokens is a XGLMScaledWordEmbedding whose forward tplayers does not know",
 }
 SP_REFUSED = {
     "hrm_text": r"blocks are in 2 lists \(model.L_module.layers, model.H_module.layers\)",  # its H and L modules
     # per-layer inputs over the whole sequence beside the hidden states (Gemma 3n: AltUp's stacked states too)
     "gemma3n_text": r"takes a per-layer input over the whole sequence.*sequence_parallel=False",
     "persimmon": r"could not place \[.*query_key_value",  # per-head q/k layer norms inside a fused projection
-    "xglm": r"model.embed_tokens is a XGLMScaledWordEmbedding whose forward tplayers does not know",
 }
 
 # Every family at every TP size here: none refused for its shapes.

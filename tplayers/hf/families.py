@@ -66,36 +66,51 @@ def _as_plain_embedding(m) -> nn.Embedding:
 
 
 class ScaledVocabParallelEmbedding(VocabParallelEmbedding):
-    """VocabParallelEmbedding times a constant `embed_scale` cast to the weight's dtype (Gemma's
-    sqrt(hidden), applied as HF applies it: after the lookup, in the weight's dtype)."""
+    """VocabParallelEmbedding times a constant `embed_scale`, applied as the model applies it after
+    the lookup: a tensor cast to the weight's dtype first (Gemma's sqrt(hidden)), or a Python number
+    (BioGPT's and XGLM's)."""
 
     def forward(self, ids):
-        return super().forward(ids) * self.embed_scale.to(self.weight.dtype)
+        scale = self.embed_scale
+        return super().forward(ids) * (scale.to(self.weight.dtype) if isinstance(scale, torch.Tensor) else scale)
+
+
+def _scale_of(m):
+    """The scale of a *ScaledWordEmbedding: a one-element tensor or a number; None if neither."""
+    scale = getattr(m, "embed_scale", None)
+    if isinstance(scale, torch.Tensor) and scale.numel() == 1:
+        return scale
+    if isinstance(scale, int | float) and not isinstance(scale, bool):
+        return scale
+    return None
 
 
 def _scaled_embedding(m) -> bool:
-    """Gemma's *ScaledWordEmbedding: embedding(ids) * embed_scale; checked on a probe where the
-    weights are materialised, so a look-alike with other math is refused."""
-    scale = getattr(m, "embed_scale", None)
-    named = type(m).__name__.endswith("ScaledWordEmbedding")
-    if not (named and isinstance(scale, torch.Tensor) and scale.numel() == 1):
+    """*ScaledWordEmbedding (Gemma, BioGPT, XGLM): embedding(ids) * embed_scale; checked on a probe
+    where the weights are materialised, so a look-alike with other math is refused."""
+    scale = _scale_of(m)
+    if not (type(m).__name__.endswith("ScaledWordEmbedding") and scale is not None):
         return False
     if m.weight.is_meta:
         return True
     ids = torch.arange(min(8, m.num_embeddings), device=m.weight.device)
+    factor = scale.to(m.weight.dtype) if isinstance(scale, torch.Tensor) else scale
     with torch.no_grad():
-        return torch.equal(m(ids), nn.functional.embedding(ids, m.weight) * scale.to(m.weight.dtype))
+        return torch.equal(m(ids), nn.functional.embedding(ids, m.weight) * factor)
 
 
 def _build_scaled_embedding(m, group):
     layer = ScaledVocabParallelEmbedding.from_embedding(_as_plain_embedding(m), group=group)
-    layer.register_buffer("embed_scale", m.embed_scale.detach().clone(), persistent=False)
+    if isinstance(m.embed_scale, torch.Tensor):
+        layer.register_buffer("embed_scale", m.embed_scale.detach().clone(), persistent=False)
+    else:
+        layer.embed_scale = m.embed_scale
     return layer
 
 
 EMBEDDINGS = (
     EmbeddingAdapter("nn.Embedding", _plain_embedding, lambda m, g: VocabParallelEmbedding.from_embedding(m, group=g)),
-    EmbeddingAdapter("scaled embedding (Gemma)", _scaled_embedding, _build_scaled_embedding),
+    EmbeddingAdapter("scaled embedding (Gemma, BioGPT, XGLM)", _scaled_embedding, _build_scaled_embedding),
 )
 
 # nn.Linear subclasses whose forward is nn.Linear's math (read in their source): made plain
