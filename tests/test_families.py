@@ -28,7 +28,7 @@ EXACT = ["llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "gemma", 
          "gpt2", "gptj", "gpt_neox", "gpt_bigcode", "gpt_bigcode-mha", "falcon", "falcon-new", "falcon-alibi", "opt",
          "bloom", "stablelm", "starcoder2", "olmo", "olmo2", "cohere", "granite", "smollm3", "glm4", "codegen",
          "mpt", "nemotron", "exaone4", "arcee", "deepseek_v3", "deepseek_v2-lite", "gpt_oss", "llama4_text", "dbrx",
-         "phimoe", "bitnet", "gemma3n_text",
+         "phimoe", "bitnet", "gemma3n_text", "gemma3n_text-sparse",
          # gated attention: an output gate per head element (AFMoE, HRM) or per head (Laguna), split with the heads
          "afmoe", "laguna", "laguna-elementwise", "hrm_text",
          # an embedding scaled by a number after the lookup
@@ -100,6 +100,11 @@ VARIANTS = {
         ),
     ),  # fmt: skip
 }
+# Gemma 3n's published activation sparsity (0.95 on its first layers): the Gaussian top-k's statistics
+# over the whole intermediate width, summed over the ranks
+VARIANTS["gemma3n_text-sparse"] = (
+    "gemma3n_text", dict(VARIANTS["gemma3n_text"][1], activation_sparsity_pattern=[0.95, 0.0])
+)  # fmt: skip
 # Not known exactly: each is refused with the module that stops it (see the README's table).
 REFUSED = {
     "persimmon": r"could not place \[.*query_key_value",  # per-head q/k layer norms inside a fused projection
@@ -108,6 +113,7 @@ SP_REFUSED = {
     "hrm_text": r"blocks are in 2 lists \(model.L_module.layers, model.H_module.layers\)",  # its H and L modules
     # per-layer inputs over the whole sequence beside the hidden states (Gemma 3n: AltUp's stacked states too)
     "gemma3n_text": r"takes a per-layer input over the whole sequence.*sequence_parallel=False",
+    "gemma3n_text-sparse": r"takes a per-layer input over the whole sequence.*sequence_parallel=False",
     "persimmon": r"could not place \[.*query_key_value",  # per-head q/k layer norms inside a fused projection
 }
 

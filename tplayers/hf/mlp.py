@@ -13,7 +13,7 @@ Qwen2-MoE's shared-expert gate (H -> 1, then a sigmoid): kept whole on every ran
 import torch
 from torch import nn
 
-from tplayers.functional.collectives import own_slice
+from tplayers.functional.collectives import own_slice, sum_over_tp_region
 from tplayers.hf import pieces
 from tplayers.hf.attention import NORMS_BEFORE_PROJECTION, forward_source, norm_before_row
 from tplayers.hf.fused import fused_column, part_rows
@@ -135,6 +135,8 @@ def gated_mlp(sp: ShardingPass, name, mlp):
             norm = getattr(mlp, child)
             if child in NORMS_BEFORE_PROJECTION and tuple(norm.weight.shape) == (down.in_features,):
                 norm_before_row(sp, f"{name}.{child}", norm, down)
+        if getattr(mlp, "activation_sparsity", 0):  # statistics over the whole width: the group's
+            mlp = _gaussian_topk_mlp(sp, name, mlp)
         sp.shared_input.append(mlp)
         sp.done.add(name)
         return
@@ -179,6 +181,52 @@ def gated_mlp(sp: ShardingPass, name, mlp):
         return out
 
     sp.exports.append((name, export, load, layout))
+
+
+class GaussianTopKMLP(nn.Module):
+    """Gemma 3n's MLP with activation sparsity, gate and up split by columns over the group:
+    down(act(topk(gate(x))) * up(x)), where the Gaussian top-k's cutoff, mean + std * icdf(sparsity)
+    over the whole intermediate width, takes its mean and (biased) variance as sums over the group
+    (each rank holds a slice of the gate's features). The same children, under the same names."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        self.config = mlp.config
+        self.hidden_size, self.intermediate_size = mlp.hidden_size, mlp.intermediate_size
+        self.gate_proj, self.up_proj, self.down_proj, self.act_fn = (
+            mlp.gate_proj,
+            mlp.up_proj,
+            mlp.down_proj,
+            mlp.act_fn,
+        )
+        self.activation_sparsity = mlp.activation_sparsity
+
+    def forward(self, hidden_states):  # Gemma3nTextMLP.forward
+        gate_proj = self.gate_proj(hidden_states)
+        if self.activation_sparsity > 0.0:
+            gate_proj = self._gaussian_topk(gate_proj)
+        return self.down_proj(self.act_fn(gate_proj) * self.up_proj(hidden_states))
+
+    def _gaussian_topk(self, inputs):
+        target = torch.tensor(self.activation_sparsity, dtype=torch.float32, device=inputs.device)
+        multiplier = torch.distributions.normal.Normal(0, 1).icdf(target).type(inputs.dtype)
+        group, width = self.gate_proj.group, self.gate_proj.out_features
+        mean = sum_over_tp_region(inputs.sum(-1, keepdim=True), group) / width
+        variance = sum_over_tp_region((inputs - mean).square().sum(-1, keepdim=True), group) / width
+        return nn.functional.relu(inputs - (mean + variance.sqrt() * multiplier))
+
+
+def _gaussian_topk_mlp(sp: ShardingPass, name, mlp):
+    """Gemma 3n's sparse MLP, its children split, as GaussianTopKMLP; any other MLP reading an
+    activation sparsity is refused (its statistics over the width are unknown math)."""
+    if type(mlp).__name__ != "Gemma3nTextMLP" or "self._gaussian_topk(gate_proj)" not in forward_source(mlp):
+        raise ValueError(
+            f"parallelize: {name} ({type(mlp).__name__}) applies an activation sparsity over its whole intermediate "
+            "width, which tplayers knows for Gemma 3n's MLP only; pass a plan for this model"
+        )
+    layer = GaussianTopKMLP(mlp)
+    sp.swap(name, layer)
+    return layer
 
 
 MLP_PAIRS = (("fc1", "fc2"), ("fc_in", "fc_out"), ("c_fc", "c_proj"), ("up_proj", "down_proj"),
