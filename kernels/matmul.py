@@ -291,6 +291,7 @@ _matmul_tma_autotuned = triton.autotune(
 # The TMA kernel in the interpreter too, where a test asks (on a GPU it runs on sm_90 by itself).
 TMA_IN_INTERPRETER = False
 _SM_COUNT: dict = {}
+_MAJOR: dict = {}  # device -> compute capability major
 
 
 def _tma_layout(t):
@@ -312,9 +313,12 @@ def _tma_layout(t):
 
 def _uses_tma(a, b):
     if INTERPRET:
-        return TMA_IN_INTERPRETER and _tma_layout(a) is not None and _tma_layout(b) is not None
-    return (torch.cuda.get_device_capability(a.device)[0] >= 9 and _tma_layout(a) is not None
-            and _tma_layout(b) is not None)  # fmt: skip
+        hopper = TMA_IN_INTERPRETER
+    else:
+        if a.device not in _MAJOR:  # read once per device: every GEMM asks
+            _MAJOR[a.device] = torch.cuda.get_device_capability(a.device)[0]
+        hopper = _MAJOR[a.device] >= 9
+    return hopper and _tma_layout(a) is not None and _tma_layout(b) is not None
 
 
 def _batch_stride(t):
