@@ -29,6 +29,12 @@ rank's share of each row); the last stage gathers the whole rows' logits, so the
 logits, and `tplayers.next_token_loss(model)` is the loss_fn that reads them). No mask
 is built, the attention reads windows from the model's layers, so sliding windows are not refused
 there. The schedule's first step checks that the CP ranks were given the same rows.
+
+The loss without logits: with `loss_fn=tplayers.next_token_loss(model)` the schedules also give the
+last stage each micro-batch's labels, and on a model whose training loss is fused
+(tplayers.hf.fused_loss, the default) that stage returns HF's causal-LM loss from the fused LM-head
+cross-entropy inside its forward (where ZeRO-3 has the head's weight gathered): no micro-batch holds
+its logits. A loss_fn of your own gets the logits.
 """
 
 import functools
@@ -69,7 +75,8 @@ def _cache_argument() -> str:
 
 class DecoderStage(nn.Module):
     """Layers `layers` of a HF decoder, with the embedding (first stage) or the final norm and LM
-    head (last stage). Input: token ids (first) or hidden states; output: hidden states or logits."""
+    head (last stage). Input: token ids (first) or hidden states; output: hidden states, logits,
+    or (the last stage of a model whose loss is fused, given `labels=`) the loss itself."""
 
     def __init__(self, model, layers, *, first: bool, last: bool, layer_indices=()):
         super().__init__()
