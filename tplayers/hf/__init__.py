@@ -3,7 +3,9 @@
 
     shard.py        the generic pass: walk the modules, apply a plan, swap linears, record exports
     families.py     what tplayers knows about each model family: one adapter per module pattern
-    attention.py    the attention adapters (layouts split by heads, ALiBi, norms over a projection)
+    attention.py    the attention adapters (layouts split by heads, ALiBi, norms over a projection,
+                    output gates)
+    attention_code_models.py  GPTBigCode's, CodeGen's and MPT's fused attention projections
     mlp.py          the MLP adapters (gated -> ParallelMLP, fused gate|up, two-layer)
     moe.py          experts in transformers 5's fused 3-D layout, sharded like MLPs
     fused.py        fused projections: row maps, multi-query [q; k; v]

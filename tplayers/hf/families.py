@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tplayers.hf import attention, mixers, mla, mlp, moe
+from tplayers.hf import attention, attention_code_models, mixers, mla, mlp, moe
 from tplayers.hf.shard import ShardingPass, has_conv1ds, has_linears
 from tplayers.nn.embedding import VocabParallelEmbedding
 
@@ -125,9 +125,9 @@ ADAPTERS = (
         attention.interleaved_qkv_attention,
     ),
     Adapter("Falcon attention", attention.named("FalconAttention"), attention.falcon_attention),
-    Adapter("GPTBigCode attention", attention.named("GPTBigCodeAttention"), attention.bigcode_attention),
-    Adapter("CodeGen attention", attention.named("CodeGenAttention"), attention.codegen_attention),
-    Adapter("MPT attention", attention.named("MptAttention"), attention.mpt_attention),
+    Adapter("GPTBigCode attention", attention.named("GPTBigCodeAttention"), attention_code_models.bigcode_attention),
+    Adapter("CodeGen attention", attention.named("CodeGenAttention"), attention_code_models.codegen_attention),
+    Adapter("MPT attention", attention.named("MptAttention"), attention_code_models.mpt_attention),
     Adapter("multi-head latent attention (DeepSeek-V2 / V3, MiniCPM3)", mla.is_mla, mla.mla_attention),
     Adapter(
         "token-wise modules on the residual stream (Gemma 3n's AltUp, LAuReL; per-layer inputs)",
