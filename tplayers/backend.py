@@ -52,7 +52,7 @@ EVEN = 1.02  # the kernel must beat torch's op by more than this factor to be ch
 # op -> recipe(key, dtype, device) -> (run the kernel, run torch's op): zero-argument callables on
 # random inputs of the shape class `key`
 _RECIPES: dict[str, Callable] = {}
-_chosen: dict = {}  # (GPU name, record key) -> whether the kernel runs, for this process
+_chosen: dict = {}  # (op, key, dtype, device) -> whether the kernel runs, for this process
 
 
 def register(op: str, recipe: Callable) -> None:
@@ -79,11 +79,11 @@ def record_key(op: str, dtype, key: tuple) -> str:
 
 def kernel_is_faster(op: str, key: tuple, dtype, device) -> bool:
     """Whether `auto` runs `op`'s Triton kernel at shape class `key` on `device` (module docstring)."""
-    gpu = torch.cuda.get_device_name(device)
-    name = record_key(op, dtype, key)
-    chosen = _chosen.get((gpu, name))
+    chosen = _chosen.get((op, key, dtype, device))  # every launch asks: one dict lookup once known
     if chosen is not None:
         return chosen
+    gpu = torch.cuda.get_device_name(device)
+    name = record_key(op, dtype, key)
     record = read_choices().get(gpu, {}).get(name)
     if record is None and measuring_enabled() and op in _RECIPES and not torch.cuda.is_current_stream_capturing():
         with _locked():
@@ -92,7 +92,7 @@ def kernel_is_faster(op: str, key: tuple, dtype, device) -> bool:
                 record = measure(lambda: _RECIPES[op](key, dtype, device), device)
                 _write(gpu, name, record)
     chosen = True if record is None else bool(record["kernel"])  # not measured: the kernel
-    _chosen[(gpu, name)] = chosen
+    _chosen[(op, key, dtype, device)] = chosen
     return chosen
 
 
@@ -236,7 +236,8 @@ def _gemm_key(a, b, epilogue) -> tuple:
 
 def gemm(a, b, **epilogue):
     """`matmul(a, b, **epilogue)` on the selected backend (see kernels/matmul.py for the contract)."""
-    if uses_triton(a, "gemm", _gemm_key(a, b, epilogue) if a.is_cuda else ()):
+    measured = a.is_cuda and get_backend() == "auto"  # the shape class only where it decides
+    if uses_triton(a, "gemm", _gemm_key(a, b, epilogue) if measured else ()):
         from tplayers.kernels.matmul import matmul
     else:  # the reference module does not import triton
         from tplayers.kernels.matmul_ref import matmul_ref as matmul

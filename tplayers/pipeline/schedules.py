@@ -62,6 +62,7 @@ class _Schedule:
             raise ValueError(f"{type(self).__name__}: n_microbatches ({n_microbatches}) {why}")
         self.stages, self.n_microbatches, self.loss_fn = stages, n_microbatches, loss_fn
         self._agreed = None  # the micro-batch (shape, dtype) every stage was checked against
+        self._gives_labels = self._labels_to_stages()  # read once: the stages and loss_fn are fixed
         self._build()
 
     def _build(self):
@@ -118,7 +119,7 @@ class _Schedule:
         self._agree_shapes(x, target if last else None, refusal)
         losses = []  # the micro-batches' losses / n, as torch's schedule computed them for backward
         kwargs = {"target": target, "losses": losses} if last else {}
-        if last and self._labels_to_stages():  # torch gives a step's keyword arguments to each stage here
+        if last and self._gives_labels:  # torch gives a step's keyword arguments to each stage here
             kwargs["labels"] = target
         # no outputs kept for a merge at the end: only the losses are read
         self._schedule.step(*((x,) if first else ()), return_outputs=False, **kwargs)
