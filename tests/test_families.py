@@ -376,6 +376,11 @@ def verify_modes(rank, tp, group):
     model = tiny_model("gpt2")
     ids = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(2))
     tplayers.parallelize(model, group=group, verify=ids)  # a user's own input
+    model = tiny_model("gpt2", max_position_embeddings=4)  # the probe batch: 4 tokens per rank
+    model.config.n_positions = 64  # the config promises more positions than the table holds
+    with pytest.raises(ValueError, match=r"unsharded GPT2LMHeadModel \(gpt2\) fails a forward on the probe batch.*"
+                       r"pass verify=<ids it takes> or verify=False"):  # fmt: skip
+        tplayers.parallelize(model, group=group)
 
 
 def test_verify_modes(pool):

@@ -183,7 +183,8 @@ CASES = {
     "plan_conflict": r"plan patterns \['\*\.up', 'blocks\.0\.\*'\] give blocks\.0\.up different kinds",
     "plan_inside": r"plan entries \['\*\.self_attn\.q_proj'\] name modules inside \['model\.layers\.0\.self_attn'",
     "too_long": r"input of 65 positions is longer than the model's 64",
-    "sp_sequence": r"sequence length \(3,\) is not divisible by the tensor-parallel size \(2\)",
+    "sp_sequence": r"residual stream \(\d+, 3, \d+\) has no sequence \(dimension 1\) divisible by the tensor-parallel "
+    r"size \(2\)",
 }
 
 

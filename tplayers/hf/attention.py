@@ -96,22 +96,24 @@ HIDDEN_WIDTHS = ("hidden_size", "embed_dim", "all_head_size")
 OUTPUT_GATES = ("gate_proj", "g_proj")
 
 
-def output_gate(attn, heads, head_dim) -> str | None:
+def output_gate(attn, heads, head_dim, width=None) -> str | None:
     """The name of `attn`'s output gate, or None: an nn.Linear among OUTPUT_GATES of the attention's
-    input width, fed `hidden_states` in the forward, one output per head or per head element. It
-    splits by the query heads (each rank gates its own heads); the self-check proves the product."""
+    input width (`width`, else q_proj's), fed `hidden_states` in the forward, one output per head or
+    per head element. It splits by the query heads (each rank gates its own heads); the self-check
+    proves the product."""
+    width = width or attn.q_proj.in_features
     for gate in OUTPUT_GATES:
         module = getattr(attn, gate, None)
-        if (isinstance(module, nn.Linear) and module.in_features == attn.q_proj.in_features
+        if (isinstance(module, nn.Linear) and module.in_features == width
                 and module.out_features in (heads, heads * head_dim)
                 and f"self.{gate}(hidden_states)" in forward_source(attn)):  # fmt: skip
             return gate
     return None
 
 
-def _split_output_gate(sp: ShardingPass, name, attn, heads, head_dim, sizes=None) -> set[str]:
+def _split_output_gate(sp: ShardingPass, name, attn, heads, head_dim, sizes=None, width=None) -> set[str]:
     """The output gate (if any) split as the query heads are; returns its name, or nothing."""
-    gate = output_gate(attn, heads, head_dim)
+    gate = output_gate(attn, heads, head_dim, width)
     if gate is None:
         return set()
     module = getattr(attn, gate)
@@ -165,8 +167,8 @@ def head_split(name, heads, n) -> list[int]:
     a rank would hold none, and the models' attention forwards cannot run on none."""
     if heads < n:
         raise ValueError(
-            f"{name}: {heads} attention heads over {n} ranks leave {n - heads} ranks without a head, and the "
-            f"model's attention forward cannot run on none; use at most {heads} ranks for this model"
+            f"parallelize: {name}: {heads} attention heads over {n} ranks leave {n - heads} ranks without a head, and "
+            f"the model's attention forward cannot run on none; use at most {heads} ranks for this model"
         )
     return even_sizes(heads, n)
 
@@ -176,7 +178,7 @@ def _heads_and_kv_rows(name, heads, kv_heads, head_dim, sp: ShardingPass):
     key (or value) weight each of its query heads reads, one head_dim block per query head)."""
     sizes = head_split(name, heads, sp.n)
     if heads % kv_heads:
-        raise ValueError(f"{name}: {heads} attention heads do not share {kv_heads} key/value heads evenly")
+        raise ValueError(f"parallelize: {name}: {heads} attention heads do not share {kv_heads} key/value heads evenly")
     rows = []
     for r in range(sp.n):
         start, local = shard_range(heads, sp.n, r, sizes)

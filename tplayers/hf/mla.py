@@ -1,13 +1,26 @@
 """Multi-head latent attention (DeepSeek-V2 / V3, Kimi K2, MiniCPM3, GLM-4-MoE-Lite, LongCat-Flash,
-Youtu, A.X K1), split by heads as its math splits (`mla_attention`)."""
+Youtu, A.X K1), with DeepSeek Sparse Attention's indexer (DeepSeek-V3.2, GLM-5, Hunyuan V4, Dots 3)
+and per-head output gates, split by heads as its math splits (`mla_attention`)."""
 
 from torch import nn
 
-from tplayers.hf.attention import HEAD_COUNTS, _finish_attention, _held_per_head, _local_heads
+from tplayers.hf.attention import (
+    HEAD_COUNTS,
+    _finish_attention,
+    _held_per_head,
+    _local_heads,
+    _split_output_gate,
+    output_gate,
+)
 from tplayers.hf.shard import ShardingPass, has_linears
 
 # Children by role. The latent (down) side is shared by every head, the up side is per head.
-MLA_LATENT = ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm")
+# Dots 3's k_rope_only_layernorm normalizes the decoupled RoPE key, shared by every head. A sparse-attention
+# indexer picks the keys every head attends to from scores summed over its own scoring heads before a
+# top-k: split, it would need those sums over every rank, so it stays whole on every rank, fed the whole
+# hidden states and query latent, and picks the same keys there (its forward runs without gradients in
+# transformers; were one to flow, it would be partial like the latent's and is summed with it).
+MLA_LATENT = ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm", "k_rope_only_layernorm", "indexer")
 MLA_PER_HEAD = ("q_proj", "q_b_proj", "kv_b_proj", "o_proj")
 
 
@@ -24,8 +37,13 @@ def mla_attention(sp: ShardingPass, name, attn):
     latent side (q_a_proj, kv_a_proj_with_mqa with the decoupled RoPE key shared by all heads, and
     their norms) is whole on every rank: each rank's heads give part of its gradient, summed over
     the group. The KV cache holds the latents, which are whole, so generate() runs as it is.
-    A child in any other role (an output gate, a sparse-attention indexer) is refused by name."""
-    known = MLA_LATENT + MLA_PER_HEAD
+    An output gate (`gate_proj` / `g_proj`, per head or per head element of the value) splits with
+    the heads; a sparse-attention indexer stays whole (see MLA_LATENT). A child in any other role is
+    refused by name."""
+    heads, nope, v_dim = attn.num_heads, attn.qk_nope_head_dim, attn.v_head_dim
+    split, _, local = _local_heads(name, heads, sp)
+    width = attn.kv_a_proj_with_mqa.in_features
+    known = MLA_LATENT + MLA_PER_HEAD + (output_gate(attn, heads, v_dim, width),)
     extra = [c for c, m in attn.named_children() if c not in known and next(m.parameters(), None) is not None]
     if extra:
         raise ValueError(
@@ -33,13 +51,12 @@ def mla_attention(sp: ShardingPass, name, attn):
             f"{', '.join(f'{name}.{c}' for c in extra)}, which tplayers does not know how to split; pass a plan "
             "for this model"
         )
-    heads, nope, v_dim = attn.num_heads, attn.qk_nope_head_dim, attn.v_head_dim
     query = "q_b_proj" if isinstance(getattr(attn, "q_b_proj", None), nn.Linear) else "q_proj"
     qk_dim = getattr(attn, query).out_features // heads
     if qk_dim * heads != getattr(attn, query).out_features or attn.kv_b_proj.out_features != heads * (nope + v_dim):
         raise ValueError(f"parallelize: {name}'s projections do not hold {heads} heads of MLA's widths")
-    split, _, local = _local_heads(name, heads, sp)
     sp.shared_input_column(f"{name}.{query}", getattr(attn, query), split_unit=qk_dim, split_sizes=split)
+    _split_output_gate(sp, name, attn, heads, v_dim, split, width)
     # the latent is computed whole on every rank: its gradient stays partial here, summed with the rest
     # of the block's input gradient by the shared-input hook (each latent weight's gradient by its own sum)
     sp.shared_input_column(f"{name}.kv_b_proj", attn.kv_b_proj, split_unit=nope + v_dim, split_sizes=split)

@@ -52,10 +52,13 @@ from tplayers.placement import placement_or_none, seal, set_placement
 
 
 def _check_sequence(hidden, n):
-    if hidden.dim() != 3 or hidden.shape[1] % n:
+    """A residual stream of (batch, sequence, ...): (batch, sequence, hidden), or with hyper-connections
+    (batch, sequence, streams, hidden)."""
+    if hidden.dim() < 3 or hidden.shape[1] % n:
         raise ValueError(
-            f"parallelize(sequence_parallel=True): sequence length {tuple(hidden.shape)[1:2]} is not divisible "
-            f"by the tensor-parallel size ({n}); generate with a model parallelized without sequence_parallel"
+            f"parallelize(sequence_parallel=True): the residual stream {tuple(hidden.shape)} has no sequence "
+            f"(dimension 1) divisible by the tensor-parallel size ({n}); generate with a model parallelized without "
+            "sequence_parallel"
         )
     return hidden
 
@@ -70,7 +73,7 @@ def _shared_input_hooks(modules, group, sequence_parallel):
     if sequence_parallel:  # a (tokens, H) input (an MoE block's shared expert): gathered along its tokens
 
         def prepare(h, group):
-            return all_gather_sequence(h, group, 1 if h.dim() == 3 else 0)
+            return all_gather_sequence(h, group, 1 if h.dim() >= 3 else 0)
 
     else:
         prepare = copy_to_tp_region

@@ -198,7 +198,7 @@ def before(model, verify, n, *, vocab_parallel=False) -> Probe | None:
         return None
     mode = "logits" if verify == "logits" or vocab_parallel else "train"
     if mode == "logits":
-        return Probe(ids, mode, logits=logits(model, ids))
+        return Probe(ids, mode, logits=_unsharded_logits(model, ids))
     params = dict(model.named_parameters())
     kept = {p: p.grad for p in params.values()}
     for p in params.values():
@@ -219,11 +219,21 @@ def before(model, verify, n, *, vocab_parallel=False) -> Probe | None:
             f"{e}); the self-check compares the logits only",
             stacklevel=4,
         )
-        probe = Probe(ids, "logits", logits=logits(model, ids))
+        probe = Probe(ids, "logits", logits=_unsharded_logits(model, ids))
     finally:
         for p, grad in kept.items():
             p.grad = grad
     return probe
+
+
+def _unsharded_logits(model, ids):
+    try:
+        return logits(model, ids)
+    except Exception as e:  # before any sharding: the probe batch is not one this model takes
+        raise ValueError(
+            f"parallelize(verify): the unsharded {model_name(model)} fails a forward on the probe batch of shape "
+            f"{tuple(ids.shape)} ({type(e).__name__}: {e}); pass verify=<ids it takes> or verify=False"
+        ) from e
 
 
 def after(probe: Probe | None, model, *, group, vocab_parallel=False, expert_group=None) -> None:

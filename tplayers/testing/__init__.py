@@ -13,6 +13,7 @@ layouts; the parts it is built from serve hand-written checks. tplayers' own sui
     outputs.py     logits_of: the logits of a forward that computed its loss without them
     memory.py      peak_bytes: the peak of host memory in use (glibc), for CPU memory tests
     ops.py         count_ops: the ops a block runs (kernel launches, host syncs), through the dispatcher
+    tiny.py        tiny_config: any transformers model type's config with every size field shrunk
 
 A user-facing top layer: may import anything in tplayers; nothing in tplayers imports it.
 """
@@ -32,6 +33,7 @@ from tplayers.testing.numerics import (
 )
 from tplayers.testing.outputs import logits_of
 from tplayers.testing.pool import RemoteError, WorkerPool
+from tplayers.testing.tiny import tiny_config
 
 __all__ = [
     "ParallelMismatch",
@@ -49,5 +51,6 @@ __all__ = [
     "logits_of",
     "integer_valued",
     "shard_of",
+    "tiny_config",
     "tolerance",
 ]
