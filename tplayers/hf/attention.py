@@ -235,24 +235,24 @@ def _held_per_head(sp: ShardingPass, name, attn, heads, sizes):
         split_per_head(sp, name, attn, key, 1, sizes)
 
 
-def split_per_head(sp: ShardingPass, name, module, key, unit=1, sizes=None):
-    """`module.<key>` (one entry per head along dim 0, `unit` each) cut to this rank's heads
-    (`sizes`, or evenly), placement Shard(0), exported and loaded under its own name."""
+def split_per_head(sp: ShardingPass, name, module, key, unit=1, sizes=None, dim=0):
+    """`module.<key>` (one entry per head along `dim`, `unit` each) cut to this rank's heads
+    (`sizes`, or evenly), placement Shard(dim), exported and loaded under its own name."""
     p = getattr(module, key)
-    total = p.shape[0]
-    local = nn.Parameter(own_slice(p.detach(), 0, sp.group, unit, sizes).clone(), requires_grad=p.requires_grad)
+    total = p.shape[dim]
+    local = nn.Parameter(own_slice(p.detach(), dim, sp.group, unit, sizes).clone(), requires_grad=p.requires_grad)
     setattr(module, key, local)
-    set_placement(local, sp.group, Shard(0))
+    set_placement(local, sp.group, Shard(dim))
 
     def export(pick, group):
         value = pick(getattr(module, key))
-        return {"": all_gather_any(value.contiguous(), 0, group)} if value is not None else {}
+        return {"": all_gather_any(value.contiguous(), dim, group)} if value is not None else {}
 
     def load(full):
-        copy_in(getattr(module, key), own_slice(full[""], 0, sp.group, unit, sizes))
+        copy_in(getattr(module, key), own_slice(full[""], dim, sp.group, unit, sizes))
 
     def layout():
-        return [pieces.split("", getattr(module, key), 0, sp.group, total=total, unit=unit, sizes=sizes)]
+        return [pieces.split("", getattr(module, key), dim, sp.group, total=total, unit=unit, sizes=sizes)]
 
     sp.exports.append((f"{name}.{key}", export, load, layout))
 

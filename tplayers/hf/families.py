@@ -146,6 +146,11 @@ ADAPTERS = (
     Adapter("experts (MoE, transformers 5's fused 3-D layout)", moe.is_experts, moe.experts),
     Adapter("Gated DeltaNet (Qwen3-Next, Qwen3.5)", mixers.is_gated_deltanet, mixers.gated_deltanet),
     Adapter("lightning attention (MiniMax)", mixers.is_lightning_attention, mixers.lightning_attention),
+    Adapter(
+        "Kimi Delta Attention (Kimi-Linear, Bailing hybrid)",
+        mixers.is_kimi_delta_attention,
+        mixers.kimi_delta_attention,
+    ),  # fmt: skip
     Adapter("Mamba 1 mixer (Mamba, Falcon-Mamba, Jamba)", mixers.is_mamba1, mixers.mamba1_mixer),
     Adapter("LFM2 short convolution", mixers.is_short_conv, mixers.short_conv),
     Adapter("gated MLP named w1 / w3 / w2 (LFM2)", mlp.is_w1_w3_w2, mlp.w1_w3_w2),

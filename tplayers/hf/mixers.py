@@ -1,7 +1,8 @@
 """State-space and linear-attention mixers split by heads, as attention is (Megatron-Core splits
 its Mamba layers the same way). The model's own forward runs on each rank's heads:
 
-    Gated DeltaNet (Qwen3-Next: in_proj_qkvz / in_proj_ba; Qwen3.5: in_proj_qkv / z / b / a)
+    Gated DeltaNet (Qwen3-Next: in_proj_qkvz / in_proj_ba; Qwen3.5: in_proj_qkv / z / b / a;
+    OLMo hybrid: q / k / v / a / b / g_proj)
         every projection by key heads, each carrying its value heads; the convolution over
         [q; k; v] by the same heads' channels; A_log and dt_bias by value head; the gated norm
         acts on each head alike (replicated, its gradient summed); out_proj row-parallel.
@@ -10,6 +11,11 @@ its Mamba layers the same way). The model's own forward runs on each rank's head
         by channel; x_proj by its input channels, its partial products summed over the group
         (forward and backward: every rank's channels read the whole dt / B / C); Jamba's and
         Falcon-Mamba's norms on dt / B / C replicated, their gradient summed.
+    Kimi Delta Attention (Kimi-Linear, Bailing hybrid)
+        q / k / v_proj, the forget gate's and output gate's up projections (f_b / g_b, or f / g
+        whole), b_proj and the convolution over [q; k; v] by head; the gates' low-rank down
+        projections (f_a / g_a) whole on every rank, their gradient summed; dt_bias and A_log by
+        head; the gated norm on each head alike; o_proj row-parallel.
     MiniMax's lightning attention
         qkv_proj (per head [q, k, v]) and output_gate column-parallel by heads, the per-head decay
         buffers cut to each rank's heads, the norm over every head's output a ParallelRMSNorm
@@ -48,6 +54,7 @@ from tplayers.placement import even_sizes, shard_range
 
 QWEN3_NEXT = ("in_proj_qkvz", "in_proj_ba", "out_proj")
 QWEN3_5 = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+OLMO_HYBRID = ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj", "o_proj")
 GATED_DELTANET_PARAMS = {"A_log", "dt_bias"}
 MAMBA2_PARAMS = {"A_log", "D", "dt_bias"}
 
@@ -63,7 +70,7 @@ def _own_params(module) -> set[str]:
 
 def is_gated_deltanet(module) -> bool:
     return (
-        (has_linears(module, QWEN3_NEXT) or has_linears(module, QWEN3_5))
+        any(has_linears(module, layout) for layout in (QWEN3_NEXT, QWEN3_5, OLMO_HYBRID))
         and _depthwise(module)
         and _own_params(module) == GATED_DELTANET_PARAMS
     )
@@ -160,11 +167,13 @@ def _refuse_unknown_children(name, module, known):
 
 
 def gated_deltanet(sp: ShardingPass, name, m):
-    """Qwen3-Next's and Qwen3.5's Gated DeltaNet split by key heads (see the module docstring)."""
+    """Qwen3-Next's, Qwen3.5's and OLMo hybrid's Gated DeltaNet split by key heads (see the module
+    docstring)."""
     nk, nv, hk, hv = m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
     per = nv // nk  # value heads per key head: contiguous (the rule repeats q / k with repeat_interleave)
-    fused_layout = has_linears(m, QWEN3_NEXT)
-    _refuse_unknown_children(name, m, (*(QWEN3_NEXT if fused_layout else QWEN3_5), "conv1d", "norm"))
+    layout = next(layout for layout in (QWEN3_NEXT, QWEN3_5, OLMO_HYBRID) if has_linears(m, layout))
+    norm, out = ("o_norm", "o_proj") if layout == OLMO_HYBRID else ("norm", "out_proj")
+    _refuse_unknown_children(name, m, (*layout, "conv1d", norm))
     kd, vd = nk * hk, nv * hv
     if per * nk != nv or m.conv1d.in_channels != 2 * kd + vd:
         raise ValueError(
@@ -173,23 +182,68 @@ def gated_deltanet(sp: ShardingPass, name, m):
     split = head_split(name, nk, sp.n)
     ranges = _ranges(sp, nk, split)
     qkv = [_rows([(0, hk), (kd, hk), (2 * kd, per * hv)], s, c) for s, c in ranges]
-    if fused_layout:  # per key head: [q, k, v of its value heads, z of them] rows, then [b, a] of them
+    if layout == QWEN3_NEXT:  # per key head: [q, k, v of its value heads, z of them] rows, then [b, a] of them
         sp.shared_input_column(f"{name}.in_proj_qkvz", m.in_proj_qkvz, split_unit=2 * hk + 2 * per * hv,
                                split_sizes=split)  # fmt: skip
         sp.shared_input_column(f"{name}.in_proj_ba", m.in_proj_ba, split_unit=2 * per, split_sizes=split)
-    else:
+    elif layout == QWEN3_5:
         fused_column(sp, f"{name}.in_proj_qkv", m.in_proj_qkv, qkv)
         sp.shared_input_column(f"{name}.in_proj_z", m.in_proj_z, split_unit=per * hv, split_sizes=split)
         for key in ("in_proj_b", "in_proj_a"):
             sp.shared_input_column(f"{name}.{key}", getattr(m, key), split_unit=per, split_sizes=split)
+    else:  # one projection per part, its rows by head
+        units = dict(q_proj=hk, k_proj=hk, v_proj=per * hv, g_proj=per * hv, a_proj=per, b_proj=per)
+        for key, unit in units.items():
+            sp.shared_input_column(f"{name}.{key}", getattr(m, key), split_unit=unit, split_sizes=split)
     _conv(sp, f"{name}.conv1d", m.conv1d, qkv, torch.zeros(0, dtype=torch.long))
     for key in ("A_log", "dt_bias"):
         split_per_head(sp, name, m, key, per, split)
-    _head_wise_norm(sp, f"{name}.norm", m.norm, hv)
-    sp.row(f"{name}.out_proj", m.out_proj, split_unit=per * hv, split_sizes=split)
+    _head_wise_norm(sp, f"{name}.{norm}", getattr(m, norm), hv)
+    sp.row(f"{name}.{out}", getattr(m, out), split_unit=per * hv, split_sizes=split)
     c = ranges[dist.get_rank(sp.group)][1]
     localize_attributes(name, m, dict(num_k_heads=c, num_v_heads=c * per, key_dim=c * hk, value_dim=c * per * hv,
                                       conv_dim=2 * c * hk + c * per * hv))  # fmt: skip
+    sp.shared_input.append(m)
+    sp.done.add(name)
+
+
+# ---- Kimi Delta Attention ------------------------------------------------------------------------
+KDA = ("q_proj", "k_proj", "v_proj", "b_proj", "o_proj")
+
+
+def is_kimi_delta_attention(module) -> bool:
+    gate = getattr(module, "forget_gate", None)
+    return has_linears(module, KDA) and _depthwise(module) and _own_params(gate) == GATED_DELTANET_PARAMS
+
+
+def kimi_delta_attention(sp: ShardingPass, name, m):
+    """Kimi Delta Attention split by heads (see the module docstring)."""
+    heads, width, gate = m.num_heads, m.head_dim, m.forget_gate
+    low_rank = [(m, "g_a_proj", "g_b_proj"), (gate, "f_a_proj", "f_b_proj")]
+    _refuse_unknown_children(name, m, (*KDA, "conv1d", "forget_gate", "g_a_proj", "g_b_proj", "g_proj", "o_norm"))
+    _refuse_unknown_children(f"{name}.forget_gate", gate, ("f_a_proj", "f_b_proj", "f_proj"))
+    dim = heads * width
+    if m.conv1d.in_channels != 3 * dim or any(getattr(m, k).out_features != dim for k in KDA[:3]):
+        raise ValueError(f"parallelize: {name}'s widths do not hold {heads} heads of {width} for q, k and v")
+    split = head_split(name, heads, sp.n)
+    ranges = _ranges(sp, heads, split)
+    for owner, down, up in low_rank:  # the down projection's output feeds every head: whole, gradient summed
+        if isinstance(getattr(owner, up, None), nn.Linear):
+            sp.partial_grads.extend(getattr(owner, down).parameters())
+    units = dict(q_proj=width, k_proj=width, v_proj=width, g_b_proj=width, g_proj=width, b_proj=1)
+    for owner, prefix, keys in ((m, name, units), (gate, f"{name}.forget_gate", dict(f_b_proj=width, f_proj=width))):
+        for key, unit in keys.items():
+            if isinstance(getattr(owner, key, None), nn.Linear):
+                sp.shared_input_column(f"{prefix}.{key}", getattr(owner, key), split_unit=unit, split_sizes=split)
+    qkv = [_rows([(0, width), (dim, width), (2 * dim, width)], s, c) for s, c in ranges]
+    _conv(sp, f"{name}.conv1d", m.conv1d, qkv, torch.zeros(0, dtype=torch.long))
+    split_per_head(sp, f"{name}.forget_gate", gate, "dt_bias", width, split)
+    split_per_head(sp, f"{name}.forget_gate", gate, "A_log", 1, split, dim=list(gate.A_log.shape).index(heads))
+    _head_wise_norm(sp, f"{name}.o_norm", m.o_norm, width)
+    sp.row(f"{name}.o_proj", m.o_proj, split_unit=width, split_sizes=split)
+    c = ranges[dist.get_rank(sp.group)][1]
+    localize_attributes(name, m, dict(num_heads=c, qkv_dim=c * width, conv_dim=3 * c * width))
+    localize_attributes(f"{name}.forget_gate", gate, dict(num_heads=c, qkv_dim=c * width))
     sp.shared_input.append(m)
     sp.done.add(name)
 

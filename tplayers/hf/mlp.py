@@ -2,13 +2,16 @@
 
 gated MLP (gate/up/down_proj): SiLU -> ParallelMLP (one fused gate|up GEMM + SwiGLU kernel);
     any other activation -> gate, up column-parallel, down row-parallel
-fused gate_up_proj [gate; up] with SiLU (Phi-3, GLM-4): ParallelMLP's fused SwiGLU layout
+fused gate_up_proj [gate; up] with SiLU (Phi-3, GLM-4): ParallelMLP's fused SwiGLU layout; with any
+    elementwise math between the halves (Zamba 2, MiniMax-M3): each rank's [gate_r; up_r] rows
 two-layer MLPs with an elementwise activation (fc1/fc2: OPT, Phi; fc_in/fc_out: GPT-J, CodeGen;
     c_fc/c_proj: Starcoder2, GPTBigCode; up_proj/down_proj: MPT; dense_h_to_4h/dense_4h_to_h:
     GPT-NeoX, Bloom, Falcon)
 GPT-2's Conv1D c_fc / c_proj
 Qwen2-MoE's shared-expert gate (H -> 1, then a sigmoid): kept whole on every rank
 """
+
+import re
 
 import torch
 from torch import nn
@@ -63,24 +66,22 @@ def chunked_gate_up(sp: ShardingPass, name, mlp):
 
 
 def fused_gate_up(sp: ShardingPass, name, mlp):
-    """Phi-3: gate_up_proj holding [gate; up] halves, up * act(gate). SiLU: ParallelMLP (one fused
-    gate|up GEMM with the SwiGLU epilogue), exported back to [gate; up]; other activations refused."""
+    """gate_up_proj holding [gate; up] halves, then down_proj. With SiLU as its activation module and
+    nothing else holding weights (Phi-3, GLM-4): ParallelMLP (one fused gate|up GEMM with the SwiGLU
+    epilogue), exported back to [gate; up]. Else, where the forward chunks [gate; up] in two and
+    only acts on them elementwise (any activation, a function in the forward included: Zamba 2,
+    MiniMax-M3's clamped SwiGLU): `gate_up_halves`. Anything else is refused by name."""
     act = getattr(mlp, "activation_fn", None)
-    if act is None:
-        raise ValueError(
-            f"parallelize: {name} ({type(mlp).__name__}) holds a fused gate_up_proj but no activation_fn module, so "
-            "tplayers cannot tell what its forward applies between gate_up_proj and down_proj; pass a plan"
-        )
-    if not is_silu(act):
-        raise ValueError(f"parallelize: {name} gates with {type(act).__name__}, not SiLU; pass a plan for this model")
-    if sp.keeps(name, ("gate_up_proj",)):  # a LoRA target: one column layer holding [gate_r; up_r]
-        ffn = mlp.gate_up_proj.out_features // 2
-        fused_column(
-            sp, f"{name}.gate_up_proj", mlp.gate_up_proj, part_rows([ffn, ffn], sp.n, split=shard_sizes(ffn, sp.n))
-        )
-        sp.row(f"{name}.down_proj", mlp.down_proj)
-        sp.shared_input.append(mlp)
-        sp.done.add(name)
+    extras = _gate_up_extras(mlp)
+    halves = extras != ([], []) or mlp.gate_up_proj.bias is not None or sp.keeps(name, ("gate_up_proj",))
+    if act is None or not is_silu(act) or halves:
+        if extras is None or not elementwise_halves(mlp):
+            raise ValueError(
+                f"parallelize: {name} ({type(mlp).__name__}) holds a fused gate_up_proj, and its forward is not "
+                "[gate; up] chunked in two and acted on elementwise before down_proj, so tplayers cannot tell "
+                "what it applies between them; pass a plan"
+            )
+        gate_up_halves(sp, name, mlp, extras)
         return
     fused = as_linear(mlp.gate_up_proj, f"{name}.gate_up_proj")
     halves = []
@@ -88,8 +89,6 @@ def fused_gate_up(sp: ShardingPass, name, mlp):
         half = nn.Linear(part.shape[1], part.shape[0], bias=False, device="meta")
         half.weight = nn.Parameter(part, requires_grad=False)
         halves.append(half)
-    if fused.bias is not None:
-        raise ValueError(f"parallelize: {name}.gate_up_proj has a bias; pass a plan for this model")
     layer = ParallelMLP.from_modules(
         *halves, as_linear(mlp.down_proj, f"{name}.down_proj"), group=sp.group, sequence_parallel=sp.sp
     )
@@ -119,6 +118,66 @@ def fused_gate_up(sp: ShardingPass, name, mlp):
         return [*halves, down]
 
     sp.exports.append((name, export, load, layout))
+
+
+# A reduction over the intermediate features: with each rank holding a slice, it would see only its own.
+REDUCTIONS = re.compile(r"\b(mean|std|var|sum|norm|softmax|log_softmax|topk|sort|cumsum|amax|amin|max|min|logsumexp)\(")
+
+
+def elementwise_halves(mlp) -> bool:
+    """Whether the MLP's forward chunks gate_up_proj's output in two along its features, calls
+    down_proj, and reduces nothing over the features (read in its source): any elementwise math
+    between them then runs on each rank's slice of both halves as on the whole."""
+    source = forward_source(mlp)
+    return (
+        re.search(r"chunk\(\s*(\w+,\s*)?2,\s*(dim=)?-1\)", source) is not None
+        and "self.down_proj(" in source
+        and not REDUCTIONS.search(source.replace("clamp(max=", "clamp(upper="))
+    )
+
+
+def _gate_up_extras(mlp) -> tuple[list, list] | None:
+    """What else the MLP holds: low-rank adapters added to gate_up_proj's output (Zamba 2's per-layer
+    `down -> up` pairs, or Identity) as [(down, up)], and norms of its input before gate_up_proj
+    (Phi-4-multimodal's audio MLP) as [norm]; None where it holds anything else with weights."""
+    rows, source, adapters, norms = mlp.gate_up_proj.out_features, forward_source(mlp), [], []
+    for child, module in mlp.named_children():
+        if child in ("gate_up_proj", "down_proj") or next(module.parameters(), None) is None:
+            continue
+        call = source.find(f"self.{child}(")
+        if "Norm" in type(module).__name__ and -1 < call < source.find("self.gate_up_proj("):
+            norms.append(module)
+            continue
+        for part in module.children() if isinstance(module, nn.ModuleList) else [module]:
+            if isinstance(part, nn.Identity):
+                continue
+            pair = list(part.children()) if isinstance(part, nn.Sequential) else []
+            if not (len(pair) == 2 and all(type(m) is nn.Linear for m in pair) and pair[1].out_features == rows
+                    and pair[0].out_features == pair[1].in_features and pair[1].bias is None):  # fmt: skip
+                return None
+            adapters.append(pair)
+    return adapters, norms
+
+
+def gate_up_halves(sp: ShardingPass, name, mlp, extras=((), ())):
+    """The model's own forward on this rank's features: gate_up_proj column-parallel holding this
+    rank's rows of each half ([gate_r; up_r], so the forward's chunk in two gives this rank's gate and
+    up), down_proj row-parallel by the same features. An adapter added to gate_up_proj's output splits
+    its up projection alike; its down projection, and a norm of the input, are whole on every rank,
+    each rank's features giving part of their gradients, summed over the group."""
+    adapters, norms = extras
+    ffn = mlp.gate_up_proj.out_features // 2
+    rows = part_rows([ffn, ffn], sp.n, split=shard_sizes(ffn, sp.n))
+    fused_column(sp, f"{name}.gate_up_proj", mlp.gate_up_proj, rows)
+    for down, up in adapters:
+        adapter = next(n for n, m in mlp.named_modules() if m is up)
+        fused_column(sp, f"{name}.{adapter}", up, rows)  # its input gradient partial, as gate_up_proj's
+        sp.partial_grads.extend(down.parameters())
+    for norm in norms:
+        sp.partial_grads.extend(norm.parameters())
+    sp.row(f"{name}.down_proj", mlp.down_proj)
+    sp.shared_input.append(mlp)
+    sp.done.add(name)
 
 
 def gated_mlp(sp: ShardingPass, name, mlp):
@@ -275,6 +334,7 @@ RESIDUAL_STREAM = {
     "Gemma3nTextModel": ("per_layer_model_projection", "altup_projections", "altup_unembed_projections"),
     "Gemma4TextDecoderLayer": ("per_layer_input_gate", "per_layer_projection"),
     "Gemma4TextModel": ("per_layer_model_projection",),
+    "Zamba2HybridLayer": ("linear",),  # the shared transformer's output, projected before the Mamba layer
 }
 
 
