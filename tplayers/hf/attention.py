@@ -330,9 +330,13 @@ def _per_head_weights(sp: ShardingPass, name, attn, head_dim, projections):
     RMSNorm over a whole projection (OLMo2): split with it (`_norm_over_projection`). Any other
     weight spanning all heads, or one module per head (StableLM's per-head norms: each rank would
     apply the first heads' norms to its own heads), cannot be split by this pass: an error naming
-    it."""
+    it. A sparse-attention indexer (Qwen4-Exp's query-sparse attention) picks the keys every head
+    attends to from the whole hidden states: whole on every rank."""
     for child_name, child in attn.named_children():
         if child_name in projections:
+            continue
+        if child_name == "indexer":  # a sparse-attention indexer: whole, as beside MLA (see mla.MLA_LATENT)
+            sp.partial_grads.extend(child.parameters())
             continue
         row = getattr(attn, NORMS_BEFORE_PROJECTION.get(child_name, ""), None)
         if isinstance(row, RowParallelLinear) and tuple(getattr(child, "weight", torch.empty(0)).shape) == (

@@ -1,5 +1,5 @@
 """Multi-head latent attention (DeepSeek-V2 / V3, Kimi K2, MiniCPM3, GLM-4-MoE-Lite, LongCat-Flash,
-Youtu, A.X K1), with DeepSeek Sparse Attention's indexer (DeepSeek-V3.2, GLM-5, Hunyuan V4, Dots 3)
+Youtu, A.X K1 / K2), with DeepSeek Sparse Attention's indexer (DeepSeek-V3.2, GLM-5, Hunyuan V4, Dots 3)
 and per-head output gates, split by heads as its math splits (`mla_attention`)."""
 
 from torch import nn
@@ -21,12 +21,15 @@ from tplayers.hf.shard import ShardingPass, has_linears
 # hidden states and query latent, and picks the same keys there (its forward runs without gradients in
 # transformers; were one to flow, it would be partial like the latent's and is summed with it).
 MLA_LATENT = ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm", "k_rope_only_layernorm", "indexer")
-MLA_PER_HEAD = ("q_proj", "q_b_proj", "kv_b_proj", "o_proj")
+MLA_PER_HEAD = ("q_proj", "q_b_proj", "q_gate_proj", "kv_b_proj", "o_proj")
+# The query's up projection: q_b_proj from the query latent, q_proj without one, A.X K2's q_gate_proj
+# (from [latent, compressed latent], each head's [query | output gate] rows)
+QUERIES = ("q_b_proj", "q_proj", "q_gate_proj")
 
 
 def is_mla(module) -> bool:
-    return has_linears(module, ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj")) and (
-        has_linears(module, ("q_b_proj",)) or has_linears(module, ("q_proj",))
+    return has_linears(module, ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj")) and any(
+        has_linears(module, (query,)) for query in QUERIES
     )
 
 
@@ -51,7 +54,7 @@ def mla_attention(sp: ShardingPass, name, attn):
             f"{', '.join(f'{name}.{c}' for c in extra)}, which tplayers does not know how to split; pass a plan "
             "for this model"
         )
-    query = "q_b_proj" if isinstance(getattr(attn, "q_b_proj", None), nn.Linear) else "q_proj"
+    query = next(q for q in QUERIES if isinstance(getattr(attn, q, None), nn.Linear))
     qk_dim = getattr(attn, query).out_features // heads
     if qk_dim * heads != getattr(attn, query).out_features or attn.kv_b_proj.out_features != heads * (nope + v_dim):
         raise ValueError(f"parallelize: {name}'s projections do not hold {heads} heads of MLA's widths")

@@ -325,7 +325,7 @@ def gpt2_mlp(sp: ShardingPass, name, mlp):
 
 
 # Modules on the residual stream that act token by token on the whole hidden state (Gemma 3n's
-# AltUp and LAuReL; Gemma 3n / 4's per-layer inputs), by the class holding them: kept whole on
+# AltUp and LAuReL; Gemma 3n / 4's per-layer inputs; hyper-connections), by the class holding them: kept whole on
 # every rank, read from their source. Their inputs are whole (or, under sequence parallelism,
 # this rank's tokens, with their gradients summed like a norm's), so they compute what the
 # unsharded model does.
@@ -335,7 +335,12 @@ RESIDUAL_STREAM = {
     "Gemma4TextDecoderLayer": ("per_layer_input_gate", "per_layer_projection"),
     "Gemma4TextModel": ("per_layer_model_projection",),
     "Zamba2HybridLayer": ("linear",),  # the shared transformer's output, projected before the Mamba layer
+    # hyper-connections: the mixing of several residual streams into a block's input and back
+    "Qwen4ExpTextDecoderLayer": ("attn_hyper_connection", "mlp_hyper_connection"),
+    "Qwen4ExpTextModel": ("hyper_connection_mixer",),
 }
+# Of those, the layers that take a per-layer input over the whole sequence beside their hidden states
+PER_LAYER_INPUTS = {"Gemma3nTextDecoderLayer", "Gemma4TextDecoderLayer"}
 
 
 def holds_residual_stream_modules(module) -> bool:
@@ -343,7 +348,7 @@ def holds_residual_stream_modules(module) -> bool:
 
 
 def residual_stream_modules(sp: ShardingPass, name, module):
-    if sp.sp and "DecoderLayer" in type(module).__name__:
+    if sp.sp and type(module).__name__ in PER_LAYER_INPUTS:
         raise ValueError(
             f"parallelize: {name} ({type(module).__name__}) takes a per-layer input over the whole sequence beside "
             "its hidden states (and Gemma 3n's AltUp stacks several hidden states); sequence parallelism would split "
