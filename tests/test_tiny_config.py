@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from tplayers.testing import tiny_config
+from tplayers.testing import published_config, tiny_config
 
 
 def _model(config):
@@ -76,3 +76,12 @@ def test_defaults_that_build_no_model_get_the_published_fields():
 def test_an_unknown_type_is_refused():  # negative control: nothing is invented for a type transformers lacks
     with pytest.raises(KeyError, match="no-such-model"):
         tiny_config("no-such-model")
+
+
+def test_published_config_cuts_only_the_depth():
+    import transformers as tf
+
+    full, cut = tf.AutoConfig.for_model("glm_moe_dsa"), published_config("glm_moe_dsa")
+    assert (cut.hidden_size, cut.vocab_size, cut.num_attention_heads, cut.n_routed_experts, cut.index_n_heads) == (
+        full.hidden_size, full.vocab_size, full.num_attention_heads, full.n_routed_experts, full.index_n_heads)  # fmt: skip
+    assert cut.num_hidden_layers == 2 < full.num_hidden_layers

@@ -13,7 +13,8 @@ layouts; the parts it is built from serve hand-written checks. tplayers' own sui
     outputs.py     logits_of: the logits of a forward that computed its loss without them
     memory.py      peak_bytes: the peak of host memory in use (glibc), for CPU memory tests
     ops.py         count_ops: the ops a block runs (kernel launches, host syncs), through the dispatcher
-    tiny.py        tiny_config: any transformers model type's config with every size field shrunk
+    tiny.py        tiny_config: any transformers model type's config with every size field shrunk;
+                   published_config: its published widths with only the depth cut
 
 A user-facing top layer: may import anything in tplayers; nothing in tplayers imports it.
 """
@@ -33,7 +34,7 @@ from tplayers.testing.numerics import (
 )
 from tplayers.testing.outputs import logits_of
 from tplayers.testing.pool import RemoteError, WorkerPool
-from tplayers.testing.tiny import tiny_config
+from tplayers.testing.tiny import published_config, tiny_config
 
 __all__ = [
     "ParallelMismatch",
@@ -51,6 +52,7 @@ __all__ = [
     "logits_of",
     "integer_valued",
     "shard_of",
+    "published_config",
     "tiny_config",
     "tolerance",
 ]

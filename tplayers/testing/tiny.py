@@ -37,10 +37,10 @@ CAPS = [
     (r".*(shared_experts)", 1),
     (r".*(experts|expert_num)", 4),
     (r"n_group|topk_group", 1),
-    (r"first_k_dense_replace|num_dense_layers|n_layers_per_attn_res_block", 1),
+    (r"first_k_dense_replace|num_dense_layers|n_layers_per_attn_res_block", "dense_layers"),
     (r"num_kv_shared_layers", None),  # set by the layer cut: one layer of each kind shares its cache
     (r"(mamba_)?expand", 1),  # state-space inner width = heads x head width = hidden size
-    (r".*(layers|n_layer|_layers|depth|num_blocks)", 2),
+    (r".*(layers|n_layer|_layers|depth|num_blocks)", "layers"),
     (r".*(intermediate.*|ffn.*|d_ff|dff|dim_ff|mlp_dim|feed_forward_size|n_inner|d_inner)", "ffn"),
     (r"mamba_d_ssm", "width"),  # the state-space inner width: heads x head width
     (r".*(state_size|d_state)", 8),
@@ -58,8 +58,10 @@ QUIRKS = {
     "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4}}),
     "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
-    "qwen4_exp_text": QSA,  # Qwen4-Exp's query-sparse attention indexer
-    "qwen4_exp": dict(text_config=QSA),
+    # Qwen4-Exp's query-sparse attention indexer: transformers' config leaves its sizes None; at the
+    # published widths, 8 scoring heads as wide as the attention's (its validation wants the rotary width)
+    "qwen4_exp_text": lambda caps: QSA if "width" in caps else dict(QSA, indexer_n_heads=8, indexer_head_dim=256),
+    "qwen4_exp": lambda caps: dict(text_config=QSA if "width" in caps else dict(QSA, indexer_head_dim=256)),
     "gemma4_assistant": dict(text_config=dict(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),  # the per-layer pattern, repeated
     "reformer": lambda caps: dict(
@@ -71,6 +73,7 @@ QUIRKS = {
     # the shared transformer is one module tied over the hybrid layers: two of them
     "zamba": dict(num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "hybrid"]),
 }
+DEPTH = dict(layers=2, dense_layers=1)  # the depth caps: alone, the published widths with a cut depth
 LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "decoder_layers")
 KEEP = {"conv1d_width", "num_channels", "in_channels", "out_channels", "audio_channels", "conv_kernel_size"}
 
@@ -85,10 +88,25 @@ def tiny_config(model_type: str, heads: int = 4, **overrides):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cls = tf.CONFIG_MAPPING[model_type]
-        caps = dict(heads=heads, kv_heads=max(1, heads // 2), width=8 * heads, ffn=16 * heads)
-        quirks = QUIRKS.get(model_type, {})
-        quirks = copy.deepcopy(quirks(caps) if callable(quirks) else quirks)
-        return _shrunk(cls, _defaults(cls), _merged(quirks, overrides), caps)
+        caps = dict(DEPTH, heads=heads, kv_heads=max(1, heads // 2), width=8 * heads, ffn=16 * heads)
+        return _shrunk(cls, _defaults(cls), _merged(_quirks(model_type, caps), overrides), caps)
+
+
+def published_config(model_type: str, **overrides):
+    """The default config of `model_type` (the published checkpoint's widths, vocabulary, heads and
+    experts, as transformers ships it) with only its depth cut, as `tiny_config` cuts it: for
+    per-rank memory at the published sizes, on the meta device."""
+    import transformers as tf
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cls = tf.CONFIG_MAPPING[model_type]
+        return _shrunk(cls, _defaults(cls), _merged(_quirks(model_type, DEPTH), overrides), DEPTH)
+
+
+def _quirks(model_type, caps) -> dict:
+    quirks = QUIRKS.get(model_type, {})
+    return copy.deepcopy(quirks(caps) if callable(quirks) else quirks)
 
 
 def _merged(base: dict, overrides: dict) -> dict:
@@ -146,7 +164,8 @@ def _shrunk(cls, values: dict, overrides: dict, caps: dict):
         per_layer = _cut_layers(kwargs, layers, before, per_layer)
     if spec:
         kwargs["per_layer_config"] = per_layer
-    _place_ids(kwargs)
+    if set(caps) != set(DEPTH):
+        _place_ids(kwargs)
     kwargs.update(overrides)
     return cls(**kwargs)
 
@@ -188,8 +207,8 @@ def _cap(name: str, value: int, caps: dict) -> int:
         return value
     for pattern, cap in CAPS:
         if re.fullmatch(pattern, name):
-            if cap is None:
-                return value
+            if cap is None or (type(cap) is int and set(caps) == set(DEPTH)) or (type(cap) is str and cap not in caps):
+                return value  # an id, or a width where only the depth is cut
             value = min(value, caps.get(cap, cap))
             while cap in ("heads", "kv_heads") and caps["width"] % value:  # heads that split the width
                 value -= 1
