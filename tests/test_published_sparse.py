@@ -1,13 +1,13 @@
-"""The 2026 sparse-attention and hyper-connection families at their published sizes: GLM-5
-(`glm_moe_dsa`, DeepSeek Sparse Attention beside MLA), Hunyuan V4 (`hy_v4`, DSA, an output gate and
+"""The 2026 sparse-attention and hyper-connection families at their published sizes: DeepSeek-V4
+(compressed sparse attention, grouped output projection, hyper-connections), GLM-5 (`glm_moe_dsa`,
+DeepSeek Sparse Attention beside MLA), Hunyuan V4 (`hy_v4`, DSA, an output gate and
 hyper-connections) and Qwen4-Exp (`qwen4_exp_text`, Gated DeltaNet, query-sparse attention and
 hyper-connections), from the configs transformers ships (`tplayers.testing.published_config`: the
 published widths, vocabulary, heads and experts, the depth cut to one layer of each kind), built
 on the meta device. At TP 2, 4 and 8 the most loaded rank holds at most 1.05x its 1/TP of the
 parameters: what is kept whole on every rank (the latents, the indexers, the norms) is small beside
 what is split; Qwen4-Exp's hyper-connection mixers are not, at TP 8 (see OVER). Their numerics,
-tiny, are in the newcomer sweep. DeepSeek-V4 is refused by name (its compressed attention and
-grouped output projection), so it has no sharded size to hold."""
+tiny, are in the newcomer sweep."""
 
 import warnings
 
@@ -19,7 +19,7 @@ from tplayers.testing import published_config
 
 pytestmark = [pytest.mark.multirank, pytest.mark.tplayers]
 
-TYPES = ["glm_moe_dsa", "hy_v4", "qwen4_exp_text"]
+TYPES = ["deepseek_v4", "glm_moe_dsa", "hy_v4", "qwen4_exp_text"]
 # Qwen4-Exp's hyper-connection mixers are not small: 4 x 640 x 8192 weights a layer (21M), kept whole as
 # the residual streams they mix are, beside a rank's ~200M of a layer at TP 8: 1.055x (1.055x at the full
 # 40 layers too). Splitting them would add an all-gather of the 4 residual streams to every block.

@@ -46,7 +46,7 @@ KV_HEAD_COUNTS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
 SIZE_NAMES = {*HEAD_COUNTS, *KV_HEAD_COUNTS, "hidden_size", "embed_dim", "all_head_size", "inner_dim", "split_size",
               # state-space and linear-attention mixers (tplayers.hf.mixers)
               "num_k_heads", "num_v_heads", "key_dim", "value_dim", "conv_dim", "intermediate_size", "n_groups",
-              "groups_time_state_size"}  # fmt: skip
+              "groups_time_state_size", "o_groups"}  # fmt: skip
 _SELF_READS = re.compile(r"self\.((?:config\.)?[A-Za-z_]\w*)")
 
 

@@ -129,6 +129,8 @@ ADAPTERS = (
     Adapter("CodeGen attention", attention.named("CodeGenAttention"), attention_code_models.codegen_attention),
     Adapter("MPT attention", attention.named("MptAttention"), attention_code_models.mpt_attention),
     Adapter("multi-head latent attention (DeepSeek-V2 / V3, MiniCPM3)", mla.is_mla, mla.mla_attention),
+    Adapter("DeepSeek-V4 attention (grouped output, compressor)", attention.named("DeepseekV4Attention"),
+            mla.deepseek_v4_attention),  # fmt: skip
     Adapter(
         "token-wise modules on the residual stream (Gemma 3n's AltUp, LAuReL; per-layer inputs)",
         mlp.holds_residual_stream_modules,

@@ -1,6 +1,9 @@
 """Multi-head latent attention (DeepSeek-V2 / V3, Kimi K2, MiniCPM3, GLM-4-MoE-Lite, LongCat-Flash,
 Youtu, A.X K1 / K2), with DeepSeek Sparse Attention's indexer (DeepSeek-V3.2, GLM-5, Hunyuan V4, Dots 3)
-and per-head output gates, split by heads as its math splits (`mla_attention`)."""
+and per-head output gates, split by heads as its math splits (`mla_attention`); DeepSeek-V4's
+compressed attention split by its groups of heads (`deepseek_v4_attention`)."""
+
+import copy
 
 from torch import nn
 
@@ -10,7 +13,9 @@ from tplayers.hf.attention import (
     _held_per_head,
     _local_heads,
     _split_output_gate,
+    localize_attributes,
     output_gate,
+    split_per_head,
 )
 from tplayers.hf.shard import ShardingPass, has_linears
 
@@ -70,3 +75,46 @@ def mla_attention(sp: ShardingPass, name, attn):
             sp.partial_grads.extend(module.parameters())
     _held_per_head(sp, name, attn, heads, split)
     _finish_attention(sp, name, attn, dict.fromkeys(HEAD_COUNTS, local))
+
+
+# DeepSeek-V4's attention: a query latent up-projected per head, one key/value head shared by every
+# head (K = V), a compressor of the sequence into extra key/value entries (with its own indexer in
+# compressed sparse layers), per-head attention sinks, and a grouped low-rank output projection.
+DSV4_WHOLE = ("q_a_proj", "q_a_norm", "kv_proj", "kv_norm", "compressor")
+
+
+def deepseek_v4_attention(sp: ShardingPass, name, attn):
+    """DeepSeek-V4 split by groups of heads: o_a_proj projects each group of heads on its own
+    (`o_groups` of them) and o_b_proj mixes the groups, so each rank holds whole groups: q_b_proj's
+    rows, the sinks and o_a_proj's rows by them, o_b_proj row-parallel by the same groups. The one
+    key/value head, the query latent and the compressor (and its indexer) read the whole hidden
+    states and are whole on every rank, each rank's heads giving part of their gradients, summed.
+    The attention gets its own config with the local group count, which its forward reads."""
+    config = attn.config
+    heads, width, groups = attn.num_heads, attn.head_dim, config.o_groups
+    known = (*DSV4_WHOLE, "q_b_proj", "q_b_norm", "o_a_proj", "o_b_proj")
+    extra = [c for c, m in attn.named_children() if c not in known and next(m.parameters(), None) is not None]
+    if extra or heads % groups or attn.o_a_proj.n_groups != groups:
+        raise ValueError(
+            f"parallelize: {name} ({type(attn).__name__}) holds {extra or 'heads not in its o_groups'}, which tplayers "
+            "does not know how to split; pass a plan for this model"
+        )
+    per_group, rank_of_group = heads // groups, attn.o_a_proj.out_features // groups
+    group_split, _, local = _local_heads(name, groups, sp)
+    head_split = [g * per_group for g in group_split]
+    for child in DSV4_WHOLE:
+        module = getattr(attn, child, None)
+        if isinstance(module, nn.Module):
+            sp.partial_grads.extend(module.parameters())
+    sp.shared_input_column(f"{name}.q_b_proj", attn.q_b_proj, split_unit=width, split_sizes=head_split)
+    split_per_head(sp, name, attn, "sinks", 1, head_split)
+    split_per_head(sp, f"{name}.o_a_proj", attn.o_a_proj, "weight", rank_of_group, group_split)
+    attn.o_a_proj.n_groups, attn.o_a_proj.out_features = local, local * rank_of_group
+    sp.row(f"{name}.o_b_proj", attn.o_b_proj, split_unit=rank_of_group, split_sizes=group_split)
+    attn.config = copy.copy(config)  # this module's own: the model's config stays global
+    attn.config.o_groups = local
+    local_heads = local * per_group
+    attn.num_key_value_groups = local_heads  # one key/value head for this rank's query heads
+    localize_attributes(name, attn, dict(num_heads=local_heads), config_keys=("o_groups",))
+    sp.shared_input.append(attn)
+    sp.done.add(name)

@@ -100,10 +100,27 @@ def _sequence_parallel_hooks(model, group, blocks):
             else gather_from_tp_region(out, group, dim=1)
         )
     )
+    for block in blocks:  # token ids passed beside the hidden states (DeepSeek-V4's hash router): this rank's part
+        block.register_forward_pre_hook(_own_token_ids(group, n), with_kwargs=True)
     _summed_grads([p for block in blocks for p in block.parameters() if placement_or_none(p) is None], group)
     blocks_name = next(name for name, m in model.named_modules() if m is blocks)
     base = model.get_submodule(blocks_name.rpartition(".")[0])
     base.register_forward_hook(_whole_sequence_outputs(group, n), with_kwargs=True)
+
+
+def _own_token_ids(group, n):
+    """A block's `input_ids` keyword (the whole sequence, as the model passes it to every block) cut
+    to this rank's part of the sequence, the part its hidden states hold."""
+    rank = dist.get_rank(group)
+
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids")
+        if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] % n == 0:
+            kwargs["input_ids"] = ids.chunk(n, dim=1)[rank]
+            return args, kwargs
+        return None
+
+    return hook
 
 
 def _whole_sequence_outputs(group, n):

@@ -32,6 +32,7 @@ CAPS = [
     (r".*_rank|hc_lowrank|dt_rank|time_step_rank", 8),
     (r".*(head_?dim|head_size|_d_head|d_head|d_kv|dim_head|d_rel|rotary_dim|query_pre_attn_scalar)", 8),
     (r".*(key_value_heads|kv_heads|kv_n_heads|num_key_heads|key_heads|kv_groups|n_groups|ngroups)", "kv_heads"),
+    (r"o_groups", "kv_heads"),  # DeepSeek-V4's groups of heads in its output projection
     (r".*(heads|n_head|attention_heads)", "heads"),
     (r"num_experts_per_tok|moe_k|moe_top_?k|top_?k|num_selected_experts|index_topk.*|cross_attn_k", 2),
     (r".*(shared_experts)", 1),
