@@ -520,3 +520,37 @@ def test_gradients_summed_over_the_group_survive_an_assign_load_or_a_deepcopy(po
     gets that hook back (before, each rank silently kept its own part: 0.08 off on DeepSeek-V3's
     kv_a_proj_with_mqa), and only once."""
     pool.run(assign_loaded_grads, 2, family, sequence_parallel, how)
+
+
+def normed_embedding(rank, tp, group, sequence_parallel):
+    """Inkling's normed embedding (its RMSNorm after the lookup) on a Llama: vocabulary-parallel with
+    the norm whole after it; loss, every gradient and the state dict equal the unsharded model's."""
+    from transformers.models.inkling.modeling_inkling import InklingNormedEmbedding
+
+    from tplayers.hf import gather_grads
+
+    reference = tiny_model("llama")
+    old = reference.model.embed_tokens
+    reference.model.embed_tokens = InklingNormedEmbedding(old.num_embeddings, old.embedding_dim, old.padding_idx, 1e-6)
+    with torch.no_grad():
+        reference.model.embed_tokens.weight.copy_(old.weight)
+        reference.model.embed_tokens.embed_norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(4))
+    model = tplayers.parallelize(copy.deepcopy(reference), group=group, sequence_parallel=sequence_parallel)
+    assert isinstance(model.model.embed_tokens, families.NormedVocabParallelEmbedding)
+    ids = torch.randint(3, VOCAB, (2, 8), generator=torch.Generator().manual_seed(3))
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    expected = reference(ids, labels=ids).loss
+    expected.backward()
+    assert_close(loss, expected)
+    grads = gather_grads(model, group=group)
+    for name, p in reference.named_parameters():
+        assert_close(grads[name], p.grad, msg=lambda m, name=name: f"{name}: {m}")
+    full = tplayers.gather_state_dict(model, group=group)
+    for key, value in reference.state_dict().items():
+        assert_close(full[key], value, exact=True, msg=lambda m, k=key: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
+def test_normed_embeddings_are_vocabulary_parallel(pool, sequence_parallel):
+    pool.run(normed_embedding, 2, sequence_parallel)

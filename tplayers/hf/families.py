@@ -99,6 +99,32 @@ def _scaled_embedding(m) -> bool:
         return torch.equal(m(ids), nn.functional.embedding(ids, m.weight) * factor)
 
 
+class NormedVocabParallelEmbedding(VocabParallelEmbedding):
+    """VocabParallelEmbedding, then the model's own norm (`embed_norm`, whole on every rank) over the
+    whole looked-up vectors, as the model applies it (Inkling's normed embeddings)."""
+
+    def forward(self, ids):
+        return self.embed_norm(super().forward(ids))
+
+
+def _normed_embedding(m) -> bool:
+    """*NormedEmbedding (Inkling): embed_norm(embedding(ids)); checked on a probe where the weights
+    are materialised, so a look-alike with other math is refused."""
+    if not (type(m).__name__.endswith("NormedEmbedding") and isinstance(getattr(m, "embed_norm", None), nn.Module)):
+        return False
+    if m.weight.is_meta:
+        return True
+    ids = torch.arange(min(8, m.num_embeddings), device=m.weight.device)
+    with torch.no_grad():
+        return torch.equal(m(ids), m.embed_norm(nn.functional.embedding(ids, m.weight, m.padding_idx)))
+
+
+def _build_normed_embedding(m, group):
+    layer = NormedVocabParallelEmbedding.from_embedding(_as_plain_embedding(m), group=group)
+    layer.embed_norm = m.embed_norm
+    return layer
+
+
 def _build_scaled_embedding(m, group):
     layer = ScaledVocabParallelEmbedding.from_embedding(_as_plain_embedding(m), group=group)
     if isinstance(m.embed_scale, torch.Tensor):
@@ -111,6 +137,7 @@ def _build_scaled_embedding(m, group):
 EMBEDDINGS = (
     EmbeddingAdapter("nn.Embedding", _plain_embedding, lambda m, g: VocabParallelEmbedding.from_embedding(m, group=g)),
     EmbeddingAdapter("scaled embedding (Gemma, BioGPT, XGLM)", _scaled_embedding, _build_scaled_embedding),
+    EmbeddingAdapter("normed embedding (Inkling)", _normed_embedding, _build_normed_embedding),
 )
 
 # nn.Linear subclasses whose forward is nn.Linear's math (read in their source): made plain
@@ -129,8 +156,11 @@ ADAPTERS = (
     Adapter("CodeGen attention", attention.named("CodeGenAttention"), attention_code_models.codegen_attention),
     Adapter("MPT attention", attention.named("MptAttention"), attention_code_models.mpt_attention),
     Adapter("multi-head latent attention (DeepSeek-V2 / V3, MiniCPM3)", mla.is_mla, mla.mla_attention),
-    Adapter("DeepSeek-V4 attention (grouped output, compressor)", attention.named("DeepseekV4Attention"),
-            mla.deepseek_v4_attention),  # fmt: skip
+    Adapter(
+        "DeepSeek-V4 attention (grouped output, compressor)",
+        attention.named("DeepseekV4Attention"),
+        mla.deepseek_v4_attention,
+    ),  # fmt: skip
     Adapter(
         "token-wise modules on the residual stream (Gemma 3n's AltUp, LAuReL; per-layer inputs)",
         mlp.holds_residual_stream_modules,

@@ -211,7 +211,7 @@ def _inside_sharded_modules(model, done, whole, group):
         except AttributeError:
             continue
         for name, p in module.named_parameters():
-            if placement_or_none(p) is not None:
+            if placement_or_none(p) is not None or any(f"{prefix}.{name}".startswith(f"{w}.") for w in whole):
                 continue
             if p.numel() == 1:
                 _summed_grads([p], group)

@@ -213,9 +213,7 @@ class ShardingPass(SharesGroups):
 
     def column(self, name, module, sequence_parallel=None, layer_class=ColumnParallelLinear, **kwargs):
         sp = self.sp if sequence_parallel is None else sequence_parallel
-        layer = layer_class.from_linear(
-            as_linear(module, name), group=self.group, sequence_parallel=sp, **kwargs
-        )
+        layer = layer_class.from_linear(as_linear(module, name), group=self.group, sequence_parallel=sp, **kwargs)
         layer = on_device(layer, module.weight.device)
         self.swap(name, layer)
         self.record(name, layer, 0, is_conv1d(module))
@@ -260,7 +258,26 @@ class ShardingPass(SharesGroups):
             )
         new = on_device(adapter.build(embedding, self.group), embedding.weight.device)
         self.swap(name, new)
-        self.record(name, new, 0, False)
+        whole = {f"{c}.{k}": p for c, m in new.named_children() for k, p in m.named_parameters()}
+        if not whole:
+            self.record(name, new, 0, False)
+            return new
+        # the model's own modules after the lookup (a norm), whole on every rank, exported with it
+        self.whole.update(f"{name}.{child}" for child, _ in new.named_children())
+        export, load = linear_export(new, 0, False), linear_load(new, 0, False, self.group)
+
+        def export_all(pick, group):
+            return {**export(pick, group), **{key: pick(p) for key, p in whole.items()}}
+
+        def load_all(full):
+            load(full)
+            for key, p in whole.items():
+                copy_in(p, full[key])
+
+        def layout():
+            return [*pieces.linear(new, 0, False, self.group), *(pieces.whole(k, p) for k, p in whole.items())]
+
+        self.exports.append((name, export_all, load_all, layout))
         return new
 
     def embeddings(self):
