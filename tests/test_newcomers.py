@@ -1,6 +1,6 @@
 """The newcomer sweep: every causal-LM type transformers ships that `tests/test_families.py` does
-not cover, as a tiny random model at TP 2, with and without sequence parallelism, MoE auxiliary
-losses on. Each ends exact (one training step's loss and every gradient, with an attention mask,
+not cover, as a tiny random model at TP 2 and TP 4, with and without sequence parallelism, MoE
+auxiliary losses on. Each ends exact (one training step's loss and every gradient, with an attention mask,
 equal the unsharded model's: checked here independently of parallelize's own self-check) or
 refused with a message naming what stops it. None is wrong; none crashes inside HF or torch.
 
@@ -155,3 +155,39 @@ def test_every_newcomer_is_exact_or_refused(pool, tp):
         if verdict == "refused":
             assert "parallelize" in detail or detail == "as without sequence parallelism", detail
     assert counts["exact"] >= 20, counts  # the sweep reached models, not only configs it could not shrink
+
+
+# The types this sweep reached first with their own adapters: DeepSeek Sparse Attention, DeepSeek-V4,
+# Qwen4-Exp (hyper-connections, query-sparse attention), Kimi Delta Attention, OLMo hybrid's Gated
+# DeltaNet, fused gate_up MLPs with their own elementwise math, MLA variants.
+ADAPTED = ["deepseek_v32", "glm_moe_dsa", "hy_v4", "dots3_note_text", "deepseek_v4", "qwen4_exp_text",
+           "kimi_linear", "bailing_hybrid", "olmo_hybrid", "zamba2", "minimax_m3_vl_text", "axk1", "axk2", "youtu",
+           "lfm3"]  # fmt: skip
+
+
+def generate_and_state_dict(rank, world, group, types):
+    """{type: failures} of greedy generate() and the gathered state dict against the unsharded model."""
+    tp = layout_mesh(1, 1, world)["tp"]
+    out = {}
+    for model_type in types:
+        model_class, cfg, _, _ = tiny_reference(model_type, world)
+        reference = _build(model_class, cfg).eval()
+        model = tplayers.parallelize(_build(model_class, cfg).eval(), group=tp)
+        wrong = []
+        full = tplayers.gather_state_dict(model, group=tp)
+        if list(full) != list(reference.state_dict()):
+            wrong.append(f"state dict keys {sorted(set(full) ^ set(reference.state_dict()))[:4]}")
+        wrong += [k for k, v in reference.state_dict().items() if k in full and not torch.equal(full[k], v)]
+        ids = torch.randint(3, VOCAB - MEANINGFUL_IDS, (1, 6), generator=torch.Generator().manual_seed(2))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            expected = reference.generate(ids, max_new_tokens=5, do_sample=False)
+            if not torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False), expected):
+                wrong.append("generate()")
+        out[model_type] = wrong
+    return out
+
+
+def test_adapted_types_generate_and_round_trip_their_state_dict(pool):
+    wrong = {t: w for t, w in pool.run(generate_and_state_dict, 2, ADAPTED, mesh=(1, 1, 2))[0].items() if w}
+    assert not wrong, wrong
