@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import tplayers
 from tplayers.hf import gather_grads
@@ -96,11 +97,21 @@ def _step(model, batch):
 
 
 def _verdict(model_class, cfg, expected, reference_grads, group, sp):
-    """("exact" | "refused" | "WRONG" | "CRASH", detail) of one type at one layout."""
+    """("exact" | "refused" | "WRONG" | "CRASH", detail) of one type at one layout. First without
+    parallelize's own self-check (this comparison is stricter: the loss and every gradient); where
+    a rank finds it anything but exact or refused, again with the self-check on, so parallelize's
+    verdict (a refusal naming the module, or nothing) is the one counted."""
+    verdict = _checked(model_class, cfg, expected, reference_grads, group, sp, verify=False)
+    fine = torch.tensor([float(verdict[0] in ("exact", "refused"))])
+    dist.all_reduce(fine, op=dist.ReduceOp.MIN, group=group.get_group())  # `group`: the "tp" DeviceMesh
+    return verdict if fine.item() else _checked(model_class, cfg, expected, reference_grads, group, sp, verify=None)
+
+
+def _checked(model_class, cfg, expected, reference_grads, group, sp, verify):
     tol = tolerance(torch.float32)
     model = _build(model_class, cfg)
     try:
-        tplayers.parallelize(model, group=group, sequence_parallel=sp)
+        tplayers.parallelize(model, group=group, sequence_parallel=sp, verify=verify)
     except Exception as e:
         ours = isinstance(e, REFUSALS) or str(e).startswith("parallelize")  # tplayers' own refusal
         return ("refused" if ours else "CRASH", f"{type(e).__name__}: {str(e)[:300]}")  # else from inside HF / torch
