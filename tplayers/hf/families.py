@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tplayers.hf import attention, attention_code_models, mixers, mla, mlp, moe
+from tplayers.hf import attention, attention_code_models, encoder_layers, mixers, mla, mlp, moe
 from tplayers.hf.shard import ShardingPass, has_conv1ds, has_linears
 from tplayers.nn.embedding import VocabParallelEmbedding
 
@@ -207,6 +207,16 @@ ADAPTERS = (
         mlp.chunked_gate_up,
     ),
     Adapter("GPT-2 attention", lambda m: has_conv1ds(m, ("c_attn", "c_proj")), attention.gpt2_attention),
+    Adapter(
+        "BERT-style attention (self: query / key / value, output: dense)",
+        encoder_layers.is_self_output_attention,
+        encoder_layers.self_output_attention,
+    ),  # fmt: skip
+    Adapter(
+        "BERT-style MLP (intermediate.dense, output.dense)",
+        encoder_layers.is_intermediate_output_mlp,
+        encoder_layers.intermediate_output_mlp,
+    ),  # fmt: skip
     Adapter("gated MLP", lambda m: has_linears(m, ("gate_proj", "up_proj", "down_proj")), mlp.gated_mlp),
     Adapter("GPT-2 MLP", lambda m: has_conv1ds(m, ("c_fc", "c_proj")), mlp.gpt2_mlp),
     Adapter("two-layer MLP", lambda m: mlp.two_layer_pair(m) is not None, mlp.two_layer_mlp),

@@ -72,6 +72,20 @@ def copy_in(param, value):
     copy_into(param, value)
 
 
+def _refuse_a_bias_held_twice(model, name, head):
+    """An LM head whose bias its parent also holds as a parameter of its own (BERT's prediction head:
+    `self.decoder.bias = self.bias`): sharding the head's bias would leave the parent's whole and
+    unused, so its gradient and state-dict entry would be wrong. Refused by name."""
+    parent_name = name.rpartition(".")[0]
+    parent = model.get_submodule(parent_name) if parent_name else model
+    held = [k for k, p in parent._parameters.items() if p is not None and head.bias is not None and p is head.bias]
+    if held:
+        raise ValueError(
+            f"parallelize: {name}'s bias is also {parent_name}.{held[0]}, a parameter of its own; tplayers does not "
+            f"split a bias held twice. Pass plan={{{name!r}: 'replicate'}} to keep the head whole"
+        )
+
+
 def linear_export(layer, dim, transpose) -> Export:
     """weight gathered along `dim` (None: replicated), bias along dim 0 when the weight is split by rows."""
 
@@ -288,6 +302,7 @@ class ShardingPass(SharesGroups):
             tied = head is not None and head.weight is emb.weight
             new_emb = self.vocab_parallel(names[id(emb)], emb)
             if isinstance(head, nn.Linear) and self.planned(names.get(id(head))) is None:
+                _refuse_a_bias_held_twice(self.model, names[id(head)], head)
                 # the LM head sees the whole sequence: sequence parallelism ends after the last block
                 new_head = (
                     self.column(names[id(head)], head, sequence_parallel=False, gather_output=False)

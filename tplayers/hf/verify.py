@@ -103,9 +103,14 @@ def logits(model, ids):
     finally:
         for m, mode in modes.items():
             m.training = mode
+    return _main_output(out)
+
+
+def _main_output(out):
+    """The logits of a model's output, else its first tensor (a base model's last hidden state)."""
     if hasattr(out, "logits"):
         return out.logits
-    return out[0] if isinstance(out, tuple | list) else out
+    return out[0] if isinstance(out, tuple | list) or hasattr(out, "to_tuple") else out
 
 
 def check(reference, sharded, *, group, vocab_parallel, what="logits", dtype=None):
@@ -182,7 +187,7 @@ def _train_forward(model, ids):
         kwargs["labels"] = ids
     with _training_without_noise(model):
         out = model(ids, **kwargs)
-        logits = out.logits if hasattr(out, "logits") else out[0] if isinstance(out, tuple | list) else out
+        logits = _main_output(out)
         loss = out.loss if labelled and getattr(out, "loss", None) is not None else logits.float().pow(2).mean()
         loss.backward()
         if logits is None:  # the loss was fused, without logits (tplayers.hf.fused_loss): they are checked too

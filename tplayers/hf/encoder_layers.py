@@ -1,0 +1,71 @@
+"""BERT-style layers (BERT, RoBERTa, ELECTRA, ERNIE, RemBERT, RoFormer, X-MOD, ...), whose projections
+live in sibling submodules: the attention's query / key / value in `attention.self` and its output
+projection in `attention.output` (dense, then LayerNorm over it plus the residual), the MLP's up
+projection in `intermediate` and its down projection in `output` (the same). Split as Megatron splits
+its attention and MLP; the model's own forwards run on each rank's heads and features, the LayerNorms
+after the row projections see whole (or, under sequence parallelism, this rank's tokens of) hidden
+states and stay whole."""
+
+from torch import nn
+
+from tplayers.hf.attention import _finish_attention, _local_heads
+from tplayers.hf.shard import ShardingPass, has_linears
+
+
+def _holds_weights(module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def is_self_output_attention(module) -> bool:
+    """An attention module holding `self` (query / key / value) and `output` (dense, LayerNorm)."""
+    inner, out = getattr(module, "self", None), getattr(module, "output", None)
+    return (
+        isinstance(inner, nn.Module)
+        and has_linears(inner, ("query", "key", "value"))
+        and isinstance(out, nn.Module)
+        and has_linears(out, ("dense",))
+        and isinstance(getattr(inner, "attention_head_size", None), int)
+    )
+
+
+def self_output_attention(sp: ShardingPass, name, attn):
+    """query / key / value column-parallel by whole heads, output.dense row-parallel by the same heads;
+    a cross-attention (keys and values from an encoder's states) is refused by name."""
+    inner, out = attn.self, attn.output
+    if getattr(inner, "is_cross_attention", False) or getattr(attn, "is_cross_attention", False):
+        raise ValueError(f"parallelize: {name} is a cross-attention; tplayers does not shard it")
+    width = inner.attention_head_size
+    heads = inner.query.out_features // width
+    others = [c for c, m in inner.named_children() if c not in ("query", "key", "value") and _holds_weights(m)]
+    if others or any(getattr(inner, k).out_features != heads * width for k in ("key", "value")):
+        raise ValueError(
+            f"parallelize: {name}.self ({type(inner).__name__}) holds {others or 'keys / values unlike its queries'}, "
+            "which tplayers does not know how to split; pass a plan for this model"
+        )
+    split, _, local = _local_heads(name, heads, sp)
+    for key in ("query", "key", "value"):
+        sp.shared_input_column(f"{name}.self.{key}", getattr(inner, key), split_unit=width, split_sizes=split)
+    sp.row(f"{name}.output.dense", out.dense, split_unit=width, split_sizes=split)
+    _finish_attention(sp, f"{name}.self", inner, dict(num_attention_heads=local, all_head_size=local * width))
+
+
+def is_intermediate_output_mlp(module) -> bool:
+    """A layer holding `intermediate` (dense, an elementwise activation) and `output` (dense, then
+    LayerNorm over it plus the residual) as its MLP."""
+    inner, out = getattr(module, "intermediate", None), getattr(module, "output", None)
+    return (
+        isinstance(inner, nn.Module)
+        and has_linears(inner, ("dense",))
+        and isinstance(out, nn.Module)
+        and has_linears(out, ("dense",))
+        and inner.dense.out_features == out.dense.in_features
+        and not any(c != "dense" and _holds_weights(m) for c, m in inner.named_children())
+    )
+
+
+def intermediate_output_mlp(sp: ShardingPass, name, layer):
+    """intermediate.dense column-parallel (its activation acts on each rank's features), output.dense
+    row-parallel by the same features."""
+    sp.column(f"{name}.intermediate.dense", layer.intermediate.dense)
+    sp.row(f"{name}.output.dense", layer.output.dense)
+    sp.done.add(f"{name}.intermediate")
