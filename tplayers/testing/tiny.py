@@ -53,8 +53,8 @@ CAPS = [
 ]  # fmt: skip
 CAPPED_TOGETHER = {"num_key_value_heads", "num_kv_heads", "head_dim", "qk_head_dim"}  # see _capped
 QSA = dict(indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=4, indexer_compress_ratio=2)
-# Configs whose defaults build no model (fields left None that the modeling code reads) get them as their
-# published checkpoints set them; a few need more than one layer of a kind.
+# Configs whose defaults build no model (fields left None that the modeling code reads, a pattern longer
+# than the cut depth) get those fields set, at tiny sizes; a few need more than one layer of a kind.
 QUIRKS = {
     "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4}}),
     "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1),
