@@ -12,6 +12,7 @@ import queue
 import socket
 import time
 import traceback
+from multiprocessing import forkserver
 
 import torch
 import torch.distributed as dist
@@ -220,6 +221,27 @@ class RankError(RuntimeError):
     """A rank raised or died; carries the failing rank's traceback."""
 
 
+# the environment the forkserver started in (it starts once per process); None before
+_SERVER_ENV: dict | None = None
+
+
+def rank_context(module: str | None = None):
+    """Local ranks forked from a server that imported tplayers and `module` once: a fresh
+    interpreter per rank, as spawn gives, without every rank importing torch again (seconds per
+    rank on a few cores). The server's imports read the environment it started in (TRITON_INTERPRET,
+    TPLAYERS_*), so once this process's environment differs from that, ranks are spawned instead."""
+    global _SERVER_ENV
+    if _SERVER_ENV is None:
+        if getattr(forkserver._forkserver, "_forkserver_address", True) is not None:
+            return mp.get_context("spawn")  # a server someone else started, in an environment unknown to us
+        _SERVER_ENV = dict(os.environ)
+    elif _SERVER_ENV != dict(os.environ):
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["tplayers"] + ([module] if module and module != "__main__" else []))
+    return ctx
+
+
 def _launch_entry(fn, rank, world_size, port, results, args):
     try:
         torch.set_num_threads(1)
@@ -246,7 +268,7 @@ def launch(fn, nprocs: int, *args, timeout: float | None = None):
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
-    ctx = mp.get_context("spawn")
+    ctx = rank_context(getattr(fn, "__module__", None))
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_launch_entry, args=(fn, rank, nprocs, port, results, args)) for rank in range(nprocs)]

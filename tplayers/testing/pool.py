@@ -10,7 +10,6 @@ seconds, not a collective timeout.
 
 import datetime
 import faulthandler
-import multiprocessing as mp
 import os
 import pickle
 import queue
@@ -22,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tplayers.distributed import RankError, free_port
+from tplayers.distributed import RankError, free_port, rank_context
 from tplayers.testing.meshes import group_of, mesh_ranks, prepare_mesh
 
 # After one rank fails, how long the others get to report (they may be failing too).
@@ -90,7 +89,7 @@ class WorkerPool:
         self._task_id = 0
 
     def _start(self):
-        ctx = mp.get_context("spawn")
+        ctx = rank_context(__name__)
         self._dumps = tempfile.TemporaryDirectory(prefix="tplayers-pool-")
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
