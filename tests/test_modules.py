@@ -1,6 +1,7 @@
 """Module behaviour beyond the numerics: placements, copies, loading, construction options."""
 
 import copy
+import os
 
 import pytest
 import torch
@@ -108,3 +109,20 @@ def launched_unpicklable(rank, world_size):
 def test_launch_unpicklable_result_is_an_error():
     with pytest.raises(tplayers.RankError, match="(?s)rank [01] of 2 failed.*(Pickl|pickle)"):
         tplayers.launch(launched_unpicklable, 2, timeout=60)
+
+
+def launched_environment(rank, world_size):
+    import multiprocessing
+
+    return multiprocessing.get_start_method(), os.environ.get("TPLAYERS_LAUNCH_PROBE")
+
+
+def test_launch_forks_its_ranks_and_spawns_them_where_the_environment_changed(monkeypatch):
+    """Ranks fork from a server that imported tplayers once; a variable set since it started (one that
+    imports may read, as TRITON_INTERPRET is) makes launch spawn them, so they see it."""
+    monkeypatch.delenv("TPLAYERS_LAUNCH_PROBE", raising=False)
+    assert tplayers.launch(launched_environment, 2, timeout=60) == [("forkserver", None)] * 2
+    monkeypatch.setenv("TPLAYERS_LAUNCH_PROBE", "set")
+    assert tplayers.launch(launched_environment, 2, timeout=60) == [("spawn", "set")] * 2
+    monkeypatch.delenv("TPLAYERS_LAUNCH_PROBE")
+    assert tplayers.launch(launched_environment, 2, timeout=60) == [("forkserver", None)] * 2

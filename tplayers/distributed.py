@@ -223,6 +223,11 @@ class RankError(RuntimeError):
 
 # the environment the forkserver started in (it starts once per process); None before
 _SERVER_ENV: dict | None = None
+_PER_CALL_ENV = ("PYTEST_CURRENT_TEST",)  # set anew by pytest for every test; no import reads it
+
+
+def _environment() -> dict:
+    return {k: v for k, v in os.environ.items() if k not in _PER_CALL_ENV}
 
 
 def rank_context(module: str | None = None):
@@ -234,8 +239,8 @@ def rank_context(module: str | None = None):
     if _SERVER_ENV is None:
         if getattr(forkserver._forkserver, "_forkserver_address", True) is not None:
             return mp.get_context("spawn")  # a server someone else started, in an environment unknown to us
-        _SERVER_ENV = dict(os.environ)
-    elif _SERVER_ENV != dict(os.environ):
+        _SERVER_ENV = _environment()
+    elif _SERVER_ENV != _environment():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["tplayers"] + ([module] if module and module != "__main__" else []))
