@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tplayers.hf import attention, attention_code_models, encoder_layers, mixers, mla, mlp, moe
+from tplayers.hf import attention, attention_code_models, encoder_layers, mixers, mla, mlp, moe, vision
 from tplayers.hf.shard import ShardingPass, has_conv1ds, has_linears
 from tplayers.nn.embedding import VocabParallelEmbedding
 
@@ -145,6 +145,13 @@ EMBEDDINGS = (
 LINEAR_EQUIVALENTS = ("transformers.models.falcon.modeling_falcon.FalconLinear",)
 
 ADAPTERS = (
+    # vision-language models: modules beside the language model (tplayers.hf.vision)
+    Adapter(
+        "vision-tower modules kept whole (SigLIP's pooling head, patch mergers)",
+        vision.is_kept_whole,
+        vision.keep_whole,
+    ),
+    Adapter("two-layer projector (LLaVA, Mistral 3)", vision.is_two_layer_projector, vision.two_layer_projector),
     # fused layouts, recognised by the class whose forward reads them
     Adapter(
         "per-head query_key_value (GPT-NeoX, Bloom)",

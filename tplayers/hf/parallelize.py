@@ -36,7 +36,7 @@ from tplayers.functional.collectives import (
     gather_from_tp_region,
     scatter_to_tp_region,
 )
-from tplayers.hf import families, lora
+from tplayers.hf import families, lora, vision
 from tplayers.hf import fused_loss as fused
 from tplayers.hf import verify as verification
 from tplayers.hf.context import apply_context, context_state
@@ -257,10 +257,12 @@ def _summed(grad, group):
     return grad
 
 
-def _decoder_blocks(model, placed):
+def _decoder_blocks(model, placed, towers=()):
     """The transformer blocks: the nn.ModuleList whose items hold the placed attention / MLP modules
-    (or tensor-parallel layers: Nemotron-H's blocks hold an attention, a mixer or an MLP each)."""
+    (or tensor-parallel layers: Nemotron-H's blocks hold an attention, a mixer or an MLP each), outside
+    the `towers` beside the language model (a vision tower's encoder layers)."""
     placed_ids = {id(m) for m in placed}
+    inside_towers = {id(m) for t in towers for m in model.get_submodule(t).modules()}
 
     def holds_placed(item):
         return any(
@@ -268,7 +270,11 @@ def _decoder_blocks(model, placed):
         )
 
     names = {id(m): name for name, m in model.named_modules()}
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) and all(map(holds_placed, m))]
+    lists = [
+        m
+        for m in model.modules()
+        if isinstance(m, nn.ModuleList) and len(m) and id(m) not in inside_towers and all(map(holds_placed, m))
+    ]
     outer = [m for m in lists if not any(m is not o and any(m is x for x in o.modules()) for o in lists)]
     if len(outer) > 1:  # HRM's H and L modules: the sequence between the lists is the model's own business
         raise ValueError(
@@ -393,15 +399,18 @@ def _parallelize(
     probe = verification.before(model, verify, dist.get_world_size(group), vocab_parallel=vocab_parallel_logits)
     keys = list(model.state_dict().keys())
     parallelizer = ShardingPass(
-        model, group, sequence_parallel, plan, vocab_parallel_logits, overlap, keep, expert_group
-    )
+        model, group, sequence_parallel, plan, vocab_parallel_logits, overlap, keep, expert_group,
+        towers=vision.towers(model),
+    )  # fmt: skip
     parallelizer.run(families.ADAPTERS, families.EMBEDDINGS, families.LINEAR_EQUIVALENTS)  # read per call: patchable
     fuse_rms_norms(model)  # the norms left whole, LlamaRMSNorm's math exactly: the fused kernels
+    text_inputs, tower_inputs = parallelizer.shared_inputs_by_sequence()
     if sequence_parallel:
-        blocks = _decoder_blocks(model, parallelizer.shared_input)
+        blocks = _decoder_blocks(model, text_inputs, parallelizer.towers)
         if not blocks:
             raise ValueError("parallelize: sequence_parallel=True needs the model's blocks in an nn.ModuleList")
-    _shared_input_hooks(parallelizer.shared_input, group, sequence_parallel)
+    _shared_input_hooks(text_inputs, group, sequence_parallel)
+    _shared_input_hooks(tower_inputs, group, False)  # a tower's input is never split by sequence
     _summed_grads(parallelizer.partial_grads, group)
     if vocab_parallel_logits:
         model.register_forward_pre_hook(_no_labels, with_kwargs=True)

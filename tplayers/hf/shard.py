@@ -150,9 +150,11 @@ class ShardingPass(SharesGroups):
 
     def __init__(
         self, model, group, sequence_parallel, plan, vocab_parallel_logits, overlap="auto", keep=frozenset(),
-        expert_group=None,
+        expert_group=None, towers=(),
     ):  # fmt: skip
         self.model, self.group, self.sp, self.overlap = model, group, sequence_parallel, overlap
+        self.sequence_parallel = sequence_parallel  # the user's; `sp` is off inside towers (see run)
+        self.towers = set(towers)  # modules beside the language model (tplayers.hf.vision): never split by sequence
         self.expert_group = expert_group  # MoE experts placed whole over it (tplayers.hf.expert_parallel)
         self.keep = keep  # modules that must stay one layer each (they carry LoRA adapters)
         self.n = dist.get_world_size(group)
@@ -186,6 +188,13 @@ class ShardingPass(SharesGroups):
             raise ValueError(f"parallelize: plan patterns {sorted(hits)} give {name} different kinds {hits}")
         self.plan_used.update(hits)
         return next(iter(hits.values()), None)
+
+    def shared_inputs_by_sequence(self) -> tuple[list, list]:
+        """`shared_input` split in two: the language model's modules, and the towers' (whose input
+        sequence parallelism never splits)."""
+        names = {id(m): n for n, m in self.model.named_modules()}
+        tower = [m for m in self.shared_input if _under(names.get(id(m), ""), self.towers)]
+        return [m for m in self.shared_input if all(m is not t for t in tower)], tower
 
     def check_plan_used(self):
         """A plan entry that named no module (a typo, another model's name) is refused, naming it:
@@ -344,6 +353,7 @@ class ShardingPass(SharesGroups):
         for name, module in list(self.model.named_modules()):
             if not name or _under(name, self.done):
                 continue
+            self.sp = self.sequence_parallel and not _under(name, self.towers)
             kind = self.planned(name)
             if kind is not None:
                 self.apply_plan(name, module, kind)
@@ -353,6 +363,7 @@ class ShardingPass(SharesGroups):
                     adapter.apply(self, name, module)
                     if not adapter.passes_on:
                         break
+        self.sp = self.sequence_parallel
         self.check_plan_used()
         unplaced = [
             name

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tplayers.functional.collectives import all_gather_any, all_gather_dim
+from tplayers.hf import vision
 from tplayers.placement import placement_or_none
 from tplayers.tolerances import tolerance
 
@@ -48,6 +49,7 @@ class Probe:
 
     ids: torch.Tensor
     mode: str  # "train" or "logits"
+    images: dict = field(default_factory=dict)  # the model's other inputs: pixel_values, image_sizes
     logits: torch.Tensor | None = None
     loss: torch.Tensor | None = None
     grads: dict = field(default_factory=dict)  # {parameter name: unsharded gradient}
@@ -65,11 +67,16 @@ def probe_input(model, verify, n):
 
     verify: None (default) checks whenever every weight is materialised (not on the meta
     device) and the model takes token ids; True, "train" or "logits" insist; False turns it off;
-    a tensor is the input itself (the same on every rank)."""
+    a tensor is the input itself, a dict the model's inputs by name with the ids as `input_ids`
+    (the same on every rank)."""
     if verify is False:
         return None
     if isinstance(verify, torch.Tensor):
         return verify
+    if isinstance(verify, dict):
+        if not isinstance(verify.get("input_ids"), torch.Tensor):
+            raise TypeError("parallelize: verify=<dict of inputs> needs the token ids as 'input_ids'")
+        return verify["input_ids"]
     if verify is not None and verify is not True and verify not in MODES:
         raise TypeError(
             f"parallelize: verify must be None, True, False, 'train', 'logits' or an input tensor, got {verify!r}"
@@ -92,14 +99,15 @@ def probe_input(model, verify, n):
     return ids.to(emb.weight.device)
 
 
-def logits(model, ids):
-    """The model's logits for `ids` in eval mode without gradients; training flags restored."""
+def logits(model, ids, images=None):
+    """The model's logits for `ids` (and `images`, its other inputs) in eval mode without gradients;
+    training flags restored."""
     modes = {m: m.training for m in model.modules()}
     model.eval()
     try:
         with torch.no_grad():
             kwargs = {"use_cache": False} if getattr(model, "config", None) is not None else {}
-            out = model(ids, **kwargs)
+            out = model(ids, **kwargs, **(images or {}))
     finally:
         for m, mode in modes.items():
             m.training = mode
@@ -176,10 +184,11 @@ def _accepts(model, name) -> bool:
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
-def _train_forward(model, ids):
-    """(logits, loss) of one training forward and backward on `ids` (labels = ids where the
-    model takes labels, else the mean square of the logits)."""
+def _train_forward(model, ids, images=None):
+    """(logits, loss) of one training forward and backward on `ids` and `images` (the model's other
+    inputs; labels = ids where the model takes labels, else the mean square of the logits)."""
     kwargs = {"use_cache": False} if getattr(model, "config", None) is not None else {}
+    kwargs.update(images or {})
     if _accepts(model, "attention_mask"):
         kwargs["attention_mask"] = torch.ones_like(ids)
     labelled = _accepts(model, "labels")
@@ -201,21 +210,28 @@ def before(model, verify, n, *, vocab_parallel=False) -> Probe | None:
     ids = probe_input(model, verify, n)
     if ids is None:
         return None
+    if isinstance(verify, dict):
+        images = {k: v for k, v in verify.items() if k != "input_ids"}
+    elif isinstance(verify, torch.Tensor):
+        images = {}
+    else:
+        ids, images = vision.probe_images(model, ids, n)
     mode = "logits" if verify == "logits" or vocab_parallel else "train"
     if mode == "logits":
-        return Probe(ids, mode, logits=_unsharded_logits(model, ids))
+        return Probe(ids, mode, images, logits=_unsharded_logits(model, ids, images))
     params = dict(model.named_parameters())
     kept = {p: p.grad for p in params.values()}
     for p in params.values():
         p.grad = None
-    probe = Probe(ids, mode, kept=kept)
+    probe = Probe(ids, mode, images, kept=kept)
     try:
-        probe.logits, probe.loss = _train_forward(model, ids)
+        probe.logits, probe.loss = _train_forward(model, ids, images)
         probe.grads = {name: p.grad for name, p in params.items() if p.grad is not None}
     except Exception as e:  # the unsharded model itself: nothing to compare a training step with
-        if verify in ("train", True) or isinstance(verify, torch.Tensor):
+        if verify in ("train", True) or isinstance(verify, torch.Tensor | dict):
+            given = "ids" if isinstance(verify, torch.Tensor | dict) else repr(verify)
             raise ValueError(
-                f"parallelize(verify={'ids' if isinstance(verify, torch.Tensor) else verify!r}): the unsharded model "
+                f"parallelize(verify={given}): the unsharded model "
                 f"fails a training step on the probe batch ({type(e).__name__}: {e}); pass verify='logits' or "
                 "verify=<ids it takes>"
             ) from e
@@ -224,16 +240,16 @@ def before(model, verify, n, *, vocab_parallel=False) -> Probe | None:
             f"{e}); the self-check compares the logits only",
             stacklevel=4,
         )
-        probe = Probe(ids, "logits", logits=_unsharded_logits(model, ids))
+        probe = Probe(ids, "logits", images, logits=_unsharded_logits(model, ids, images))
     finally:
         for p, grad in kept.items():
             p.grad = grad
     return probe
 
 
-def _unsharded_logits(model, ids):
+def _unsharded_logits(model, ids, images):
     try:
-        return logits(model, ids)
+        return logits(model, ids, images)
     except Exception as e:  # before any sharding: the probe batch is not one this model takes
         raise ValueError(
             f"parallelize(verify): the unsharded {model_name(model)} fails a forward on the probe batch of shape "
@@ -249,7 +265,7 @@ def after(probe: Probe | None, model, *, group, vocab_parallel=False, expert_gro
         return
     if probe.mode == "logits":
         try:
-            sharded_logits = logits(model, probe.ids)
+            sharded_logits = logits(model, probe.ids, probe.images)
         except Exception as e:  # every rank runs the same shapes: each fails alike, none is left waiting
             raise _failed(model, e, "a forward") from e
         check(probe.logits, sharded_logits, group=group, vocab_parallel=vocab_parallel)
@@ -261,7 +277,7 @@ def after(probe: Probe | None, model, *, group, vocab_parallel=False, expert_gro
         p.grad = None
     try:
         try:
-            sharded_logits, loss = _train_forward(model, probe.ids)
+            sharded_logits, loss = _train_forward(model, probe.ids, probe.images)
         except Exception as e:  # every rank runs the same shapes: each fails alike, none is left waiting
             raise _failed(model, e, "a training step") from e
         if expert_group is not None:

@@ -46,6 +46,7 @@ CAPS = [
     (r"mamba_d_ssm", "width"),  # the state-space inner width: heads x head width
     (r".*(state_size|d_state)", 8),
     (r"num_codebooks", 2),
+    (r"mm_tokens_per_image", 4),  # Gemma 3: the tower's patches pooled to 2 x 2 tokens
     (r"max_position_embeddings|original_max_position_embeddings|n_positions|n_ctx|max_seq_len|max_.*_positions"
      r"|num_position_embeddings|context_length", 64),
     (r".*(hidden_size.*|d_model|n_embd|embed_dim|embedding_dim|embedding_size|emb_dim|_width|_channels?|"
@@ -74,6 +75,7 @@ QUIRKS = {
     # the shared transformer is one module tied over the hybrid layers: two of them
     "zamba": dict(num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "hybrid"]),
 }
+IMAGE_PATCHES = 4  # a vision tower's image: 4 x 4 patches
 DEPTH = dict(layers=2, dense_layers=1)  # the depth caps: alone, the published widths with a cut depth
 LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "decoder_layers")
 KEEP = {"conv1d_width", "num_channels", "in_channels", "out_channels", "audio_channels", "conv_kernel_size"}
@@ -177,6 +179,12 @@ def _capped(values: dict, caps: dict) -> dict:
     for name in ("num_key_value_heads", "num_kv_heads"):  # as many key/value heads as query heads stays so
         if heads is not None and values.get(name) == heads:
             out[name] = out["num_attention_heads"]
+    if "width" in caps:  # an image of IMAGE_PATCHES x IMAGE_PATCHES patches (whole merges of 2 x 2 too)
+        image, patch = values.get("image_size"), values.get("patch_size")
+        if type(image) is int and type(patch) is int:
+            out["image_size"] = min(image, IMAGE_PATCHES * patch)
+        elif isinstance(image, list | tuple) and isinstance(patch, list | tuple) and len(image) == len(patch):
+            out["image_size"] = type(image)(min(i, IMAGE_PATCHES * p) for i, p in zip(image, patch, strict=True))
     parts = [values.get(name) for name in ("qk_nope_head_dim", "qk_rope_head_dim")]
     for name in ("head_dim", "qk_head_dim"):  # a query/key head of [no-rope | rope] widths stays their sum
         if None not in parts and values.get(name) == sum(parts):

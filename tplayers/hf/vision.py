@@ -1,0 +1,188 @@
+"""Vision-language models: the modules beside the language model (vision towers, projectors).
+
+A tower and its projector see an image's patches, not the text's sequence. They are split by
+heads and features like the text layers (their attention and MLPs match the same adapters), but
+never by sequence: sequence parallelism cuts the language model's sequence only, at its first
+block, after the image features are merged into it. Projectors are column / row pairs; the small
+modules whose math tplayers does not split (SigLIP's attention-pooling head, patch mergers) are
+kept whole on every rank.
+"""
+
+import inspect
+import re
+
+import torch
+from torch import nn
+
+from tplayers.hf.attention import forward_source
+from tplayers.hf.shard import ShardingPass
+
+# Sub-configs of a model that takes more than text: a tower per kind of input
+TOWER_CONFIGS = ("vision_config", "audio_config", "vision_tower_config", "speech_config")
+
+
+def towers(model) -> list[str]:
+    """The modules beside the language model of a model with a vision (or audio) sub-config: every
+    child with weights along the path from the model to its decoder (`get_decoder()`), other than
+    that path and the LM head. Empty for a text model."""
+    config = getattr(model, "config", None)
+    if not any(getattr(config, key, None) is not None for key in TOWER_CONFIGS):
+        return []
+    get = getattr(model, "get_decoder", None)
+    decoder = get() if callable(get) else None
+    path = next((name for name, m in model.named_modules() if m is decoder), "")
+    if not path:
+        return []
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    parts, out = path.split("."), []
+    for depth in range(len(parts)):
+        parent = ".".join(parts[:depth])
+        on_path = ".".join(parts[: depth + 1])
+        for child, module in (model.get_submodule(parent) if parent else model).named_children():
+            full = f"{parent}.{child}" if parent else child
+            if full != on_path and module is not head and any(True for _ in module.parameters()):
+                out.append(full)
+    return out
+
+
+# linear_2(act(linear_1(x))) in the projector's forward, each step on the last one's output
+_TWO_LAYER = re.compile(r"(\w+) = self\.linear_1\((\w+)\)\s*\n\s*\1 = self\.act\(\1\)\s*\n\s*\1 = self\.linear_2\(\1\)")
+
+
+def is_two_layer_projector(module) -> bool:
+    """LLaVA-style projectors (LLaVA, LLaVA-NeXT / OneVision, InternVL, Mistral 3, ...): linear_1, an
+    elementwise activation without weights, linear_2, read in the forward."""
+    if not all(isinstance(getattr(module, k, None), nn.Linear) for k in ("linear_1", "linear_2")):
+        return False
+    act = getattr(module, "act", None)
+    return (
+        isinstance(act, nn.Module)
+        and not any(True for _ in act.parameters())
+        and bool(_TWO_LAYER.search(forward_source(module)))
+    )
+
+
+def two_layer_projector(sp: ShardingPass, name, module):
+    """linear_1 column-, linear_2 row-parallel; the module's own forward runs, and the walk goes on
+    to whatever else it holds (a norm before them, a patch merger)."""
+    sp.column(f"{name}.linear_1", module.linear_1)
+    sp.row(f"{name}.linear_2", module.linear_2)
+
+
+# Modules of vision towers kept whole on every rank, by class: small, or math not split by heads
+# (nn.MultiheadAttention inside SigLIP's pooling head; a patch merger's linear over unfolded patches)
+WHOLE = {
+    "SiglipMultiheadAttentionPoolingHead",
+    "Siglip2MultiheadAttentionPoolingHead",
+    "Mistral3PatchMerger",
+    "PaliGemmaMultiModalProjector",  # one linear from the tower's width to the language model's
+}
+
+
+def is_kept_whole(module) -> bool:
+    return type(module).__name__ in WHOLE
+
+
+def keep_whole(sp: ShardingPass, name, module):
+    sp.done.add(name)
+    sp.whole.add(name)
+
+
+def _special_ids(config) -> set[int]:
+    """The token ids a config gives a meaning (image, video, boundaries), its text config's included."""
+    configs = [config, getattr(config, "text_config", None)]
+    return {
+        v
+        for c in configs
+        if c is not None
+        for k, v in vars(c).items()
+        if type(v) is int and (k.endswith("_token_id") or k.endswith("_token_index"))
+    }
+
+
+def _names(fn, name) -> bool:
+    """Whether `fn` takes `name` by its own name (not merely through **kwargs)."""
+    return name in inspect.signature(fn).parameters
+
+
+def _image_tokens(features, width) -> int:
+    """How many token embeddings `get_image_features` gave, whatever it returns them in (a tensor,
+    a list per image, an output's pooler_output)."""
+    features = getattr(features, "pooler_output", features)
+    parts = features if isinstance(features, list | tuple) else [features]
+    return sum(f.numel() for f in parts) // width
+
+
+def _probe_pixels(vision_config, get, batch, generator) -> dict | None:
+    """One random image per row as the model's processor lays it out, or None for a layout tplayers
+    does not know: (batch, channels, height, width) at the tower's `image_size` (with `image_sizes`
+    where `get_image_features` names them), or Qwen-VL's flattened patches with `image_grid_thw`
+    (IMAGE_SIDE x IMAGE_SIDE merges of patches)."""
+    channels = next(
+        (v for k in ("num_channels", "in_channels", "in_chans") if type(v := getattr(vision_config, k, None)) is int), 3
+    )
+    if _names(get, "image_grid_thw"):
+        patch, merge = getattr(vision_config, "patch_size", None), getattr(vision_config, "spatial_merge_size", 1)
+        frames = getattr(vision_config, "temporal_patch_size", 1)
+        if not all(type(v) is int for v in (patch, merge, frames)):
+            return None
+        side = 2 * merge
+        pixels = torch.randn(batch * side * side, channels * frames * patch * patch, generator=generator)
+        return {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, side, side]] * batch)}
+    size = getattr(vision_config, "image_size", None)
+    size = (size, size) if type(size) is int else tuple(size) if isinstance(size, list | tuple) else ()
+    if len(size) != 2 or not all(type(v) is int for v in size):
+        return None
+    images = {"pixel_values": torch.randn(batch, channels, *size, generator=generator)}
+    if _names(get, "image_sizes"):
+        images["image_sizes"] = torch.tensor([size] * batch)
+    return images
+
+
+def probe_images(model, ids, n) -> tuple[torch.Tensor, dict]:
+    """The self-check's probe batch for a model that takes images: one random image per row (see
+    `_probe_pixels`), and the ids with that image's tokens first, as many as `get_image_features`
+    makes of it, the row's length still a multiple of `n` (with `mm_token_type_ids` marking them
+    where the model names that input). Text models: the ids as they are, no images. A model with a
+    sharded tower whose images tplayers cannot make is refused: the self-check must see the tower."""
+    config = getattr(model, "config", None)
+    vision_config = getattr(config, "vision_config", None)
+    if vision_config is None or not towers(model):
+        return ids, {}
+    name = f"{type(model).__name__} ({config.model_type})"
+    token = next(
+        (v for k in ("image_token_id", "image_token_index") if type(v := getattr(config, k, None)) is int), None
+    )
+    get = getattr(model, "get_image_features", None)
+    batch, generator = ids.shape[0], torch.Generator().manual_seed(0)
+    images = _probe_pixels(vision_config, get, batch, generator) if token is not None and callable(get) else None
+    if images is None:
+        raise ValueError(
+            f"parallelize(verify): {name} takes images, and tplayers cannot make a probe image for it, so its "
+            f"self-check would not see the vision tower it shards; {PASS_INPUTS}"
+        )
+    weight = next(model.get_submodule(towers(model)[0]).parameters())
+    images = {k: v.to(weight.device, weight.dtype if v.is_floating_point() else v.dtype) for k, v in images.items()}
+    try:
+        with torch.no_grad():
+            per_image = _image_tokens(get(**images), config.get_text_config().hidden_size) // batch
+    except Exception as e:  # before any sharding: the images tplayers made are not ones this model takes
+        raise ValueError(
+            f"parallelize(verify): the unsharded {name} fails on the probe images tplayers made "
+            f"({type(e).__name__}: {e}); {PASS_INPUTS}"
+        ) from e
+    special = _special_ids(config)
+    ordinary = next(i for i in range(int(ids.max()) + 2) if i not in special)
+    text = torch.where(torch.isin(ids, torch.tensor(sorted(special), device=ids.device)), ordinary, ids)
+    text = torch.cat([text, text[:, : (-per_image) % n]], 1)
+    ids = torch.cat([torch.full((batch, per_image), token, device=ids.device, dtype=ids.dtype), text], 1)
+    if _names(model.forward, "mm_token_type_ids"):  # text 0, image 1, as the processors make them
+        images["mm_token_type_ids"] = (ids == token).int()
+    return ids, images
+
+
+PASS_INPUTS = (
+    "pass verify={'input_ids': ..., 'pixel_values': ..., ...} (the inputs its processor makes, the same on every "
+    "rank) or verify=False"
+)
