@@ -7,22 +7,27 @@ from an image prompt. The self-check itself sees images: a wrongly sharded tower
 
 import copy
 import warnings
+from collections import Counter
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import tplayers
 from tplayers.hf import families, gather_grads, vision
-from tplayers.hf.verify import PROBE_BATCH, PROBE_TOKENS_PER_RANK
+from tplayers.hf.verify import PROBE_BATCH, PROBE_TOKENS_PER_RANK, VerifyError
+from tplayers.placement import PlacementError
 from tplayers.testing import assert_close
 from tplayers.testing.pool import RemoteError
 from tplayers.testing.tiny import tiny_config
+from tplayers.tolerances import tolerance
 
 pytestmark = pytest.mark.multirank
 
 # vision tower / projector of each: CLIP + linear pair; Pixtral + patch merger + linear pair; SigLIP +
-# one linear; SigLIP + average pooling and a projection matrix
-VLMS = ("llava", "mistral3", "paligemma", "gemma3")
+# one linear; SigLIP + average pooling and a projection matrix; Qwen's windowed ViT (fused qkv, gated
+# MLP, patch merger) and multimodal rope; Qwen3-VL's ViT with deepstack mergers
+VLMS = ("llava", "mistral3", "paligemma", "gemma3", "qwen2_5_vl", "qwen3_vl")
 
 
 def tiny_vlm(model_type, tp):
@@ -31,6 +36,8 @@ def tiny_vlm(model_type, tp):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cfg = tiny_config(model_type, heads=2 * tp)
+        if "output_router_logits" in vars(cfg):  # MoE auxiliary losses on
+            cfg.output_router_logits = True
         torch.manual_seed(0)
         model = tf.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(cfg)](cfg)
     for name, p in model.named_parameters():
@@ -47,6 +54,14 @@ def image_batch(model, tp):
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 100, (PROBE_BATCH, PROBE_TOKENS_PER_RANK * tp), generator=generator)
     return vision.probe_images(model, ids, tp)
+
+
+def first_image(images):
+    """The first row's image: Qwen-VL's patches of all images are one flat tensor, cut by the grid."""
+    first = {k: v[:1] for k, v in images.items()}
+    if "image_grid_thw" in images:
+        first["pixel_values"] = images["pixel_values"][: int(images["image_grid_thw"][0].prod())]
+    return first
 
 
 def matches_unsharded(rank, tp, group, model_type, sequence_parallel):
@@ -74,7 +89,7 @@ def matches_unsharded(rank, tp, group, model_type, sequence_parallel):
     if not sequence_parallel:  # generate() with sequence parallelism is refused by design
         model.eval()
         reference.eval()
-        prompt = {k: v[:1] for k, v in images.items()}
+        prompt = first_image(images)
         kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
         assert torch.equal(model.generate(ids[:1], **prompt, **kwargs), reference.generate(ids[:1], **prompt, **kwargs))
 
@@ -85,7 +100,7 @@ def test_vision_language_model_is_exact_with_images(pool, model_type, sequence_p
     pool.run(matches_unsharded, 2, model_type, sequence_parallel)
 
 
-@pytest.mark.parametrize("model_type", ["llava", "gemma3"])
+@pytest.mark.parametrize("model_type", ["llava", "gemma3", "qwen3_vl"])
 def test_vision_language_model_is_exact_at_tp4(pool, model_type):
     pool.run(matches_unsharded, 4, model_type, True)
 
@@ -153,3 +168,103 @@ def test_images_tplayers_cannot_make_are_refused_by_name(pool):
 def test_verify_takes_the_model_inputs_by_name():
     with pytest.raises(TypeError, match="needs the token ids as 'input_ids'"):
         tplayers.hf.verify.probe_input(None, {"pixel_values": torch.zeros(1)}, 2)
+
+
+# -- the sweep: every image-text-to-text type transformers ships --------------------------------
+REFUSALS = (ValueError, VerifyError, PlacementError)
+
+
+def image_text_types() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+
+def _step(model, ids, images):
+    loss = model(ids, labels=ids, use_cache=False, **images).loss
+    loss.backward()
+    return loss.detach()
+
+
+def _checked(model_type, tp, group, sp, expected, reference_grads, batch, verify):
+    tol = tolerance(torch.float32)
+    model = tiny_vlm(model_type, tp)
+    try:
+        tplayers.parallelize(model, group=group, sequence_parallel=sp, verify=verify)
+    except Exception as e:
+        ours = isinstance(e, REFUSALS) or str(e).startswith("parallelize")  # tplayers' own refusal
+        return ("refused" if ours else "CRASH", f"{type(e).__name__}: {str(e)[:300]}")
+    try:
+        model.train()
+        loss = _step(model, *batch)
+        grads = gather_grads(model)
+    except Exception as e:
+        return "CRASH", f"training step: {type(e).__name__}: {str(e)[:300]}"
+    wrong = [] if torch.allclose(loss, expected, **tol) else [f"loss {loss.item()} vs {expected.item()}"]
+    for name, expected_grad in reference_grads.items():
+        if not torch.allclose(grads.get(name, torch.zeros_like(expected_grad)), expected_grad, **tol):
+            wrong.append(name)
+    return ("WRONG", ", ".join(wrong[:5])) if wrong else ("exact", "")
+
+
+def _verdict(model_type, tp, group, sp):
+    """("exact" | "refused" | "needs a library" | "WRONG" | "CRASH", detail) of one type at one layout:
+    one training step with images against the unsharded model, first without parallelize's self-check,
+    then, where a rank finds it anything but exact or refused, with it (its verdict is the one counted)."""
+    try:
+        reference = tiny_vlm(model_type, tp).train()
+    except ImportError as e:  # a library the model's code needs that the test set-up lacks (timm)
+        return "needs a library", str(e).strip().split("\n")[0]
+    except Exception as e:  # its tiny config or model does not build: transformers' own validation
+        return "unbuilt", f"{type(e).__name__}: {str(e)[:200]}"
+    try:
+        batch = image_batch(reference, tp)
+    except ValueError as e:  # images tplayers cannot make: parallelize refuses the same way
+        return "refused", f"{type(e).__name__}: {str(e)[:300]}"
+    try:
+        expected = _step(reference, *batch)
+    except Exception as e:  # the unsharded model fails on the probe images: parallelize must refuse by name
+        model = tiny_vlm(model_type, tp)
+        try:
+            tplayers.parallelize(model, group=group, sequence_parallel=sp)
+        except REFUSALS as refusal:
+            return "refused", f"{type(refusal).__name__}: {str(refusal)[:300]}"
+        return "CRASH", f"the unsharded model fails on the probe images, parallelize does not refuse: {e}"
+    grads = {name: p.grad for name, p in reference.named_parameters(remove_duplicate=False) if p.grad is not None}
+    verdict = _checked(model_type, tp, group, sp, expected, grads, batch, verify=False)
+    fine = torch.tensor([float(verdict[0] in ("exact", "refused"))])
+    dist.all_reduce(fine, op=dist.ReduceOp.MIN, group=group)
+    return verdict if fine.item() else _checked(model_type, tp, group, sp, expected, grads, batch, verify=None)
+
+
+def sweep(rank, tp, group, types):
+    out = {}
+    for model_type in types:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out[model_type, False] = _verdict(model_type, tp, group, False)
+            if out[model_type, False][0] in ("needs a library", "unbuilt") or (
+                out[model_type, False][0] == "refused" and "VerifyError" not in out[model_type, False][1]
+            ):  # refused by what the model holds, before any forward: sequence parallelism adds hooks only
+                out[model_type, True] = out[model_type, False]
+            else:
+                out[model_type, True] = _verdict(model_type, tp, group, True)
+    return out
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_every_image_text_to_text_type_is_exact_or_refused(pool, tp):
+    types = image_text_types()
+    results = pool.run(sweep, tp, types, timeout_s=1500)
+    verdicts = results[0]
+    for other in results[1:]:
+        assert {k: v[0] for k, v in other.items()} == {k: v[0] for k, v in verdicts.items()}, "ranks disagree"
+    counts = Counter(v[0] for v in verdicts.values())
+    print(f"\nimage-text-to-text sweep over {len(types)} types x (TP {tp}, TP {tp} + SP): {dict(counts)}")
+    for (model_type, sp), (verdict, detail) in sorted(verdicts.items()):
+        print(f"  {model_type:28s} {'sp' if sp else '  '} {verdict:15s} {detail[:160]}")
+    bad = {k: v for k, v in verdicts.items() if v[0] in ("WRONG", "CRASH")}
+    assert not bad, bad
+    for verdict, detail in verdicts.values():  # a refusal names what stops it
+        if verdict == "refused":
+            assert "parallelize" in detail, detail

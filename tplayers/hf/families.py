@@ -152,6 +152,12 @@ ADAPTERS = (
         vision.keep_whole,
     ),
     Adapter("two-layer projector (LLaVA, Mistral 3)", vision.is_two_layer_projector, vision.two_layer_projector),
+    Adapter("Qwen-VL vision attention (qkv by heads)", vision.is_qkv_by_heads_attention, vision.qkv_by_heads_attention),
+    Adapter(
+        "Sequential(Linear, activation, Linear) (Qwen-VL patch mergers)",
+        vision.is_sequential_mlp,
+        vision.sequential_mlp,
+    ),  # fmt: skip
     # fused layouts, recognised by the class whose forward reads them
     Adapter(
         "per-head query_key_value (GPT-NeoX, Bloom)",

@@ -14,7 +14,7 @@ import re
 import torch
 from torch import nn
 
-from tplayers.hf.attention import forward_source
+from tplayers.hf.attention import _finish_attention, _fused_qkv, forward_source
 from tplayers.hf.shard import ShardingPass
 
 # Sub-configs of a model that takes more than text: a tower per kind of input
@@ -68,6 +68,50 @@ def two_layer_projector(sp: ShardingPass, name, module):
     to whatever else it holds (a norm before them, a patch merger)."""
     sp.column(f"{name}.linear_1", module.linear_1)
     sp.row(f"{name}.linear_2", module.linear_2)
+
+
+# qkv(x).reshape(tokens, 3, self.num_heads, -1): [q; k; v] row blocks, each head by head
+_QKV_BY_HEADS = re.compile(r"self\.qkv\(\w+\)\.reshape\(\w+, 3, self\.num_heads, -1\)")
+
+
+def is_qkv_by_heads_attention(module) -> bool:
+    """Qwen-VL's vision attention (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and the towers copied from them):
+    one qkv projection the forward reshapes by `self.num_heads`, then proj; read in the forward."""
+    return (
+        all(isinstance(getattr(module, k, None), nn.Linear) for k in ("qkv", "proj"))
+        and type(getattr(module, "num_heads", None)) is int
+        and bool(_QKV_BY_HEADS.search(forward_source(module)))
+    )
+
+
+def qkv_by_heads_attention(sp: ShardingPass, name, attn):
+    """qkv column-parallel by whole heads of each of q, k and v (`_fused_qkv`), proj row-parallel by
+    the same heads; the forward reshapes by the local head count."""
+    heads = attn.num_heads
+    head_dim = attn.qkv.out_features // (3 * heads)
+    local_heads, _ = _fused_qkv(sp, name, attn, "qkv", "proj", heads, heads, head_dim)
+    _finish_attention(sp, name, attn, {"num_heads": local_heads})
+
+
+# Activations without weights that act on each element alone, as modules
+_ELEMENTWISE = {"GELU", "SiLU", "ReLU", "Tanh", "Sigmoid", "Mish", "GELUActivation", "QuickGELUActivation",
+                "SiLUActivation", "NewGELUActivation", "GELUTanh", "PytorchGELUTanh"}  # fmt: skip
+
+
+def is_sequential_mlp(module) -> bool:
+    """nn.Sequential(Linear, elementwise activation, Linear): Qwen2-VL's and Qwen2.5-VL's patch mergers."""
+    return (
+        type(module) is nn.Sequential
+        and len(module) == 3
+        and isinstance(module[0], nn.Linear)
+        and type(module[1]).__name__ in _ELEMENTWISE
+        and isinstance(module[2], nn.Linear)
+    )
+
+
+def sequential_mlp(sp: ShardingPass, name, module):
+    sp.column(f"{name}.0", module[0])
+    sp.row(f"{name}.2", module[2])
 
 
 # Modules of vision towers kept whole on every rank, by class: small, or math not split by heads

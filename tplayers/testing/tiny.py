@@ -169,6 +169,7 @@ def _shrunk(cls, values: dict, overrides: dict, caps: dict):
         kwargs["per_layer_config"] = per_layer
     if set(caps) != set(DEPTH):
         _place_ids(kwargs)
+        _multimodal_rope(cls, kwargs)
     kwargs.update(overrides)
     return cls(**kwargs)
 
@@ -261,6 +262,18 @@ def _cut_layers(kwargs: dict, count: str, before: int, per_layer: dict) -> dict:
         kwargs[k] = type(kwargs[k])(new for new, old in enumerate(keep) if old in kwargs[k])
     kwargs[count] = len(keep)
     return {new: per_layer[old] for new, old in enumerate(keep) if old in per_layer}
+
+
+def _multimodal_rope(cls, kwargs: dict):
+    """Multimodal rotary embeddings (Qwen-VL's mrope): the rotary half of a head in three sections
+    (time, height, width) summing to the shrunk head's; the modeling code's defaults fit published heads."""
+    rope, heads = kwargs.get("rope_parameters"), kwargs.get("num_attention_heads")
+    if not (isinstance(rope, dict) and "mrope_section" in getattr(cls, "ignore_keys_at_rope_validation", ())):
+        return
+    head = kwargs.get("head_dim") or (kwargs.get("hidden_size", 0) // heads if heads else 0)
+    factor = rope.get("partial_rotary_factor", kwargs.get("partial_rotary_factor")) or 1.0
+    half = int(head * factor) // 2
+    kwargs["rope_parameters"] = dict(rope, mrope_section=[half - 2 * (half // 3), half // 3, half // 3])
 
 
 def _place_ids(kwargs: dict):
