@@ -268,3 +268,40 @@ def test_every_image_text_to_text_type_is_exact_or_refused(pool, tp):
     for verdict, detail in verdicts.values():  # a refusal names what stops it
         if verdict == "refused":
             assert "parallelize" in detail, detail
+
+
+# -- checkpoints under HF's names -------------------------------------------------------------
+def from_hf_directory(rank, tp, group, model_type, source, target):
+    """Build on meta, shard, read this rank's slices of the HF directory; logits with images; the
+    gathered state dict; save back as an HF directory."""
+    import transformers as tf
+
+    config = tf.AutoConfig.from_pretrained(source)
+    with tplayers.parameters_on_meta():
+        model = tf.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]._from_config(config)
+    tplayers.parallelize(model, group=group, verify=False)
+    tplayers.load_pretrained(model, source, group=group)
+    ids, images = image_batch(tiny_vlm(model_type, tp), tp)
+    with torch.no_grad():
+        logits = model.eval()(ids, **images).logits
+    full = tplayers.gather_state_dict(model, group=group)
+    tplayers.save_pretrained(model, target, group=group)
+    return logits, full
+
+
+@pytest.mark.parametrize("model_type", ["llava", "qwen2_5_vl"])
+def test_hf_directory_loads_sliced_on_meta_and_exports_back(pool, tmp_path, model_type):
+    import transformers as tf
+
+    reference = tiny_vlm(model_type, 2)
+    reference.save_pretrained(tmp_path / "source")
+    ids, images = image_batch(reference, 2)
+    with torch.no_grad():
+        want = reference(ids, **images).logits
+    for logits, full in pool.run(from_hf_directory, 2, model_type, tmp_path / "source", tmp_path / "trained"):
+        assert_close(logits, want)
+        assert list(full) == list(reference.state_dict())
+        assert all(torch.equal(full[k], v) for k, v in reference.state_dict().items())
+    back = tf.AutoModelForImageTextToText.from_pretrained(tmp_path / "trained").eval()
+    with torch.no_grad():
+        assert_close(back(ids, **images).logits, want)

@@ -142,6 +142,8 @@ def load_pretrained(model, path, *, device=None, group=None, allow_pickle: bool 
     files = _files(path, allow_pickle)
     reader = _Reader()
     pieces = model_pieces(model)
+    keys = _renamed(model, files, pieces)  # {name in the model: name in its file}
+    files = {name: files[key] for name, key in keys.items()}
     shared = _tied_aliases(pieces)
     stacked = {n: s for n, s in stacked_sources(files).items() if n in pieces and n not in files}
     errors, plan = [], []
@@ -173,15 +175,36 @@ def load_pretrained(model, path, *, device=None, group=None, allow_pickle: bool 
     pieces = model_pieces(model)  # the real parameters now
     for name, _ in plan:
         target = chunked(pieces[name])
-        saved = stacked[name].shape(reader) if name in stacked else reader.shape(files[name], name)
+        saved = stacked[name].shape(reader) if name in stacked else reader.shape(files[name], keys[name])
         if saved != tuple(target.shape):
             raise CheckpointError(f"load_pretrained: {name} is {saved} in the checkpoint, {tuple(target.shape)} here")
         for chunk in target.chunks:
             if name in stacked:  # experts stored one by one: this rank's experts' rows of theirs
                 value = stacked[name].read(reader, chunk.offsets, chunk.sizes)
             else:
-                value = reader.read(files[name], name, chunk.offsets, chunk.sizes)
+                value = reader.read(files[name], keys[name], chunk.offsets, chunk.sizes)
             chunk.write(value.to(chunk.source.device))
+
+
+def _renamed(model, files, pieces) -> dict[str, str]:
+    """{name in the model: name in the checkpoint} for every checkpoint tensor, after the renamings
+    transformers applies as it loads this model (a vision-language model's `language_model.model.*`
+    saved by transformers 5 for older versions). Weights it fuses or splits (converters) keep their
+    names: they are refused by name below, as before."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, rename_source_key
+    except ImportError:
+        return {name: name for name in files}
+    renamings = [m for m in get_model_conversion_mapping(model) if not isinstance(m, WeightConverter)]
+    if not renamings:
+        return {name: name for name in files}
+    prefix = getattr(model, "base_model_prefix", None)
+    out = {}
+    for key in files:
+        name = key if key in pieces else rename_source_key(key, renamings, [], prefix, pieces)[0]
+        out[name if name in pieces else key] = key
+    return out
 
 
 def _tied_aliases(pieces) -> dict[str, str]:
