@@ -305,3 +305,67 @@ def test_hf_directory_loads_sliced_on_meta_and_exports_back(pool, tmp_path, mode
     back = tf.AutoModelForImageTextToText.from_pretrained(tmp_path / "trained").eval()
     with torch.no_grad():
         assert_close(back(ids, **images).logits, want)
+
+
+# -- fine-tuning through the Trainer: LoRA on the language model, the tower frozen --------------
+def lora_vlm():
+    import peft
+
+    model = tiny_vlm("llava", 2).train()
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                             target_modules=r".*language_model.*\.(q_proj|v_proj|down_proj)")  # fmt: skip
+    model = peft.get_peft_model(model, config)
+    for name, p in model.named_parameters():  # peft zeroes B: make the adapters matter from step 1
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(len(name)))
+    assert not any(p.requires_grad for n, p in model.named_parameters() if "vision_tower" in n)
+    return model
+
+
+def image_rows(n, seed):
+    """Rows of a captioning set: the image's tokens, then text; labels on the text only."""
+    reference = tiny_vlm("llava", 2)
+    ids = torch.randint(0, 100, (n, 6), generator=torch.Generator().manual_seed(seed))
+    ids, images = vision.probe_images(reference, ids, 2)
+    labels = ids.masked_fill(ids == reference.config.image_token_id, -100)
+    pixels = images["pixel_values"]
+    return [{"input_ids": i, "labels": y, "pixel_values": p} for i, y, p in zip(ids, labels, pixels, strict=True)]
+
+
+def fine_tune(trainer_class, model, out):
+    import transformers as tf
+
+    args = tf.TrainingArguments(output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                                max_steps=3, max_grad_norm=1.0, learning_rate=1e-2, logging_steps=1, report_to=[],
+                                save_strategy="no", seed=0, use_cpu=True, disable_tqdm=True,
+                                dataloader_num_workers=0)  # fmt: skip
+    trainer = trainer_class(model=model, args=args, train_dataset=image_rows(16, 1))
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    return [(h["step"], h["loss"], h["grad_norm"]) for h in logged]
+
+
+def fine_tuned_at_tp2(rank, world, root):
+    mesh = tplayers.init_mesh(tp=2)
+    model = tplayers.parallelize(lora_vlm(), group=mesh["tp"])
+    history = fine_tune(tplayers.hf.Trainer, model, f"{root}/tp2")
+    return history, {k: v.detach().clone() for k, v in tplayers.gather_state_dict(model).items()}
+
+
+def test_trainer_fine_tunes_lora_on_the_language_model_as_unsharded(tmp_path):
+    import transformers as tf
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = lora_vlm()
+        want = fine_tune(tf.Trainer, reference, str(tmp_path / "ref"))
+    got, weights = tplayers.launch(fine_tuned_at_tp2, 2, str(tmp_path), timeout=600)[0]
+    assert [s for s, _, _ in got] == [s for s, _, _ in want] == [1, 2, 3]
+    for (step, loss, norm), (_, loss_r, norm_r) in zip(got, want, strict=True):
+        assert loss == pytest.approx(loss_r, abs=1e-5), step
+        assert norm == pytest.approx(norm_r, abs=1e-5), step
+    expected = reference.state_dict()
+    assert sorted(weights) == sorted(expected)
+    for name, value in expected.items():
+        assert_close(weights[name], value, msg=name)
+    assert any("lora" in n and not torch.equal(v, lora_vlm().state_dict()[n]) for n, v in weights.items())  # trained

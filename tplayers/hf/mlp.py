@@ -73,7 +73,7 @@ def fused_gate_up(sp: ShardingPass, name, mlp):
     MiniMax-M3's clamped SwiGLU): `gate_up_halves`. Anything else is refused by name."""
     act = getattr(mlp, "activation_fn", None)
     extras = _gate_up_extras(mlp)
-    halves = extras != ([], []) or mlp.gate_up_proj.bias is not None or sp.keeps(name, ("gate_up_proj",))
+    halves = extras != ([], []) or mlp.gate_up_proj.bias is not None or sp.keeps(name, ("gate_up_proj", "down_proj"))
     if act is None or not is_silu(act) or halves:
         if extras is None or not elementwise_halves(mlp):
             raise ValueError(
@@ -186,7 +186,7 @@ def gated_mlp(sp: ShardingPass, name, mlp):
     row-parallel, with BitNet's ffn_sub_norm before down a ParallelRMSNorm over the same split."""
     others = [c for c, m in mlp.named_children() if c not in ("gate_proj", "up_proj", "down_proj")
               and next(m.parameters(), None) is not None]  # fmt: skip
-    if others or not is_silu(getattr(mlp, "act_fn", None)) or sp.keeps(name, ("gate_proj", "up_proj")):
+    if others or not is_silu(getattr(mlp, "act_fn", None)) or sp.keeps(name, ("gate_proj", "up_proj", "down_proj")):
         sp.shared_input_column(f"{name}.gate_proj", mlp.gate_proj)
         sp.shared_input_column(f"{name}.up_proj", mlp.up_proj)
         down = sp.row(f"{name}.down_proj", mlp.down_proj)
