@@ -147,7 +147,7 @@ LINEAR_EQUIVALENTS = ("transformers.models.falcon.modeling_falcon.FalconLinear",
 ADAPTERS = (
     # vision-language models: modules beside the language model (tplayers.hf.vision)
     Adapter(
-        "vision-tower modules kept whole (SigLIP's pooling head, patch mergers)",
+        "vision-tower modules kept whole (nn.MultiheadAttention, patch mergers)",
         vision.is_kept_whole,
         vision.keep_whole,
     ),

@@ -4,7 +4,7 @@ A tower and its projector see an image's patches, not the text's sequence. They 
 heads and features like the text layers (their attention and MLPs match the same adapters), but
 never by sequence: sequence parallelism cuts the language model's sequence only, at its first
 block, after the image features are merged into it. Projectors are column / row pairs; the small
-modules whose math tplayers does not split (SigLIP's attention-pooling head, patch mergers) are
+modules whose math tplayers does not split (nn.MultiheadAttention in SigLIP's pooling head, patch mergers) are
 kept whole on every rank.
 """
 
@@ -115,10 +115,10 @@ def sequential_mlp(sp: ShardingPass, name, module):
 
 
 # Modules of vision towers kept whole on every rank, by class: small, or math not split by heads
-# (nn.MultiheadAttention inside SigLIP's pooling head; a patch merger's linear over unfolded patches)
+# (a patch merger's linear over unfolded patches; nn.MultiheadAttention, SigLIP's pooling head's
+# attention, whose MLP splits as any two-layer MLP)
 WHOLE = {
-    "SiglipMultiheadAttentionPoolingHead",
-    "Siglip2MultiheadAttentionPoolingHead",
+    "MultiheadAttention",
     "Mistral3PatchMerger",
     "PaliGemmaMultiModalProjector",  # one linear from the tower's width to the language model's
 }
