@@ -369,3 +369,17 @@ def test_trainer_fine_tunes_lora_on_the_language_model_as_unsharded(tmp_path):
     for name, value in expected.items():
         assert_close(weights[name], value, msg=name)
     assert any("lora" in n and not torch.equal(v, lora_vlm().state_dict()[n]) for n, v in weights.items())  # trained
+
+
+def context_parallel_vlm(rank, world, group):
+    from tplayers.testing.meshes import context_mesh
+
+    groups = context_mesh(1, 1, 2, 1)
+    model = tiny_vlm("llava", 1)
+    with pytest.raises(ValueError, match="context parallelism splits the token ids before LlavaForConditional"):
+        tplayers.parallelize(model, group=groups["tp"], context_group=groups["cp"])
+
+
+def test_context_parallelism_is_refused_by_name(pool):
+    """The sequence is split before the image features are merged into it: refused, on every rank."""
+    pool.run(context_parallel_vlm, 2, mesh=("cp", 1, 1, 2, 1))

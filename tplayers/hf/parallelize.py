@@ -396,11 +396,18 @@ def _parallelize(
 ):  # fmt: skip
     """`parallelize` of a model without adapters; `keep`: modules no sharding layout may fuse
     with another (they carry LoRA adapters)."""
+    towers = vision.towers(model)
+    if context is not None and towers:
+        raise ValueError(
+            f"parallelize: context parallelism splits the token ids before {type(model).__name__} merges its image "
+            f"features into them, and its towers ({', '.join(towers)}) attend over their own patches; it is not "
+            "supported for vision-language models. Use sequence_parallel=True, which splits after the merge"
+        )
     probe = verification.before(model, verify, dist.get_world_size(group), vocab_parallel=vocab_parallel_logits)
     keys = list(model.state_dict().keys())
     parallelizer = ShardingPass(
         model, group, sequence_parallel, plan, vocab_parallel_logits, overlap, keep, expert_group,
-        towers=vision.towers(model),
+        towers=towers,
     )  # fmt: skip
     parallelizer.run(families.ADAPTERS, families.EMBEDDINGS, families.LINEAR_EQUIVALENTS)  # read per call: patchable
     fuse_rms_norms(model)  # the norms left whole, LlamaRMSNorm's math exactly: the fused kernels
