@@ -26,8 +26,10 @@ pytestmark = pytest.mark.multirank
 
 # vision tower / projector of each: CLIP + linear pair; Pixtral + patch merger + linear pair; SigLIP +
 # one linear; SigLIP + average pooling and a projection matrix; Qwen's windowed ViT (fused qkv, gated
-# MLP, patch merger) and multimodal rope; Qwen3-VL's ViT with deepstack mergers
-VLMS = ("llava", "mistral3", "paligemma", "gemma3", "qwen2_5_vl", "qwen3_vl")
+# MLP, patch merger) and multimodal rope; Qwen3-VL's ViT with deepstack mergers; InternViT (q / k norms
+# over every head) + layer norm and linear pair; SigLIP + pixel shuffle and one linear, images stacked
+# per row with a pixel mask
+VLMS = ("llava", "mistral3", "paligemma", "gemma3", "qwen2_5_vl", "qwen3_vl", "internvl", "smolvlm")
 
 
 def tiny_vlm(model_type, tp):
@@ -154,14 +156,14 @@ def test_negative_control_the_self_check_catches_a_wrong_shard_in_the_tower(pool
 
 
 def unknown_image_layout(rank, tp, group):
-    model = tiny_vlm("smolvlm", tp)
-    with pytest.raises(ValueError, match=r"SmolVLMForConditionalGeneration \(smolvlm\).*verify=\{'input_ids'"):
+    model = tiny_vlm("llava_next", tp)
+    with pytest.raises(ValueError, match=r"LlavaNextForConditionalGeneration \(llava_next\).*verify=\{'input_ids'"):
         tplayers.parallelize(model, group=group)
 
 
 def test_images_tplayers_cannot_make_are_refused_by_name(pool):
-    """SmolVLM takes (batch, images, channels, height, width) with a pixel mask: not a layout the
-    probe makes, so the self-check could not see the tower; refused, pointing to verify=<inputs>."""
+    """LLaVA-NeXT tiles each image into a grid its processor picks from the image's size: not a layout
+    the probe makes, so the self-check could not see the tower; refused, pointing to verify=<inputs>."""
     pool.run(unknown_image_layout, 2)
 
 

@@ -87,7 +87,7 @@ def localize_attributes(name, module, local: dict[str, int], *, config_keys=()):
         )
 
 
-OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense")
+OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "projection_layer")  # the last: InternViT
 HIDDEN_WIDTHS = ("hidden_size", "embed_dim", "all_head_size")
 
 

@@ -147,7 +147,7 @@ LINEAR_EQUIVALENTS = ("transformers.models.falcon.modeling_falcon.FalconLinear",
 ADAPTERS = (
     # vision-language models: modules beside the language model (tplayers.hf.vision)
     Adapter(
-        "vision-tower modules kept whole (nn.MultiheadAttention, patch mergers)",
+        "nn.MultiheadAttention in a tower, kept whole (it reads its projections' weights)",
         vision.is_kept_whole,
         vision.keep_whole,
     ),

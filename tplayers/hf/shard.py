@@ -344,6 +344,14 @@ class ShardingPass(SharesGroups):
                 parent, _, child = name.rpartition(".")
                 setattr(self.model.get_submodule(parent) if parent else self.model, child, plain)
 
+    def tower_linears(self):
+        """A linear layer of a tower (tplayers.hf.vision) that no adapter or plan placed (a projector's
+        single projection, a patch merger's): column-parallel with its output all-gathered, which is
+        nn.Linear's math whatever surrounds it, as a tower's activations are whole on every rank."""
+        for name, module in list(self.model.named_modules()):
+            if _under(name, self.towers) and not _under(name, self.done) and type(module) is nn.Linear:
+                self.column(name, module, sequence_parallel=False, gather_output=True)
+
     def run(self, adapters, embedding_adapters, linear_equivalents=()):
         """Embeddings, then every module top-down: the plan first, else the first adapter that
         matches it; finally an error naming every linear layer left unplaced."""
@@ -364,6 +372,7 @@ class ShardingPass(SharesGroups):
                     if not adapter.passes_on:
                         break
         self.sp = self.sequence_parallel
+        self.tower_linears()
         self.check_plan_used()
         unplaced = [
             name

@@ -3,9 +3,9 @@
 A tower and its projector see an image's patches, not the text's sequence. They are split by
 heads and features like the text layers (their attention and MLPs match the same adapters), but
 never by sequence: sequence parallelism cuts the language model's sequence only, at its first
-block, after the image features are merged into it. Projectors are column / row pairs; the small
-modules whose math tplayers does not split (nn.MultiheadAttention in SigLIP's pooling head, patch mergers) are
-kept whole on every rank.
+block, after the image features are merged into it. Projectors are column / row pairs; a tower's
+other linear layers (a one-linear projector, a patch merger's) column-parallel with their output
+gathered; nn.MultiheadAttention (in SigLIP's pooling head), which reads its weights itself, whole.
 """
 
 import inspect
@@ -114,14 +114,11 @@ def sequential_mlp(sp: ShardingPass, name, module):
     sp.row(f"{name}.2", module[2])
 
 
-# Modules of vision towers kept whole on every rank, by class: small, or math not split by heads
-# (a patch merger's linear over unfolded patches; nn.MultiheadAttention, SigLIP's pooling head's
-# attention, whose MLP splits as any two-layer MLP)
-WHOLE = {
-    "MultiheadAttention",
-    "Mistral3PatchMerger",
-    "PaliGemmaMultiModalProjector",  # one linear from the tower's width to the language model's
-}
+# Modules of towers kept whole on every rank, by class: nn.MultiheadAttention (SigLIP's pooling
+# head's attention; its MLP splits as any two-layer MLP) reads its projections' weights itself.
+# A tower's other linear layers no adapter places are column-parallel with their output gathered
+# (ShardingPass.tower_linears).
+WHOLE = {"MultiheadAttention"}
 
 
 def is_kept_whole(module) -> bool:
@@ -158,11 +155,12 @@ def _image_tokens(features, width) -> int:
     return sum(f.numel() for f in parts) // width
 
 
-def _probe_pixels(vision_config, get, batch, generator) -> dict | None:
-    """One random image per row as the model's processor lays it out, or None for a layout tplayers
-    does not know: (batch, channels, height, width) at the tower's `image_size` (with `image_sizes`
-    where `get_image_features` names them), or Qwen-VL's flattened patches with `image_grid_thw`
-    (IMAGE_SIDE x IMAGE_SIDE merges of patches)."""
+def _probe_pixels(vision_config, get, batch, generator) -> list[dict]:
+    """One random image per row in each layout a processor makes that fits the tower's config, to be
+    tried in order: Qwen-VL's flattened patches with `image_grid_thw` (IMAGE_SIDE x IMAGE_SIDE merges
+    of patches); else (batch, channels, height, width) at the tower's `image_size` (with
+    `image_sizes` where `get_image_features` names them), then (batch, images, channels, height,
+    width) with one image a row (Idefics, SmolVLM; with `pixel_attention_mask`). Empty: none fits."""
     channels = next(
         (v for k in ("num_channels", "in_channels", "in_chans") if type(v := getattr(vision_config, k, None)) is int), 3
     )
@@ -170,26 +168,31 @@ def _probe_pixels(vision_config, get, batch, generator) -> dict | None:
         patch, merge = getattr(vision_config, "patch_size", None), getattr(vision_config, "spatial_merge_size", 1)
         frames = getattr(vision_config, "temporal_patch_size", 1)
         if not all(type(v) is int for v in (patch, merge, frames)):
-            return None
+            return []
         side = 2 * merge
         pixels = torch.randn(batch * side * side, channels * frames * patch * patch, generator=generator)
-        return {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, side, side]] * batch)}
+        return [{"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, side, side]] * batch)}]
     size = getattr(vision_config, "image_size", None)
     size = (size, size) if type(size) is int else tuple(size) if isinstance(size, list | tuple) else ()
     if len(size) != 2 or not all(type(v) is int for v in size):
-        return None
-    images = {"pixel_values": torch.randn(batch, channels, *size, generator=generator)}
+        return []
+    pixels = torch.randn(batch, channels, *size, generator=generator)
+    flat = {"pixel_values": pixels}
     if _names(get, "image_sizes"):
-        images["image_sizes"] = torch.tensor([size] * batch)
-    return images
+        flat["image_sizes"] = torch.tensor([size] * batch)
+    stacked = {"pixel_values": pixels.unsqueeze(1)}
+    if _names(get, "pixel_attention_mask"):
+        stacked["pixel_attention_mask"] = torch.ones(batch, 1, *size, dtype=torch.bool)
+    return [flat, stacked]
 
 
 def probe_images(model, ids, n) -> tuple[torch.Tensor, dict]:
-    """The self-check's probe batch for a model that takes images: one random image per row (see
-    `_probe_pixels`), and the ids with that image's tokens first, as many as `get_image_features`
-    makes of it, the row's length still a multiple of `n` (with `mm_token_type_ids` marking them
-    where the model names that input). Text models: the ids as they are, no images. A model with a
-    sharded tower whose images tplayers cannot make is refused: the self-check must see the tower."""
+    """The self-check's probe batch for a model that takes images: one random image per row (the
+    first layout of `_probe_pixels` the model's `get_image_features` takes), and the ids with that
+    image's tokens first, as many as it makes of it, the row's length still a multiple of `n` (with
+    `mm_token_type_ids` marking them where the model names that input). Text models: the ids as
+    they are, no images. A model with a sharded tower whose images tplayers cannot make is refused:
+    the self-check must see the tower."""
     config = getattr(model, "config", None)
     vision_config = getattr(config, "vision_config", None)
     if vision_config is None or not towers(model):
@@ -200,22 +203,27 @@ def probe_images(model, ids, n) -> tuple[torch.Tensor, dict]:
     )
     get = getattr(model, "get_image_features", None)
     batch, generator = ids.shape[0], torch.Generator().manual_seed(0)
-    images = _probe_pixels(vision_config, get, batch, generator) if token is not None and callable(get) else None
-    if images is None:
+    layouts = _probe_pixels(vision_config, get, batch, generator) if token is not None and callable(get) else []
+    if not layouts:
         raise ValueError(
             f"parallelize(verify): {name} takes images, and tplayers cannot make a probe image for it, so its "
             f"self-check would not see the vision tower it shards; {PASS_INPUTS}"
         )
     weight = next(model.get_submodule(towers(model)[0]).parameters())
-    images = {k: v.to(weight.device, weight.dtype if v.is_floating_point() else v.dtype) for k, v in images.items()}
-    try:
-        with torch.no_grad():
-            per_image = _image_tokens(get(**images), config.get_text_config().hidden_size) // batch
-    except Exception as e:  # before any sharding: the images tplayers made are not ones this model takes
+    failures = []
+    for layout in layouts:
+        images = {k: v.to(weight.device, weight.dtype if v.is_floating_point() else v.dtype) for k, v in layout.items()}
+        try:
+            with torch.no_grad():
+                per_image = _image_tokens(get(**images), config.get_text_config().hidden_size) // batch
+            break
+        except Exception as e:  # before any sharding: not a layout this model takes
+            failures.append(f"{type(e).__name__}: {e}")
+    else:
         raise ValueError(
             f"parallelize(verify): the unsharded {name} fails on the probe images tplayers made "
-            f"({type(e).__name__}: {e}); {PASS_INPUTS}"
-        ) from e
+            f"({'; '.join(failures)}); {PASS_INPUTS}"
+        )
     special = _special_ids(config)
     ordinary = next(i for i in range(int(ids.max()) + 2) if i not in special)
     text = torch.where(torch.isin(ids, torch.tensor(sorted(special), device=ids.device)), ordinary, ids)
