@@ -147,12 +147,14 @@ def _names(fn, name) -> bool:
     return name in inspect.signature(fn).parameters
 
 
-def _image_tokens(features, width) -> int:
-    """How many token embeddings `get_image_features` gave, whatever it returns them in (a tensor,
-    a list per image, an output's pooler_output)."""
-    features = getattr(features, "pooler_output", features)
+def _image_tokens(features) -> int:
+    """How many token embeddings `get_image_features` gave (one vector each, whatever its width),
+    whatever it returns them in: a tensor, a list per image, an output's pooler_output or, where
+    that is None, its last_hidden_state (Llama 4, which projects them afterwards)."""
+    pooled = getattr(features, "pooler_output", features)
+    features = getattr(features, "last_hidden_state", None) if pooled is None else pooled
     parts = features if isinstance(features, list | tuple) else [features]
-    return sum(f.numel() for f in parts) // width
+    return sum(f.numel() // f.shape[-1] for f in parts)
 
 
 def _probe_pixels(vision_config, get, batch, generator) -> list[dict]:
@@ -215,7 +217,7 @@ def probe_images(model, ids, n) -> tuple[torch.Tensor, dict]:
         images = {k: v.to(weight.device, weight.dtype if v.is_floating_point() else v.dtype) for k, v in layout.items()}
         try:
             with torch.no_grad():
-                per_image = _image_tokens(get(**images), config.get_text_config().hidden_size) // batch
+                per_image = _image_tokens(get(**images)) // batch
             break
         except Exception as e:  # before any sharding: not a layout this model takes
             failures.append(f"{type(e).__name__}: {e}")

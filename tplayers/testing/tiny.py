@@ -72,6 +72,8 @@ QUIRKS = {
         local_attn_chunk_length=4,
         lsh_attn_chunk_length=4,
     ),  # fmt: skip
+    # Llama 4's pixel shuffle (ratio 1/2) makes 4 x the tower's width, its adapter's input
+    "llama4": lambda caps: dict(vision_config=dict(intermediate_size=4 * caps["width"])) if "width" in caps else {},
     # the shared transformer is one module tied over the hybrid layers: two of them
     "zamba": dict(num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "hybrid"]),
 }
