@@ -14,7 +14,7 @@ import re
 import torch
 from torch import nn
 
-from tplayers.hf.attention import _finish_attention, _fused_qkv, forward_source
+from tplayers.hf.attention import _finish_attention, _fused_qkv, _per_head_weights, forward_source
 from tplayers.hf.shard import ShardingPass
 
 # Sub-configs of a model that takes more than text: a tower per kind of input
@@ -86,10 +86,12 @@ def is_qkv_by_heads_attention(module) -> bool:
 
 def qkv_by_heads_attention(sp: ShardingPass, name, attn):
     """qkv column-parallel by whole heads of each of q, k and v (`_fused_qkv`), proj row-parallel by
-    the same heads; the forward reshapes by the local head count."""
+    the same heads, norms acting on each head alike replicated; the forward reshapes by the local
+    head count."""
     heads = attn.num_heads
     head_dim = attn.qkv.out_features // (3 * heads)
     local_heads, _ = _fused_qkv(sp, name, attn, "qkv", "proj", heads, heads, head_dim)
+    _per_head_weights(sp, name, attn, head_dim, ("qkv", "proj"))  # GLM-5-Next's q / k norms per head
     _finish_attention(sp, name, attn, {"num_heads": local_heads})
 
 

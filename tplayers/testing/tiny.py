@@ -34,7 +34,7 @@ CAPS = [
     (r".*(key_value_heads|kv_heads|kv_n_heads|num_key_heads|key_heads|kv_groups|n_groups|ngroups)", "kv_heads"),
     (r"o_groups", "kv_heads"),  # DeepSeek-V4's groups of heads in its output projection
     (r".*(heads|n_head|attention_heads)", "heads"),
-    (r"num_experts_per_tok|moe_k|moe_top_?k|top_?k|num_selected_experts|index_topk.*|cross_attn_k", 2),
+    (r"num_experts_per_tok|moe_k|moe_top_?k|top_?k|num_selected_experts|index_topk.*|cross_attn_k|index_kpool", 2),
     (r".*(shared_experts)", 1),
     (r".*(experts|expert_num)", 4),
     (r"n_group|topk_group", 1),
@@ -56,8 +56,11 @@ CAPPED_TOGETHER = {"num_key_value_heads", "num_kv_heads", "head_dim", "qk_head_d
 QSA = dict(indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=4, indexer_compress_ratio=2)
 # Configs whose defaults build no model (fields left None that the modeling code reads, a pattern longer
 # than the cut depth) get those fields set, at tiny sizes; a few need more than one layer of a kind.
+COMPASS_ROPE = {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}  # left None, read per layer type
 QUIRKS = {
-    "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+    "cohere_compass_text": dict(rope_parameters=COMPASS_ROPE),
+    "cohere_compass": dict(text_config=dict(rope_parameters=COMPASS_ROPE)),
+    "molmo2": dict(adapter_config=dict(vision_feature_layer=[1, 0])),  # the tower's layers it reads, cut with it
     "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
     # Qwen4-Exp's query-sparse attention indexer: transformers' config leaves its sizes None; at the
@@ -270,12 +273,17 @@ def _multimodal_rope(cls, kwargs: dict):
     """Multimodal rotary embeddings (Qwen-VL's mrope): the rotary half of a head in three sections
     (time, height, width) summing to the shrunk head's; the modeling code's defaults fit published heads."""
     rope, heads = kwargs.get("rope_parameters"), kwargs.get("num_attention_heads")
-    if not (isinstance(rope, dict) and "mrope_section" in getattr(cls, "ignore_keys_at_rope_validation", ())):
+    if not (rope and isinstance(rope, dict) and "mrope_section" in getattr(cls, "ignore_keys_at_rope_validation", ())):
         return
     head = kwargs.get("head_dim") or (kwargs.get("hidden_size", 0) // heads if heads else 0)
-    factor = rope.get("partial_rotary_factor", kwargs.get("partial_rotary_factor")) or 1.0
-    half = int(head * factor) // 2
-    kwargs["rope_parameters"] = dict(rope, mrope_section=[half - 2 * (half // 3), half // 3, half // 3])
+
+    def sections(params):
+        factor = params.get("partial_rotary_factor", kwargs.get("partial_rotary_factor")) or 1.0
+        half = int(head * factor) // 2
+        return dict(params, mrope_section=[half - 2 * (half // 3), half // 3, half // 3])
+
+    per_type = all(isinstance(v, dict) for v in rope.values())  # {layer type: parameters}
+    kwargs["rope_parameters"] = {k: sections(v) for k, v in rope.items()} if per_type else sections(rope)
 
 
 def _place_ids(kwargs: dict):
