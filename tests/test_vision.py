@@ -28,8 +28,8 @@ pytestmark = pytest.mark.multirank
 # one linear; SigLIP + average pooling and a projection matrix; Qwen's windowed ViT (fused qkv, gated
 # MLP, patch merger) and multimodal rope; Qwen3-VL's ViT with deepstack mergers; InternViT (q / k norms
 # over every head) + layer norm and linear pair; SigLIP + pixel shuffle and one linear, images stacked
-# per row with a pixel mask
-VLMS = ("llava", "mistral3", "paligemma", "gemma3", "qwen2_5_vl", "qwen3_vl", "internvl", "smolvlm")
+# per row with a pixel mask; SigLIP + linear pair over any-resolution tiles
+VLMS = ("llava", "mistral3", "paligemma", "gemma3", "qwen2_5_vl", "qwen3_vl", "internvl", "smolvlm", "llava_onevision")
 
 
 def tiny_vlm(model_type, tp):
@@ -156,14 +156,15 @@ def test_negative_control_the_self_check_catches_a_wrong_shard_in_the_tower(pool
 
 
 def unknown_image_layout(rank, tp, group):
-    model = tiny_vlm("llava_next", tp)
-    with pytest.raises(ValueError, match=r"LlavaNextForConditionalGeneration \(llava_next\).*verify=\{'input_ids'"):
+    model = tiny_vlm("mllama", tp)
+    with pytest.raises(ValueError, match=r"\(mllama\) takes images.*verify=\{'input_ids'"):
         tplayers.parallelize(model, group=group)
 
 
 def test_images_tplayers_cannot_make_are_refused_by_name(pool):
-    """LLaVA-NeXT tiles each image into a grid its processor picks from the image's size: not a layout
-    the probe makes, so the self-check could not see the tower; refused, pointing to verify=<inputs>."""
+    """Mllama's images reach the language model through cross-attention, with no image tokens in the
+    ids: not a probe tplayers makes, so the self-check could not see the tower; refused, pointing to
+    verify=<inputs>."""
     pool.run(unknown_image_layout, 2)
 
 

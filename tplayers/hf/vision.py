@@ -164,7 +164,8 @@ def _probe_pixels(vision_config, get, batch, generator) -> list[dict]:
     tried in order: Qwen-VL's flattened patches with `image_grid_thw` (IMAGE_SIDE x IMAGE_SIDE merges
     of patches); else (batch, channels, height, width) at the tower's `image_size` (with
     `image_sizes` where `get_image_features` names them), then (batch, images, channels, height,
-    width) with one image a row (Idefics, SmolVLM; with `pixel_attention_mask`). Empty: none fits."""
+    width) with one image a row (Idefics, SmolVLM; with `pixel_attention_mask`), then with its base
+    image and one tile (LLaVA-NeXT's any resolution, with `image_sizes`). Empty: none fits."""
     channels = next(
         (v for k in ("num_channels", "in_channels", "in_chans") if type(v := getattr(vision_config, k, None)) is int), 3
     )
@@ -187,7 +188,10 @@ def _probe_pixels(vision_config, get, batch, generator) -> list[dict]:
     stacked = {"pixel_values": pixels.unsqueeze(1)}
     if _names(get, "pixel_attention_mask"):
         stacked["pixel_attention_mask"] = torch.ones(batch, 1, *size, dtype=torch.bool)
-    return [flat, stacked]
+    layouts = [flat, stacked]
+    if _names(get, "image_sizes"):  # any-resolution tiles (LLaVA-NeXT): the base image and one tile
+        layouts.append({"pixel_values": torch.stack([pixels, pixels.flip(-1)], 1), "image_sizes": flat["image_sizes"]})
+    return layouts
 
 
 def probe_images(model, ids, n) -> tuple[torch.Tensor, dict]:

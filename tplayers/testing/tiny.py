@@ -175,6 +175,7 @@ def _shrunk(cls, values: dict, overrides: dict, caps: dict):
     if set(caps) != set(DEPTH):
         _place_ids(kwargs)
         _multimodal_rope(cls, kwargs)
+        _one_tile(cls, kwargs)
     kwargs.update(overrides)
     return cls(**kwargs)
 
@@ -267,6 +268,15 @@ def _cut_layers(kwargs: dict, count: str, before: int, per_layer: dict) -> dict:
         kwargs[k] = type(kwargs[k])(new for new, old in enumerate(keep) if old in kwargs[k])
     kwargs[count] = len(keep)
     return {new: per_layer[old] for new, old in enumerate(keep) if old in per_layer}
+
+
+def _one_tile(cls, kwargs: dict):
+    """LLaVA-NeXT's any-resolution grids: one tile of the shrunk tower's image (the processor then
+    makes the base image and that tile)."""
+    vision = kwargs.get("vision_config")
+    size = getattr(vision, "image_size", None)
+    if type(size) is int and "image_grid_pinpoints" in {f.name for f in dataclasses.fields(cls)}:
+        kwargs["image_grid_pinpoints"] = [[size, size]]
 
 
 def _multimodal_rope(cls, kwargs: dict):
