@@ -222,7 +222,8 @@ def probe_images(model, ids, n) -> tuple[torch.Tensor, dict]:
     for layout in layouts:
         images = {k: v.to(weight.device, weight.dtype if v.is_floating_point() else v.dtype) for k, v in layout.items()}
         try:
-            with torch.no_grad():
+            devices = [weight.device.index or 0] if weight.device.type == "cuda" else []
+            with torch.no_grad(), torch.random.fork_rng(devices=devices):  # a tower's dropout leaves no trace
                 per_image = _image_tokens(get(**images)) // batch
             break
         except Exception as e:  # before any sharding: not a layout this model takes
