@@ -253,7 +253,10 @@ def _launch_entry(fn, rank, world_size, port, results, args):
         _init_cpu_process_group(rank, world_size, port)
         # Pickled here, not in the queue's feeder thread, so an unpicklable result is an error
         # with a traceback instead of a lost reply.
-        results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
+        value = pickle.dumps(fn(rank, world_size, *args))
+        if dist.is_initialized():  # rank 0 hosts the store: it must not exit while another rank still
+            dist.barrier()  # creates groups through it (a rank that failed is reported by the others' parent)
+        results.put((rank, "ok", value))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
     finally:
