@@ -4,6 +4,7 @@ equal the unsharded model's; the families it does not know exactly are refused, 
 module; the self-check (`verify`) catches a wrong shard. transformers 5.x (pyproject pins the
 range)."""
 
+import contextlib
 import copy
 import functools
 import re
@@ -301,13 +302,15 @@ def test_four_heads_over_three_ranks(pool, family):
 
 
 # -- negative controls ------------------------------------------------------------------------
-def swapped_kv_adapter(rank, tp, group, verify):
-    """An adapter that puts k's rows where v's go: verify must catch it (and without verify, the
-    comparison helper must)."""
+@contextlib.contextmanager
+def kv_swapped(under=""):
+    """The attention adapter puts k's rows where v's go, in attention modules under `under`: a wrong
+    shard that the self-check and the comparison helpers must catch."""
     original = attention.qkvo_attention
 
     def wrong(sp, name, attn):
-        attn.k_proj, attn.v_proj = attn.v_proj, attn.k_proj
+        if name.startswith(under):
+            attn.k_proj, attn.v_proj = attn.v_proj, attn.k_proj
         original(sp, name, attn)
 
     adapters = tuple(
@@ -315,14 +318,21 @@ def swapped_kv_adapter(rank, tp, group, verify):
     )
     families.ADAPTERS, saved = adapters, families.ADAPTERS
     try:
+        yield
+    finally:
+        families.ADAPTERS = saved
+
+
+def swapped_kv_adapter(rank, tp, group, verify):
+    """An adapter that puts k's rows where v's go: verify must catch it (and without verify, the
+    comparison helper must)."""
+    with kv_swapped():
         model = tiny_model("llama")
         reference = copy.deepcopy(model)
         tplayers.parallelize(model, group=group, verify=verify)
         ids = torch.randint(3, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
         with pytest.raises(AssertionError):
             assert_close(model(ids).logits, reference(ids).logits)
-    finally:
-        families.ADAPTERS = saved
 
 
 def test_negative_control_verify_catches_a_wrong_shard(pool):

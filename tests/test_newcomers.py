@@ -96,27 +96,29 @@ def _step(model, batch):
     return loss.detach()
 
 
-def _verdict(model_class, cfg, expected, reference_grads, group, sp):
-    """("exact" | "refused" | "WRONG" | "CRASH", detail) of one type at one layout. First without
-    parallelize's own self-check (this comparison is stricter: the loss and every gradient); where
-    a rank finds it anything but exact or refused, again with the self-check on, so parallelize's
-    verdict (a refusal naming the module, or nothing) is the one counted."""
-    verdict = _checked(model_class, cfg, expected, reference_grads, group, sp, verify=False)
+def sharded_verdict(build, step, expected, reference_grads, group, sp):
+    """("exact" | "refused" | "WRONG" | "CRASH", detail) of the model `build()` makes, parallelized at
+    one layout, after `step(model)` (one training step, returning its loss) against the unsharded
+    model's loss and gradients. First without parallelize's own self-check (this comparison is
+    stricter: the loss and every gradient); where a rank finds it anything but exact or refused,
+    again with the self-check on, so parallelize's verdict (a refusal naming the module, or
+    nothing) is the one counted. `group`: a process group or a 1-D DeviceMesh."""
+    verdict = _checked(build, step, expected, reference_grads, group, sp, verify=False)
     fine = torch.tensor([float(verdict[0] in ("exact", "refused"))])
-    dist.all_reduce(fine, op=dist.ReduceOp.MIN, group=group.get_group())  # `group`: the "tp" DeviceMesh
-    return verdict if fine.item() else _checked(model_class, cfg, expected, reference_grads, group, sp, verify=None)
+    dist.all_reduce(fine, op=dist.ReduceOp.MIN, group=getattr(group, "get_group", lambda: group)())
+    return verdict if fine.item() else _checked(build, step, expected, reference_grads, group, sp, verify=None)
 
 
-def _checked(model_class, cfg, expected, reference_grads, group, sp, verify):
+def _checked(build, step, expected, reference_grads, group, sp, verify):
     tol = tolerance(torch.float32)
-    model = _build(model_class, cfg)
+    model = build()
     try:
         tplayers.parallelize(model, group=group, sequence_parallel=sp, verify=verify)
     except Exception as e:
         ours = isinstance(e, REFUSALS) or str(e).startswith("parallelize")  # tplayers' own refusal
         return ("refused" if ours else "CRASH", f"{type(e).__name__}: {str(e)[:300]}")  # else from inside HF / torch
     try:
-        loss = _step(model, _batch(cfg))
+        loss = step(model)
         grads = gather_grads(model)
     except Exception as e:
         return "CRASH", f"training step: {type(e).__name__}: {str(e)[:300]}"
@@ -125,6 +127,16 @@ def _checked(model_class, cfg, expected, reference_grads, group, sp, verify):
         if not torch.allclose(grads.get(name, torch.zeros_like(expected_grad)), expected_grad, **tol):
             wrong.append(name)
     return ("WRONG", ", ".join(wrong[:5])) if wrong else ("exact", "")
+
+
+def _verdict(model_class, cfg, expected, reference_grads, group, sp):
+    def build():
+        return _build(model_class, cfg)
+
+    def step(model):
+        return _step(model, _batch(cfg))
+
+    return sharded_verdict(build, step, expected, reference_grads, group, sp)
 
 
 def sweep(rank, world, group, types):

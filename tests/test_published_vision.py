@@ -15,7 +15,7 @@ from tplayers.testing import published_config
 
 pytestmark = [pytest.mark.multirank, pytest.mark.tplayers]
 
-TYPES = ["llava", "gemma3", "qwen2_5_vl", "qwen3_vl", "mistral3", "paligemma", "internvl", "smolvlm"]
+TYPES = ["llava", "gemma3", "qwen2_5_vl", "qwen3_vl", "mistral3", "paligemma", "internvl", "smolvlm", "llama4"]
 # Gemma 3's language model has 4 key/value heads: at TP 8 each is held by the 2 ranks whose query heads
 # read it (as Megatron replicates them), 10M a layer over the share: 1.063x at the full 34 + 27 layers too
 OVER = {("gemma3", 8)}

@@ -6,21 +6,24 @@ the batch: logits, loss and every gradient against the unsharded model, and gree
 from an image prompt. The self-check itself sees images: a wrongly sharded tower fails it."""
 
 import copy
+import sys
 import warnings
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import tplayers
-from tplayers.hf import families, gather_grads, vision
-from tplayers.hf.verify import PROBE_BATCH, PROBE_TOKENS_PER_RANK, VerifyError
-from tplayers.placement import PlacementError
+from tplayers.hf import gather_grads, vision
+from tplayers.hf.verify import PROBE_BATCH, PROBE_TOKENS_PER_RANK
 from tplayers.testing import assert_close
 from tplayers.testing.pool import RemoteError
 from tplayers.testing.tiny import tiny_config
-from tplayers.tolerances import tolerance
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_families import kv_swapped  # noqa: E402
+from test_newcomers import REFUSALS, sharded_verdict  # noqa: E402
 
 pytestmark = pytest.mark.multirank
 
@@ -28,8 +31,24 @@ pytestmark = pytest.mark.multirank
 # one linear; SigLIP + average pooling and a projection matrix; Qwen's windowed ViT (fused qkv, gated
 # MLP, patch merger) and multimodal rope; Qwen3-VL's ViT with deepstack mergers; InternViT (q / k norms
 # over every head) + layer norm and linear pair; SigLIP + pixel shuffle and one linear, images stacked
-# per row with a pixel mask; SigLIP + linear pair over any-resolution tiles
-VLMS = ("llava", "mistral3", "paligemma", "gemma3", "qwen2_5_vl", "qwen3_vl", "internvl", "smolvlm", "llava_onevision")
+# per row with a pixel mask; SigLIP + linear pair over any-resolution tiles; Llama 4's ViT (2-D rope,
+# pixel shuffle, its own MLP adapter) + one linear, with a mixture-of-experts language model
+VLMS = ("llava", "mistral3", "paligemma", "gemma3", "qwen2_5_vl", "qwen3_vl", "internvl", "smolvlm", "llava_onevision",
+        "llama4")  # fmt: skip
+
+
+def mend_llama4_output():
+    """transformers 5.24's Llama 4 reads `image_outputs` from its language model's output, which has
+    no such field, so every forward fails, unsharded too (5.23 and before did not). Give that output
+    class the field, as None, while that release is installed: the same for the reference and the
+    sharded model."""
+    import inspect
+
+    from transformers import modeling_outputs
+    from transformers.models.llama4 import modeling_llama4
+
+    if "outputs.image_outputs" in inspect.getsource(modeling_llama4.Llama4ForConditionalGeneration.forward):
+        modeling_outputs.MoeCausalLMOutputWithPast.image_outputs = None
 
 
 def tiny_vlm(model_type, tp):
@@ -38,6 +57,8 @@ def tiny_vlm(model_type, tp):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cfg = tiny_config(model_type, heads=2 * tp)
+        if model_type == "llama4":
+            mend_llama4_output()
         if "output_router_logits" in vars(cfg):  # MoE auxiliary losses on
             cfg.output_router_logits = True
         torch.manual_seed(0)
@@ -97,14 +118,10 @@ def matches_unsharded(rank, tp, group, model_type, sequence_parallel):
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+@pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("model_type", VLMS)
-def test_vision_language_model_is_exact_with_images(pool, model_type, sequence_parallel):
-    pool.run(matches_unsharded, 2, model_type, sequence_parallel)
-
-
-@pytest.mark.parametrize("model_type", ["llava", "gemma3", "qwen3_vl"])
-def test_vision_language_model_is_exact_at_tp4(pool, model_type):
-    pool.run(matches_unsharded, 4, model_type, True)
+def test_vision_language_model_is_exact_with_images(pool, model_type, tp, sequence_parallel):
+    pool.run(matches_unsharded, tp, model_type, sequence_parallel)
 
 
 def test_towers_are_the_modules_beside_the_language_model():
@@ -126,27 +143,12 @@ def test_a_text_model_has_no_towers_and_probes_with_text():
 # -- negative controls: the self-check sees the tower -----------------------------------------
 def tower_with_swapped_kv(rank, tp, group, text_only):
     """An attention adapter that puts k's rows where v's go, in the vision tower only."""
-    from tplayers.hf import attention
-
-    original = attention.qkvo_attention
-
-    def wrong(sp, name, attn):
-        if name.startswith("model.vision_tower"):
-            attn.k_proj, attn.v_proj = attn.v_proj, attn.k_proj
-        original(sp, name, attn)
-
-    adapters = tuple(
-        families.Adapter(a.name, a.matches, wrong) if a.apply is original else a for a in families.ADAPTERS
-    )
-    families.ADAPTERS, saved = adapters, families.ADAPTERS
-    try:
+    with kv_swapped(under="model.vision_tower"):
         model = tiny_vlm("llava", tp)
         ids, _ = image_batch(model, tp)
         # text only: the probe the self-check used before it carried images
         verify = {"input_ids": ids[:, ids[0] != model.config.image_token_id]} if text_only else None
         tplayers.parallelize(model, group=group, verify=verify)
-    finally:
-        families.ADAPTERS = saved
 
 
 def test_negative_control_the_self_check_catches_a_wrong_shard_in_the_tower(pool):
@@ -174,9 +176,6 @@ def test_verify_takes_the_model_inputs_by_name():
 
 
 # -- the sweep: every image-text-to-text type transformers ships --------------------------------
-REFUSALS = (ValueError, VerifyError, PlacementError)
-
-
 def image_text_types() -> list[str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
@@ -189,55 +188,44 @@ def _step(model, ids, images):
     return loss.detach()
 
 
-def _checked(model_type, tp, group, sp, expected, reference_grads, batch, verify):
-    tol = tolerance(torch.float32)
-    model = tiny_vlm(model_type, tp)
-    try:
-        tplayers.parallelize(model, group=group, sequence_parallel=sp, verify=verify)
-    except Exception as e:
-        ours = isinstance(e, REFUSALS) or str(e).startswith("parallelize")  # tplayers' own refusal
-        return ("refused" if ours else "CRASH", f"{type(e).__name__}: {str(e)[:300]}")
-    try:
-        model.train()
-        loss = _step(model, *batch)
-        grads = gather_grads(model)
-    except Exception as e:
-        return "CRASH", f"training step: {type(e).__name__}: {str(e)[:300]}"
-    wrong = [] if torch.allclose(loss, expected, **tol) else [f"loss {loss.item()} vs {expected.item()}"]
-    for name, expected_grad in reference_grads.items():
-        if not torch.allclose(grads.get(name, torch.zeros_like(expected_grad)), expected_grad, **tol):
-            wrong.append(name)
-    return ("WRONG", ", ".join(wrong[:5])) if wrong else ("exact", "")
-
-
-def _verdict(model_type, tp, group, sp):
-    """("exact" | "refused" | "needs a library" | "WRONG" | "CRASH", detail) of one type at one layout:
-    one training step with images against the unsharded model, first without parallelize's self-check,
-    then, where a rank finds it anything but exact or refused, with it (its verdict is the one counted)."""
+def _verdicts(model_type, tp, group):
+    """{sequence_parallel: ("exact" | "refused" | "needs a library" | "unbuilt" | "WRONG" | "CRASH", detail)}
+    of one type at TP `tp`: one training step with images against the unsharded model (its step taken
+    once for both layouts), first without parallelize's self-check, then, where a rank finds it
+    anything but exact or refused, with it (its verdict is the one counted)."""
     try:
         reference = tiny_vlm(model_type, tp).train()
     except ImportError as e:  # a library the model's code needs that the test set-up lacks (timm)
-        return "needs a library", str(e).strip().split("\n")[0]
+        return dict.fromkeys((False, True), ("needs a library", str(e).strip().split("\n")[0]))
     except Exception as e:  # its tiny config or model does not build: transformers' own validation
-        return "unbuilt", f"{type(e).__name__}: {str(e)[:200]}"
+        return dict.fromkeys((False, True), ("unbuilt", f"{type(e).__name__}: {str(e)[:200]}"))
     try:
         batch = image_batch(reference, tp)
     except ValueError as e:  # images tplayers cannot make: parallelize refuses the same way
-        return "refused", f"{type(e).__name__}: {str(e)[:300]}"
+        return dict.fromkeys((False, True), ("refused", f"{type(e).__name__}: {str(e)[:300]}"))
     try:
         expected = _step(reference, *batch)
     except Exception as e:  # the unsharded model fails on the probe images: parallelize must refuse by name
-        model = tiny_vlm(model_type, tp)
-        try:
-            tplayers.parallelize(model, group=group, sequence_parallel=sp)
-        except REFUSALS as refusal:
-            return "refused", f"{type(refusal).__name__}: {str(refusal)[:300]}"
-        return "CRASH", f"the unsharded model fails on the probe images, parallelize does not refuse: {e}"
+        return {sp: _refused_unsharded(model_type, tp, group, sp, e) for sp in (False, True)}
     grads = {name: p.grad for name, p in reference.named_parameters(remove_duplicate=False) if p.grad is not None}
-    verdict = _checked(model_type, tp, group, sp, expected, grads, batch, verify=False)
-    fine = torch.tensor([float(verdict[0] in ("exact", "refused"))])
-    dist.all_reduce(fine, op=dist.ReduceOp.MIN, group=group)
-    return verdict if fine.item() else _checked(model_type, tp, group, sp, expected, grads, batch, verify=None)
+    out = {}
+    for sp in (False, True):
+        out[sp] = sharded_verdict(lambda: tiny_vlm(model_type, tp), lambda m: _step(m.train(), *batch),
+                                  expected, grads, group, sp)  # fmt: skip
+        if not sp and out[sp][0] == "refused" and "VerifyError" not in out[sp][1]:
+            # refused by what the model holds, before any forward: sequence parallelism adds hooks only
+            out[True] = out[False]
+            break
+    return out
+
+
+def _refused_unsharded(model_type, tp, group, sp, error):
+    model = tiny_vlm(model_type, tp)
+    try:
+        tplayers.parallelize(model, group=group, sequence_parallel=sp)
+    except REFUSALS as refusal:
+        return "refused", f"{type(refusal).__name__}: {str(refusal)[:300]}"
+    return "CRASH", f"the unsharded model fails on the probe images, parallelize does not refuse: {error}"
 
 
 def sweep(rank, tp, group, types):
@@ -245,13 +233,8 @@ def sweep(rank, tp, group, types):
     for model_type in types:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            out[model_type, False] = _verdict(model_type, tp, group, False)
-            if out[model_type, False][0] in ("needs a library", "unbuilt") or (
-                out[model_type, False][0] == "refused" and "VerifyError" not in out[model_type, False][1]
-            ):  # refused by what the model holds, before any forward: sequence parallelism adds hooks only
-                out[model_type, True] = out[model_type, False]
-            else:
-                out[model_type, True] = _verdict(model_type, tp, group, True)
+            for sp, verdict in _verdicts(model_type, tp, group).items():
+                out[model_type, sp] = verdict
     return out
 
 
