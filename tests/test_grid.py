@@ -143,8 +143,8 @@ def test_a_mesh_that_is_not_a_grid_is_refused(pool):
 
 def mlp_on_grid(rank, world, group, grid, activation, sp=False):
     """ParallelMLP handed the 2-D mesh: a GridLinear pair (gate / up pairs kept together over
-    tp_r), equal to the unsharded MLP (`sp`: the sequence split over tp_r too); and the 1-D
-    classes handed the mesh build GridLinears."""
+    tp_r), equal to the unsharded MLP (`sp`: the sequence split over tp_r too); GridLinear built
+    by its own class either way."""
     mesh = tplayers.init_mesh(tp=grid)["tp_r", "tp_c"]
     row, col = mesh.get_group("tp_r"), mesh.get_group("tp_c")
     torch.manual_seed(0)
@@ -166,9 +166,9 @@ def mlp_on_grid(rank, world, group, grid, activation, sp=False):
     )
     expected = own_slice(own_slice(full, 0, mesh.get_group("tp_r"), 2 if activation == "swiglu" else 1), 1, col)
     assert_close(mlp.in_proj.weight.grad, expected)
-    column = tplayers.ColumnParallelLinear(8, 6, group=mesh)
-    row = tplayers.RowParallelLinear.from_linear(nn.Linear(6, 8), group=mesh)
-    assert isinstance(column, tplayers.nn.GridLinear) and (column.out_axis, row.out_axis) == ("tp_r", "tp_c")
+    column = tplayers.nn.GridLinear(8, 6, mesh=mesh)
+    row = tplayers.nn.GridLinear.from_linear(nn.Linear(6, 8), mesh=mesh, out_axis="tp_c")
+    assert (column.out_axis, row.out_axis) == ("tp_r", "tp_c")
     return True
 
 
@@ -178,17 +178,30 @@ X = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(5))
 @pytest.mark.parametrize(("activation", "sp"), [("swiglu", False), ("gelu", False), ("swiglu", True)],
                          ids=["swiglu", "gelu", "swiglu-sp"])  # fmt: skip
 @pytest.mark.parametrize("grid", GRIDS, ids=lambda g: f"{g[0]}x{g[1]}")
-def test_parallel_mlp_and_the_1d_classes_take_a_grid(pool, grid, activation, sp):
+def test_parallel_mlp_takes_a_grid(pool, grid, activation, sp):
     assert all(pool.run(mlp_on_grid, 4, grid, activation, sp))
 
 
-def gathered_output_on_a_grid(rank, world, group):
-    tplayers.ColumnParallelLinear(8, 8, group=tplayers.init_mesh(tp=(2, 2))["tp_r", "tp_c"], gather_output=True)
+def one_dimensional_class_on_a_grid(rank, world, group, which):
+    mesh = tplayers.init_mesh(tp=(2, 2))["tp_r", "tp_c"]
+    if which == "column":
+        tplayers.ColumnParallelLinear(8, 8, group=mesh)
+    elif which == "row":
+        tplayers.RowParallelLinear.from_linear(nn.Linear(8, 8), group=mesh)
+    else:
+        tplayers.ParallelAttention(16, 4, group=mesh)
 
 
-def test_options_a_grid_does_not_take_are_refused(pool):
-    for reply in pool.run(gathered_output_on_a_grid, 4, return_exceptions=True):
-        assert "ColumnParallelLinear on a 2-D tensor-parallel mesh does not take gather_output=" in str(reply)
+@pytest.mark.parametrize(
+    ("which", "grid_class"),
+    [("column", "GridLinear(..., out_axis='tp_r')"), ("row", "GridLinear(..., out_axis='tp_c')"),
+     ("attention", "GridAttention")],
+)  # fmt: skip
+def test_a_1d_class_handed_a_grid_refuses_naming_the_grid_class(pool, which, grid_class):
+    """A class is what it says: handed a 2-D mesh, a 1-D layer refuses (it would otherwise split over
+    the grid flattened, a different layer), naming the grid class to build instead."""
+    for reply in pool.run(one_dimensional_class_on_a_grid, 4, which, return_exceptions=True):
+        assert isinstance(reply, RemoteError) and f"tplayers.nn.{grid_class} with mesh=" in str(reply), reply
 
 
 # -- an HF model on the grid ----------------------------------------------------------------------
@@ -384,7 +397,7 @@ def test_the_planner_prices_a_grid_model_exactly(pool, grid, sp):
 
 
 def grid_attention_and_norm(rank, world, group, grid, num_heads, num_kv_heads, padding, sp=False):
-    """ParallelAttention / ParallelRMSNorm / VocabParallelEmbedding built on the grid against HF's
+    """GridAttention / ParallelRMSNorm / VocabParallelEmbedding built on the grid against HF's
     LlamaAttention, an unsharded RMSNorm and nn.Embedding: outputs, input and every weight gradient
     (`sp`: the sequence split over tp_r as well)."""
     import sys
@@ -408,8 +421,7 @@ def grid_attention_and_norm(rank, world, group, grid, num_heads, num_kv_heads, p
     pos = torch.arange(S)[None]
     ref(x_ref, position_embeddings=LlamaRotaryEmbedding(config)(x_ref, pos),
         attention_mask=create_causal_mask(config, x_ref, mask, None, position_ids=pos))[0].backward(dy)  # fmt: skip
-    layer = tplayers.ParallelAttention.from_hf_llama(ref, group=mesh, sequence_parallel=sp)
-    assert type(layer).__name__ == "GridAttention"
+    layer = tplayers.nn.GridAttention.from_hf_llama(ref, mesh=mesh, sequence_parallel=sp)
 
     def local(t):  # this rank's part of the residual stream
         return own_slice(own_slice(t, 1, groups["tp_r"]) if sp else t, -1, groups["tp_c"])
@@ -465,7 +477,7 @@ def test_the_standalone_layers_take_a_grid(pool, grid, heads, kv_heads, padding,
 
 def refused_attention(rank, world, group):
     mesh = tplayers.init_mesh(tp=(4, 1))["tp_r", "tp_c"]
-    tplayers.ParallelAttention(16, 4, 2, group=mesh)  # 2 kv heads over tp_r = 4
+    tplayers.nn.GridAttention(16, 4, 2, mesh=mesh)  # 2 kv heads over tp_r = 4
 
 
 def test_attention_a_grid_cannot_split_is_refused(pool):

@@ -148,6 +148,90 @@ def test_allowed_imports_pass():
     assert not violations("tplayers.hf", "def __getattr__(name):\n    from tplayers.loops import Trainer", True)
 
 
+def import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
+    """{module: the tplayers modules it imports, at the top or inside a function} of `sources`
+    ({module: (source, is_package)}), leaving out only the lazy re-exports the contract asks for
+    (LAZY_NAMES, inside a module `__getattr__`)."""
+    graph = {}
+    for module, (source, is_package) in sources.items():
+        lazy = _lazy_lines(source)
+        graph[module] = {
+            target
+            for line, target in imports_of(module, source, is_package)
+            if target in sources and target != module
+            and not (line in lazy and any(module == m and layer_of(target) == t for m, t in LAZY_NAMES))
+        }  # fmt: skip
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The modules that import each other, directly or round a loop: the strongly connected
+    components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(module):
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for target in graph[module]:
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in on_stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = []
+            while not component or component[-1] != module:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def test_no_import_circles():
+    """Modules import one way: a circle (module-level or inside a function) is refused. The one
+    exception is the contract's lazy re-export of the loops' names from `tplayers.hf`."""
+    sources = {module: (path.read_text(), path.name == "__init__.py") for module, path in modules()}
+    circles = import_circles(import_graph(sources))
+    assert not circles, "modules importing each other (move what both use into a module both import):\n" + "\n".join(
+        " <-> ".join(c) for c in circles
+    )
+
+
+CIRCLES = {
+    "lazy-pair": {
+        "tplayers.nn.linear": "def f():\n    from tplayers.nn.grid import GridLinear",
+        "tplayers.nn.grid": "from tplayers.nn.linear import check_input",
+    },
+    "three-round": {
+        "tplayers.plan.specs": "from tplayers.plan import presets",
+        "tplayers.plan.presets": "from tplayers.plan import layout",
+        "tplayers.plan.layout": "def f():\n    import tplayers.plan.specs",
+    },
+    "getattr-not-in-contract": {
+        "tplayers.hf.shard": "def __getattr__(name):\n    from tplayers.hf.lora import x",
+        "tplayers.hf.lora": "from tplayers.hf.shard import y",
+    },
+}
+
+
+@pytest.mark.parametrize("sources", CIRCLES.values(), ids=CIRCLES)
+def test_negative_control_import_circles_are_found(sources):
+    graph = import_graph({module: (source, False) for module, source in sources.items()})
+    assert import_circles(graph) == [sorted(sources)]
+
+
+def test_the_contracts_lazy_re_export_is_no_circle():
+    sources = {"tplayers.hf": ("def __getattr__(name):\n    from tplayers.loops import Trainer", True),
+               "tplayers.loops": ("from tplayers.hf import parallelize", True)}  # fmt: skip
+    assert import_circles(import_graph(sources)) == []
+
+
 def test_every_module_has_a_layer_and_stays_small():
     too_long = []
     for module, path in modules():

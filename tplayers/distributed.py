@@ -83,6 +83,34 @@ def context_data_group(dp_group, cp_group) -> dist.ProcessGroup:
     return _CONTEXT_DATA_GROUPS[dp, cp]
 
 
+GRID_AXES = ("tp_r", "tp_c")
+
+
+def is_grid(group) -> bool:
+    """Whether `group` is a 2-D tensor-parallel mesh (`init_mesh(tp=(r, c))["tp_r", "tp_c"]`)."""
+    return isinstance(group, DeviceMesh) and group.ndim == 2
+
+
+def grid_groups(mesh: DeviceMesh) -> dict:
+    """{"tp_r": group, "tp_c": group} of a 2-D tensor-parallel mesh, checked."""
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != GRID_AXES:
+        raise ValueError(
+            f"a 2-D tensor-parallel mesh has dims {GRID_AXES} (tplayers.init_mesh(tp=(r, c))['tp_r', 'tp_c']), "
+            f"got {mesh!r}"
+        )
+    return {axis: mesh.get_group(axis) for axis in GRID_AXES}
+
+
+def refuse_grid(group, layer: str, grid_layer: str) -> None:
+    """A 1-D layer handed a 2-D mesh: refused, naming the grid's layer (resolve_group would take
+    the grid flattened, a different layer than the one asked for)."""
+    if is_grid(group):
+        raise ValueError(
+            f"{layer} splits over a 1-D group, not a 2-D tensor-parallel mesh: on the grid build "
+            f"tplayers.nn.{grid_layer} with mesh=<the mesh>"
+        )
+
+
 def resolve_group(group) -> dist.ProcessGroup:
     """A ProcessGroup from `group` (ProcessGroup, 1-D DeviceMesh or None for the default group).
     A 2-D tensor-parallel mesh (`init_mesh(tp=(r, c))["tp_r", "tp_c"]`) gives its every rank, the

@@ -28,8 +28,8 @@ from tplayers.checkpoint.chunks import chunked, model_pieces, parameters
 from tplayers.checkpoint.experts import stacked_sources
 from tplayers.checkpoint.planners import CheckpointError
 from tplayers.hf import lora
-from tplayers.hf.parallelize import carry_sum_hook
 from tplayers.hf.state_dict import export_records, record_name, reshard, under_records
+from tplayers.hf.summed_grads import carry_sum_hook
 from tplayers.placement import covering_group, full_tensor, tensor_parallel_group
 
 SAFE_INDEX, SAFE_SINGLE = "model.safetensors.index.json", "model.safetensors"

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate
 
-from tplayers.distributed import resolve_group
+from tplayers.distributed import grid_groups, resolve_group
 from tplayers.functional.collectives import (
     all_gather_any,
     all_gather_sequence,
@@ -58,7 +58,7 @@ from tplayers.hf.pipeline_split import SEQUENCE_PARALLEL
 from tplayers.hf.same_inputs import check_same_inputs
 from tplayers.hf.shard import ShardingPass, copy_in, replace_hidden
 from tplayers.hf.state_dict import EXPORTS, ORIGINAL_KEYS, TIED, Records
-from tplayers.nn.grid import GridLinear, grid_groups
+from tplayers.nn.grid import GridLinear
 from tplayers.nn.grid_attention import grid_head_split
 from tplayers.nn.mlp import ParallelMLP, fuse_gate_up, unfuse_gate_up
 from tplayers.nn.norm import ParallelRMSNorm

@@ -52,14 +52,14 @@ from torch.distributed.tensor import Replicate
 from tplayers.functional.collectives import all_gather_any
 from tplayers.hf import lora_experts, pieces
 from tplayers.hf.fused import MultiQueryProjection, SharedKVProjection
+from tplayers.hf.lora_checks import _refuse, check_config, keep_whole
 from tplayers.hf.same_inputs import check_same_inputs
 from tplayers.hf.shard import copy_in, on_device
 from tplayers.hf.state_dict import EXPORTS, ORIGINAL_KEYS, TIED, LiveRecords
 from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear
-from tplayers.placement import placement_or_none, seal, set_placement
+from tplayers.placement import placement_or_none, seal
 
 WEIGHT_MAP = "_tplayers_weight_map"  # on a swapped layer: (dim, the HF rows / columns it holds)
-SIMPLE_INITS = (True, False, "gaussian")  # the ones that do not read the base weight
 # the tplayers layers an adapter can sit on (SharedKVProjection before RowParallelLinear
 # does not matter: neither subclasses the other)
 SUPPORTED = (ColumnParallelLinear, RowParallelLinear, SharedKVProjection, MultiQueryProjection)
@@ -72,16 +72,6 @@ def lora_layers(model) -> dict[str, nn.Module]:
     except ImportError:
         return {}
     return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
-
-
-EXPERT_LORA = (
-    "LoRA on a parameter (peft's target_parameters, its ParamWrapper) is supported on transformers' standard "
-    "experts' gate_up_proj / down_proj only (tplayers.hf.lora_experts)"
-)
-
-
-def _refuse(name, why):
-    raise ValueError(f"tplayers LoRA: {name}: {why}")
 
 
 @functools.cache
@@ -113,36 +103,11 @@ def lora_class():
     return TensorParallelLoraLinear
 
 
-def check_config(config, where):
-    """Refuse what the sharded factors cannot compute exactly (on every rank alike)."""
-    variants = [f for f in ("use_dora", "use_bdlora", "alora_invocation_tokens", "arrow_config")
-                if getattr(config, f, None)]  # fmt: skip
-    if variants:
-        _refuse(where, f"peft's LoRA variant {variants[0]} is not supported on tensor-parallel layers")
-    if config.init_lora_weights not in SIMPLE_INITS:
-        _refuse(
-            where,
-            f"init_lora_weights={config.init_lora_weights!r} reads the whole base weight; initialize the adapter "
-            "on the unsharded model (peft.get_peft_model before tplayers.parallelize)",
-        )
-
-
 # -- the factors, sharded like their base ---------------------------------------------------------
 def _broadcast(tensors, group):
     src = dist.get_global_rank(group, 0)
     for t in tensors:
         dist.broadcast(t.data, src=src, group=group)
-
-
-def _whole(param, group, partial: bool):
-    """A factor kept whole: Replicate; summed over the group where each rank computes part of its
-    gradient (the hook parallelize gives such weights)."""
-    from tplayers.hf.parallelize import _summed_grads
-
-    if partial:
-        _summed_grads([param], group)
-    elif placement_or_none(param) is None:
-        set_placement(param, group, Replicate())
 
 
 def _column_like(base: ColumnParallelLinear, b: nn.Linear, rows) -> ColumnParallelLinear:
@@ -257,7 +222,7 @@ def place_whole_adapter(layer, adapter, *, broadcast=True):
         _broadcast(factors, record.group)
     for p in factors:
         if placement_or_none(p) is None:
-            _whole(p, record.group, partial=record.grad_summed)
+            keep_whole(p, record.group, partial=record.grad_summed)
 
 
 def shard_adapter(layer, adapter):
@@ -277,17 +242,17 @@ def shard_adapter(layer, adapter):
     if isinstance(base, MultiQueryProjection):  # [q_r; k; v]: B's query rows split, its kv rows whole
         query = _column_like(base.query, b, _map(base.query, 0))
         new_a, new_b = a, MultiQueryProjection(query, _shared_like(base.key_value, b), base.interleave)
-        _whole(a.weight, group, partial=True)
+        keep_whole(a.weight, group, partial=True)
     elif isinstance(base, SharedKVProjection):
         new_a, new_b = a, _shared_like(base, b)
-        _whole(a.weight, group, partial=True)
+        keep_whole(a.weight, group, partial=True)
     elif isinstance(base, ColumnParallelLinear):
         new_a, new_b = a, _column_like(base, b, _map(base, 0))
-        _whole(a.weight, group, partial=base.sequence_parallel or not base.reduce_input_grad)
+        keep_whole(a.weight, group, partial=base.sequence_parallel or not base.reduce_input_grad)
     elif isinstance(base, RowParallelLinear):
         new_a, new_b = _row_like(base, a, _map(base, 1)), b
         for p in b.parameters():
-            _whole(p, group, partial=base.sequence_parallel)
+            keep_whole(p, group, partial=base.sequence_parallel)
     elif replicated_base(base):  # whole like the base; each rank's heads give part of its gradient where they do
         new_a, new_b = a, b
         place_whole_adapter(layer, adapter, broadcast=False)  # broadcast above

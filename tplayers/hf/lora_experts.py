@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 from tplayers.hf import pieces
+from tplayers.hf.lora_checks import EXPERT_LORA, _refuse, check_config, keep_whole
 from tplayers.hf.shard import copy_in, gather
 from tplayers.nn.experts import ParallelExperts
 from tplayers.placement import seal, set_placement, shard_range, update_placement
@@ -53,8 +54,6 @@ def wrapper_class():
 
     class ExpertParallelParamWrapper(ParamWrapper):
         def update_layer(self, adapter_name, r, lora_alpha, config, **kwargs):
-            from tplayers.hf.lora import check_config
-
             check_config(config, f"{type(self.get_base_layer()).__name__}.{self.parameter_name}")
             super().update_layer(adapter_name, r, lora_alpha, config, **kwargs)  # this rank's shapes
             adopt(self, adapter_name)
@@ -64,8 +63,6 @@ def wrapper_class():
 
 def check_base(name, layer):
     """The innermost base of `layer` is a standard ParallelExperts (its layout and math)."""
-    from tplayers.hf.lora import EXPERT_LORA, _refuse
-
     base = layer.get_base_layer()
     if type(base) is not ParallelExperts or layer.parameter_name not in ("gate_up_proj", "down_proj"):
         _refuse(name, f"{type(base).__name__}.{layer.parameter_name}: " + EXPERT_LORA)
@@ -151,13 +148,11 @@ def localize(layer):
 def _place(layer, adapter):
     """The records of the adapter's factors: the experts' expert group; over TP the one split
     (B's rows of gate_up, A's columns of down), the other whole with its gradient summed."""
-    from tplayers.hf.lora import _whole
-
     experts = layer.get_base_layer()
     a, b = _factors(layer, adapter)
     split, summed, dim = (b, a, 0) if layer.parameter_name == "gate_up_proj" else (a, b, 1)
     set_placement(split, experts.group, Shard(dim))
-    _whole(summed, experts.group, partial=True)
+    keep_whole(summed, experts.group, partial=True)
     if experts.expert_group is not None:
         for p in (a, b):
             update_placement(p, ep_group=experts.expert_group)

@@ -19,16 +19,13 @@ the replicated weights applied to sequence shards (norms) get their gradients su
 group, so every `.grad` is complete.
 """
 
-import weakref
-
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate
 
 from tplayers.data_parallel import guards
-from tplayers.distributed import resolve_group
-from tplayers.functional import comm
+from tplayers.distributed import is_grid, resolve_group
 from tplayers.functional.auto_overlap import check_overlap
 from tplayers.functional.collectives import (
     all_gather_sequence,
@@ -46,7 +43,7 @@ from tplayers.hf.pipeline_split import SEQUENCE_PARALLEL
 from tplayers.hf.same_inputs import check_same_inputs
 from tplayers.hf.shard import ShardingPass, replace_hidden
 from tplayers.hf.state_dict import EXPORTS, ORIGINAL_KEYS, TIED, Records, refuse_own_save_pretrained
-from tplayers.nn.grid import is_grid
+from tplayers.hf.summed_grads import rehook_summed, summed_grads
 from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear
 from tplayers.placement import placement_or_none, seal, set_placement
 
@@ -102,7 +99,7 @@ def _sequence_parallel_hooks(model, group, blocks):
     )
     for block in blocks:  # token ids passed beside the hidden states (DeepSeek-V4's hash router): this rank's part
         block.register_forward_pre_hook(_own_token_ids(group, n), with_kwargs=True)
-    _summed_grads([p for block in blocks for p in block.parameters() if placement_or_none(p) is None], group)
+    summed_grads([p for block in blocks for p in block.parameters() if placement_or_none(p) is None], group)
     blocks_name = next(name for name, m in model.named_modules() if m is blocks)
     base = model.get_submodule(blocks_name.rpartition(".")[0])
     base.register_forward_hook(_whole_sequence_outputs(group, n), with_kwargs=True)
@@ -155,49 +152,6 @@ def _whole_sequence_outputs(group, n):
     return hook
 
 
-def _summed_grads(params, group):
-    """Replicated parameters whose gradient each rank holds only part of: tagged Replicate and
-    summed over the group as the gradient is computed, so every rank holds the whole of it."""
-    for p in params:
-        if placement_or_none(p) is None:
-            set_placement(p, group, Replicate(), grad_summed=True)
-            _sum_hook(p, group)
-
-
-# The tensors whose gradient hook sums them over the group, by identity: a copy of one (deepcopy
-# copies a tensor's Python attributes, never its hooks) is not among them.
-_HOOKED: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
-
-
-def _sum_hook(p, group):
-    trainable = p.requires_grad  # a frozen weight (an inactive adapter) may be trained later:
-    p.requires_grad_(True)  # its hook goes on now, and stays through requires_grad_ toggles
-    p.register_hook(lambda g: _summed(g, group))
-    p.requires_grad_(trainable)
-    _HOOKED[id(p)] = p
-
-
-def carry_sum_hook(old, new) -> None:
-    """`new` replaces `old` with `old`'s hooks copied onto it (a meta parameter materialised): it
-    has the summing hook too, if `old` had it."""
-    if _HOOKED.get(id(old)) is old:
-        _HOOKED[id(new)] = new
-
-
-def _rehook_summed(module, *_):
-    """Every parameter whose gradient is summed over the group (its record says so) has its summing
-    hook: a tensor put in its slot (`load_state_dict(assign=True)`) or a deep copy of the model
-    (`copy.deepcopy` drops tensor hooks) gets it again, from the slot's record (`tplayers.placement`);
-    without it each rank would keep its own part of that gradient, silently. Run after every
-    load_state_dict and before every forward of the parallelized model."""
-    for p in module.parameters():
-        if _HOOKED.get(id(p)) is p:
-            continue
-        record = placement_or_none(p)
-        if record is not None and record.grad_summed:
-            _sum_hook(p, record.group)
-
-
 def _inside_sharded_modules(model, done, whole, group):
     """Parameters left inside a module an adapter sharded (between its column and row layers, or
     held by an attention module itself), which no adapter placed. A scalar (xIELU's alpha_p /
@@ -214,7 +168,7 @@ def _inside_sharded_modules(model, done, whole, group):
             if placement_or_none(p) is not None or any(f"{prefix}.{name}".startswith(f"{w}.") for w in whole):
                 continue
             if p.numel() == 1:
-                _summed_grads([p], group)
+                summed_grads([p], group)
                 continue
             raise ValueError(
                 f"parallelize: {prefix}.{name} {tuple(p.shape)} is a parameter of {type(module).__name__} that "
@@ -248,13 +202,6 @@ def _no_labels(module, args, kwargs):
             "parallelize(vocab_parallel_logits=True): the model's own loss needs full logits; compute it with "
             "tplayers.vocab_parallel_cross_entropy(logits[:, :-1], ids[:, 1:]) instead of passing labels"
         )
-
-
-def _summed(grad, group):
-    """The gradient summed over `group` (a replicated weight that saw part of the sequence)."""
-    grad = grad.contiguous().clone()
-    comm.all_reduce(grad, group)
-    return grad
 
 
 def _decoder_blocks(model, placed, towers=()):
@@ -418,7 +365,7 @@ def _parallelize(
             raise ValueError("parallelize: sequence_parallel=True needs the model's blocks in an nn.ModuleList")
     _shared_input_hooks(text_inputs, group, sequence_parallel)
     _shared_input_hooks(tower_inputs, group, False)  # a tower's input is never split by sequence
-    _summed_grads(parallelizer.partial_grads, group)
+    summed_grads(parallelizer.partial_grads, group)
     if vocab_parallel_logits:
         model.register_forward_pre_hook(_no_labels, with_kwargs=True)
     config = getattr(model, "config", None)
@@ -433,8 +380,8 @@ def _parallelize(
         if placement_or_none(p) is None:
             set_placement(p, group, Replicate())
     if dist.get_world_size(group) > 1:  # a sum over a group of one is the gradient itself: nothing to re-hook
-        model.register_load_state_dict_post_hook(_rehook_summed)  # a tensor assigned in: its hook again
-        model.register_forward_pre_hook(_rehook_summed)  # and a deep copy's tensors, before they get a gradient
+        model.register_load_state_dict_post_hook(rehook_summed)  # a tensor assigned in: its hook again
+        model.register_forward_pre_hook(rehook_summed)  # and a deep copy's tensors, before they get a gradient
     setattr(model, SEQUENCE_PARALLEL, group if sequence_parallel else None)  # for pipeline_split
     setattr(model, EXPORTS, Records(parallelizer.exports))
     setattr(model, ORIGINAL_KEYS, keys)

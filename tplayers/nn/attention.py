@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate
 
 from tplayers.backend import register, token_bucket, uses_triton
-from tplayers.distributed import resolve_group
+from tplayers.distributed import refuse_grid, resolve_group
 from tplayers.functional.auto_overlap import check_overlap
 from tplayers.functional.collectives import copy_to_tp_region
 from tplayers.functional.context import AttentionOptions, local_attention
@@ -176,6 +176,31 @@ def add_rope(layer, rope_theta, device):
     layer.register_buffer("inv_freq", inv_freq, persistent=False)
 
 
+def from_hf_llama(cls, attn, config, device, dtype, **kwargs):
+    """`cls` (ParallelAttention or GridAttention) holding this rank's shards of an HF LlamaAttention;
+    `kwargs`: the layer's own (its group or mesh among them)."""
+    config = attn.config if config is None else config
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", "default")
+    if rope_type != "default":
+        raise ValueError(f"{cls.__name__}.from_hf_llama: rope_type {rope_type!r} is not supported (only 'default')")
+    rope_theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    q, k, v, o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+    dtype = dtype or q.weight.dtype
+    layer = cls(
+        config.hidden_size, config.num_attention_heads, config.num_key_value_heads, attn.head_dim,
+        bias=o.bias is not None, qkv_bias=q.bias is not None, rope_theta=rope_theta, device="meta", dtype=dtype,
+        **kwargs,
+    )  # fmt: skip
+    device = device or q.weight.device
+    for mine, theirs in ((layer.q_proj, q), (layer.k_proj, k), (layer.v_proj, v), (layer.o_proj, o)):
+        bias = None if theirs.bias is None else theirs.bias.detach().to(dtype)
+        mine._set_shards(theirs.weight.detach().to(dtype), bias, device)
+    if layer.inv_freq is not None:
+        layer.inv_freq = layer.inv_freq.to(device)
+    return layer
+
+
 def _splits_evenly(num_heads, num_kv_heads, tp) -> bool:
     """Whether the query heads divide by tp and the key/value heads either split with them or
     are fewer than the ranks, a whole number of ranks each (the layouts of the module docstring)."""
@@ -212,22 +237,13 @@ class ParallelAttention(SharesGroups, nn.Module):
     input collective serve all three.
     """
 
-    def __new__(cls, *args, group=None, **kwargs):
-        """A 2-D tensor-parallel mesh as `group`: the grid's attention (`GridAttention`)."""
-        from tplayers.nn.grid import is_grid
-
-        if is_grid(group):
-            from tplayers.nn.grid_attention import GridAttention
-
-            return GridAttention(*args, mesh=group, **kwargs)
-        return super().__new__(cls)
-
     def __init__(
         self, hidden_size, num_heads, num_kv_heads=None, head_dim=None, *, bias=False, qkv_bias=None,
         causal=True, group=None, sequence_parallel=False, overlap="auto", rope_theta=10000.0,
         device=None, dtype=None,
     ):  # fmt: skip
         super().__init__()
+        refuse_grid(group, "ParallelAttention", "GridAttention")
         self.group = resolve_group(group)
         self.tp_size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         num_kv_heads, head_dim = head_dims(self, hidden_size, num_heads, num_kv_heads, head_dim, rope_theta)
@@ -275,28 +291,7 @@ class ParallelAttention(SharesGroups, nn.Module):
         """The layer holding this rank's shards of an HF LlamaAttention (Mistral / Qwen2 alike:
         separate q / k / v / o nn.Linear). Sizes and rope_theta come from `config` (default
         `attn.config`); only the default RoPE type is supported."""
-        config = attn.config if config is None else config
-        rope = getattr(config, "rope_parameters", None) or {}
-        rope_type = rope.get("rope_type", "default")
-        if rope_type != "default":
-            raise ValueError(
-                f"ParallelAttention.from_hf_llama: rope_type {rope_type!r} is not supported (only 'default')"
-            )
-        rope_theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        q, k, v, o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
-        dtype = dtype or q.weight.dtype
-        layer = cls(
-            config.hidden_size, config.num_attention_heads, config.num_key_value_heads, attn.head_dim,
-            bias=o.bias is not None, qkv_bias=q.bias is not None, group=group, rope_theta=rope_theta,
-            device="meta", dtype=dtype, **kwargs,
-        )  # fmt: skip
-        device = device or q.weight.device
-        for mine, theirs in ((layer.q_proj, q), (layer.k_proj, k), (layer.v_proj, v), (layer.o_proj, o)):
-            bias = None if theirs.bias is None else theirs.bias.detach().to(dtype)
-            mine._set_shards(theirs.weight.detach().to(dtype), bias, device)
-        if layer.inv_freq is not None:
-            layer.inv_freq = layer.inv_freq.to(device)
-        return layer
+        return from_hf_llama(cls, attn, config, device, dtype, group=group, **kwargs)
 
     def _qkv_weight_and_bias(self):
         """The local q / k / v rows stacked: weight ((hq + 2 hkv) * D, H), bias likewise or None."""

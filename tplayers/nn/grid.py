@@ -38,44 +38,16 @@ over both.
 
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
+from tplayers.distributed import GRID_AXES, grid_groups
 from tplayers.functional.auto_overlap import check_overlap
 from tplayers.functional.collectives import all_gather_sequence, copy_to_tp_region, own_slice
 from tplayers.functional.linear import row_parallel_linear
 from tplayers.nn.linear import _full_linear_init, autocast_operands, check_input, tokens_as_sequence
 from tplayers.placement import SharesGroups, seal, set_placement, shard_sizes
 
-AXES = ("tp_r", "tp_c")
-
-
-def is_grid(group) -> bool:
-    """Whether `group` is a 2-D tensor-parallel mesh (the 1-D layers' `group=` takes one)."""
-    return isinstance(group, DeviceMesh) and group.ndim == 2
-
-
-def grid_layer(in_features, out_features, bias, mesh, out_axis, caller, unit=1, **kwargs):
-    """The `GridLinear` a 1-D layer class builds when handed a 2-D mesh as its group: its own
-    options that have no meaning on a grid (yet) refused by name, on every rank alike."""
-    defaults = dict(gather_output=False, input_is_parallel=True, split_sizes=None)
-    own = ("overlap", "device", "dtype", "reduce_input_grad", "sequence_parallel")
-    unknown = sorted(k for k in kwargs if k not in (*defaults, *own))
-    other = sorted(k for k, v in kwargs.items() if k in defaults and v != defaults[k])
-    if unknown or other:
-        raise ValueError(f"{caller} on a 2-D tensor-parallel mesh does not take {(unknown or other)[0]}=")
-    units = dict(out_unit=unit) if out_axis == "tp_r" else dict(in_unit=unit)
-    options = {k: kwargs[k] for k in own if k in kwargs}
-    return GridLinear(in_features, out_features, bias, mesh=mesh, out_axis=out_axis, **units, **options)
-
-
-def grid_groups(mesh: DeviceMesh) -> dict:
-    """{"tp_r": group, "tp_c": group} of a 2-D tensor-parallel mesh, checked."""
-    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != AXES:
-        raise ValueError(
-            f"a 2-D tensor-parallel mesh has dims {AXES} (tplayers.init_mesh(tp=(r, c))['tp_r', 'tp_c']), got {mesh!r}"
-        )
-    return {axis: mesh.get_group(axis) for axis in AXES}
+AXES = GRID_AXES
 
 
 class GridLinear(SharesGroups, nn.Module):

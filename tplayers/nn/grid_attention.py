@@ -22,9 +22,10 @@ holding none, or key / value groups that a split would cut, are refused by name.
 import torch.distributed as dist
 from torch import nn
 
+from tplayers.distributed import grid_groups
 from tplayers.functional.collectives import all_gather_sequence, copy_to_tp_region
-from tplayers.nn.attention import add_rope, attend, head_dims
-from tplayers.nn.grid import GridLinear, grid_groups
+from tplayers.nn.attention import add_rope, attend, from_hf_llama, head_dims
+from tplayers.nn.grid import GridLinear
 from tplayers.placement import SharesGroups, shard_sizes
 
 
@@ -49,7 +50,7 @@ class GridAttention(SharesGroups, nn.Module):
     """Causal self-attention over a tp_r x tp_c grid: x (B, S, H / c) -> y (B, S, H / c), the
     hidden features split over tp_c (module docstring). Arguments as `ParallelAttention`'s, the
     grid as `mesh`; with sequence_parallel=True x and y are (B, S / r, H / c). From an HF LlamaAttention:
-    `ParallelAttention.from_hf_llama(attn, group=mesh)`."""
+    `GridAttention.from_hf_llama(attn, mesh=mesh)`."""
 
     def __init__(
         self, hidden_size, num_heads, num_kv_heads=None, head_dim=None, *, bias=False, qkv_bias=None, causal=True,
@@ -60,7 +61,7 @@ class GridAttention(SharesGroups, nn.Module):
         self.row_group = groups["tp_r"]
         r, i = dist.get_world_size(self.row_group), dist.get_rank(self.row_group)
         num_kv_heads, head_dim = head_dims(self, hidden_size, num_heads, num_kv_heads, head_dim, rope_theta)
-        heads, kv_heads = grid_head_split(num_heads, num_kv_heads, r, "ParallelAttention")
+        heads, kv_heads = grid_head_split(num_heads, num_kv_heads, r, "GridAttention")
         self.local_heads, self.local_kv_heads, self.causal = heads[i], kv_heads[i], causal
         self.sequence_parallel = sequence_parallel
         qkv_bias = bias if qkv_bias is None else qkv_bias
@@ -73,6 +74,12 @@ class GridAttention(SharesGroups, nn.Module):
                                  sequence_parallel=sequence_parallel, **kw)  # fmt: skip
         add_rope(self, rope_theta, device)
 
+    @classmethod
+    def from_hf_llama(cls, attn, config=None, *, mesh, device=None, dtype=None, **kwargs):
+        """The layer holding this rank's blocks of an HF LlamaAttention, as
+        `ParallelAttention.from_hf_llama` on a 1-D group."""
+        return from_hf_llama(cls, attn, config, device, dtype, mesh=mesh, **kwargs)
+
     def forward(self, x, attention_mask=None, position_ids=None, position_embeddings=None):
         r = dist.get_world_size(self.row_group) if self.sequence_parallel else 1
         seq = x.shape[1] * r if x.dim() == 3 else None
@@ -80,7 +87,7 @@ class GridAttention(SharesGroups, nn.Module):
         if seq is None or (mask is not None and mask != (x.shape[0], seq)):
             shard = "seq / tp_r" if self.sequence_parallel else "seq"
             raise ValueError(
-                f"ParallelAttention on a grid: input (batch, {shard}, hidden / tp_c) and an attention_mask of "
+                f"GridAttention: input (batch, {shard}, hidden / tp_c) and an attention_mask of "
                 f"(batch, seq), got {tuple(x.shape)} and {mask}"
             )
         if self.sequence_parallel:  # the whole sequence for q / k / v; backward reduce-scattered over tp_r, once

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
-from tplayers.distributed import resolve_group
+from tplayers.distributed import refuse_grid, resolve_group
 from tplayers.functional import comm
 from tplayers.functional.auto_overlap import check_overlap
 from tplayers.functional.collectives import gather_from_tp_region, own_slice, scatter_to_tp_region
@@ -120,9 +120,11 @@ class _ParallelLinear(PlacedModule):
     placement attached when parameters are replaced (load_state_dict(assign=True)) or copied."""
 
     _placements: dict  # parameter name -> Shard(dim) / Replicate(), set by the subclass
+    _on_a_grid = "GridLinear"  # the layer to build on a 2-D mesh instead
 
     def __init__(self, in_features, out_features, *, group, sequence_parallel, overlap):
         super().__init__()
+        refuse_grid(group, type(self).__name__, self._on_a_grid)
         self.group = resolve_group(group)
         self.tp_size = dist.get_world_size(self.group)
         self.in_features, self.out_features = in_features, out_features
@@ -185,15 +187,7 @@ class ColumnParallelLinear(_ParallelLinear):
         self._init_parameters(bias, device, dtype)
 
     _placements = {"weight": Shard(0), "bias": Shard(0)}
-
-    def __new__(cls, in_features=None, out_features=None, bias=True, *, group=None, split_unit=1, **kwargs):
-        """group= a 2-D tensor-parallel mesh: a `tplayers.nn.GridLinear`, column-type (the output
-        features over tp_r, the input over tp_c), not an instance of this class."""
-        from tplayers.nn.grid import grid_layer, is_grid
-
-        if is_grid(group):
-            return grid_layer(in_features, out_features, bias, group, "tp_r", cls.__name__, split_unit, **kwargs)
-        return super().__new__(cls)
+    _on_a_grid = "GridLinear(..., out_axis='tp_r')"
 
     def _set_shards(self, weight, bias, device):
         """Keep this rank's rows of the full weight / bias."""
@@ -256,15 +250,7 @@ class RowParallelLinear(_ParallelLinear):
         self._init_parameters(bias, device, dtype)
 
     _placements = {"weight": Shard(1), "bias": Replicate()}
-
-    def __new__(cls, in_features=None, out_features=None, bias=True, *, group=None, split_unit=1, **kwargs):
-        """group= a 2-D tensor-parallel mesh: a `tplayers.nn.GridLinear`, row-type (the output
-        features over tp_c, the input over tp_r), not an instance of this class."""
-        from tplayers.nn.grid import grid_layer, is_grid
-
-        if is_grid(group):
-            return grid_layer(in_features, out_features, bias, group, "tp_c", cls.__name__, split_unit, **kwargs)
-        return super().__new__(cls)
+    _on_a_grid = "GridLinear(..., out_axis='tp_c')"
 
     def _set_shards(self, weight, bias, device):
         """Keep this rank's columns of the full weight; the bias is whole on every rank."""

@@ -24,10 +24,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
-from tplayers.distributed import resolve_group
+from tplayers.distributed import is_grid, resolve_group
 from tplayers.functional.auto_overlap import check_overlap
 from tplayers.functional.swiglu import column_parallel_swiglu
-from tplayers.nn.grid import is_grid
+from tplayers.nn.grid import GridLinear
 from tplayers.nn.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -86,12 +86,18 @@ class ParallelMLP(SharesGroups, nn.Module):
         self.hidden_size, self.ffn_hidden_size, self.activation = hidden_size, ffn_hidden_size, activation
         self.sequence_parallel = sequence_parallel
         gated = activation == "swiglu"
-        kw = dict(group=self.group, sequence_parallel=sequence_parallel, dtype=dtype)
-        kw["overlap"] = check_overlap(overlap, "ParallelMLP")
+        kw = dict(sequence_parallel=sequence_parallel, overlap=check_overlap(overlap, "ParallelMLP"), dtype=dtype)
         in_features = 2 * ffn_hidden_size if gated else ffn_hidden_size
         # SwiGLU: the fused rows split in whole gate / up pairs, F as torch.chunk splits it
-        self.in_proj = ColumnParallelLinear(hidden_size, in_features, bias, device="meta", split_unit=1 + gated, **kw)
-        self.out_proj = RowParallelLinear(ffn_hidden_size, hidden_size, bias, device="meta", **kw)
+        if self.grid:
+            self.in_proj = GridLinear(hidden_size, in_features, bias, mesh=group, out_axis="tp_r",
+                                      out_unit=1 + gated, device="meta", **kw)  # fmt: skip
+            self.out_proj = GridLinear(ffn_hidden_size, hidden_size, bias, mesh=group, out_axis="tp_c",
+                                       device="meta", **kw)  # fmt: skip
+        else:
+            self.in_proj = ColumnParallelLinear(hidden_size, in_features, bias, group=self.group, device="meta",
+                                                split_unit=1 + gated, **kw)  # fmt: skip
+            self.out_proj = RowParallelLinear(ffn_hidden_size, hidden_size, bias, group=self.group, device="meta", **kw)
         if device is not None and torch.device(device).type == "meta":
             return
         full = [_full_linear_init(hidden_size, ffn_hidden_size, bias, device, dtype) for _ in range(1 + gated)]

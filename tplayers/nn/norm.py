@@ -17,10 +17,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
-from tplayers.distributed import resolve_group
+from tplayers.distributed import grid_groups, is_grid, resolve_group
 from tplayers.functional.collectives import copy_to_tp_region, own_slice, sum_over_tp_region
 from tplayers.functional.rms_norm import rms_norm
-from tplayers.nn.grid import grid_groups, is_grid
 from tplayers.nn.linear import _split
 from tplayers.placement import PlacedModule
 

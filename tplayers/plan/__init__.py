@@ -3,13 +3,12 @@
 Pure Python (no torch): `estimate` prices one `Layout` of a `ModelSpec` on a `ClusterSpec`;
 `search` enumerates layouts for a global batch and ranks the valid ones that fit by step time.
 
-Modules, each importing only those listed above it (`specs` imports `presets` and `hf_config` on
-use, in the `preset` and `from_hf_config` constructors):
+Modules, each importing only those listed above it:
 
-    specs      ModelSpec (dimensions, parameter counts, HuggingFace configs), Precision, ClusterSpec,
-               the choice constants and argument checks
-    hf_config  ModelSpec.from_hf_config: a config.json read, what cannot be priced refused by name
-    presets    the named models, precision recipes and GPUs
+    presets    the named models, precision recipes and GPUs, as the classes' fields
+    hf_config  a config.json read into ModelSpec's fields, what cannot be priced refused by name
+    specs      ModelSpec (dimensions, parameter counts, `preset`, `from_hf_config`), Precision,
+               ClusterSpec, the choice constants and argument checks
     layout     Layout, Assumptions
     experts    a mixture of experts: what a rank holds, computes, stores and sends for its experts
                under expert parallelism (Layout.ep), at a stated routing balance

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tplayers.plan.specs import ModelSpec
 
 _NON_GATED_TYPES = {"gpt2", "gpt_neox", "gptj", "opt", "bloom", "falcon", "phi", "starcoder2", "gpt_bigcode"}
 # keys a mixture-of-experts config counts its routed experts, and each token's picks, under
@@ -89,9 +88,9 @@ def _experts(cfg: dict) -> dict:
     )
 
 
-def spec_from_hf(config) -> ModelSpec:
-    """Read a HuggingFace `config.json` (a path to it, its folder, or the parsed dict); see
-    `ModelSpec.from_hf_config`."""
+def spec_fields(config) -> dict:
+    """A `ModelSpec`'s fields read from a HuggingFace `config.json` (a path to it, its folder, or the
+    parsed dict); see `ModelSpec.from_hf_config`."""
     cfg = _load(config)
     _refusals(cfg)
     gpt2_style = "n_embd" in cfg or "n_layer" in cfg
@@ -111,7 +110,7 @@ def spec_from_hf(config) -> ModelSpec:
     dropout = any(float(cfg.get(k) or 0) > 0 for k in dropout_keys)
     bias = gpt2_style or bool(cfg.get("attention_bias") or cfg.get("mlp_bias") or cfg.get("use_bias"))
     learned = gpt2_style or model_type in {"opt", "gpt_bigcode"}
-    return ModelSpec(
+    return dict(
         layers=layers,
         hidden=hidden,
         heads=heads,

@@ -1,28 +1,29 @@
 """Named models, precision recipes and GPUs: the tables behind `ModelSpec.preset`,
-`Precision.preset` and `ClusterSpec.preset` (and the CLI's --model / --precision / --cluster)."""
+`Precision.preset` and `ClusterSpec.preset` (and the CLI's --model / --precision / --cluster), as
+the classes' fields (`tplayers.plan.specs` builds its classes from them; this module imports none)."""
 
 from __future__ import annotations
 
-from tplayers.plan.specs import GiB, ModelSpec, Precision
+GiB = 2**30
 
 PRECISION_PRESETS = {
     # ZeRO paper Sec. 3.1: 2 + 2 + 12 (fp32 master, momentum, variance).
-    "mixed-adam": Precision(2, 2, 12),
+    "mixed-adam": dict(param_bytes=2, grad_bytes=2, optimizer_bytes=12),
     # Same recipe counting the fp32 gradient copy among optimizer states: 2 + 2 + 16 = 20.
-    "mixed-adam-fp32-grads": Precision(2, 2, 16),
+    "mixed-adam-fp32-grads": dict(param_bytes=2, grad_bytes=2, optimizer_bytes=16),
     # Everything fp32: 4 params + 4 grads + 8 (momentum, variance); fp32 activations.
-    "fp32-adam": Precision(4, 4, 8, activation_bytes=4),
+    "fp32-adam": dict(param_bytes=4, grad_bytes=4, optimizer_bytes=8, activation_bytes=4),
     # bf16 params / grads and bf16 Adam states, no master copy: 2 + 2 + 4.
-    "bf16-adam": Precision(2, 2, 4),
+    "bf16-adam": dict(param_bytes=2, grad_bytes=2, optimizer_bytes=4),
     # Plain SGD in bf16 without momentum: no optimizer state.
-    "bf16-sgd": Precision(2, 2, 0),
+    "bf16-sgd": dict(param_bytes=2, grad_bytes=2, optimizer_bytes=0),
     # Mixed-precision SGD with momentum: fp32 master 4 + momentum 4.
-    "mixed-sgd-momentum": Precision(2, 2, 8),
+    "mixed-sgd-momentum": dict(param_bytes=2, grad_bytes=2, optimizer_bytes=8),
 }
 
 
 def _llama(name, layers, hidden, heads, kv_heads, ffn, vocab, seq_len):
-    return ModelSpec(
+    return dict(
         layers=layers,
         hidden=hidden,
         heads=heads,
@@ -45,7 +46,7 @@ MODEL_PRESETS = {
     "llama2-7b": _llama("llama2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
     # GPT-3 175B (Brown et al. 2020, Table 2.1): GPT-2 architecture, tied embeddings,
     # learned positions, LayerNorm, biases, GeLU 4h MLP, dropout.
-    "gpt3-175b": ModelSpec(
+    "gpt3-175b": dict(
         layers=96,
         hidden=12288,
         heads=96,

@@ -8,6 +8,8 @@ import math
 import os
 from dataclasses import dataclass, replace
 
+from tplayers.plan import hf_config, presets
+
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved")
 RANK_ORDER_CHOICES = ("tp-dp-pp", "tp-pp-dp")
@@ -17,7 +19,7 @@ POSITION_CHOICES = ("rope", "learned")
 ZERO_STAGES = (0, 1, 2, 3)
 LINK_CLASSES = ("intra_node", "inter_node")
 GROUPS = ("tp", "pp", "dp", "ep")
-GiB = 2**30
+GiB = presets.GiB
 
 
 def _choice(value, choices, what: str):
@@ -86,9 +88,7 @@ class Precision:
     @classmethod
     def preset(cls, name: str) -> Precision:
         """A named precision recipe; see `PRECISION_PRESETS` for the list."""
-        from tplayers.plan.presets import PRECISION_PRESETS
-
-        return _preset(PRECISION_PRESETS, name, "precision")
+        return cls(**_preset(presets.PRECISION_PRESETS, name, "precision"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -241,9 +241,7 @@ class ModelSpec:
     @classmethod
     def preset(cls, name: str, **overrides) -> ModelSpec:
         """A published model; `overrides` replace fields (e.g. `seq_len=4096`)."""
-        from tplayers.plan.presets import MODEL_PRESETS
-
-        return _with_overrides(_preset(MODEL_PRESETS, name, "model"), overrides)
+        return _with_overrides(cls(**_preset(presets.MODEL_PRESETS, name, "model")), overrides)
 
     @classmethod
     def from_hf_config(cls, config: str | os.PathLike | dict, **overrides) -> ModelSpec:
@@ -257,9 +255,7 @@ class ModelSpec:
         style configs, False otherwise. GPT-2 style configs and model_type gpt2 / gpt_neox /
         gptj / opt / bloom / falcon / phi / starcoder2 / gpt_bigcode are non-gated; others gated.
         """
-        from tplayers.plan.hf_config import spec_from_hf
-
-        return _with_overrides(spec_from_hf(config), overrides)
+        return _with_overrides(cls(**hf_config.spec_fields(config)), overrides)
 
 
 def _with_overrides(spec: ModelSpec, overrides: dict) -> ModelSpec:
@@ -507,9 +503,7 @@ class ClusterSpec:
     @classmethod
     def preset(cls, name: str, num_gpus: int = 8, **overrides) -> ClusterSpec:
         """A GPU type in DGX-style nodes of 8; `overrides` replace fields."""
-        from tplayers.plan.presets import _GPU_ALIASES, _GPU_PRESETS
-
         key = name.lower() if isinstance(name, str) else name
-        key = _GPU_ALIASES.get(key, key)
-        gpu = _preset(_GPU_PRESETS, key, "cluster")
+        key = presets._GPU_ALIASES.get(key, key)
+        gpu = _preset(presets._GPU_PRESETS, key, "cluster")
         return cls(num_gpus=num_gpus, **{"name": key, **gpu, **overrides})
