@@ -14,6 +14,7 @@ import torch
 import tplayers
 from tplayers.data_parallel import compress
 from tplayers.plan import Assumptions, ClusterSpec, Layout, ModelSpec, Precision, estimate
+from tplayers.state import state_of
 from tplayers.testing import assert_close
 from tplayers.tolerances import tolerance
 
@@ -242,7 +243,7 @@ def one_layer_steps(rank, world, group, spec, steps):
         (model(x) ** 2).mean().backward()
         plain.weight.grad = None
         (plain(x) ** 2).mean().backward()
-        residual = model._tplayers_compressor.residuals.get(model.weight)
+        residual = state_of(model).compressor.residuals.get(model.weight)
         out.append(
             (model.weight.grad.clone(), plain.weight.grad.clone(), None if residual is None else residual.clone())
         )
@@ -322,7 +323,7 @@ def residuals_through_an_overflow(rank, world, group, spec):
     torch.manual_seed(0)
     model = torch.nn.Linear(24, 40, bias=False)
     tplayers.data_parallel(model, group=group, compress=spec)
-    compressor = model._tplayers_compressor
+    compressor = state_of(model).compressor
     kept = []
     for step in range(3):
         x = torch.randn(5, 24, generator=torch.Generator().manual_seed(100 * step + rank))

@@ -18,6 +18,7 @@ LAYERS = {
     "tplayers.backend": 1,
     "tplayers.distributed": 1,
     "tplayers.placement": 1,
+    "tplayers.state": 1,
     "tplayers.tolerances": 1,
     "tplayers.functional": 2,
     "tplayers.nn": 3,

@@ -55,10 +55,6 @@ def expert_data_group(dp_group, ep_group) -> dist.ProcessGroup:
     return _EXPERT_DATA_GROUPS[dp, ep]
 
 
-# the attribute a context-parallel model carries its state in (tplayers.hf.context): its `.group`
-# and whether data parallelism reduces its gradients (`.reduced_by_data_parallel`)
-CONTEXT_STATE = "_tplayers_context"
-
 # (data-parallel ranks, context-parallel ranks) -> the group of both: the replicas of this rank's
 # weights, which data parallelism reduces gradients over
 _CONTEXT_DATA_GROUPS: dict[tuple, dist.ProcessGroup] = {}

@@ -15,13 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tplayers.distributed import resolve_group
-
-_ATTR = "_tplayers_placement"
-
-
-# Set by PipelineStage on a stage module whose stage shares parameters with another (tied input /
-# output embeddings): data_parallel refuses ZeRO over such a stage (see its check).
-TIED_ACROSS_STAGES = "_tplayers_tied_across_stages"
+from tplayers.state import set_state, state_of
 
 
 def shard_sizes(total: int, n: int) -> list[int]:
@@ -108,12 +102,12 @@ class ParamPlacement:
 
 
 def set_placement(param, group, placement, **data_parallel) -> None:
-    setattr(param, _ATTR, ParamPlacement(group, placement, **data_parallel))
+    set_state(param, placement=ParamPlacement(group, placement, **data_parallel))
 
 
 def update_placement(param, **changes) -> None:
     """Add to a parameter's record (its data-parallel group, a summed gradient)."""
-    setattr(param, _ATTR, replace(placement_or_none(param) or ParamPlacement(None, Replicate()), **changes))
+    set_state(param, placement=replace(placement_or_none(param) or ParamPlacement(None, Replicate()), **changes))
 
 
 def full_tensor(t):
@@ -172,13 +166,13 @@ def get_placement(param) -> ParamPlacement | None:
     gets its slot's record back. A parameter of a parallelized model that has no record (added
     after `parallelize`, by code that did not place it) raises `PlacementError`: tplayers cannot
     tell how it is split, and taking it as replicated would be silently wrong."""
-    record = getattr(param, _ATTR, None)
+    record = state_of(param).placement
     return record if record is not None else _recover(param, strict=True)
 
 
 def placement_or_none(param) -> ParamPlacement | None:
     """`get_placement` for the code that places parameters: None where no record is found."""
-    record = getattr(param, _ATTR, None)
+    record = state_of(param).placement
     return record if record is not None else _recover(param, strict=False)
 
 
@@ -224,9 +218,9 @@ def seal(root: nn.Module) -> nn.Module:
     _repair(root)
     for module in root.modules():
         records = {
-            name: getattr(p, _ATTR)
+            name: state_of(p).placement
             for name, p in module._parameters.items()
-            if p is not None and getattr(p, _ATTR, None) is not None
+            if p is not None and state_of(p).placement is not None
         }
         old = _table(module)
         if records or module is root or old is not None:
@@ -251,8 +245,8 @@ def _repair(root) -> None:
         if not table:
             continue
         for name, p in module._parameters.items():
-            if p is not None and getattr(p, _ATTR, None) is None and name in table:
-                setattr(p, _ATTR, _held(table[name], p))
+            if p is not None and state_of(p).placement is None and name in table:
+                set_state(p, placement=_held(table[name], p))
 
 
 def _recover(param, *, strict):
@@ -269,7 +263,7 @@ def _recover(param, *, strict):
                 if p is not param:
                     continue
                 _repair(root)
-                record = getattr(param, _ATTR, None)
+                record = state_of(param).placement
                 if record is None and strict:
                     where = f"{qualified}.{name}" if qualified else name
                     raise PlacementError(

@@ -22,8 +22,7 @@ import inspect
 import torch.distributed as dist
 
 from tplayers.placement import placement_or_none, refuse_overlap, spans_ranks
-
-_GUARDED = "_tplayers_guarded"
+from tplayers.state import set_state, state_of
 
 
 def _group(process_group, device_mesh):
@@ -53,7 +52,7 @@ def _refuse(wrapper: str, module, process_group, device_mesh) -> None:
 def guard(cls, wrapper: str) -> None:
     """Wrap `cls.__init__` (a torch data-parallel wrapper) with the refusal above."""
     init = cls.__init__
-    if getattr(init, _GUARDED, False):
+    if state_of(init).guarded:
         return
     signature = inspect.signature(init)
 
@@ -63,7 +62,7 @@ def guard(cls, wrapper: str) -> None:
         _refuse(wrapper, module, bound.get("process_group"), bound.get("device_mesh"))
         init(self, module, *args, **kwargs)
 
-    setattr(guarded, _GUARDED, True)
+    set_state(guarded, guarded=True)
     cls.__init__ = guarded
 
 
@@ -89,12 +88,12 @@ def guard_accelerate() -> None:
     except ImportError:  # accelerate is not installed: nothing to guard
         return
     prepare_model = Accelerator.prepare_model
-    if getattr(prepare_model, _GUARDED, False):
+    if state_of(prepare_model).guarded:
         return
 
     @functools.wraps(prepare_model)
     def guarded(self, model, *args, **kwargs):
-        if getattr(self, "_tplayers_replicas", None) is None and spans_ranks(model):
+        if state_of(self).replicas is None and spans_ranks(model):
             raise ValueError(
                 f"accelerate.Accelerator.prepare (called by transformers.Trainer and TRL) on a model tplayers "
                 f"parallelized: it would wrap it in DDP over every rank, give each rank its own rows and clip by each "
@@ -102,5 +101,5 @@ def guard_accelerate() -> None:
             )
         return prepare_model(self, model, *args, **kwargs)
 
-    setattr(guarded, _GUARDED, True)
+    set_state(guarded, guarded=True)
     Accelerator.prepare_model = guarded

@@ -45,14 +45,13 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tplayers.data_parallel.compress import Compression, Compressor, compressed_mean
-from tplayers.distributed import CONTEXT_STATE, context_data_group, expert_data_group, resolve_group
+from tplayers.distributed import context_data_group, expert_data_group, resolve_group
 from tplayers.functional import comm
 from tplayers.nn.experts import ParallelExperts
-from tplayers.placement import TIED_ACROSS_STAGES, get_placement, refuse_overlap, seal, update_placement
+from tplayers.placement import get_placement, refuse_overlap, seal, update_placement
+from tplayers.state import set_state, state_of
 
 STAGES = (0, 1, 2, 3)
-_WRAPPED = "_tplayers_data_parallel"  # (group, stage) on a wrapped module
-_REPLACED = "_tplayers_replaced_by"  # on a Parameter that a ZeRO 2-3 wrap took off the module
 
 
 def _mesh_and_group(group) -> tuple[DeviceMesh, dist.ProcessGroup]:
@@ -67,10 +66,10 @@ def _check(module, pg, stage):
     """Every rank checks the same things before any collective, so all raise together."""
     if stage not in STAGES:
         raise ValueError(f"data_parallel: zero_stage must be one of {STAGES}, got {stage!r}")
-    if hasattr(module, _WRAPPED):
-        stage_before = getattr(module, _WRAPPED)[1]
+    if state_of(module).data_parallel is not None:
+        stage_before = state_of(module).data_parallel[1]
         raise ValueError(f"data_parallel: {type(module).__name__} is already data-parallel (zero_stage {stage_before})")
-    if getattr(module, TIED_ACROSS_STAGES, False) and dist.get_world_size(pg) > 1:
+    if state_of(module).tied_across_stages and dist.get_world_size(pg) > 1:
         # FSDP2 would shard the copy on one stage's ranks and not the other's (which the sum over
         # the pipeline of the tied gradients assumes alike): silently wrong, found by check_parallel.
         raise ValueError(
@@ -224,7 +223,7 @@ def _refuse_stale_optimizer(optimizer, args, kwargs):
     took off its module would step a tensor nothing uses, silently."""
     for param_group in optimizer.param_groups:
         for p in param_group["params"]:
-            name = getattr(p, _REPLACED, None)
+            name = state_of(p).replaced_by
             if name is not None:
                 raise RuntimeError(
                     f"{type(optimizer).__name__} holds {name}, which data_parallel replaced with its sharded form: "
@@ -254,10 +253,10 @@ def data_parallel(
     `compress`: "bf16" (any stage; at 2-3 FSDP2's reduce dtype, parameters still gathered in
     their own dtype), "int8", "topk:<fraction>" or "powersgd:rank=<r>[,start=<step>]" (stages
     0-1, with error feedback), or a `Compression`; see `tplayers.data_parallel.compress`. The
-    compressor is `module._tplayers_compressor` (its residuals, PowerSGD's state) at stages 0-1."""
+    compressor is `tplayers.state.state_of(module).compressor` (its residuals, PowerSGD's state) at stages 0-1."""
     global _stale_hook
     mesh, pg = _mesh_and_group(group)
-    context, data_group = getattr(module, CONTEXT_STATE, None), pg
+    context, data_group = state_of(module).context, pg
     if context is not None:  # a context-parallel model: its weights' replicas are dp x cp
         pg = context_data_group(pg, context.group)
         mesh = DeviceMesh.from_group(pg, mesh.device_type)
@@ -290,7 +289,7 @@ def data_parallel(
         else:
             compressor = Compressor(compression, pg, list(module.parameters()))
             module.register_comm_hook(compressor, compressed_mean)
-            object.__setattr__(module, "_tplayers_compressor", compressor)
+            set_state(module, compressor=compressor)
         for p in module.parameters():
             if getattr(get_placement(p), "ep_group", None) is None:
                 update_placement(p, dp_group=pg)
@@ -317,7 +316,7 @@ def data_parallel(
                 unit.set_custom_reduce_scatter(_CountedReduceScatter())
         for name, p in module.named_parameters():
             if p is not old[name]:  # FSDP2's DTensor over the replicas: the record goes with it
-                setattr(old[name], _REPLACED, name)
+                set_state(old[name], replaced_by=name)
                 if records[name] is not None:  # the whole record: TP placement, pipeline group, ...
                     update_placement(p, **{f.name: getattr(records[name], f.name) for f in fields(records[name])})
                 expert_group = getattr(records[name], "ep_group", None)
@@ -343,7 +342,7 @@ def data_parallel(
     # ZeRO-1 with experts: the optimizer's state sharded over the experts' own replicas, which hold
     # the same dense weights and the same experts (every replica would hold another's experts)
     sharded_over = expert_data_group(pg, experts[0].expert_group) if zero_stage == 1 and experts else pg
-    setattr(module, _WRAPPED, (sharded_over, zero_stage))
+    set_state(module, data_parallel=(sharded_over, zero_stage))
     if context is not None:  # the parameters' own sums over cp stand down; the loss scales by cp
         context.reduced_by_data_parallel = True
         context.replica_group = data_group  # the batch's replicas (dp alone): what a Trainer splits rows over
@@ -371,7 +370,7 @@ def shard_optimizer_state(module: nn.Module, optimizer):
     at the other stages (and for an optimizer already sharded) `optimizer` itself."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    wrapped = getattr(module, _WRAPPED, None)
+    wrapped = state_of(module).data_parallel
     if wrapped is None or wrapped[1] != 1 or isinstance(optimizer, ZeroRedundancyOptimizer):
         return optimizer
     if optimizer.state:
@@ -390,7 +389,7 @@ def data_parallel_optimizer(module: nn.Module, optimizer_class, **kwargs):
     its state over the replicas (ZeroRedundancyOptimizer around `optimizer_class`); the other
     stages build `optimizer_class(trainable parameters, **kwargs)` (ZeRO 2-3 parameters are
     already shards, so their state is too)."""
-    wrapped = getattr(module, _WRAPPED, None)
+    wrapped = state_of(module).data_parallel
     params = [p for p in module.parameters() if p.requires_grad]
     if wrapped is not None and wrapped[1] == 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer

@@ -32,16 +32,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tplayers.distributed import CONTEXT_STATE
 from tplayers.functional import comm
 from tplayers.functional.context import METHODS, AttentionOptions, context_attention, ulysses_fits
 from tplayers.functional.context_layout import balanced_layout
 from tplayers.functional.cost_model import default_costs
 from tplayers.hf.attention import forward_source
 from tplayers.nn.lm_head import ParallelLMHead, is_deferred
+from tplayers.state import set_state, state_of
 
 ATTENTION = "tplayers_context"
-STATE = CONTEXT_STATE
 CHOICES = ("auto", *METHODS)
 # what the layers of other kinds would need to see across ranks (a recurrence, a convolution)
 _SEQUENTIAL = ("Mamba", "DeltaNet", "LinearAttention", "ShortConv", "Lightning", "Mixer", "Recurrent", "Rwkv")
@@ -80,7 +79,7 @@ class ContextState:
 
 
 def context_state(model) -> ContextState | None:
-    return getattr(model, STATE, None)
+    return state_of(model).context
 
 
 # -- autograd pieces ------------------------------------------------------------------------------
@@ -162,7 +161,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                       softcap=None, **kwargs):  # fmt: skip
     """HF's attention interface under context parallelism: query (B, H, L, D), key / value
     (B, KH, L, D) of this rank's tokens; returns (B, L, H, D) and no weights."""
-    state = getattr(module, STATE, None)
+    state = state_of(module).context
     if state is None or state.layout is None:
         raise RuntimeError(
             f"{type(module).__name__}: attention '{ATTENTION}' runs only inside the forward of a model parallelized "
@@ -408,7 +407,7 @@ def apply_context(model, group, method="auto", logits="whole", *, multiple=1, tp
         raise ValueError(f"parallelize: context must be one of {CHOICES}, got {method!r}")
     if logits not in LOGITS:
         raise ValueError(f"parallelize: context_logits must be one of {LOGITS}, got {logits!r}")
-    if hasattr(model, STATE):
+    if state_of(model).context is not None:
         raise ValueError("parallelize: the model is already context-parallel")
     attention = _check_model(model)
     if method == "ulysses":
@@ -416,12 +415,12 @@ def apply_context(model, group, method="auto", logits="whole", *, multiple=1, tp
     state = ContextState(group, method, multiple)  # split logits once parallelize's self-check is done
     state.packed = reads_packed_documents(model)
     for module in attention:
-        setattr(module, STATE, state)
+        set_state(module, context=state)
     _register()
     model.set_attn_implementation(ATTENTION)
     signature = inspect.signature(model.forward)
     model.register_forward_pre_hook(summed_over_context(state))
     model.register_forward_pre_hook(_split_inputs(state, signature), with_kwargs=True)
     model.register_forward_hook(_whole_outputs(state), with_kwargs=True)
-    setattr(model, STATE, state)
+    set_state(model, context=state)
     return model

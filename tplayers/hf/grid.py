@@ -52,17 +52,16 @@ from tplayers.hf import families, pieces
 from tplayers.hf import fused_loss as fused
 from tplayers.hf import verify as verification
 from tplayers.hf.attention import HEAD_COUNTS, HIDDEN_WIDTHS, KV_HEAD_COUNTS, localize_attributes, rms_norm_eps
+from tplayers.hf.finish import finish
 from tplayers.hf.mlp import is_silu
 from tplayers.hf.norms import fuse_rms_norms
-from tplayers.hf.pipeline_split import SEQUENCE_PARALLEL
-from tplayers.hf.same_inputs import check_same_inputs
 from tplayers.hf.shard import ShardingPass, copy_in, replace_hidden
-from tplayers.hf.state_dict import EXPORTS, ORIGINAL_KEYS, TIED, Records
+from tplayers.hf.state_dict import Records
 from tplayers.nn.grid import GridLinear
 from tplayers.nn.grid_attention import grid_head_split
 from tplayers.nn.mlp import ParallelMLP, fuse_gate_up, unfuse_gate_up
 from tplayers.nn.norm import ParallelRMSNorm
-from tplayers.placement import placement_or_none, seal, set_placement, shard_range, update_placement
+from tplayers.placement import placement_or_none, set_placement, shard_range, update_placement
 
 
 def _refuse(name, why):
@@ -295,15 +294,10 @@ def parallelize_grid(model, mesh, *, sequence_parallel=False, plan=None, vocab_p
             set_placement(p, whole, Replicate())
         else:
             update_placement(p, tp_all=whole)
-    setattr(model, SEQUENCE_PARALLEL, groups["tp_r"] if sequence_parallel else None)  # for pipeline_split
-    setattr(model, EXPORTS, Records(edges.exports + grid.records))
-    setattr(model, ORIGINAL_KEYS, keys)
-    setattr(model, TIED, edges.tied)
+    exports, tied = Records(edges.exports + grid.records), edges.tied
     edges.release()
     if fused_loss and not vocab_parallel_logits:  # the loss without logits, over the flattened grid
         fused.install(model)
-    seal(model)
-    verification.after(probe, model, group=whole, vocab_parallel=vocab_parallel_logits)
-    verification.name_failures(model)
-    check_same_inputs(model, whole)
-    return model
+    sequence_group = groups["tp_r"] if sequence_parallel else None
+    return finish(model, probe, group=whole, exports=exports, original_keys=keys, tied=tied,
+                  sequence_group=sequence_group, vocab_parallel=vocab_parallel_logits)  # fmt: skip

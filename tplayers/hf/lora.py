@@ -51,15 +51,15 @@ from torch.distributed.tensor import Replicate
 
 from tplayers.functional.collectives import all_gather_any
 from tplayers.hf import lora_experts, pieces
+from tplayers.hf.finish import finish
 from tplayers.hf.fused import MultiQueryProjection, SharedKVProjection
 from tplayers.hf.lora_checks import _refuse, check_config, keep_whole
-from tplayers.hf.same_inputs import check_same_inputs
 from tplayers.hf.shard import copy_in, on_device
-from tplayers.hf.state_dict import EXPORTS, ORIGINAL_KEYS, TIED, LiveRecords
+from tplayers.hf.state_dict import LiveRecords
 from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear
 from tplayers.placement import placement_or_none, seal
+from tplayers.state import set_state, state_of
 
-WEIGHT_MAP = "_tplayers_weight_map"  # on a swapped layer: (dim, the HF rows / columns it holds)
 # the tplayers layers an adapter can sit on (SharedKVProjection before RowParallelLinear
 # does not matter: neither subclasses the other)
 SUPPORTED = (ColumnParallelLinear, RowParallelLinear, SharedKVProjection, MultiQueryProjection)
@@ -269,7 +269,7 @@ def shard_adapter(layer, adapter):
 
 def _map(base, dim):
     """The HF rows (dim 0) or columns (dim 1) `base` holds, in its local order."""
-    recorded = getattr(base, WEIGHT_MAP, None)
+    recorded = state_of(base).weight_map
     if recorded is None or recorded[0] != dim:
         _refuse(type(base).__name__, "its layout was not recorded by tplayers.parallelize")
     return recorded[1]
@@ -287,7 +287,7 @@ def record_weight_maps(model, records):
         layers = {id(m.weight): m for m in module.modules() if isinstance(getattr(m, "weight", None), torch.Tensor)}
         for piece in layout():
             if piece.key == "weight" and piece.dim is not None and id(piece.param) in layers:
-                setattr(layers[id(piece.param)], WEIGHT_MAP, (piece.dim, piece.glob))
+                set_state(layers[id(piece.param)], weight_map=(piece.dim, piece.glob))
 
 
 # -- export records of the factors ----------------------------------------------------------------
@@ -443,7 +443,7 @@ def parallelize_peft(model, layers: dict, shard, *, group, verify, **kwargs):
     frozen = {k for k, p in hf.named_parameters() if not p.requires_grad}
     relative = {name[len(hf_prefix) :]: name for name in layers}
     shard(hf, keep=frozenset(relative), verify=False, group=group, **kwargs)
-    records = getattr(hf, EXPORTS)
+    records = state_of(hf).exports
     for prefix, _, _, layout in records:  # the base stays as frozen as peft left it
         for piece in layout():
             if f"{prefix}.{piece.key}" in frozen:
@@ -477,13 +477,11 @@ def parallelize_peft(model, layers: dict, shard, *, group, verify, **kwargs):
             for adapter in list(layer.lora_A):
                 lora_experts.shard_whole(layer, adapter)
         _set_child(model, name, chain[0])
-    setattr(model, EXPORTS, live_records(model, hf_prefix, records))
-    setattr(model, ORIGINAL_KEYS, root_keys)
-    setattr(model, TIED, {hf_prefix + k: hf_prefix + v for k, v in getattr(hf, TIED, {}).items()})
-    seal(model)
-    verification.after(probe, model, group=group, expert_group=kwargs.get("expert_group"))
-    check_same_inputs(hf)  # re-armed after the self-check: the user's first forward is checked
-    return model
+    held = state_of(hf)
+    return finish(model, probe, group=group, exports=live_records(model, hf_prefix, records), original_keys=root_keys,
+                  tied={hf_prefix + k: hf_prefix + v for k, v in (held.tied or {}).items()},
+                  sequence_group=held.sequence_group, expert_group=kwargs.get("expert_group"),
+                  inputs_checked_on=hf)  # re-armed: the user's first forward is checked  # fmt: skip
 
 
 # -- export ---------------------------------------------------------------------------------------

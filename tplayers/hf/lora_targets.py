@@ -25,8 +25,9 @@ from tplayers.hf.lora import (
     record_weight_maps,
 )
 from tplayers.hf.shard import on_device
-from tplayers.hf.state_dict import EXPORTS, ORIGINAL_KEYS, TIED, export_records, refuse_own_save_pretrained
+from tplayers.hf.state_dict import export_records, refuse_own_save_pretrained
 from tplayers.nn.linear import ColumnParallelLinear
+from tplayers.state import set_state, state_of
 
 
 def get_peft_model(model, config, adapter_name: str = "default", **kwargs):
@@ -62,9 +63,10 @@ def get_peft_model(model, config, adapter_name: str = "default", **kwargs):
             for adapter in layer.lora_A:
                 lora_experts.adopt(layer, adapter)
     hf, hf_prefix = _inner_model(peft_model)
-    setattr(peft_model, EXPORTS, live_records(peft_model, hf_prefix, getattr(hf, EXPORTS)))
-    setattr(peft_model, ORIGINAL_KEYS, _peft_key_order(peft_model, hf_prefix, getattr(hf, ORIGINAL_KEYS, [])))
-    setattr(peft_model, TIED, {hf_prefix + k: hf_prefix + v for k, v in getattr(hf, TIED, {}).items()})
+    held = state_of(hf)
+    set_state(peft_model, exports=live_records(peft_model, hf_prefix, held.exports),
+              original_keys=_peft_key_order(peft_model, hf_prefix, held.original_keys),
+              tied={hf_prefix + k: hf_prefix + v for k, v in (held.tied or {}).items()})  # fmt: skip
     refuse_own_save_pretrained(peft_model)
     return peft_model
 
@@ -98,7 +100,7 @@ def _unfuse_targeted_mlps(model, config):
 
     from tplayers.nn.mlp import ParallelMLP
 
-    records = getattr(model, EXPORTS)
+    records = state_of(model).exports
     for prefix, _, _, layout in list(records):
         try:
             mlp = model.get_submodule(prefix)
@@ -208,7 +210,7 @@ def _refuse_fused_targets(model, config):
     matches none now: tplayers fused it, and peft would silently skip it."""
     from peft.tuners.tuners_utils import check_target_module_exists
 
-    original = {k.rpartition(".")[0] for k in getattr(model, ORIGINAL_KEYS, [])}
+    original = {k.rpartition(".")[0] for k in state_of(model).original_keys}
     present = {name for name, _ in model.named_modules()}
     lost = sorted(n for n in original - present if check_target_module_exists(config, n))
     if lost:

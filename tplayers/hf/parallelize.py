@@ -37,15 +37,15 @@ from tplayers.hf import families, lora, vision
 from tplayers.hf import fused_loss as fused
 from tplayers.hf import verify as verification
 from tplayers.hf.context import apply_context, context_state
+from tplayers.hf.finish import finish
 from tplayers.hf.grid import parallelize_grid
 from tplayers.hf.norms import fuse_rms_norms
-from tplayers.hf.pipeline_split import SEQUENCE_PARALLEL
 from tplayers.hf.same_inputs import check_same_inputs
 from tplayers.hf.shard import ShardingPass, replace_hidden
-from tplayers.hf.state_dict import EXPORTS, ORIGINAL_KEYS, TIED, Records, refuse_own_save_pretrained
+from tplayers.hf.state_dict import Records, refuse_own_save_pretrained
 from tplayers.hf.summed_grads import rehook_summed, summed_grads
 from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear
-from tplayers.placement import placement_or_none, seal, set_placement
+from tplayers.placement import placement_or_none, set_placement
 
 
 def _check_sequence(hidden, n):
@@ -382,10 +382,6 @@ def _parallelize(
     if dist.get_world_size(group) > 1:  # a sum over a group of one is the gradient itself: nothing to re-hook
         model.register_load_state_dict_post_hook(rehook_summed)  # a tensor assigned in: its hook again
         model.register_forward_pre_hook(rehook_summed)  # and a deep copy's tensors, before they get a gradient
-    setattr(model, SEQUENCE_PARALLEL, group if sequence_parallel else None)  # for pipeline_split
-    setattr(model, EXPORTS, Records(parallelizer.exports))
-    setattr(model, ORIGINAL_KEYS, keys)
-    setattr(model, TIED, parallelizer.tied)
     lora.record_weight_maps(model, parallelizer.exports)  # what adapters added later follow
     parallelizer.release()  # the export records outlive the pass: they must not hold the model
     if fused_loss and not vocab_parallel_logits:  # the loss without logits, where the forward allows it
@@ -393,10 +389,9 @@ def _parallelize(
     if context is not None:  # the sequence split over the context group too, before the self-check
         tp = dist.get_world_size(group)
         apply_context(model, *context, multiple=tp if sequence_parallel else 1, tp=tp)
-    seal(model)
-    verification.after(probe, model, group=group, vocab_parallel=vocab_parallel_logits, expert_group=expert_group)
-    verification.name_failures(model)
-    check_same_inputs(model, group)  # armed after the self-check: the user's first forward is checked
+    finish(model, probe, group=group, exports=Records(parallelizer.exports), original_keys=keys, tied=parallelizer.tied,
+           sequence_group=group if sequence_parallel else None, vocab_parallel=vocab_parallel_logits,
+           expert_group=expert_group)  # fmt: skip
     if context is not None:
         check_same_inputs(model, context[0], "context-parallel")
         context_state(model).split_logits = context[2] == "split"  # after the self-check's whole ones

@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tplayers.distributed import CONTEXT_STATE, resolve_group
+from tplayers.distributed import resolve_group
 from tplayers.hf.context import (
     context_state,
     rows_loss_of_rank,
@@ -60,9 +60,9 @@ from tplayers.hf.state_dict import export_records
 from tplayers.nn.lm_head import ParallelLMHead
 from tplayers.pipeline import PipelineStage
 from tplayers.placement import refuse_overlap
+from tplayers.state import set_state, state_of
 
 DECODER_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
-SEQUENCE_PARALLEL = "_tplayers_sequence_parallel"  # the TP group, set by parallelize(sequence_parallel=True)
 
 
 @functools.cache
@@ -89,12 +89,12 @@ class DecoderStage(nn.Module):
         self.norm = decoder.norm if last else None
         self.lm_head = model.get_output_embeddings() if last else None
         self.rotary_emb = decoder.rotary_emb
-        self.sequence_group = getattr(model, SEQUENCE_PARALLEL, None)
+        self.sequence_group = state_of(model).sequence_group  # set by parallelize(sequence_parallel=True)
         # the model's training loss is fused (tplayers.hf.fused_loss): so is this stage's, given labels
         self.scores_labels = last and installed(model)
-        self.context = getattr(model, CONTEXT_STATE, None)
+        self.context = state_of(model).context
         if self.context is not None:  # data_parallel(stage.module) reduces over dp x cp, as for the model
-            setattr(self, CONTEXT_STATE, self.context)
+            set_state(self, context=self.context)
             self.sum_over_context = summed_over_context(self.context)
             self.pipeline_batch, self.check_inputs = None, first
         # The model's names for this stage's parts, and its export records for them: what a
@@ -267,7 +267,7 @@ def pipeline_split(model, *, group=None, virtual_stages: int = 1, layers_per_sta
     (ProcessGroup or 1-D DeviceMesh; None: every rank): `virtual_stages` per rank, looped (stage
     i on rank i % n), for the interleaved schedules. `layers_per_stage`: the decoder layers of
     each stage (default: as even as possible)."""
-    context = getattr(model, CONTEXT_STATE, None)
+    context = state_of(model).context
     pg = resolve_group(group)
     refuse_overlap(model.parameters(), pg, "pipeline_split", ("tp", "dp"),
                    "the stages are split over ranks that hold the same stage's shards or replicas (use "

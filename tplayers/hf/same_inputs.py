@@ -15,7 +15,8 @@ Ranks that differ raise on every rank, naming them, before the model's first col
 import torch
 import torch.distributed as dist
 
-_ARMED = "_tplayers_check_inputs"
+from tplayers.state import set_state, state_of
+
 CHECKED = ("input_ids", "inputs_embeds", "labels", "attention_mask", "position_ids")
 
 
@@ -46,21 +47,23 @@ class _Groups(list):
 def check_same_inputs(model, group=None, role="tensor-parallel") -> None:
     """Install (or re-arm) the check on `model` over `group` (the model's tensor-parallel group;
     a context-parallel group, `role`, is checked too: its ranks split one batch's sequence)."""
-    groups = model.__dict__.setdefault("_tplayers_same_inputs_groups", _Groups())
+    groups = state_of(model).same_inputs
+    if groups is None:
+        groups = set_state(model, same_inputs=_Groups()).same_inputs
     alone = group is not None and dist.get_world_size(group) == 1  # nothing to compare with
     if group is not None and not alone and all(g is not group for g, _ in groups):
         if not groups:  # first: before any hook that splits the inputs (context parallelism)
             model.register_forward_pre_hook(_hook, with_kwargs=True, prepend=True)
         groups.append((group, role))
-    setattr(model, _ARMED, True)
+    set_state(model, check_inputs=True)
 
 
 def _hook(model, args, kwargs):
-    if not getattr(model, _ARMED, False):
+    if not state_of(model).check_inputs:
         return
-    setattr(model, _ARMED, False)
+    set_state(model, check_inputs=False)
     inputs = _inputs(args, kwargs)
-    for group, role in model._tplayers_same_inputs_groups:
+    for group, role in state_of(model).same_inputs:
         compare_inputs(inputs, group, role)
 
 

@@ -1,21 +1,23 @@
 """The full, unsharded state dict (and gradients) of a parallelized model under its original
 names, and loading one back into the shards. `parallelize` leaves on the model, for each
-swapped module, how to export and load it (`EXPORTS`); nothing else is needed."""
+swapped module, how to export and load it (its State's `exports`: `tplayers.state`); nothing
+else is needed."""
 
 import copy
 import types
 import weakref
 
 from tplayers.placement import copy_into, full_tensor, shared, tensor_parallel_group
+from tplayers.state import state_of
 
-EXPORTS = "_tplayers_exports"  # [(prefix, export, load, pieces)] on the model (pieces: tplayers.hf.pieces),
-# or a function returning them as the model is now (a peft model: tplayers.hf.lora.live_records)
-ORIGINAL_KEYS = "_tplayers_original_keys"  # model.state_dict() keys before parallelize
-TIED = "_tplayers_tied"  # {LM head name: embedding name} where they share one Parameter
+# A parallelized model's State (tplayers.state) holds its export records, [(prefix, export, load,
+# pieces)] (pieces: tplayers.hf.pieces), or a function returning them as the model is now (a peft
+# model: tplayers.hf.lora.live_records); its state_dict() keys before parallelize; and {LM head
+# name: embedding name} where the two share one Parameter.
 
 
 class Records(list):
-    """A model's export records (`EXPORTS`): closures over its swapped modules. A deep copy of the
+    """A model's export records (its State's `exports`): closures over its swapped modules. A deep copy of the
     model gets records over its own modules (`_rebind`), never the original's (whose weights a
     copy's export would otherwise return, silently)."""
 
@@ -66,9 +68,9 @@ def _rebind(value, memo):
 
 
 def export_records(model) -> list:
-    """The model's export records (`EXPORTS`): [] for a model parallelize did not shard."""
-    records = getattr(model, EXPORTS, [])
-    return records() if callable(records) else records
+    """The model's export records (its State's `exports`): [] for a model parallelize did not shard."""
+    records = state_of(model).exports
+    return [] if records is None else records() if callable(records) else records
 
 
 def record_name(prefix: str, key: str) -> str:
@@ -122,7 +124,7 @@ def gather_state_dict(model, *, group=None) -> dict:
     for key, value in model.state_dict().items():
         if not under_records(key, sharded):
             full[key] = full_tensor(value)
-    order = getattr(model, ORIGINAL_KEYS, [])  # then what was added since (a peft adapter)
+    order = state_of(model).original_keys  # then what was added since (a peft adapter)
     return {key: full[key] for key in dict.fromkeys([*order, *full]) if key in full}
 
 
@@ -148,7 +150,7 @@ def load_full_state_dict(model, state_dict, *, group=None) -> None:
     supplied = set(state_dict)
     for prefix, _, load, _ in records:
         start = prefix + "."
-        tied_to = getattr(model, TIED, {}).get(prefix)
+        tied_to = (state_of(model).tied or {}).get(prefix)
         if tied_to and f"{start}weight" not in supplied and f"{tied_to}.weight" in supplied:
             continue  # HF checkpoints of tied models omit the head: it is the embedding's Parameter
         try:

@@ -42,6 +42,7 @@ from torch import nn
 from tplayers.checkpoint import load_checkpoint, save_checkpoint
 from tplayers.hf import gather_state_dict
 from tplayers.loops.replicas import Replicas, replicas_of
+from tplayers.state import set_state, state_of
 from tplayers.train import DynamicLossScaler, clip_grad_norm_
 from tplayers.train.step import gradient_syncing_modules
 
@@ -84,14 +85,12 @@ class ParallelAccelerator:
     """The methods an accelerator gets from `prepare` (module docstring); placed before its own
     class in the method order."""
 
-    _tplayers_replicas: Replicas
-
     def prepare_model(self, model: nn.Module, device_placement=None, evaluation_mode: bool = False):
         replicas = replicas_of(model, "accelerator.prepare")
-        if replicas != self._tplayers_replicas:
+        if replicas != state_of(self).replicas:
             raise ValueError(
                 "accelerator.prepare: this model's replicas differ from those the accelerator was prepared for "
-                f"({replicas} vs {self._tplayers_replicas}); one accelerator serves models of one layout"
+                f"({replicas} vs {state_of(self).replicas}); one accelerator serves models of one layout"
             )
         # evaluation_mode: autocast and torch.compile as configured, no DDP / FSDP wrapper
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
@@ -99,7 +98,7 @@ class ParallelAccelerator:
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
         if getattr(data_loader, "_is_accelerate_prepared", False):
             return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
-        replicas = self._tplayers_replicas
+        replicas = state_of(self).replicas
         prepared = prepare_data_loader(
             data_loader,
             self.device,
@@ -128,7 +127,7 @@ class ParallelAccelerator:
     def prepare_scheduler(self, scheduler):
         prepared = super().prepare_scheduler(scheduler)
         prepared.__class__ = ReplicaScheduler
-        prepared.replicas = self._tplayers_replicas.size
+        prepared.replicas = state_of(self).replicas.size
         return prepared
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
@@ -147,7 +146,7 @@ class ParallelAccelerator:
                 module.set_requires_gradient_sync(True)
 
     def gather_for_metrics(self, input_data, use_gather_object: bool = False):
-        group = self._tplayers_replicas.group
+        group = state_of(self).replicas.group
         try:
             recursively_apply(lambda x: x, input_data, error_on_other_type=True)
             tensors = True
@@ -220,7 +219,7 @@ def _parallel_class(cls: type) -> type:
 def adopt(accelerator: Accelerator, replicas: Replicas) -> Accelerator:
     """Make `accelerator` a ParallelAccelerator for models with `replicas` (in place)."""
     if isinstance(accelerator, ParallelAccelerator):
-        if accelerator._tplayers_replicas != replicas:
+        if state_of(accelerator).replicas != replicas:
             raise ValueError("this accelerator was prepared for a model of another layout")
         return accelerator
     engine = _REFUSED_ENGINES.get(accelerator.distributed_type)
@@ -247,7 +246,7 @@ def adopt(accelerator: Accelerator, replicas: Replicas) -> Accelerator:
         )
     accelerator.scaler = _scaler(accelerator.scaler)
     accelerator.__class__ = _parallel_class(type(accelerator))
-    accelerator._tplayers_replicas = replicas
+    set_state(accelerator, replicas=replicas)
     return accelerator
 
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch import nn
 
-from tplayers.distributed import CONTEXT_STATE
 from tplayers.placement import ranks_of, recorded_groups
+from tplayers.state import state_of
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def replicas_of(model: nn.Module, caller: str) -> Replicas:
             )
     sharing = len(ranks_of(tp[0])) if tp else 1
     group = dp[0] if dp else None
-    context = next((s for m in model.modules() if (s := getattr(m, CONTEXT_STATE, None)) is not None), None)
+    context = next((s for m in model.modules() if (s := state_of(m).context) is not None), None)
     if context is not None:  # the context-parallel ranks split one batch's sequence: they read the same rows
         sharing *= dist.get_world_size(context.group)
         group = context.replica_group  # the records' data-parallel group is dp x cp (data_parallel)

@@ -37,6 +37,7 @@ from tplayers.loops.accelerate import adopt
 from tplayers.loops.replicas import replicas_of
 from tplayers.loops.trl import unfuse_lm_head
 from tplayers.placement import spans_ranks
+from tplayers.state import set_state, state_of
 
 SHARDED = "tplayers"  # the sharded checkpoint's folder inside checkpoint-N
 
@@ -59,12 +60,11 @@ class ParallelTrainer:
                 f"{name}: peft_config would have peft wrap layers tplayers already sharded; add the adapters first "
                 "(peft.get_peft_model before parallelize, or tplayers.get_peft_model after) and pass the peft model"
             )
-        self._tplayers_replicas = replicas_of(model, name)  # refusals before anything is built
-        self._tplayers_checkpointing = False
+        set_state(self, replicas=replicas_of(model, name))  # refusals before anything is built
         super().__init__(model, *rest, **kwargs)
         if (
             getattr(self.args, "train_sampling_strategy", None) == "batch_rebalance"
-            and self._tplayers_replicas.sharing > 1
+            and state_of(self).replicas.sharing > 1
         ):
             raise ValueError(
                 f"{name}: train_sampling_strategy='batch_rebalance' assigns batches by process index, so the ranks of "
@@ -76,7 +76,7 @@ class ParallelTrainer:
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
-        adopt(self.accelerator, self._tplayers_replicas)
+        adopt(self.accelerator, state_of(self).replicas)
         # the Trainer bound gather_for_metrics before the accelerator's class changed
         self.gather_function = functools.partial(
             self.accelerator.gather_for_metrics, use_gather_object=self.args.eval_use_gather_object
@@ -91,13 +91,13 @@ class ParallelTrainer:
 
     def get_tp_size(self) -> int:
         """The ranks that read each batch (one replica's tensor-parallel group)."""
-        return self._tplayers_replicas.sharing
+        return state_of(self).replicas.sharing
 
     def _track_num_input_tokens(self, inputs):
         before = self.state.num_input_tokens_seen
         super()._track_num_input_tokens(inputs)  # summed over every rank: each replica's rows `sharing` times
         seen = self.state.num_input_tokens_seen - before
-        self.state.num_input_tokens_seen = before + seen // self._tplayers_replicas.sharing
+        self.state.num_input_tokens_seen = before + seen // state_of(self).replicas.sharing
 
     # ---- saving ----
 
@@ -105,17 +105,17 @@ class ParallelTrainer:
         return getattr(self.accelerator, "scaler", None)
 
     def _save_checkpoint(self, model, trial) -> None:
-        self._tplayers_checkpointing = True  # the Trainer's save_model call inside writes the sharded checkpoint
+        set_state(self, checkpointing=True)  # the Trainer's save_model call inside writes the sharded checkpoint
         try:
             super()._save_checkpoint(model, trial)
         finally:
-            self._tplayers_checkpointing = False
+            set_state(self, checkpointing=False)
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if state_dict is not None:
             raise ValueError(f"{type(self).__name__}._save: the weights come from the model's shards, not a state_dict")
-        if self._tplayers_checkpointing:
+        if state_of(self).checkpointing:
             everything = not self.args.save_only_model
             save_checkpoint(
                 Path(output_dir) / SHARDED,

@@ -12,7 +12,8 @@ from torch import nn
 
 from tplayers.distributed import resolve_group
 from tplayers.functional import comm
-from tplayers.placement import TIED_ACROSS_STAGES, get_placement, refuse_overlap, seal, update_placement
+from tplayers.placement import get_placement, refuse_overlap, seal, update_placement
+from tplayers.state import set_state
 
 
 def _counted_sends(get_ops, group):
@@ -74,7 +75,7 @@ class PipelineStage:
             if not counted_here:
                 update_placement(p, counted_by_another_stage=True)
         if self.tied:
-            setattr(module, TIED_ACROSS_STAGES, True)
+            set_state(module, tied_across_stages=True)  # data_parallel refuses ZeRO over it
         seal(module)
 
     def reset(self):

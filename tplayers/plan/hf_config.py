@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-
 _NON_GATED_TYPES = {"gpt2", "gpt_neox", "gptj", "opt", "bloom", "falcon", "phi", "starcoder2", "gpt_bigcode"}
 # keys a mixture-of-experts config counts its routed experts, and each token's picks, under
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")

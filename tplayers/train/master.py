@@ -36,9 +36,9 @@ from collections.abc import Iterator
 import torch
 
 from tplayers.placement import get_placement, set_placement
+from tplayers.state import set_state, state_of
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
-_HOOKED = "_tplayers_has_master"  # set on a model parameter whose gradients go to a master
 
 
 class MixedPrecisionOptimizer:
@@ -80,7 +80,7 @@ class MixedPrecisionOptimizer:
                 if p.dtype not in LOW_PRECISION or not p.requires_grad:
                     swapped.append(p)
                     continue
-                if getattr(p, _HOOKED, False):
+                if state_of(p).has_master:
                     raise RuntimeError(
                         "a parameter already has fp32 master weights from another MixedPrecisionOptimizer: "
                         "call remove_hooks() on that one first"
@@ -95,7 +95,7 @@ class MixedPrecisionOptimizer:
             for p, m in zip(self._model_params, self._masters, strict=True)
         ]
         for p in self._model_params:
-            setattr(p, _HOOKED, True)
+            set_state(p, has_master=True)
 
     def _make_master(self, param: torch.nn.Parameter) -> torch.nn.Parameter:
         master = torch.nn.Parameter(param.detach().float(), requires_grad=param.requires_grad)
@@ -113,10 +113,10 @@ class MixedPrecisionOptimizer:
         """Optimizer state created before wrapping follows its parameter to the master, in fp32."""
         by_id = {id(p): p for p in self._model_params}
         for key in [k for k in self.optimizer.state if id(k) in by_id]:
-            state = self.optimizer.state.pop(key)
+            moved = self.optimizer.state.pop(key)
             self.optimizer.state[master_of[id(key)]] = {
                 name: v.float() if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0 else v
-                for name, v in state.items()
+                for name, v in moved.items()
             }
 
     def _grad_mover(self, master: torch.nn.Parameter):
@@ -222,7 +222,7 @@ class MixedPrecisionOptimizer:
             handle.remove()
         self._hooks = []
         for p in self._model_params:
-            setattr(p, _HOOKED, False)
+            set_state(p, has_master=False)
 
     def __repr__(self) -> str:
         return f"MixedPrecisionOptimizer({len(self._masters)} fp32 masters, {self.optimizer!r})"
