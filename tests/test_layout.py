@@ -3,6 +3,7 @@
 and no module grows past the size where it should be split."""
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -251,3 +252,24 @@ def test_import_tplayers_does_not_import_triton():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]", out.stderr
+
+
+ATTRIBUTE_NAMES = re.compile(r"_tplayers_[a-z_]+")
+
+
+def attribute_names(sources) -> set[str]:
+    """The `_tplayers_*` names in `sources`: the attributes tplayers writes onto others' objects."""
+    return {name for source in sources for name in ATTRIBUTE_NAMES.findall(source)}
+
+
+def test_tplayers_keeps_its_state_under_two_attribute_names():
+    """One State per object (tplayers.state) and the placement records' per-module table."""
+    names = attribute_names(path.read_text() for _, path in modules())
+    assert names <= {"_tplayers_state", "_tplayers_records"}, names
+
+
+def test_negative_control_attribute_names_are_found():
+    assert attribute_names(['setattr(model, "_tplayers_exports", records)', "x._tplayers_state"]) == {
+        "_tplayers_exports",
+        "_tplayers_state",
+    }

@@ -7,7 +7,8 @@
 A `State` is frozen: `set_state` gives the object a new one, so two tensors that share one after a
 shallow copy of their `__dict__` (a meta parameter materialised, `load_state_dict(assign=True)`)
 never see each other's later changes. It lives in the object's `__dict__`, so `copy.deepcopy`,
-`.to()`, pickling (DCP) and peft's wrapping carry it as they carry any attribute. Its fields are
+`.to()`, pickling (DCP) and peft's wrapping carry it as they carry any attribute (torch's deep copy
+of a Parameter carries none: the placement records are kept by the modules too, below). Its fields are
 grouped by the kind of object that holds them (FSDP2 keeps one state per module alike,
 `fully_shard.state(module)`); a field the object's kind never sets stays at its default.
 

@@ -177,11 +177,11 @@ def _pieces(model, records, rename, held) -> dict[str, list[Piece]]:
     reshard(model)  # the pieces hold the parameters: their shards, not gathered tensors FSDP2 will free
     out: dict[str, list[Piece]] = {}
     covered = []
-    for prefix, _export, _load, pieces in records:
-        covered.append(prefix)
-        for piece in pieces():
+    for record in records:
+        covered.append(record.prefix)
+        for piece in record.pieces():
             if held is None or id(piece.param) in held:
-                out.setdefault(record_name(prefix, piece.key), []).append(piece)
+                out.setdefault(record_name(record.prefix, piece.key), []).append(piece)
     params = {id(p) for p in model.parameters()}
     owners = {name.rpartition(".")[0] for name, p in model.named_parameters() if held is None or id(p) in held}
     covered = frozenset(covered)

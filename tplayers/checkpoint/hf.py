@@ -275,10 +275,10 @@ def _full_tensors(model, names, tp_group):
     (the TP gathers are collectives over each record's group, in the same order on every rank)."""
     sharded = []
     reshard(model)
-    for prefix, export, _, _ in export_records(model):
-        sharded.append(prefix)
-        for key, tensor in export(lambda p: full_tensor(p.detach()), tp_group).items():
-            yield record_name(prefix, key), tensor
+    for record in export_records(model):
+        sharded.append(record.prefix)
+        for key, tensor in record.export(lambda p: full_tensor(p.detach()), tp_group).items():
+            yield record_name(record.prefix, key), tensor
     sharded = frozenset(sharded)
     for name, value in model.state_dict().items():
         if not under_records(name, sharded) and name in names:

@@ -35,6 +35,7 @@ from tplayers.hf.fused import (
     shared_rows_record,
 )
 from tplayers.hf.shard import ShardingPass, copy_in, on_device
+from tplayers.hf.state_dict import ExportRecord
 from tplayers.nn.linear import RowParallelLinear
 from tplayers.nn.norm import ComputedRowsRMSNorm, ParallelRMSNorm
 from tplayers.placement import even_sizes, set_placement, shard_range
@@ -254,7 +255,7 @@ def split_per_head(sp: ShardingPass, name, module, key, unit=1, sizes=None, dim=
     def layout():
         return [pieces.split("", getattr(module, key), dim, sp.group, total=total, unit=unit, sizes=sizes)]
 
-    sp.exports.append((f"{name}.{key}", export, load, layout))
+    sp.exports.append(ExportRecord(f"{name}.{key}", export, load, layout))
 
 
 NORMS_OVER_PROJECTION = {"q_norm": "q_proj", "k_norm": "k_proj"}
@@ -301,7 +302,7 @@ def _norm_over_projection(sp: ShardingPass, name, norm, projection):
         )
         dim = 0
     sp.swap(name, layer)
-    sp.record(name, layer, dim, False)
+    sp.record(name, layer, dim=dim)
 
 
 # RMSNorms over a row projection's whole input (BitNet's sub-norms): {norm: the projection after it}
@@ -321,7 +322,7 @@ def norm_before_row(sp: ShardingPass, name, norm, row):
     layer = ParallelRMSNorm.from_weight(norm.weight, eps, group=sp.group, split_unit=row.split_unit,
                                         split_sizes=row.split_sizes)  # fmt: skip
     sp.swap(name, layer)
-    sp.record(name, layer, 0, False)
+    sp.record(name, layer, dim=0)
 
 
 def _per_head_weights(sp: ShardingPass, name, attn, head_dim, projections):

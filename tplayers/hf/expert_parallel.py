@@ -26,6 +26,7 @@ from torch import nn
 
 from tplayers.hf import pieces
 from tplayers.hf.shard import ShardingPass, copy_in, gather, on_device
+from tplayers.hf.state_dict import ExportRecord
 from tplayers.nn.experts import ClampedGluExperts, ParallelExperts, PreScaledExperts, StackedExperts
 from tplayers.placement import shard_range
 
@@ -169,7 +170,7 @@ def _place(sp: ShardingPass, name, new):
                          local=torch.arange(size), glob=own),
         ]  # fmt: skip
 
-    sp.exports.append((name, export, load, layout))
+    sp.exports.append(ExportRecord(name, export, load, layout))
 
 
 def gpt_oss_experts(sp: ShardingPass, name, module):
@@ -194,7 +195,7 @@ def gpt_oss_experts(sp: ShardingPass, name, module):
         return [pieces.block(key, getattr(new, key), shape, (new.first_expert,) + (0,) * (len(shape) - 1))
                 for key, shape in shapes.items()]  # fmt: skip
 
-    sp.exports.append((name, export, load, layout))
+    sp.exports.append(ExportRecord(name, export, load, layout))
 
 
 def dbrx_experts(sp: ShardingPass, name, module):
@@ -229,4 +230,4 @@ def dbrx_experts(sp: ShardingPass, name, module):
     def layout():
         return [pieces.rows(f"mlp.{key}", getattr(new.mlp, key), rows(), total) for key in StackedExperts.WEIGHTS]
 
-    sp.exports.append((name, export, load, layout))
+    sp.exports.append(ExportRecord(name, export, load, layout))

@@ -27,6 +27,7 @@ from tplayers.functional.linear import column_parallel_linear
 from tplayers.functional.shared_rows import SharedRows, share_rows
 from tplayers.hf import pieces
 from tplayers.hf.shard import ShardingPass, as_linear, copy_in, gather, is_conv1d, on_device
+from tplayers.hf.state_dict import ExportRecord
 from tplayers.nn.linear import ColumnParallelLinear
 from tplayers.placement import PlacedModule, shard_range, update_placement
 
@@ -179,7 +180,7 @@ def row_map_record(name, layer, rows, total, transpose=False, unit=0):
     def layout():
         return [pieces.rows(key, getattr(layer, key), own, total, transpose and key == "weight", unit) for key in keys]
 
-    return name, export, load, layout
+    return ExportRecord(name, export, load, layout)
 
 
 class MultiQueryProjection(nn.Module):
@@ -272,7 +273,7 @@ def multi_query_column(
             out.append(pieces.rows(key, kv, held_rows, total, t, unit=head_dim))
         return out
 
-    sp.exports.append((name, export, load, layout))
+    sp.exports.append(ExportRecord(name, export, load, layout))
 
 
 class GatheredColumns(PlacedModule):
@@ -346,7 +347,7 @@ def split_and_gathered_column(sp: ShardingPass, name, linear, order, query_rows:
         parts = ((query, own_query), (shared, own_shared))
         return [pieces.rows(key, getattr(layer, key), own, total) for key in keys for layer, own in parts]
 
-    sp.exports.append((name, export, load, layout))
+    sp.exports.append(ExportRecord(name, export, load, layout))
 
 
 class SummedRowLinear(PlacedModule):

@@ -56,7 +56,7 @@ from tplayers.hf.finish import finish
 from tplayers.hf.mlp import is_silu
 from tplayers.hf.norms import fuse_rms_norms
 from tplayers.hf.shard import ShardingPass, copy_in, replace_hidden
-from tplayers.hf.state_dict import Records
+from tplayers.hf.state_dict import ExportRecord, Records
 from tplayers.nn.grid import GridLinear
 from tplayers.nn.grid_attention import grid_head_split
 from tplayers.nn.mlp import ParallelMLP, fuse_gate_up, unfuse_gate_up
@@ -159,7 +159,7 @@ class _GridPass:
         layer = GridLinear.from_linear(module, mesh=self.mesh, out_axis=out_axis, overlap=self.overlap, **units,
                                        **kwargs)  # fmt: skip
         self.swap(name, layer)
-        self.records.append((name, *_grid_export(layer), _grid_layout(layer)))
+        self.records.append(ExportRecord(name, *_grid_export(layer), _grid_layout(layer)))
 
     def attention(self, name, attn):
         config = self.model.config
@@ -211,7 +211,7 @@ class _GridPass:
 
         if any(p.bias is not None for p in parts):
             _refuse(name, "the 2-D layout's gated MLP has no biases")
-        self.records.append((name, export, load, _mlp_layout(layer)))
+        self.records.append(ExportRecord(name, export, load, _mlp_layout(layer)))
 
     def norm(self, name, norm):
         eps = rms_norm_eps(norm)
@@ -228,7 +228,9 @@ class _GridPass:
             copy_in(layer.weight, own_slice(full["weight"], 0, group, layer.split_unit, layer.split_sizes))
 
         self.records.append(
-            (name, export, load, lambda: [pieces.split("weight", layer.weight, 0, group, total=layer.hidden_size)])
+            ExportRecord(
+                name, export, load, lambda: [pieces.split("weight", layer.weight, 0, group, total=layer.hidden_size)]
+            )
         )
 
 
@@ -271,7 +273,7 @@ def parallelize_grid(model, mesh, *, sequence_parallel=False, plan=None, vocab_p
     keys = list(model.state_dict().keys())
     grid = _GridPass(model, mesh, overlap, sequence_parallel)
     # the edges as a 1-D pass over the flattened grid shards them: vocabulary-parallel
-    edges = ShardingPass(model, whole, False, None, vocab_parallel_logits, overlap)
+    edges = ShardingPass(model, whole, vocab_parallel_logits=vocab_parallel_logits, overlap=overlap)
     edges.embedding_adapters = families.EMBEDDINGS
     edges.embeddings()
     blocks_name, blocks = _blocks(model)

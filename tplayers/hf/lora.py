@@ -55,7 +55,7 @@ from tplayers.hf.finish import finish
 from tplayers.hf.fused import MultiQueryProjection, SharedKVProjection
 from tplayers.hf.lora_checks import _refuse, check_config, keep_whole
 from tplayers.hf.shard import copy_in, on_device
-from tplayers.hf.state_dict import LiveRecords
+from tplayers.hf.state_dict import ExportRecord, LiveRecords
 from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear
 from tplayers.placement import placement_or_none, seal
 from tplayers.state import set_state, state_of
@@ -279,13 +279,13 @@ def record_weight_maps(model, records):
     """After the sharding pass: on each swapped layer (and the layers inside it: a multi-query
     projection's), the HF rows / columns its weight holds, from its record's pieces of the HF
     `weight`, which its adapters' factors follow."""
-    for prefix, _, _, layout in records:
+    for record in records:
         try:
-            module = model.get_submodule(prefix)
+            module = model.get_submodule(record.prefix)
         except AttributeError:
             continue
         layers = {id(m.weight): m for m in module.modules() if isinstance(getattr(m, "weight", None), torch.Tensor)}
-        for piece in layout():
+        for piece in record.pieces():
             if piece.key == "weight" and piece.dim is not None and id(piece.param) in layers:
                 set_state(layers[id(piece.param)], weight_map=(piece.dim, piece.glob))
 
@@ -338,7 +338,7 @@ def _factor_record(prefix, parts, total, group):
             for key in keys for m, dim, index, _ in parts
         ]  # fmt: skip
 
-    return prefix, export, load, layout
+    return ExportRecord(prefix, export, load, layout)
 
 
 def adapter_records(name, layer) -> list:
@@ -372,11 +372,11 @@ def live_records(root, hf_prefix: str, hf_records: list):
         wrapped = {n: m for n, m in root.named_modules()
                    if isinstance(m, lora_class()) or isinstance(m, lora_experts.wrapper_class())}  # fmt: skip
         out = []
-        for prefix, *rest in hf_records:
-            full = hf_prefix + prefix
+        for record in hf_records:
+            full = hf_prefix + record.prefix
             while full in wrapped:  # under each wrapper around it (one per adapted parameter of experts)
                 full += ".base_layer"
-            out.append((full, *rest))
+            out.append(record._replace(prefix=full))
         for name, layer in wrapped.items():
             records_of = lora_experts.adapter_records if lora_experts.is_param_wrapper(layer) else adapter_records
             out += records_of(name, layer)
@@ -444,9 +444,9 @@ def parallelize_peft(model, layers: dict, shard, *, group, verify, **kwargs):
     relative = {name[len(hf_prefix) :]: name for name in layers}
     shard(hf, keep=frozenset(relative), verify=False, group=group, **kwargs)
     records = state_of(hf).exports
-    for prefix, _, _, layout in records:  # the base stays as frozen as peft left it
-        for piece in layout():
-            if f"{prefix}.{piece.key}" in frozen:
+    for record in records:  # the base stays as frozen as peft left it
+        for piece in record.pieces():
+            if f"{record.prefix}.{piece.key}" in frozen:
                 piece.param.requires_grad_(False)
     record_weight_maps(hf, records)
     cls = lora_class()

@@ -33,6 +33,7 @@ from torch.distributed.tensor import Shard
 from tplayers.hf import pieces
 from tplayers.hf.lora_checks import EXPERT_LORA, _refuse, check_config, keep_whole
 from tplayers.hf.shard import copy_in, gather
+from tplayers.hf.state_dict import ExportRecord
 from tplayers.nn.experts import ParallelExperts
 from tplayers.placement import seal, set_placement, shard_range, update_placement
 
@@ -214,4 +215,4 @@ def _record(prefix, layer, adapter, factor):
             return [pieces.cross("weight", w, shape, (0, torch.arange(g.features.numel()), g.features), columns)]
         return [pieces.block("weight", w, shape, (0, 0), *columns)]
 
-    return prefix, export, load, layout
+    return ExportRecord(prefix, export, load, layout)

@@ -101,7 +101,8 @@ def _unfuse_targeted_mlps(model, config):
     from tplayers.nn.mlp import ParallelMLP
 
     records = state_of(model).exports
-    for prefix, _, _, layout in list(records):
+    for record in list(records):
+        prefix, layout = record.prefix, record.pieces
         try:
             mlp = model.get_submodule(prefix)
         except AttributeError:
@@ -113,7 +114,7 @@ def _unfuse_targeted_mlps(model, config):
             continue
         new, new_records = _gated_mlp(prefix, mlp, layout(), keys)
         _set_child(model, prefix, new)
-        at = next(i for i, r in enumerate(records) if r[0] == prefix)
+        at = next(i for i, r in enumerate(records) if r.prefix == prefix)
         records[at : at + 1] = new_records
         record_weight_maps(model, new_records)
 

@@ -48,6 +48,7 @@ from tplayers.hf import pieces
 from tplayers.hf.attention import head_split, localize_attributes, rms_norm_eps, split_per_head
 from tplayers.hf.fused import SummedRowLinear, fused_column, multi_query_column, part_rows, split_and_gathered_column
 from tplayers.hf.shard import ShardingPass, copy_in, gather, has_linears, on_device
+from tplayers.hf.state_dict import ExportRecord
 from tplayers.nn.conv import ChannelParallelConv1d
 from tplayers.nn.norm import ParallelGatedRMSNorm, ParallelRMSNorm, gated_rms_norm
 from tplayers.placement import even_sizes, shard_range
@@ -135,7 +136,7 @@ def _conv(sp: ShardingPass, name, conv, channels: list[torch.Tensor], whole: tor
                 out.append(pieces.rows(key, getattr(layer, f"whole_{key}"), own_whole, total, unit=own_whole.numel()))
         return out
 
-    sp.exports.append((name, export, load, layout))
+    sp.exports.append(ExportRecord(name, export, load, layout))
 
 
 def _ranges(sp: ShardingPass, heads, split):
@@ -278,7 +279,7 @@ def _split_buffer(sp: ShardingPass, name, module, key, dim, sizes):
     def layout():
         return [pieces.split("", getattr(module, key), dim, sp.group, total=full.shape[dim], sizes=sizes)]
 
-    sp.exports.append((f"{name}.{key}", export, load, layout))
+    sp.exports.append(ExportRecord(f"{name}.{key}", export, load, layout))
 
 
 def lightning_attention(sp: ShardingPass, name, m):
@@ -297,7 +298,7 @@ def lightning_attention(sp: ShardingPass, name, m):
         _split_buffer(sp, name, m, key, dim, split)
     norm = ParallelRMSNorm.from_weight(m.norm.weight, eps, group=sp.group, split_unit=hd, split_sizes=split)
     sp.swap(f"{name}.norm", on_device(norm, m.norm.weight.device))
-    sp.record(f"{name}.norm", norm, 0, False)
+    sp.record(f"{name}.norm", norm, dim=0)
     sp.row(f"{name}.out_proj", m.out_proj, split_unit=hd, split_sizes=split)
     localize_attributes(name, m, dict(num_attention_heads=split[dist.get_rank(sp.group)]))
     sp.shared_input.append(m)
@@ -358,7 +359,7 @@ def mamba1_mixer(sp: ShardingPass, name, m):
     _conv(sp, f"{name}.conv1d", m.conv1d, [torch.arange(s, s + c) for s, c in ranges], torch.zeros(0, dtype=torch.long))
     x_proj = on_device(SummedRowLinear(m.x_proj, group=sp.group, split_sizes=split), m.x_proj.weight.device)
     sp.swap(f"{name}.x_proj", x_proj)
-    sp.record(f"{name}.x_proj", x_proj, 1, False)
+    sp.record(f"{name}.x_proj", x_proj, dim=1)
     for key in ("weight", "bias"):  # read by the forward itself (dt_proj.weight @ dt): local rows
         if getattr(m.dt_proj, key, None) is not None:
             split_per_head(sp, f"{name}.dt_proj", m.dt_proj, key, 1, split)
@@ -534,4 +535,4 @@ def _mamba2_norm(sp: ShardingPass, name, norm, group_size, hd, split, local_grou
     layer.weight.requires_grad_(norm.weight.requires_grad)
     layer.hidden_size, layer.split_unit, layer.split_sizes = norm.weight.shape[0], hd, split  # for its record
     sp.swap(name, layer)
-    sp.record(name, layer, 0, False)
+    sp.record(name, layer, dim=0)

@@ -21,6 +21,7 @@ from tplayers.hf import pieces
 from tplayers.hf.attention import NORMS_BEFORE_PROJECTION, forward_source, norm_before_row
 from tplayers.hf.fused import fused_column, part_rows
 from tplayers.hf.shard import ShardingPass, as_linear, copy_in, gather, has_linears, on_device
+from tplayers.hf.state_dict import ExportRecord
 from tplayers.nn.mlp import ParallelMLP, fuse_gate_up, unfuse_gate_up
 from tplayers.placement import shard_sizes
 
@@ -117,7 +118,7 @@ def fused_gate_up(sp: ShardingPass, name, mlp):
         down = pieces.split("down_proj.weight", layer.out_proj.weight, 1, sp.group, total=layer.ffn_hidden_size)
         return [*halves, down]
 
-    sp.exports.append((name, export, load, layout))
+    sp.exports.append(ExportRecord(name, export, load, layout))
 
 
 # A reduction over the intermediate features: with each rank holding a slice, it would see only its own.
@@ -239,7 +240,7 @@ def gated_mlp(sp: ShardingPass, name, mlp):
             )
         return out
 
-    sp.exports.append((name, export, load, layout))
+    sp.exports.append(ExportRecord(name, export, load, layout))
 
 
 class GaussianTopKMLP(nn.Module):

@@ -52,6 +52,7 @@ from tplayers.functional.collectives import (
 )
 from tplayers.hf import expert_parallel, pieces
 from tplayers.hf.shard import ShardingPass, copy_in, gather
+from tplayers.hf.state_dict import ExportRecord
 from tplayers.nn.experts import aligned_unit
 from tplayers.placement import even_sizes, set_placement, shard_range
 
@@ -251,7 +252,7 @@ def experts(sp: ShardingPass, name, module):
             out += [*gate_up_pieces("gate_up_proj_bias", 1), down_bias]
         return out
 
-    sp.exports.append((name, export, load, layout))
+    sp.exports.append(ExportRecord(name, export, load, layout))
     sp.done.add(name)
 
 
@@ -334,5 +335,5 @@ def dbrx_experts(sp: ShardingPass, name, module):
     def layout():
         return [pieces.rows(f"mlp.{key}", getattr(glu, key), own_rows, n_experts * f) for key in ("w1", "v1", "w2")]
 
-    sp.exports.append((name, export, load, layout))
+    sp.exports.append(ExportRecord(name, export, load, layout))
     sp.done.add(name)

@@ -353,8 +353,8 @@ def _parallelize(
     probe = verification.before(model, verify, dist.get_world_size(group), vocab_parallel=vocab_parallel_logits)
     keys = list(model.state_dict().keys())
     parallelizer = ShardingPass(
-        model, group, sequence_parallel, plan, vocab_parallel_logits, overlap, keep, expert_group,
-        towers=towers,
+        model, group, sequence_parallel=sequence_parallel, plan=plan, vocab_parallel_logits=vocab_parallel_logits,
+        overlap=overlap, keep=keep, expert_group=expert_group, towers=towers,
     )  # fmt: skip
     parallelizer.run(families.ADAPTERS, families.EMBEDDINGS, families.LINEAR_EQUIVALENTS)  # read per call: patchable
     fuse_rms_norms(model)  # the norms left whole, LlamaRMSNorm's math exactly: the fused kernels

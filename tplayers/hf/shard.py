@@ -15,6 +15,7 @@ from torch import nn
 
 from tplayers.functional.collectives import all_gather_any, own_slice
 from tplayers.hf import pieces
+from tplayers.hf.state_dict import ExportRecord
 from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear, _ParallelLinear, refuse_own_forward
 from tplayers.nn.lm_head import ParallelLMHead
 from tplayers.placement import SharesGroups, copy_into
@@ -149,8 +150,8 @@ class ShardingPass(SharesGroups):
     shared by several column layers, weights whose gradient each rank holds only part of) is here."""
 
     def __init__(
-        self, model, group, sequence_parallel, plan, vocab_parallel_logits, overlap="auto", keep=frozenset(),
-        expert_group=None, towers=(),
+        self, model, group, *, sequence_parallel=False, plan=None, vocab_parallel_logits=False, overlap="auto",
+        keep=frozenset(), expert_group=None, towers=(),
     ):  # fmt: skip
         self.model, self.group, self.sp, self.overlap = model, group, sequence_parallel, overlap
         self.sequence_parallel = sequence_parallel  # the user's; `sp` is off inside towers (see run)
@@ -161,7 +162,7 @@ class ShardingPass(SharesGroups):
         self.plan = dict(plan or {})
         self.vocab_parallel_logits = vocab_parallel_logits
         # (prefix, export, load, pieces): see tplayers.hf.state_dict.EXPORTS
-        self.exports: list[tuple[str, Export, Load, Callable]] = []
+        self.exports: list[ExportRecord] = []
         # Modules whose column projections share one input: it is prepared once for all of them (summed
         # gradient, or gathered along the sequence under SP) instead of once per projection.
         self.shared_input: list[nn.Module] = []
@@ -239,7 +240,7 @@ class ShardingPass(SharesGroups):
         layer = layer_class.from_linear(as_linear(module, name), group=self.group, sequence_parallel=sp, **kwargs)
         layer = on_device(layer, module.weight.device)
         self.swap(name, layer)
-        self.record(name, layer, 0, is_conv1d(module))
+        self.record(name, layer, dim=0, transpose=is_conv1d(module))
         return layer
 
     def shared_input_column(self, name, module, **kwargs):
@@ -253,12 +254,14 @@ class ShardingPass(SharesGroups):
         )
         layer = on_device(layer, module.weight.device)
         self.swap(name, layer)
-        self.record(name, layer, 1, is_conv1d(module))
+        self.record(name, layer, dim=1, transpose=is_conv1d(module))
         return layer
 
-    def record(self, name, layer, dim, transpose):
+    def record(self, name, layer, *, dim, transpose=False):
+        """The export record of a column (`dim` 0) / row (1) layer swapped in for the HF linear
+        `name` (`transpose`: a GPT-2 Conv1D, its weight stored (in, out))."""
         self.exports.append(
-            (
+            ExportRecord(
                 name,
                 linear_export(layer, dim, transpose),
                 linear_load(layer, dim, transpose, self.group),
@@ -283,7 +286,7 @@ class ShardingPass(SharesGroups):
         self.swap(name, new)
         whole = {f"{c}.{k}": p for c, m in new.named_children() for k, p in m.named_parameters()}
         if not whole:
-            self.record(name, new, 0, False)
+            self.record(name, new, dim=0)
             return new
         # the model's own modules after the lookup (a norm), whole on every rank, exported with it
         self.whole.update(f"{name}.{child}" for child, _ in new.named_children())
@@ -300,7 +303,7 @@ class ShardingPass(SharesGroups):
         def layout():
             return [*pieces.linear(new, 0, False, self.group), *(pieces.whole(k, p) for k, p in whole.items())]
 
-        self.exports.append((name, export_all, load_all, layout))
+        self.exports.append(ExportRecord(name, export_all, load_all, layout))
         return new
 
     def embeddings(self):

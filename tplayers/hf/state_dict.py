@@ -6,14 +6,25 @@ else is needed."""
 import copy
 import types
 import weakref
+from collections.abc import Callable
+from typing import NamedTuple
 
 from tplayers.placement import copy_into, full_tensor, shared, tensor_parallel_group
 from tplayers.state import state_of
 
-# A parallelized model's State (tplayers.state) holds its export records, [(prefix, export, load,
-# pieces)] (pieces: tplayers.hf.pieces), or a function returning them as the model is now (a peft
-# model: tplayers.hf.lora.live_records); its state_dict() keys before parallelize; and {LM head
-# name: embedding name} where the two share one Parameter.
+# A parallelized model's State (tplayers.state) holds its export records (a list of ExportRecord,
+# or a function returning them as the model is now: a peft model's, tplayers.hf.lora.live_records);
+# its state_dict() keys before parallelize; and {LM head name: embedding name} where the two share
+# one Parameter.
+
+
+class ExportRecord(NamedTuple):
+    """How one swapped module is exported and loaded under the HF module's names."""
+
+    prefix: str  # the HF module's name
+    export: Callable  # export(pick, group) -> {HF key: full tensor} (`pick`: what to gather of each tensor)
+    load: Callable  # load({HF key: full tensor}): this rank's shards copied in
+    pieces: Callable  # pieces() -> [tplayers.hf.pieces.Piece]: where this rank's tensors sit in the HF ones
 
 
 class Records(list):
@@ -61,6 +72,8 @@ def _rebind(value, memo):
         memo[id(value)] = new  # before its items: a record's closure may reach this list again
         new.extend(_rebind(v, memo) for v in value)
         return new
+    if isinstance(value, ExportRecord):
+        return ExportRecord._make(_rebind(v, memo) for v in value)
     if type(value) is tuple:
         return tuple(_rebind(v, memo) for v in value)
     shared(value, memo)
@@ -104,14 +117,14 @@ def _gathered(model, group, pick):
     """{original name: full tensor} for every sharded module; a collective on every rank."""
     reshard(model)
     full = {}
-    for prefix, export, *_ in export_records(model):
-        for key, tensor in export(pick, group).items():
-            full[record_name(prefix, key)] = tensor
+    for record in export_records(model):
+        for key, tensor in record.export(pick, group).items():
+            full[record_name(record.prefix, key)] = tensor
     return full
 
 
 def _sharded_prefixes(model) -> frozenset[str]:
-    return frozenset(record[0] for record in export_records(model))
+    return frozenset(record.prefix for record in export_records(model))
 
 
 def gather_state_dict(model, *, group=None) -> dict:
@@ -148,14 +161,14 @@ def load_full_state_dict(model, state_dict, *, group=None) -> None:
     records = export_records(model)
     state_dict = dict(state_dict)
     supplied = set(state_dict)
-    for prefix, _, load, _ in records:
-        start = prefix + "."
+    for record in records:
+        prefix, start = record.prefix, record.prefix + "."
         tied_to = (state_of(model).tied or {}).get(prefix)
         if tied_to and f"{start}weight" not in supplied and f"{tied_to}.weight" in supplied:
             continue  # HF checkpoints of tied models omit the head: it is the embedding's Parameter
         try:
             mine = [k for k in list(state_dict) if k == prefix or k.startswith(start)]
-            load({k[len(start) :] if k != prefix else "": state_dict.pop(k) for k in mine})
+            record.load({k[len(start) :] if k != prefix else "": state_dict.pop(k) for k in mine})
         except KeyError as e:
             raise ValueError(f"load_full_state_dict: missing key {start}{e.args[0]}") from None
     sharded = _sharded_prefixes(model)
