@@ -256,6 +256,47 @@ def test_every_image_text_to_text_type_is_exact_or_refused(pool, tp):
             assert "parallelize" in detail, detail
 
 
+# -- driven the way users drive models: .to(), dtype round trips, assign loads, deep copies --------
+def _assign(model):
+    model.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()}, assign=True)
+
+
+OPERATIONS = {
+    "to": lambda model: model.to("cpu"),  # HF Trainer's constructor
+    "dtype-round-trip": lambda model: model.double().float(),
+    "assign-load": lambda model: _assign(model) or model,
+    "deepcopy": copy.deepcopy,
+}
+
+
+def after_operations(rank, tp, group, model_type, sequence_parallel):
+    """After each operation, one training step with images: the loss and every gradient, the
+    tower's included, equal the unsharded model's."""
+    reference = tiny_vlm(model_type, tp).train()
+    ids, images = image_batch(reference, tp)
+    want = reference(ids, labels=ids, **images).loss
+    want.backward()
+    expected = {n: p.grad for n, p in reference.named_parameters(remove_duplicate=False) if p.grad is not None}
+    parallel = tiny_vlm(model_type, tp)
+    tplayers.parallelize(parallel, group=group, sequence_parallel=sequence_parallel)
+    for operation, apply in OPERATIONS.items():
+        model = apply(parallel).train()
+        model.zero_grad(set_to_none=True)
+        got = model(ids, labels=ids, **images).loss
+        got.backward()
+        assert_close(got, want, msg=lambda m, o=operation: f"{o}: loss: {m}")
+        grads = gather_grads(model)
+        assert sorted(grads) == sorted(expected), operation
+        for name, grad in expected.items():
+            assert_close(grads[name], grad, msg=lambda m, o=operation, n=name: f"{o}: {n}: {m}")
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+@pytest.mark.parametrize("model_type", ["llava", "qwen2_5_vl"])
+def test_vision_language_model_stays_exact_through_to_assign_and_deepcopy(pool, model_type, sequence_parallel):
+    pool.run(after_operations, 2, model_type, sequence_parallel)
+
+
 # -- checkpoints under HF's names -------------------------------------------------------------
 def from_hf_directory(rank, tp, group, model_type, source, target):
     """Build on meta, shard, read this rank's slices of the HF directory; logits with images; the
