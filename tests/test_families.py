@@ -39,12 +39,19 @@ EXACT = ["llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "gemma", 
 MLA = dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
            v_head_dim=6, head_dim=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
            n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1)  # fmt: skip
+LAGUNA = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
 # Variants: (model type, config overrides) for a family's other layouts.
 VARIANTS = {
     "gpt_bigcode-mha": ("gpt_bigcode", dict(multi_query=False)),  # per-head [q, k, v] c_attn
     "falcon-new": ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2)),  # key/value groups
     "falcon-alibi": ("falcon", dict(alibi=True)),  # multi-query with ALiBi
-    "laguna-elementwise": ("laguna", dict(gating=False)),  # one gate per head element, not per head
+    # MoE defaults of 60-256 experts of 512-1408 (9-17M parameters; up to 4 GB a rank at ZeRO-3 with
+    # their transient copies, which glibc keeps as RSS in the pool's workers: 4 ranks were killed for
+    # memory once): 8 experts of 16
+    "qwen2_moe": ("qwen2_moe", dict(num_experts=8, moe_intermediate_size=16, shared_expert_intermediate_size=32)),
+    "afmoe": ("afmoe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16)),
+    "laguna": ("laguna", LAGUNA),
+    "laguna-elementwise": ("laguna", dict(LAGUNA, gating=False)),  # one gate per head element, not per head
     # CodeGen's qkv_proj holds 4 blocks of heads: 16 heads go over 4 ranks
     "codegen": ("codegen", dict(num_attention_heads=16, hidden_size=64, rotary_dim=4, head_dim=4)),
     "deepseek_v3": ("deepseek_v3", MLA),  # MLA with a query latent, interleaved rope, a shared expert, top-k groups
