@@ -281,6 +281,7 @@ def after_operations(rank, tp, group, model_type, sequence_parallel):
     tplayers.parallelize(parallel, group=group, sequence_parallel=sequence_parallel)
     for operation, apply in OPERATIONS.items():
         model = apply(parallel).train()
+        parallel.zero_grad(set_to_none=True)  # a copy's records must read the copy's gradients, not these
         model.zero_grad(set_to_none=True)
         got = model(ids, labels=ids, **images).loss
         got.backward()

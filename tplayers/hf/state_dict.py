@@ -26,6 +26,11 @@ class ExportRecord(NamedTuple):
     load: Callable  # load({HF key: full tensor}): this rank's shards copied in
     pieces: Callable  # pieces() -> [tplayers.hf.pieces.Piece]: where this rank's tensors sit in the HF ones
 
+    def __deepcopy__(self, memo):
+        # wherever a deep copy of the model reaches a record (its Records, or a closure holding the
+        # pass that made it), its closures are rebuilt over the copy's modules, never left on the original's
+        return _rebind(self, memo)
+
 
 class Records(list):
     """A model's export records (its State's `exports`): closures over its swapped modules. A deep copy of the
@@ -73,7 +78,8 @@ def _rebind(value, memo):
         new.extend(_rebind(v, memo) for v in value)
         return new
     if isinstance(value, ExportRecord):
-        return ExportRecord._make(_rebind(v, memo) for v in value)
+        new = memo[id(value)] = ExportRecord._make(_rebind(v, memo) for v in value)
+        return new
     if type(value) is tuple:
         return tuple(_rebind(v, memo) for v in value)
     shared(value, memo)
