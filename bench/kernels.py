@@ -32,7 +32,8 @@ TPLAYERS_TEST_DEVICE=cuda: every kernel against its reference over the tests' hy
 dtypes and layouts, compiled instead of interpreted; `--no-tests` skips them) and writes their
 summary to <out>/kernel_tests.txt.
 
-    python bench/kernels.py [--quick] [--no-tests] [--out bench/out/kernels]   (or: tplayers bench --kernels)
+    python bench/kernels.py [--quick] [--no-tests] [--only matmul flash_attention ...] [--out bench/out/kernels]
+    (or: tplayers bench --kernels)
 
 Each row also says which path backend="auto" takes there (tplayers.backend: measured on
 first use, the kernel only where faster than torch's op) and that path's time over torch's.
@@ -154,6 +155,7 @@ NO_GPU = (
     "Triton's interpreter instead; its times are numpy's, not Triton's, and say nothing about a GPU"
 )
 LOSS_SCALE = 2.0**16
+KERNELS = ("matmul", "swiglu", "grad_stats", "vocab_ce", "grouped_matmul", "flash_attention")  # cases() order
 FIELDS = (
     "kernel", "op", "provider", "dtype", "shape", "time_ms", "tflops", "gbps", "ratio_to_torch", "max_abs_err",
     "err_over_tol", "ok", "auto_path", "auto_ratio_to_torch", "device", "torch", "triton",
@@ -642,6 +644,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small shapes, short timing (smoke test)")
     p.add_argument("--no-tests", action="store_true", help="on a GPU: skip running the kernel tests there first")
+    p.add_argument("--only", nargs="+", choices=KERNELS, default=KERNELS, help="these kernels' cases only")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out" / "kernels")
     return p.parse_args(argv)
 
@@ -697,7 +700,8 @@ def main(argv=None) -> int:
         tests_failed = 0  # the suite runs them in the interpreter itself
     print("Triton kernels against torch's ops, " + ", ".join(f"{k}={v}" for k, v in info.items()))
     print(HEADER, flush=True)  # the rows follow as the cases run (the first GEMMs autotune and compile)
-    rows = run(cases(shapes), triton_kernels(), device, timer, log=lambda tri, ref: print(_line(tri, ref), flush=True))
+    chosen = [case for case in cases(shapes) if case.kernel in args.only]
+    rows = run(chosen, triton_kernels(), device, timer, log=lambda tri, ref: print(_line(tri, ref), flush=True))
     print(FOOTNOTE)
     for row in rows:
         row.update(info)

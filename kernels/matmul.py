@@ -186,6 +186,21 @@ def _operand_tile(desc, batch, row0, k0, K_MAJOR: tl.constexpr, BLOCK_R: tl.cons
 
 
 @triton.jit
+def _tma_k_loop(acc, a_desc, b_desc, batch, m0, n0, k_tiles, A_K_MAJOR: tl.constexpr, B_K_MAJOR: tl.constexpr,
+                A_SHARED: tl.constexpr, B_SHARED: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """acc + A_batch[m0 tile] @ B_batch[n0 tile]^T over K; out-of-range rows / columns / K read as zeros (TMA)."""
+    for kk in range(0, k_tiles):
+        a = _operand_tile(a_desc, 0 if A_SHARED else batch, m0, kk * BLOCK_K, A_K_MAJOR, BLOCK_M, BLOCK_K)
+        b = _operand_tile(b_desc, 0 if B_SHARED else batch, n0, kk * BLOCK_K, B_K_MAJOR, BLOCK_N, BLOCK_K)
+        if UPCAST:  # the interpreter multiplies bf16 bit patterns in tl.dot
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b.T, acc, input_precision=INPUT_PRECISION)
+    return acc
+
+
+@triton.jit
 def _matmul_tma_kernel(
     a_ptr, b_ptr, c_ptr, bias_ptr, res_ptr, h_ptr,
     M, N, K, BATCH, scale,
@@ -234,16 +249,16 @@ def _matmul_tma_kernel(
         pid_n = (t % num_pid_in_group) // group_size_m
         m0, n0 = pid_m * BLOCK_M, pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        # A batch is either its own tiles, or (reduce_batch) summed into every tile.
-        batch_end = BATCH if REDUCE_BATCH else pid_batch + 1
-        for batch in range(pid_batch, batch_end):
-            for kk in range(0, k_tiles):  # out-of-range rows / columns / K read as zeros (TMA)
-                a = _operand_tile(a_desc, 0 if A_SHARED else batch, m0, kk * BLOCK_K, A_K_MAJOR, BLOCK_M, BLOCK_K)
-                b = _operand_tile(b_desc, 0 if B_SHARED else batch, n0, kk * BLOCK_K, B_K_MAJOR, BLOCK_N, BLOCK_K)
-                if UPCAST:  # the interpreter multiplies bf16 bit patterns in tl.dot
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                acc = tl.dot(a, b.T, acc, input_precision=INPUT_PRECISION)
+        # A batch is either its own tiles, or (reduce_batch) summed into every tile. Without
+        # reduce_batch the nest is two loops deep (tiles, K), which Triton flattens and pipelines
+        # across tiles: the next tile's loads overlap this one's epilogue.
+        if REDUCE_BATCH:
+            for batch in range(0, BATCH):
+                acc = _tma_k_loop(acc, a_desc, b_desc, batch, m0, n0, k_tiles, A_K_MAJOR, B_K_MAJOR, A_SHARED,
+                                  B_SHARED, UPCAST, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+        else:
+            acc = _tma_k_loop(acc, a_desc, b_desc, pid_batch, m0, n0, k_tiles, A_K_MAJOR, B_K_MAJOR, A_SHARED,
+                              B_SHARED, UPCAST, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
         offs_m = m0 + tl.arange(0, BLOCK_M)
         offs_n = n0 + tl.arange(0, BLOCK_N)
         offs_bn = offs_n % N
