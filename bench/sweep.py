@@ -107,43 +107,52 @@ def _timed(fn):
 
 def flash_sweep(dtype=torch.bfloat16):
     """Rows of every forward and backward config at FLASH_SHAPES (causal)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    return [row for shape in FLASH_SHAPES for row in _flash_shape(*shape, dtype, gen)]
+
+
+def _flash_shape(B, H, KH, S, D, dtype, gen):
     from tplayers.kernels import flash_attention as fa
 
     shipped = fa._gpu_config
+    q, k, v = _qkv(B, H, KH, S, D, dtype, gen)
+    do = torch.randn_like(q)
+    pos = torch.arange(S, dtype=torch.int32, device="cuda").expand(B, S).contiguous()
+    doc = torch.zeros(B, S, dtype=torch.int32, device="cuda")
+    causal = 2.0 * B * H * S * S * D
+    shape = f"B{B} H{H} KH{KH} S{S} D{D} {dtype}"
+
+    def fwd():
+        return fa.flash_attention(q, k, v, pos, doc, pos, doc)
+
+    o, lse = fwd()
+
+    def bwd():
+        return fa.flash_attention_backward(do, q, k, v, o, lse, pos, doc, pos, doc)
+
+    sdpa_fwd = do_bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+                        return_mode="median")  # fmt: skip
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, enable_gqa=True)
+    sdpa_bwd = do_bench(lambda: torch.autograd.grad(og, (qg, kg, vg), do, retain_graph=True), return_mode="median")
+    sweeps = [("fwd", cfg, fwd, sdpa_fwd, causal) for cfg in SWEEP_FLASH_FWD]
+    sweeps += [(kind, cfg, bwd, sdpa_bwd, 2.5 * causal) for kind, cfgs in SWEEP_FLASH_BWD.items() for cfg in cfgs]
+    sweeps += [("fwd", None, fwd, sdpa_fwd, causal), ("bwd", None, bwd, sdpa_bwd, 2.5 * causal)]
     rows = []
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    for B, H, KH, S, D in FLASH_SHAPES:
-        q, k, v = _qkv(B, H, KH, S, D, dtype, gen)
-        do = torch.randn_like(q)
-        pos = torch.arange(S, dtype=torch.int32, device="cuda").expand(B, S).contiguous()
-        doc = torch.zeros(B, S, dtype=torch.int32, device="cuda")
-        causal = 2.0 * B * H * S * S * D
-        shape = f"B{B} H{H} KH{KH} S{S} D{D} {dtype}"
-        fwd = lambda: fa.flash_attention(q, k, v, pos, doc, pos, doc)  # noqa: E731
-        o, lse = fwd()
-        bwd = lambda: fa.flash_attention_backward(do, q, k, v, o, lse, pos, doc, pos, doc)  # noqa: E731
-        sdpa_fwd = do_bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
-                            return_mode="median")  # fmt: skip
-        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-        og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, enable_gqa=True)
-        sdpa_bwd = do_bench(lambda: torch.autograd.grad(og, (qg, kg, vg), do, retain_graph=True),
-                            return_mode="median")  # fmt: skip
-        sweeps = [("fwd", cfg, fwd, sdpa_fwd, causal) for cfg in SWEEP_FLASH_FWD]
-        sweeps += [(kind, cfg, bwd, sdpa_bwd, 2.5 * causal) for kind, cfgs in SWEEP_FLASH_BWD.items() for cfg in cfgs]
-        sweeps += [("fwd", None, fwd, sdpa_fwd, causal), ("bwd", None, bwd, sdpa_bwd, 2.5 * causal)]
-        for kind, cfg, fn, torch_ms, flops in sweeps:
-            if cfg is not None:
-                bm, bn, warps, stages = cfg
-                mine = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
-                fa._gpu_config = lambda kernel, head_dim, arch, kind=kind, mine=mine: (
-                    mine if kernel == kind else shipped(kernel, head_dim, arch))  # fmt: skip
-            try:
-                ms = _timed(fn)
-            finally:
-                fa._gpu_config = shipped
-            name = f"{bm}x{bn} w{warps} s{stages}" if cfg is not None else "shipped"
-            rows.append(dict(case=f"flash-{kind} {shape}", config=name, time_ms=ms, tflops=flops / ms / 1e9,
-                             ratio_to_torch=ms / torch_ms, torch_ms=torch_ms))  # fmt: skip
+    for kind, cfg, fn, torch_ms, flops in sweeps:
+        name = "shipped"
+        if cfg is not None:
+            bm, bn, warps, stages = cfg
+            name = f"{bm}x{bn} w{warps} s{stages}"
+            mine = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+            fa._gpu_config = lambda kernel, head_dim, arch, kind=kind, mine=mine: (
+                mine if kernel == kind else shipped(kernel, head_dim, arch))  # fmt: skip
+        try:
+            ms = _timed(fn)
+        finally:
+            fa._gpu_config = shipped
+        rows.append(dict(case=f"flash-{kind} {shape}", config=name, time_ms=ms, tflops=flops / ms / 1e9,
+                         ratio_to_torch=ms / torch_ms, torch_ms=torch_ms))  # fmt: skip
     return rows
 
 
