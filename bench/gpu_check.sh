@@ -2,6 +2,7 @@
 # The GPU check in one call (a lent H100 / H200 with its own torch and Triton): install this checkout,
 # then the stages named in STAGES, most wanted first, each within its own cap and the time left:
 #   env      the card, driver, torch / Triton / transformers versions
+#   flash    bench/kernels.py's flash attention cases alone
 #   step     bench/step.py at the default shape (plain HF, Liger, tplayers at TP 1 on both backends)
 #   step32k  bench/step.py at vocabulary 32000
 #   kernels  bench/kernels.py (the GEMMs and flash attention first, then the rest), no tests
@@ -44,6 +45,7 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >>"$OUT
 stage env 30 bash -c 'nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv
     python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
     python3 -c "import liger_kernel" && echo liger-kernel importable'
+stage flash 80 python3 bench/kernels.py --no-tests --only flash_attention --out bench/out/flash
 stage step 170 python3 bench/step.py --steps 8
 stage kernels 110 env TRITON_PRINT_AUTOTUNING=1 python3 bench/kernels.py --no-tests --only matmul flash_attention \
     --out bench/out/kernels
@@ -51,6 +53,7 @@ stage kernels 80 python3 bench/kernels.py --no-tests --only grouped_matmul swigl
     --out bench/out/kernels_rest
 stage sweep 120 python3 bench/sweep.py
 stage step32k 120 python3 bench/step.py --steps 8 --vocab 32000 --out bench/out/step32k
-stage tests 240 env TPLAYERS_TEST_DEVICE=cuda python3 -m pytest -m kernel tests -q -x -n 8 -p no:cacheprovider
+stage tests 240 env TPLAYERS_TEST_DEVICE=cuda python3 -m pytest -m kernel tests -q -n 12 --tb=short -rfE \
+    -p no:cacheprovider
 log "done"
 grep -E "^\[|^(hf|liger|tplayers)|^(matmul|flash|grouped|swiglu|vocab|unscale)|passed|failed|Error" "$OUT/run.log" | tail -n 150

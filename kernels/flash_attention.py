@@ -43,6 +43,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Small tiles in the interpreter, so the test shapes walk several tiles and skip some.
 INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=16)
 _BIG = 1 << 30  # tile bounds of a tile without real tokens: meets nothing
+_NO_TOKEN = tl.constexpr(_BIG)
 
 
 def _gpu_config(kernel, head_dim, arch):
@@ -353,6 +354,104 @@ def _flash_dq_kernel(
     tl.store(dq_ptr + out, dq * scale, mask=q_mask)
 
 
+@triton.jit
+def _bounds(pos_ptr, doc_ptr, offs, n):
+    """Per row of token indices `offs` (rows, BLOCK): the lowest / highest position and document over
+    its real tokens (doc >= 0; none: +-_BIG, which meets nothing), and whether every token is real."""
+    inside = offs < n
+    doc = tl.load(doc_ptr + offs, mask=inside, other=-1)
+    pos = tl.load(pos_ptr + offs, mask=inside, other=0)
+    real = doc >= 0
+    p_lo, p_hi = tl.min(tl.where(real, pos, _NO_TOKEN), axis=1), tl.max(tl.where(real, pos, -_NO_TOKEN), axis=1)
+    d_lo, d_hi = tl.min(tl.where(real, doc, _NO_TOKEN), axis=1), tl.max(tl.where(real, doc, -_NO_TOKEN), axis=1)
+    return p_lo, p_hi, d_lo, d_hi, tl.min(real.to(tl.int32), axis=1) == 1
+
+
+@triton.jit
+def _kinds(qp_lo, qp_hi, qd_lo, qd_hi, q_all, kp_lo, kp_hi, kd_lo, kd_hi, k_all, window, CAUSAL: tl.constexpr,
+           HAS_WINDOW: tl.constexpr):  # fmt: skip
+    """tile_kinds' rule on tile bounds: 0 whole, 1 masked, 2 skipped."""
+    meets = (kd_hi >= qd_lo) & (kd_lo <= qd_hi)
+    whole = q_all & k_all & (qd_lo == qd_hi) & (kd_lo == kd_hi) & (qd_lo == kd_lo)
+    if CAUSAL:
+        meets = meets & (kp_lo <= qp_hi)
+        whole = whole & (kp_hi <= qp_lo)
+    if HAS_WINDOW:
+        meets = meets & (kp_hi > qp_lo - window) & (kp_lo < qp_hi + window)
+        whole = whole & (qp_hi - kp_lo < window) & (kp_hi - qp_lo < window)
+    return tl.where(whole & meets, 0, tl.where(meets, 1, 2))
+
+
+@triton.jit
+def _row_kinds(rp_lo, rp_hi, rd_lo, rd_hi, r_all, col_pos, col_doc, c0, C, window, ROWS_ARE_QUERIES: tl.constexpr,
+               CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+    """The kinds of column tiles c0 .. c0 + CHUNK against one row tile (past the last tile: 2)."""
+    tiles = c0 + tl.arange(0, CHUNK)
+    offs = tiles[:, None] * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+    cp_lo, cp_hi, cd_lo, cd_hi, c_all = _bounds(col_pos, col_doc, offs, C)
+    if ROWS_ARE_QUERIES:
+        return _kinds(rp_lo, rp_hi, rd_lo, rd_hi, r_all, cp_lo, cp_hi, cd_lo, cd_hi, c_all, window, CAUSAL,
+                      HAS_WINDOW), tiles  # fmt: skip
+    return _kinds(cp_lo, cp_hi, cd_lo, cd_hi, c_all, rp_lo, rp_hi, rd_lo, rd_hi, r_all, window, CAUSAL,
+                  HAS_WINDOW), tiles  # fmt: skip
+
+
+@triton.jit
+def _schedule_kernel(
+    rpos_ptr, rdoc_ptr, cpos_ptr, cdoc_ptr, order_ptr, whole_ptr, meet_ptr, R, C, TILES_C, window,
+    ROWS_ARE_QUERIES: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """One row tile's list (tile_lists of tile_kinds, in one launch): its column tiles, whole ones then
+    masked ones, each in order, and how many of each. Two passes over the column tiles: the first
+    counts the whole ones, so the second can place the masked ones after them."""
+    b = tl.program_id(1)
+    row = (b * tl.num_programs(0) + tl.program_id(0)).to(tl.int64)
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[None, :]
+    rp_lo, rp_hi, rd_lo, rd_hi, r_all = _bounds(rpos_ptr + b * R, rdoc_ptr + b * R, offs_r, R)
+    col_pos, col_doc = cpos_ptr + b * C, cdoc_ptr + b * C
+    n_whole = tl.zeros((1,), dtype=tl.int32)
+    n_masked = tl.zeros((1,), dtype=tl.int32)
+    for c0 in range(0, TILES_C, CHUNK):
+        kind, _ = _row_kinds(rp_lo, rp_hi, rd_lo, rd_hi, r_all, col_pos, col_doc, c0, C, window, ROWS_ARE_QUERIES,
+                             CAUSAL, HAS_WINDOW, BLOCK_C, CHUNK)  # fmt: skip
+        n_whole += tl.sum((kind == 0).to(tl.int32), axis=0)
+        n_masked += tl.sum((kind == 1).to(tl.int32), axis=0)
+    first = tl.arange(0, 1)
+    tl.store(whole_ptr + row + first, n_whole)
+    tl.store(meet_ptr + row + first, n_whole + n_masked)
+    next_whole = tl.zeros((1,), dtype=tl.int32)
+    next_masked = n_whole
+    for c0 in range(0, TILES_C, CHUNK):
+        kind, tiles = _row_kinds(rp_lo, rp_hi, rd_lo, rd_hi, r_all, col_pos, col_doc, c0, C, window,
+                                 ROWS_ARE_QUERIES, CAUSAL, HAS_WINDOW, BLOCK_C, CHUNK)  # fmt: skip
+        is_whole, is_masked = (kind == 0).to(tl.int32), (kind == 1).to(tl.int32)
+        slot = tl.where(kind == 0, next_whole + tl.cumsum(is_whole, axis=0), next_masked + tl.cumsum(is_masked, axis=0))
+        tl.store(order_ptr + row * TILES_C + slot - 1, tiles, mask=kind <= 1)
+        next_whole += tl.sum(is_whole, axis=0)
+        next_masked += tl.sum(is_masked, axis=0)
+
+
+def tile_schedule(row_pos, row_doc, col_pos, col_doc, block_r, block_c, causal, window, rows_are_queries=True):
+    """tile_lists(tile_kinds(...)) in one launch (the torch ops it replaces were ~50 launches, which
+    cost more than the attention at 4096 tokens): per row tile (query tiles, or with
+    rows_are_queries=False key tiles), the column tiles to visit, whole first, and the two counts.
+    Entries past a row's count are not written."""
+    B, R = row_pos.shape
+    C = col_pos.shape[1]
+    rows, tiles_c = triton.cdiv(R, block_r), triton.cdiv(C, block_c)
+    order = torch.empty((B, rows, tiles_c), dtype=torch.int32, device=row_pos.device)
+    whole = torch.empty((B, rows), dtype=torch.int32, device=row_pos.device)
+    meet = torch.empty_like(whole)
+    chunk = max(2, min(64, triton.next_power_of_2(tiles_c), 8192 // block_c))
+    _schedule_kernel[(rows, B)](
+        row_pos, row_doc, col_pos, col_doc, order, whole, meet, R, C, tiles_c, int(window or 0),
+        ROWS_ARE_QUERIES=rows_are_queries, CAUSAL=bool(causal), HAS_WINDOW=window is not None,
+        BLOCK_R=block_r, BLOCK_C=block_c, CHUNK=chunk,
+    )  # fmt: skip
+    return order, whole, meet
+
+
 def tile_bounds(pos, doc, block):
     """(B, cdiv(n, block), 4) int32: each tile's lowest / highest position and document over its
     real tokens (doc >= 0; none: +-2**30, which meets nothing); and (B, tiles) bool: whether every
@@ -448,11 +547,12 @@ def flash_attention(
         return o, lse
     cfg = _config("fwd", D)
     grid = (triton.cdiv(M, cfg["BLOCK_M"]), B * H)
-    kinds = tile_kinds(q_pos, q_doc, k_pos, k_doc, cfg["BLOCK_M"], cfg["BLOCK_N"], causal, window)
+    q_pos, q_doc, k_pos, k_doc = (t.contiguous() for t in (q_pos, q_doc, k_pos, k_doc))
     with _on(q):
+        order, whole, meet = tile_schedule(q_pos, q_doc, k_pos, k_doc, cfg["BLOCK_M"], cfg["BLOCK_N"], causal, window)
         _flash_fwd_kernel[grid](
-            q, k, v, o, lse, q_pos.contiguous(), q_doc.contiguous(), k_pos.contiguous(), k_doc.contiguous(),
-            *tile_lists(kinds), H, H // KH, M, N, D, kinds.shape[2], *_scalars(q, scale, window, softcap),
+            q, k, v, o, lse, q_pos, q_doc, k_pos, k_doc,
+            order, whole, meet, H, H // KH, M, N, D, order.shape[2], *_scalars(q, scale, window, softcap),
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
             **_flags(q, causal, window, softcap), **cfg,
         )  # fmt: skip
@@ -469,29 +569,26 @@ def flash_attention_backward(
     (B, H, M, D), (KH, N) = q.shape, k.shape[1:3]
     delta = (do.float() * o.float()).sum(-1).contiguous()
     lse = lse.contiguous()
-    dq = torch.zeros((B, H, M, D), device=q.device, dtype=torch.float32)
-    dk = torch.zeros((B, KH, N, D), device=q.device, dtype=torch.float32)
-    dv = torch.zeros_like(dk)
+    dq = torch.empty((B, H, M, D), device=q.device, dtype=torch.float32)  # every element written below
+    dk = torch.empty((B, KH, N, D), device=q.device, dtype=torch.float32)
+    dv = torch.empty_like(dk)
     if B * H * M * N == 0:
-        return dq, dk, dv
-    meta = (q_pos.contiguous(), q_doc.contiguous(), k_pos.contiguous(), k_doc.contiguous())
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    meta = q_pos, q_doc, k_pos, k_doc = tuple(t.contiguous() for t in (q_pos, q_doc, k_pos, k_doc))
     kv_cfg, q_cfg = _config("dkdv", D), _config("dq", D)
-
-    def kinds(cfg):
-        return tile_kinds(q_pos, q_doc, k_pos, k_doc, cfg["BLOCK_M"], cfg["BLOCK_N"], causal, window)
-
     scalars, strides = _scalars(q, scale, window, softcap), (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                                                               *do.stride()[:3])  # fmt: skip
     flags = _flags(q, causal, window, softcap)
-    by_key = kinds(kv_cfg).transpose(1, 2)  # per key tile, its query tiles
-    by_query = kinds(q_cfg)
     with _on(q):
+        by_key = tile_schedule(k_pos, k_doc, q_pos, q_doc, kv_cfg["BLOCK_N"], kv_cfg["BLOCK_M"], causal, window,
+                               rows_are_queries=False)  # per key tile, its query tiles  # fmt: skip
+        by_query = tile_schedule(q_pos, q_doc, k_pos, k_doc, q_cfg["BLOCK_M"], q_cfg["BLOCK_N"], causal, window)
         _flash_dkdv_kernel[(triton.cdiv(N, kv_cfg["BLOCK_N"]), B * KH)](
-            q, k, v, do, lse, delta, dk, dv, *meta, *tile_lists(by_key), H, H // KH, M, N, D, by_key.shape[2],
+            q, k, v, do, lse, delta, dk, dv, *meta, *by_key, H, H // KH, M, N, D, by_key[0].shape[2],
             *scalars, *strides, **flags, **kv_cfg,
         )  # fmt: skip
         _flash_dq_kernel[(triton.cdiv(M, q_cfg["BLOCK_M"]), B * H)](
-            q, k, v, do, lse, delta, dq, *meta, *tile_lists(by_query), H, H // KH, M, N, D, by_query.shape[2],
+            q, k, v, do, lse, delta, dq, *meta, *by_query, H, H // KH, M, N, D, by_query[0].shape[2],
             *scalars, *strides, **flags, **q_cfg,
         )  # fmt: skip
     return dq, dk, dv

@@ -130,6 +130,33 @@ def test_tile_kinds_agree_with_the_pairs(case, blocks):
             assert (kinds[b, row, visited[: whole[b, row]]] == 0).all()
 
 
+@settings(max_examples=examples(40), deadline=None)
+@given(attention_cases(), st.sampled_from([(16, 16), (16, 32), (32, 16), (64, 16)]))
+def test_tile_schedule_is_the_torch_lists(case, blocks):
+    """The one-launch schedule (tile_schedule) visits what tile_lists(tile_kinds(...)) does, in the
+    same order, per query tile (forward, dQ) and per key tile (dK / dV)."""
+    from tplayers.kernels.flash_attention import tile_kinds, tile_lists, tile_schedule
+
+    B, N = case["B"], case["N"]
+    M = max(1, N // 2) if case["fewer_queries"] else N
+    gen = torch.Generator().manual_seed(case["seed"])
+    q_pos, q_doc, k_pos, k_doc = (t.to(torch.get_default_device()) for t in metadata(
+        B, M, N, case["docs"], case["masked"], case["permute"], gen))  # fmt: skip
+    bm, bn = blocks
+    kinds = tile_kinds(q_pos, q_doc, k_pos, k_doc, bm, bn, case["causal"], case["window"])
+    for rows_are_queries, want in ((True, kinds), (False, kinds.transpose(1, 2))):
+        order, whole, meet = tile_lists(want)
+        if rows_are_queries:
+            got = tile_schedule(q_pos, q_doc, k_pos, k_doc, bm, bn, case["causal"], case["window"])
+        else:
+            got = tile_schedule(k_pos, k_doc, q_pos, q_doc, bn, bm, case["causal"], case["window"], False)
+        assert torch.equal(got[1], whole) and torch.equal(got[2], meet)
+        for b in range(B):
+            for row in range(want.shape[1]):
+                n = meet[b, row]
+                assert torch.equal(got[0][b, row, :n], order[b, row, :n]), (rows_are_queries, b, row)
+
+
 def test_whole_tiles_of_a_long_causal_sequence():
     """Causal attention over 80 contiguous tokens (tiles of 16 in the interpreter): most tiles run
     whole, without a mask, and forward and backward still match the reference; a window of 40

@@ -144,10 +144,23 @@ def check(reference, sharded, *, group, vocab_parallel, what="logits", dtype=Non
         )
 
 
+HALF_ELEMENT_SLACK = 4  # see _excess
+
+
 def _excess(actual, expected, tol) -> torch.Tensor:
-    """The largest amount by which |actual - expected| exceeds the tolerance (NaN: inf)."""
-    diff = (actual.float() - expected.float()).abs()
-    excess = (diff - (tol["atol"] + tol["rtol"] * expected.float().abs())).max()
+    """The largest amount by which |actual - expected| exceeds the tolerance (NaN: inf): element by
+    element, and for 16-bit tensors row by row (the last dim) in root mean square. Kernels that are
+    each exact to their dtype round differently (a fused epilogue, flash attention against SDPA), the
+    difference grows through the layers, and the largest of a million elementwise differences is a
+    tail event; a wrongly sharded module moves whole rows. A single element stays bounded too, by
+    HALF_ELEMENT_SLACK times the table."""
+    diff, reference = (actual.float() - expected.float()).abs(), expected.float().abs()
+    if expected.dtype in (torch.float16, torch.bfloat16) and expected.dim() and expected.shape[-1] > 1:
+        rms = diff.square().mean(-1).sqrt() - (tol["atol"] + tol["rtol"] * reference.square().mean(-1).sqrt())
+        slack = HALF_ELEMENT_SLACK
+        excess = torch.maximum(rms.max(), (diff - slack * (tol["atol"] + tol["rtol"] * reference)).max())
+    else:
+        excess = (diff - (tol["atol"] + tol["rtol"] * reference)).max()
     return torch.where(torch.isnan(excess), torch.tensor(float("inf"), device=excess.device), excess)
 
 

@@ -369,6 +369,18 @@ def _flash_configs(variant):
     return configs
 
 
+def _flash_schedule_launch(dtype):
+    """tile_schedule's launch (the attention's dtype does not reach it): int32 metadata and lists."""
+    args = dict(rpos_ptr=Ptr("i32"), rdoc_ptr=Ptr("i32"), cpos_ptr=Ptr("i32"), cdoc_ptr=Ptr("i32"),
+                order_ptr=Ptr("i32"), whole_ptr=Ptr("i32"), meet_ptr=Ptr("i32"), R=DIV16, C=DIV16, TILES_C=ANY,
+                window=DIV16)  # fmt: skip
+    return args, dict(ROWS_ARE_QUERIES=True, CAUSAL=True, HAS_WINDOW=False)
+
+
+def _flash_schedule_configs(module, cc):
+    return [dict(BLOCK_R=128, BLOCK_C=64, CHUNK=64)]  # the forward's tiles at 4096 tokens
+
+
 KERNELS = {
     **{
         name: KernelSpec("matmul", "_matmul_kernel", _gemm_launch(name), _gemm_configs, ("fp16", "bf16"), True)
@@ -427,4 +439,7 @@ KERNELS = {
         )  # fmt: skip
         for name in FLASH_VARIANTS
     },
+    "flash-schedule": KernelSpec(
+        "flash_attention", "_schedule_kernel", _flash_schedule_launch, _flash_schedule_configs, ("bf16",)
+    ),
 }
