@@ -53,7 +53,7 @@ stage kernels 80 python3 bench/kernels.py --no-tests --only grouped_matmul swigl
     --out bench/out/kernels_rest
 stage sweep 120 python3 bench/sweep.py
 stage step32k 120 python3 bench/step.py --steps 8 --vocab 32000 --out bench/out/step32k
-stage tests 240 env TPLAYERS_TEST_DEVICE=cuda python3 -m pytest -m kernel tests -q -n 12 --tb=short -rfE \
+stage tests 240 env TPLAYERS_TEST_DEVICE=cuda python3 -m pytest -m kernel tests -v -n 12 --tb=short -rfE \
     -p no:cacheprovider
 log "done"
-grep -E "^\[|^(hf|liger|tplayers)|^(matmul|flash|grouped|swiglu|vocab|unscale)|passed|failed|Error" "$OUT/run.log" | tail -n 150
+grep -E "FAILED|^\[|^(hf|liger|tplayers)|^(matmul|flash|grouped|swiglu|vocab|unscale)|passed|failed|Error" "$OUT/run.log" | tail -n 150

@@ -51,8 +51,13 @@ def _gpu_config(kernel, head_dim, arch):
     Hopper), from the compile report (`tplayers compile-report --kernel flash-...`): no spills on
     sm_80 / sm_90a. On sm_80 a 128-row forward tile with head size 128 spills at 8 warps (255
     registers): 64 rows there; dK / dV at head size 64 spill with 64-key tiles at 4 or 8 warps: 32;
-    on sm_90a dK / dV at head size 128 spill with 64-query tiles: 32. Not yet tuned on a GPU."""
+    on sm_90a dK / dV at head size 128 spill with 64-query tiles: 32. On sm_90 at head sizes 65-128
+    the forward and dQ take the fastest spill-free config of bench/sweep.py on an H200 (2026-11-28,
+    B1 H16 KH4 S4096 D128 bf16: 64 x 64 tiles on 4 warps, 3 stages; the forward 0.11 ms faster than
+    128 x 64 on 8 warps, dQ 0.27 ms faster than 64 x 64 on 8 warps); the rest not yet tuned."""
     wide = head_dim > 64
+    if arch == 90 and wide and head_dim <= 128 and kernel in ("fwd", "dq"):
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
     if kernel == "fwd":
         if arch == 80 and wide:
             return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
