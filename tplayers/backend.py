@@ -234,10 +234,15 @@ def _gemm_key(a, b, epilogue) -> tuple:
     )  # fmt: skip
 
 
+def gemm_runs_triton(a, b, **epilogue) -> bool:
+    """Whether `gemm(a, b, **epilogue)` runs the Triton kernel (under auto: measured per shape class)."""
+    measured = a.is_cuda and get_backend() == "auto"  # the shape class only where it decides
+    return uses_triton(a, "gemm", _gemm_key(a, b, epilogue) if measured else ())
+
+
 def gemm(a, b, **epilogue):
     """`matmul(a, b, **epilogue)` on the selected backend (see kernels/matmul.py for the contract)."""
-    measured = a.is_cuda and get_backend() == "auto"  # the shape class only where it decides
-    if uses_triton(a, "gemm", _gemm_key(a, b, epilogue) if measured else ()):
+    if gemm_runs_triton(a, b, **epilogue):
         from tplayers.kernels.matmul import matmul
     else:  # the reference module does not import triton
         from tplayers.kernels.matmul_ref import matmul_ref as matmul

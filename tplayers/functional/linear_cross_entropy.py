@@ -105,18 +105,21 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if want_bias else None
         losses = hidden.new_zeros((rows,), dtype=torch.float32)
         step = max(1, chunk_bytes // max(1, v_local * hidden.element_size()))
+        fused = uses_triton(hidden)  # the Triton statistics and gradient kernels read the chunk as it is
         with torch.autocast(hidden.device.type, enabled=False):  # the operands are already in their GEMM dtype
             for start in range(0, rows, step):
                 end = min(rows, start + step)
                 h, t = hidden[start:end], target[start:end]
                 logits = F.linear(h, weight, bias)  # (chunk, V_r): what the unfused head computes
                 tanh_outputs = _transform(logits, transforms)
-                lse, target_logit = _global_lse_and_target(local_stats(logits, t, vocab_start), group, n)
+                # torch's ops read 16-bit logits through one fp32 copy, for the statistics and the gradient
+                scored = logits if fused or logits.shape[1] == 0 else logits.float()
+                lse, target_logit = _global_lse_and_target(local_stats(scored, t, vocab_start), group, n)
                 losses[start:end] = torch.where(valid[start:end], lse - target_logit, 0.0)
                 if not (want_hidden or want_weight or want_bias):
                     continue
-                grad = _back_through(_gradient(logits, t, lse, scale[start:end], vocab_start), transforms,
-                                     tanh_outputs)  # fmt: skip
+                grad = _gradient(scored, t, lse, scale[start:end], vocab_start)
+                grad = _back_through(grad if grad is logits else logits.copy_(grad), transforms, tanh_outputs)
                 if want_hidden:
                     torch.mm(grad, weight, out=grad_hidden[start:end])
                 if want_weight:

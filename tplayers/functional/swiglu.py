@@ -12,14 +12,21 @@ pair into one column of h (kernels/matmul.py, `swiglu_out`):
 
 Saved: y, the GEMM's output, rather than recomputing it (that would repeat the GEMM and, under
 sequence parallelism, its all-gather); silu(gate) is recomputed in the backward kernel.
+
+Where torch runs the GEMM (no sequence parallelism) it runs HF's own ops instead: gate and up as
+two GEMMs on the weight's strided rows (no copy), silu(gate) * up on contiguous tensors (the
+strided halves of y cost elementwise passes at half their bandwidth), and in the backward one
+interleaving copy of (dgate, dup) for the single dgrad / wgrad GEMM.
 """
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
-from tplayers.backend import gemm, uses_triton
+from tplayers.backend import gemm, gemm_runs_triton, uses_triton
 from tplayers.functional.linear import _flat, column_backward
 from tplayers.functional.overlap import all_gather_matmul
+from tplayers.kernels.swiglu_ref import swiglu_backward_ref
 
 
 def _swiglu_backward_kernel(tensor):
@@ -44,20 +51,32 @@ class ColumnSwiGLUFn(torch.autograd.Function):
             return h
         x2 = _flat(x)
         h = x.new_empty((x2.shape[0], f))
+        ctx.fused = gemm_runs_triton(x2, weight, bias=bias, swiglu_out=h)
+        if not ctx.fused:  # HF's own ops: contiguous gate and up, no strided elementwise pass
+            gate, up = (F.linear(x2, weight[i::2], bias[i::2] if bias is not None else None) for i in (0, 1))
+            ctx.save_for_backward(x, weight, gate, up)
+            return (F.silu(gate) * up).view(*x.shape[:-1], f)
         y = gemm(x2, weight, bias=bias, swiglu_out=h).view(*x.shape[:-1], 2 * f)
         ctx.save_for_backward(x, weight, y)
         return h.view(*x.shape[:-1], f)
 
     @staticmethod
     def backward(ctx, dh):
-        saved, weight, y = ctx.saved_tensors
-        y2 = _flat(y)
-        dy = torch.empty_like(y2)
-        _swiglu_backward_kernel(y2)(
-            dh.reshape(y2.shape[0], y2.shape[-1] // 2), y2[:, 0::2], y2[:, 1::2], dgate=dy[:, 0::2], dup=dy[:, 1::2]
-        )
-        dy = dy.view(*y.shape)
-        return (*column_backward(ctx, dy, saved, weight), None, None, None, None)
+        if ctx.sequence_parallel or ctx.fused:
+            saved, weight, y = ctx.saved_tensors
+            y2 = _flat(y)
+            dy = torch.empty_like(y2)
+            _swiglu_backward_kernel(y2)(
+                dh.reshape(y2.shape[0], y2.shape[-1] // 2), y2[:, 0::2], y2[:, 1::2], dgate=dy[:, 0::2],
+                dup=dy[:, 1::2],
+            )  # fmt: skip
+            shape = y.shape
+        else:
+            saved, weight, gate, up = ctx.saved_tensors
+            dgate, dup = swiglu_backward_ref(dh.reshape(gate.shape), gate, up)
+            dy = torch.stack((dgate, dup), dim=-1)  # the rows' interleaving, for the one dgrad / wgrad GEMM
+            shape = (*saved.shape[:-1], weight.shape[0])
+        return (*column_backward(ctx, dy.view(shape), saved, weight), None, None, None, None)
 
 
 def column_parallel_swiglu(x, weight, bias, group, *, sequence_parallel=False, overlap="auto", widest=None):
