@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .matmul_ref import ACTIVATIONS, check_args, matmul_ref
-from .tuning import configs_for_running_gpu
+from .tuning import TunedLaunch, configs_for_running_gpu
 
 __all__ = ["matmul", "matmul_ref"]
 
@@ -303,6 +303,8 @@ _matmul_tma_autotuned = triton.autotune(
     restore_value=["c_ptr"],
 )(_matmul_tma_kernel)  # fmt: skip
 
+_launch, _tma_launch = TunedLaunch(_matmul_autotuned), TunedLaunch(_matmul_tma_autotuned)
+
 # The TMA kernel in the interpreter too, where a test asks (on a GPU it runs on sm_90 by itself).
 TMA_IN_INTERPRETER = False
 _SM_COUNT: dict = {}
@@ -326,14 +328,18 @@ def _tma_layout(t):
     return None
 
 
-def _uses_tma(a, b):
+def _tma_layouts(a, b):
+    """(a's, b's) TMA layouts where the TMA kernel runs them (sm_90 and both readable), else None."""
     if INTERPRET:
         hopper = TMA_IN_INTERPRETER
     else:
         if a.device not in _MAJOR:  # read once per device: every GEMM asks
             _MAJOR[a.device] = torch.cuda.get_device_capability(a.device)[0]
         hopper = _MAJOR[a.device] >= 9
-    return hopper and _tma_layout(a) is not None and _tma_layout(b) is not None
+    if not hopper:
+        return None
+    layouts = _tma_layout(a), _tma_layout(b)
+    return None if None in layouts else layouts
 
 
 def _batch_stride(t):
@@ -419,9 +425,12 @@ def matmul(
         SWIGLU=swiglu_out is not None,
     )
 
-    if _uses_tma(a, b):
+    # The launch's shape class for the tuned-config cache: what the Autotuners' keys read
+    key = (M, N, K, batch, *flags.values(), *(t.dtype for t in args[:6]))
+    layouts = _tma_layouts(a, b)
+    if layouts is not None:
         _ensure_allocator()
-        tma_flags = dict(flags, A_K_MAJOR=_tma_layout(a) == "k", B_K_MAJOR=_tma_layout(b) == "k",
+        tma_flags = dict(flags, A_K_MAJOR=layouts[0] == "k", B_K_MAJOR=layouts[1] == "k",
                          A_SHARED=a.dim() == 2, B_SHARED=b.dim() == 2)  # fmt: skip
         tma_args = list(args)
         tma_args[11], tma_args[14] = _batch_stride(a), _batch_stride(b)  # stride_ab, stride_bb
@@ -437,7 +446,7 @@ def matmul(
             _matmul_tma_kernel[persistent](*tma_args, **tma_flags, NUM_SMS=sms, **INTERPRETER_CONFIG)
         else:
             with torch.cuda.device(a.device):
-                _matmul_tma_autotuned[persistent](*tma_args, **tma_flags, NUM_SMS=sms)
+                _tma_launch(persistent, (*key, *layouts, a.dim(), b.dim()), *tma_args, **tma_flags, NUM_SMS=sms)
         return out
 
     def grid(meta):
@@ -447,5 +456,5 @@ def matmul(
         _matmul_kernel[grid](*args, **flags, **INTERPRETER_CONFIG)
     else:
         with torch.cuda.device(a.device):
-            _matmul_autotuned[grid](*args, **flags)
+            _launch(grid, key, *args, **flags)
     return out

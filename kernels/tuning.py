@@ -28,3 +28,22 @@ def configs_for_running_gpu(configs, named_args, **kwargs):
     arch = 90 if major >= 9 else 80
     mine = [cfg for cfg in configs if cfg.arch == arch]
     return mine if AUTOTUNE else [min(mine, key=_footprint)]
+
+
+class TunedLaunch:
+    """An autotuned kernel launched through its tuned config once that is known. Triton's Autotuner
+    re-derives its key from every argument on each call (dicts over some 40 arguments and each
+    tensor's dtype, ~10-20 us of Python per launch, which a GEMM-bound training step pays hundreds
+    of times); here a known shape class is one dict lookup. `key` must determine everything the
+    Autotuner's key does (its key arguments and the tensors' dtypes)."""
+
+    def __init__(self, autotuned):
+        self.autotuned, self.kernel, self.known = autotuned, autotuned.fn, {}
+
+    def __call__(self, grid, key, *args, **kwargs):
+        config = self.known.get(key)
+        if config is None:  # first launch of this class: the Autotuner times the configs
+            self.autotuned[grid](*args, **kwargs)
+            self.known[key] = self.autotuned.best_config.all_kwargs()
+            return
+        self.kernel[grid](*args, **kwargs, **config)

@@ -279,6 +279,7 @@ def calls(dtype):
         "flash-dkdv-d128": attention(128, backward=True),
         "flash-dq-d64": attention(64, backward=True),
         "flash-dq-d128": attention(128, backward=True),
+        "flash-schedule": lambda: flash.tile_schedule(*[torch.zeros(1, 192, dtype=torch.int32)] * 4, 128, 64, True, None),
     }
 
 backend = make_backend(GPUTarget("cuda", 90, 32))

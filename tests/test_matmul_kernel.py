@@ -186,7 +186,7 @@ def test_tma_kernel_matches_reference(tma_path, mode, batch, m, n, k, dtype, lay
     lead = () if mode == "2d" else (batch,)
     a = strided((*lead, m, k), dtype, layouts[0], gen)
     b = strided((*lead, n, k) if batched_b and mode != "2d" else (n, k), dtype, layouts[1], gen)
-    assert tma_path._uses_tma(a, b)
+    assert tma_path._tma_layouts(a, b) is not None
     out_shape = (batch, m, n) if mode == "batched" else (m, n)
     out = torch.randn(out_shape, generator=gen).to(torch.float32 if accumulate else dtype)
     bias_t = torch.randn(n, generator=gen).to(dtype) if bias else None
@@ -212,9 +212,9 @@ def test_tma_takes_only_what_its_descriptors_can_read(tma_path):
     the pointer kernel runs those (and the results agree either way)."""
     x = torch.randn(32, 40, dtype=torch.bfloat16)
     w = torch.randn(24, 40, dtype=torch.bfloat16)
-    assert tma_path._uses_tma(x, w) and tma_path._uses_tma(x.t().contiguous().t(), w)
+    assert None not in (tma_path._tma_layouts(x, w), tma_path._tma_layouts(x.t().contiguous().t(), w))
     for other in (w.float(), w[:, 1:33], torch.randn(24, 44, dtype=torch.bfloat16)[:, :36], w[:, ::2]):
-        assert not tma_path._uses_tma(x[:, : other.shape[1]], other), other.stride()
+        assert tma_path._tma_layouts(x[:, : other.shape[1]], other) is None, other.stride()
         got = matmul(x[:, : other.shape[1]].to(other.dtype), other)
         assert_close(got, matmul_ref(x[:, : other.shape[1]].float(), other.float()).to(other.dtype))
 
