@@ -279,7 +279,9 @@ def calls(dtype):
         "flash-dkdv-d128": attention(128, backward=True),
         "flash-dq-d64": attention(64, backward=True),
         "flash-dq-d128": attention(128, backward=True),
-        "flash-schedule": lambda: flash.tile_schedule(*[torch.zeros(1, 192, dtype=torch.int32)] * 4, 128, 64, True, None),
+        # 192 tokens: three 64-key tiles (neither 1 nor a multiple of 16, as the table assumes)
+        "flash-schedule": lambda: flash.tile_schedule(*[torch.zeros(1, 192, dtype=torch.int32)] * 4, 128, 64, True,
+                                                      None),
     }
 
 backend = make_backend(GPUTarget("cuda", 90, 32))
