@@ -113,8 +113,10 @@ def _matmul_ref(
     """
     target = out.dtype if out is not None else (out_dtype or a.dtype)
     compute = torch.promote_types(a.dtype, target)
-    a, b = a.to(compute), b.to(compute)
-    bias = bias.to(compute) if bias is not None else None
+    if a.dtype != compute or b.dtype != compute:
+        a, b = a.to(compute), b.to(compute)
+    if bias is not None and bias.dtype != compute:
+        bias = bias.to(compute)
     plain = plain_epilogue(scale, activation, residual) and not accumulate
     if plain and out is not None and out.dtype == compute and out.is_contiguous() and a.dim() == 2:
         return torch.addmm(bias, a, b.t(), out=out) if bias is not None else torch.mm(a, b.t(), out=out)

@@ -168,13 +168,19 @@ def matmul_all_reduce(x, weight, group, *, bias=None, overlap="auto", side_work=
             for the same CPU cores, while its point-to-point transfers hide behind it (measured
             in bench/linear.py); both send the ring minimum, 2(n-1)/n of y's bytes.
     """
-    n, r = dist.get_world_size(group), dist.get_rank(group)
+    n = dist.get_world_size(group)
     x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # (a rank may hold no columns: K = 0)
     M, N = x2.shape[0], weight.shape[0]
     # The result is returned as allocated, not as a view: callers may modify it in place (Falcon's
     # residual +=), which autograd forbids on a view made inside a Function.
     result = x.new_empty((*x.shape[:-1], N))
     y = result.view(M, N)
+    if n == 1:  # nothing to reduce: the GEMM alone
+        gemm(x2, weight, bias=bias, out=y)
+        for work in side_work:
+            work()
+        return result
+    r = dist.get_rank(group)
     overlap = use_ring("matmul_all_reduce", overlap, group, x, M, widest or x2.shape[1], N, side=len(side_work))
     if overlap and dist.get_backend(group) == "gloo":
         bounds = [M * j // n for j in range(n + 1)]
