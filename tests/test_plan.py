@@ -807,3 +807,13 @@ def test_compression_in_a_layout_is_checked_and_priced():
     ranked = search(model, cluster, 128, compress=("int8",), tp_sizes=(8,), pp_sizes=(1,), micro_batches=(1,))
     assert ranked and {layout.zero_stage for layout, _ in ranked} == {0, 1}
     assert all(layout.compress == "int8" for layout, _ in ranked)
+
+
+def test_named_presets_are_built_specs():
+    """`plan.MODEL_PRESETS` / `PRECISION_PRESETS` hold the specs `preset(name)` builds (presets.py
+    keeps only their fields)."""
+    from tplayers import plan
+
+    assert plan.MODEL_PRESETS and all(v == plan.ModelSpec.preset(k) for k, v in plan.MODEL_PRESETS.items())
+    precisions = plan.PRECISION_PRESETS.items()
+    assert all(isinstance(v, plan.Precision) and v == plan.Precision.preset(k) for k, v in precisions)

@@ -91,6 +91,7 @@ memory (covered by `Assumptions.hbm_reserve_fraction`), allocator fragmentation,
 sequence-parallel re-gather of stored inputs in backward, and layer-norm / softmax FLOPs.
 """
 
+from tplayers.plan import presets as _presets
 from tplayers.plan.comm import (
     all_gather_bytes,
     all_reduce_bytes,
@@ -110,8 +111,6 @@ from tplayers.plan.memory import LOGITS_BYTES as LOGITS_BYTES
 from tplayers.plan.memory import MASK_BYTES as MASK_BYTES
 from tplayers.plan.memory import layer_activation_bytes, model_state_bytes
 from tplayers.plan.presets import CLUSTER_PRESETS as CLUSTER_PRESETS
-from tplayers.plan.presets import MODEL_PRESETS as MODEL_PRESETS
-from tplayers.plan.presets import PRECISION_PRESETS as PRECISION_PRESETS
 from tplayers.plan.report import ESTIMATE_FIELDS, estimate_to_dict, format_estimate, format_ranking
 from tplayers.plan.results import Estimate, MemoryBreakdown, StageEstimate
 from tplayers.plan.rules import validate_layout
@@ -128,6 +127,10 @@ from tplayers.plan.specs import SCHEDULE_CHOICES as SCHEDULE_CHOICES
 from tplayers.plan.specs import ZERO_STAGES as ZERO_STAGES
 from tplayers.plan.specs import ClusterSpec, ModelSpec, ParamCounts, Precision, count_params, padded_vocab
 from tplayers.plan.specs import GiB as GiB
+
+# The named models and precision recipes, built (presets.py keeps their fields, free of specs)
+MODEL_PRESETS = {name: ModelSpec.preset(name) for name in _presets.MODEL_PRESETS}
+PRECISION_PRESETS = {name: Precision.preset(name) for name in _presets.PRECISION_PRESETS}
 
 # The `X as X` imports: the single-module planner's other public names, importable from here as before.
 __all__ = [
