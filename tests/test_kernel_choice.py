@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tplayers import backend
 from tplayers.testing import assert_close
@@ -194,3 +195,25 @@ def test_auto_gives_the_same_results_either_way(choices, monkeypatch):
         got = backend.gemm(a, w)
         monkeypatch.undo()
         assert_close(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation, residual", [("gelu_tanh", False), ("silu", True), (None, True)])
+def test_the_torch_path_of_an_epilogue_is_eager_code(dtype, activation, residual):
+    """torch_gemm runs an activation / residual epilogue as a model's own forward does (F.linear,
+    then each op in the output's dtype: bitwise that code, what auto weighs the kernel against),
+    within the table of the fp32-epilogue reference; `out` receives it. Anything else is the reference."""
+    from tplayers.kernels.matmul_ref import matmul_ref
+
+    gen = torch.Generator().manual_seed(0)
+    a, w, bias = (torch.randn(*s, generator=gen).to(dtype) for s in ((12, 16), (24, 16), (24,)))
+    res = torch.randn(12, 24, generator=gen).to(dtype) if residual else None
+    act = {None: lambda t: t, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu}[activation]
+    eager = act(F.linear(a, w, bias)) + (res if residual else 0)
+    out = torch.empty(12, 24, dtype=dtype)
+    got = backend.torch_gemm(a, w, bias=bias, activation=activation, residual=res, out=out)
+    assert got is out and torch.equal(out, eager)
+    assert_close(out, matmul_ref(a, w, bias=bias, activation=activation, residual=res))
+    if dtype != torch.float32:  # a wider output dtype: the reference, computed in it
+        wide = dict(bias=bias, activation=activation, residual=res, out_dtype=torch.float32)
+        assert torch.equal(backend.torch_gemm(a, w, **wide), matmul_ref(a, w, **wide))

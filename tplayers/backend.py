@@ -39,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 BACKENDS = ("auto", "triton", "torch")
 _backend = os.environ.get("TPLAYERS_BACKEND", "auto")
@@ -244,16 +245,41 @@ def gemm(a, b, **epilogue):
     """`matmul(a, b, **epilogue)` on the selected backend (see kernels/matmul.py for the contract)."""
     if gemm_runs_triton(a, b, **epilogue):
         from tplayers.kernels.matmul import matmul
-    else:  # the reference module does not import triton
-        from tplayers.kernels.matmul_ref import matmul_ref as matmul
-    return matmul(a, b, **epilogue)
+
+        return matmul(a, b, **epilogue)
+    return torch_gemm(a, b, **epilogue)
+
+
+def torch_gemm(a, b, **epilogue):
+    """The GEMM and its epilogue in torch's ops. An activation / residual epilogue of a plain 2-D GEMM
+    runs as eager code runs it (F.linear, then each op in the output's dtype: what a model's own
+    forward costs, and what `auto` weighs the kernel against); the rest is `matmul_ref`."""
+    from tplayers.kernels.matmul_ref import check_args, matmul_ref  # the reference module does not import triton
+
+    bias, out, out_dtype, residual = (epilogue.get(k) for k in ("bias", "out", "out_dtype", "residual"))
+    target = out.dtype if out is not None else (out_dtype or a.dtype)
+    eager = epilogue.get("activation") or residual is not None or epilogue.get("scale", 1.0) != 1.0
+    same_dtype = target == a.dtype == b.dtype and all(t is None or t.dtype == a.dtype for t in (bias, residual))
+    plain_2d = b.dim() == 2 and epilogue.get("swiglu_out") is None and not (
+        epilogue.get("accumulate") or epilogue.get("reduce_batch"))  # fmt: skip
+    if not (eager and same_dtype and plain_2d):
+        return matmul_ref(a, b, **epilogue)
+    check_args(a, b, bias, epilogue.get("activation"), epilogue.get("residual"), out, False, False, out_dtype)
+    c = F.linear(a, b, bias)
+    if epilogue.get("scale", 1.0) != 1.0:
+        c = c * epilogue["scale"]
+    activation = epilogue.get("activation")
+    if activation is not None:
+        c = F.gelu(c, approximate="tanh") if activation == "gelu_tanh" else F.silu(c)
+    if residual is not None:
+        c = c + residual
+    return c if out is None else out.copy_(c)
 
 
 def _gemm_recipe(key, dtype, device):
     """Random operands of the class `key` (`_gemm_key`), with its layouts and epilogue, and the two
     paths on them (a recipe, `register`)."""
     from tplayers.kernels.matmul import matmul
-    from tplayers.kernels.matmul_ref import matmul_ref
 
     M, N, K, batch, batched_b, layout, bias, activation, residual, accumulate, reduce, swiglu = key
     lead = (batch,) if batch else ()
@@ -273,7 +299,7 @@ def _gemm_recipe(key, dtype, device):
         accumulate=bool(accumulate), reduce_batch=bool(reduce),
         swiglu_out=new((*out_shape[:-1], N // 2)) if swiglu else None,
     )  # fmt: skip
-    return (lambda: matmul(a, b, out=out, **epilogue)), (lambda: matmul_ref(a, b, out=out, **epilogue))
+    return (lambda: matmul(a, b, out=out, **epilogue)), (lambda: torch_gemm(a, b, out=out, **epilogue))
 
 
 def unscale_and_stats_(tensors, inv_scale):
