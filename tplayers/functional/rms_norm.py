@@ -10,7 +10,7 @@ HF's eager norm keeps fp32 copies of x and of the normalised rows. No communicat
 
 import torch
 
-from tplayers.backend import register, token_bucket, uses_triton
+from tplayers.backend import get_backend, register, token_bucket, uses_triton
 
 
 class _RMSNormFn(torch.autograd.Function):
@@ -38,7 +38,8 @@ class _RMSNormFn(torch.autograd.Function):
 
 def rms_norm(x, weight, eps: float):
     """HF's RMSNorm of x over its last dim (module docstring), on the selected backend."""
-    key = (token_bucket(x.numel() // max(1, x.shape[-1])), x.shape[-1], str(weight.dtype)) if x.is_cuda else ()
+    measured = x.is_cuda and get_backend() == "auto"  # the shape class only where it decides
+    key = (token_bucket(x.numel() // max(1, x.shape[-1])), x.shape[-1], str(weight.dtype)) if measured else ()
     if x.numel() and uses_triton(x, "rms_norm", key):
         return _RMSNormFn.apply(x, weight, eps)
     return _hf_rms_norm(x, weight, eps)
