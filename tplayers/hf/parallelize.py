@@ -67,6 +67,8 @@ def _shared_input_hooks(modules, group, sequence_parallel):
     attention reshapes with its input's sequence length, so it must see the whole sequence; a
     flattened (tokens, H) input is gathered along its tokens, which the row layer after it
     reduce-scatters back in the same order."""
+    if dist.get_world_size(group) == 1:  # both are the identity on a group of one: no hook to run each step
+        return
     if sequence_parallel:  # a (tokens, H) input (an MoE block's shared expert): gathered along its tokens
 
         def prepare(h, group):
