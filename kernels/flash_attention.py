@@ -5,12 +5,13 @@ contract).
 Forward: one program per (BLOCK_M queries, head); an online softmax over BLOCK_N key tiles in
 fp32 (exp2, the scale and log2(e) folded into one multiply of the scores), returning o and the
 natural-log lse that context parallelism merges partial results with. Which key tiles a query
-tile visits comes from the tokens' metadata, before the launch (`tile_kinds`, a few torch
-reductions over each tile's position / document bounds, so any token order, head-tail or
-per-document, skips what it can): tiles where no pair is allowed (every key after every query,
+tile visits comes from the tokens' metadata, before the attention's launch (`tile_schedule`, one
+small launch over each tile's position / document bounds; `tile_kinds` / `tile_lists` in
+flash_attention_ref.py are its torch reference: any token order, head-tail or per-document,
+skips what it can): tiles where no pair is allowed (every key after every query,
 outside the window, no document in common) are not visited; tiles where every pair is allowed and
 every token real run without metadata loads, masks or guards (FA2's off-diagonal tiles); the rest
-run masked. Each program walks two lists of tile indices (`tile_lists`: whole, then masked) in
+run masked. Each program walks two lists of tile indices (whole, then masked) in
 loops without a branch, which Triton pipelines (a branch in the loop body had kept its loads
 from being pipelined), as FlexAttention's block masks do.
 
@@ -31,19 +32,22 @@ import math
 import os
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .flash_attention_ref import check_attention_args, flash_attention_backward_ref, flash_attention_ref
+from .flash_attention_ref import (
+    NO_TOKEN,
+    check_attention_args,
+    flash_attention_backward_ref,
+    flash_attention_ref,
+)
 
 __all__ = ["flash_attention", "flash_attention_backward", "flash_attention_backward_ref", "flash_attention_ref"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Small tiles in the interpreter, so the test shapes walk several tiles and skip some.
 INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=16)
-_BIG = 1 << 30  # tile bounds of a tile without real tokens: meets nothing
-_NO_TOKEN = tl.constexpr(_BIG)
+_NO_TOKEN = tl.constexpr(NO_TOKEN)  # tile bounds of a tile without real tokens: meets nothing
 
 
 def _gpu_config(kernel, head_dim, arch):
@@ -362,7 +366,7 @@ def _flash_dq_kernel(
 @triton.jit
 def _bounds(pos_ptr, doc_ptr, offs, n):
     """Per row of token indices `offs` (rows, BLOCK): the lowest / highest position and document over
-    its real tokens (doc >= 0; none: +-_BIG, which meets nothing), and whether every token is real."""
+    its real tokens (doc >= 0; none: +-NO_TOKEN, which meets nothing), and whether every token is real."""
     inside = offs < n
     doc = tl.load(doc_ptr + offs, mask=inside, other=-1)
     pos = tl.load(pos_ptr + offs, mask=inside, other=0)
@@ -438,8 +442,8 @@ def _schedule_kernel(
 
 
 def tile_schedule(row_pos, row_doc, col_pos, col_doc, block_r, block_c, causal, window, rows_are_queries=True):
-    """tile_lists(tile_kinds(...)) in one launch (the torch ops it replaces were ~50 launches, which
-    cost more than the attention at 4096 tokens): per row tile (query tiles, or with
+    """tile_lists(tile_kinds(...)) (flash_attention_ref.py, its reference) in one launch (those torch
+    ops are ~50 launches, which cost more than the attention at 4096 tokens): per row tile (query tiles, or with
     rows_are_queries=False key tiles), the column tiles to visit, whole first, and the two counts.
     Entries past a row's count are not written."""
     B, R = row_pos.shape
@@ -454,49 +458,6 @@ def tile_schedule(row_pos, row_doc, col_pos, col_doc, block_r, block_c, causal, 
         ROWS_ARE_QUERIES=rows_are_queries, CAUSAL=bool(causal), HAS_WINDOW=window is not None,
         BLOCK_R=block_r, BLOCK_C=block_c, CHUNK=chunk,
     )  # fmt: skip
-    return order, whole, meet
-
-
-def tile_bounds(pos, doc, block):
-    """(B, cdiv(n, block), 4) int32: each tile's lowest / highest position and document over its
-    real tokens (doc >= 0; none: +-2**30, which meets nothing); and (B, tiles) bool: whether every
-    token of the tile is real (a last tile past n is not)."""
-    B, n = pos.shape
-    pad = -n % block
-    doc = F.pad(doc, (0, pad), value=-1).view(B, -1, block)
-    pos = F.pad(pos, (0, pad)).view(B, -1, block)
-    real = doc >= 0
-    bounds = [torch.where(real, t, fill).amin(-1) if fill > 0 else torch.where(real, t, fill).amax(-1)
-              for t, fill in ((pos, _BIG), (pos, -_BIG), (doc, _BIG), (doc, -_BIG))]  # fmt: skip
-    return torch.stack(bounds, -1), real.all(-1)
-
-
-def tile_kinds(q_pos, q_doc, k_pos, k_doc, block_m, block_n, causal, window):
-    """(B, query tiles, key tiles) int8: 0 where every pair of the two tiles is allowed and every
-    token real (a whole tile: no mask), 1 where some pair may be (a masked tile), 2 where none is
-    (skipped). From the tiles' bounds: any token order (head-tail, per-document) skips what it can."""
-    (qb, q_real), (kb, k_real) = tile_bounds(q_pos, q_doc, block_m), tile_bounds(k_pos, k_doc, block_n)
-    qp_lo, qp_hi, qd_lo, qd_hi = (t[:, :, None] for t in qb.unbind(-1))
-    kp_lo, kp_hi, kd_lo, kd_hi = (t[:, None, :] for t in kb.unbind(-1))
-    meets = (kd_hi >= qd_lo) & (kd_lo <= qd_hi)  # false where either tile has no real token
-    whole = q_real[:, :, None] & k_real[:, None, :] & (qd_lo == qd_hi) & (kd_lo == kd_hi) & (qd_lo == kd_lo)
-    if causal:
-        meets &= kp_lo <= qp_hi
-        whole &= kp_hi <= qp_lo
-    if window is not None:
-        meets &= (kp_hi > qp_lo - window) & (kp_lo < qp_hi + window)
-        whole &= (qp_hi - kp_lo < window) & (kp_hi - qp_lo < window)
-    return torch.where(whole & meets, 0, torch.where(meets, 1, 2)).to(torch.int8)
-
-
-def tile_lists(kinds):
-    """Per row of `kinds` (B, rows, tiles): the tiles to visit, whole ones first then masked ones,
-    in order within each (int32, (B, rows, tiles)), and how many are whole and how many meet at
-    all (int32, (B, rows) each). The kernels loop over these without a branch, which Triton's
-    software pipelining needs; FlexAttention's block masks keep the same two lists."""
-    order = torch.sort(kinds, dim=-1, stable=True).indices.to(torch.int32).contiguous()
-    whole = (kinds == 0).sum(-1, dtype=torch.int32).contiguous()
-    meet = (kinds <= 1).sum(-1, dtype=torch.int32).contiguous()
     return order, whole, meet
 
 

@@ -24,8 +24,11 @@ dq (B, H, M, D), dk and dv (B, KH, N, D), all fp32.
 import math
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["check_attention_args", "flash_attention_backward_ref", "flash_attention_ref"]
+__all__ = ["check_attention_args", "flash_attention_backward_ref", "flash_attention_ref", "tile_kinds", "tile_lists"]
+
+NO_TOKEN = 1 << 30  # tile bounds of a tile without real tokens: meets nothing
 
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -109,3 +112,49 @@ def flash_attention_backward_ref(
     dk = (torch.matmul(ds.transpose(-1, -2), _acc(q)) * scale).view(B, KH, n_rep, -1, D).sum(2)
     dv = torch.matmul(p.transpose(-1, -2), do).view(B, KH, n_rep, -1, D).sum(2)
     return dq, dk, dv
+
+
+# -- which key tiles each query tile visits: the reference of the kernels' schedule (tile_schedule) --
+
+
+def tile_bounds(pos, doc, block):
+    """(B, cdiv(n, block), 4) int32: each tile's lowest / highest position and document over its
+    real tokens (doc >= 0; none: +-2**30, which meets nothing); and (B, tiles) bool: whether every
+    token of the tile is real (a last tile past n is not)."""
+    B, n = pos.shape
+    pad = -n % block
+    doc = F.pad(doc, (0, pad), value=-1).view(B, -1, block)
+    pos = F.pad(pos, (0, pad)).view(B, -1, block)
+    real = doc >= 0
+    bounds = [torch.where(real, t, fill).amin(-1) if fill > 0 else torch.where(real, t, fill).amax(-1)
+              for t, fill in ((pos, NO_TOKEN), (pos, -NO_TOKEN), (doc, NO_TOKEN), (doc, -NO_TOKEN))]  # fmt: skip
+    return torch.stack(bounds, -1), real.all(-1)
+
+
+def tile_kinds(q_pos, q_doc, k_pos, k_doc, block_m, block_n, causal, window):
+    """(B, query tiles, key tiles) int8: 0 where every pair of the two tiles is allowed and every
+    token real (a whole tile: no mask), 1 where some pair may be (a masked tile), 2 where none is
+    (skipped). From the tiles' bounds: any token order (head-tail, per-document) skips what it can."""
+    (qb, q_real), (kb, k_real) = tile_bounds(q_pos, q_doc, block_m), tile_bounds(k_pos, k_doc, block_n)
+    qp_lo, qp_hi, qd_lo, qd_hi = (t[:, :, None] for t in qb.unbind(-1))
+    kp_lo, kp_hi, kd_lo, kd_hi = (t[:, None, :] for t in kb.unbind(-1))
+    meets = (kd_hi >= qd_lo) & (kd_lo <= qd_hi)  # false where either tile has no real token
+    whole = q_real[:, :, None] & k_real[:, None, :] & (qd_lo == qd_hi) & (kd_lo == kd_hi) & (qd_lo == kd_lo)
+    if causal:
+        meets &= kp_lo <= qp_hi
+        whole &= kp_hi <= qp_lo
+    if window is not None:
+        meets &= (kp_hi > qp_lo - window) & (kp_lo < qp_hi + window)
+        whole &= (qp_hi - kp_lo < window) & (kp_hi - qp_lo < window)
+    return torch.where(whole & meets, 0, torch.where(meets, 1, 2)).to(torch.int8)
+
+
+def tile_lists(kinds):
+    """Per row of `kinds` (B, rows, tiles): the tiles to visit, whole ones first then masked ones,
+    in order within each (int32, (B, rows, tiles)), and how many are whole and how many meet at
+    all (int32, (B, rows) each). The kernels loop over these without a branch, which Triton's
+    software pipelining needs; FlexAttention's block masks keep the same two lists."""
+    order = torch.sort(kinds, dim=-1, stable=True).indices.to(torch.int32).contiguous()
+    whole = (kinds == 0).sum(-1, dtype=torch.int32).contiguous()
+    meet = (kinds <= 1).sum(-1, dtype=torch.int32).contiguous()
+    return order, whole, meet

@@ -110,7 +110,7 @@ def allowed_pairs(q_pos, q_doc, k_pos, k_doc, causal, window):
 def test_tile_kinds_agree_with_the_pairs(case, blocks):
     """A whole tile (run without a mask) has every pair allowed and every token real; a skipped
     tile has no pair allowed; the lists visit every tile that is not skipped, whole ones first."""
-    from tplayers.kernels.flash_attention import tile_kinds, tile_lists
+    from tplayers.kernels.flash_attention_ref import tile_kinds, tile_lists
 
     B, N = case["B"], case["N"]
     M = max(1, N // 2) if case["fewer_queries"] else N
@@ -135,7 +135,8 @@ def test_tile_kinds_agree_with_the_pairs(case, blocks):
 def test_tile_schedule_is_the_torch_lists(case, blocks):
     """The one-launch schedule (tile_schedule) visits what tile_lists(tile_kinds(...)) does, in the
     same order, per query tile (forward, dQ) and per key tile (dK / dV)."""
-    from tplayers.kernels.flash_attention import tile_kinds, tile_lists, tile_schedule
+    from tplayers.kernels.flash_attention import tile_schedule
+    from tplayers.kernels.flash_attention_ref import tile_kinds, tile_lists
 
     B, N = case["B"], case["N"]
     M = max(1, N // 2) if case["fewer_queries"] else N
@@ -161,7 +162,7 @@ def test_whole_tiles_of_a_long_causal_sequence():
     """Causal attention over 80 contiguous tokens (tiles of 16 in the interpreter): most tiles run
     whole, without a mask, and forward and backward still match the reference; a window of 40
     leaves whole tiles inside it too."""
-    from tplayers.kernels.flash_attention import tile_kinds
+    from tplayers.kernels.flash_attention_ref import tile_kinds
 
     gen = kernel_generator(7)
     B, H, KH, N, D = 1, 2, 1, 80, 16
