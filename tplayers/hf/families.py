@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tplayers.hf import attention, attention_code_models, encoder_layers, mixers, mla, mlp, moe, vision
+from tplayers.hf import attention, attention_code_models, attention_pairs, encoder_layers, mixers, mla, mlp, moe, vision
 from tplayers.hf.shard import ShardingPass, has_conv1ds, has_linears
 from tplayers.nn.embedding import VocabParallelEmbedding
 
@@ -168,6 +168,11 @@ ADAPTERS = (
     Adapter("GPTBigCode attention", attention.named("GPTBigCodeAttention"), attention_code_models.bigcode_attention),
     Adapter("CodeGen attention", attention.named("CodeGenAttention"), attention_code_models.codegen_attention),
     Adapter("MPT attention", attention.named("MptAttention"), attention_code_models.mpt_attention),
+    Adapter(
+        "differential attention (DiffLlama: heads paired across halves)",
+        attention_pairs.is_differential_attention,
+        attention_pairs.differential_attention,
+    ),  # fmt: skip
     Adapter("multi-head latent attention (DeepSeek-V2 / V3, MiniCPM3)", mla.is_mla, mla.mla_attention),
     Adapter(
         "DeepSeek-V4 attention (grouped output, compressor)",

@@ -29,6 +29,9 @@ the sum; each rank's gradient of it is then the whole one.
 Llama 4's experts take the tokens already weighted and laid out expert by expert ((E * T, H),
 one batched GEMM per expert): the same split, the tokens gathered (or summed) per expert.
 
+LongCat-Flash's zero-computation experts (the token itself, weighted) would be summed once per
+rank: every rank but rank 0 routes them a weight of 0.
+
 The router sees whole tokens on every rank and gets the whole gradient (under sequence
 parallelism, parallelize sums its gradient like a norm's). With an expert group, whole experts
 are placed over it instead (`tplayers.hf.expert_parallel`).
@@ -51,6 +54,7 @@ from tplayers.functional.collectives import (
     reduce_scatter_sequence,
 )
 from tplayers.hf import expert_parallel, pieces
+from tplayers.hf.attention import forward_source
 from tplayers.hf.shard import ShardingPass, copy_in, gather
 from tplayers.hf.state_dict import ExportRecord
 from tplayers.nn.experts import aligned_unit
@@ -82,8 +86,9 @@ def _layout(name, module) -> tuple[dict, bool]:
     flags = {k: getattr(module, k, flags.get(k, default)) for k, default in LAYOUT_FLAGS.items()}
     unknown = {k: getattr(module, k) for k, ok in KNOWN_FLAGS.items() if getattr(module, k, ok[0]) not in ok}
     experts, *gate_up = module.gate_up_proj.shape
+    computed = experts - _zero_computation_experts(name, module)  # the experts down_proj holds
     two_f, hidden = reversed(gate_up) if flags["is_transposed"] else gate_up
-    down = (experts, two_f // 2, hidden) if flags["is_transposed"] else (experts, hidden, two_f // 2)
+    down = (computed, two_f // 2, hidden) if flags["is_transposed"] else (computed, hidden, two_f // 2)
     biases = {"gate_up_proj_bias": (experts, two_f), "down_proj_bias": (experts, hidden)} if flags["has_bias"] else {}
     shapes_ok = all(tuple(getattr(getattr(module, k, None), "shape", ())) == v for k, v in biases.items())
     if unknown or two_f % 2 or tuple(module.down_proj.shape) != down or not shapes_ok:
@@ -99,6 +104,23 @@ def _layout(name, module) -> tuple[dict, bool]:
     return flags, by_expert
 
 
+def _zero_computation_experts(name, module) -> int:
+    """How many of `module`'s experts are zero-computation ones (LongCat-Flash: the experts past
+    `num_routed_experts` return the token itself, weighted), read where tplayers knows the forward
+    that computes them: HF's LongcatFlashExperts, line for line. 0 for any other experts module."""
+    zero = getattr(module, "zero_expert_num", 0) or 0
+    if not zero:
+        return 0
+    from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashExperts
+
+    if forward_source(module) != inspect.getsource(LongcatFlashExperts.forward):
+        raise ValueError(
+            f"parallelize: {name} ({type(module).__name__}) holds {zero} zero-computation experts under a forward "
+            "tplayers does not know (LongCat-Flash's is the one it splits); pass a plan for this model"
+        )
+    return zero
+
+
 def _bias_terms(module, indices, weights):
     """sum_k weights[t, k] * down_proj_bias[indices[t, k]] for every token t (an index past the
     experts, HF's padding, adds nothing); the bias detached: its gradient is the forward's."""
@@ -107,7 +129,7 @@ def _bias_terms(module, indices, weights):
     return (weights.unsqueeze(-1).to(bias.dtype) * padded[indices.clamp(max=bias.shape[0])]).sum(1)
 
 
-def _expert_hooks(module, group, sequence_parallel, bias_once=False):
+def _expert_hooks(module, group, sequence_parallel, bias_once=False, identity_from=None):
     """Tokens, expert indices and routing weights in (whole, or gathered along the tokens under
     sequence parallelism), the partial output summed (or reduce-scattered) out.
 
@@ -115,7 +137,12 @@ def _expert_hooks(module, group, sequence_parallel, bias_once=False):
     sum would hold it n times: every rank but rank 0 takes its bias terms off before the sum
     (`_bias_terms`, one rounding as the addition itself). The routing weights' gradient then sums
     to the unsharded one, and down_proj_bias's gradient is whole on every rank (the output
-    gradient is whole there): a replicated parameter, with no hook on it."""
+    gradient is whole there): a replicated parameter, with no hook on it.
+
+    `identity_from`: experts from this index on return the token itself (LongCat-Flash's
+    zero-computation experts), which every rank would add whole to its partial output: every rank
+    but rank 0 routes them a weight of exactly 0, so the sum holds them once, and their gradients
+    (the token's, the weight's) come from rank 0 alone and are summed with the others'."""
     if sequence_parallel:
         prepare = (
             lambda h: all_gather_sequence(h, group, 0),
@@ -130,7 +157,10 @@ def _expert_hooks(module, group, sequence_parallel, bias_once=False):
 
     def before(mod, args, kwargs):
         values = list(args) + [kwargs.pop(k) for k in names[len(args) :]]
-        return tuple(f(v) for f, v in zip(prepare, values, strict=True)), kwargs
+        tokens, indices, weights = (f(v) for f, v in zip(prepare, values, strict=True))
+        if identity_from is not None and dist.get_rank(group) != 0:
+            weights = torch.where(indices >= identity_from, torch.zeros_like(weights), weights)
+        return (tokens, indices, weights), kwargs
 
     def after(mod, args, out):
         if bias_once and dist.get_rank(group) != 0:
@@ -213,7 +243,9 @@ def experts(sp: ShardingPass, name, module):
     if by_expert:
         _by_expert_hooks(module, sp.group, sp.sp, n_experts)
     else:
-        _expert_hooks(module, sp.group, sp.sp, bias_once=flags["has_bias"])
+        zero = _zero_computation_experts(name, module)
+        identity_from = n_experts - zero if zero else None
+        _expert_hooks(module, sp.group, sp.sp, bias_once=flags["has_bias"], identity_from=identity_from)
 
     def gathered_gate_up(t, dim):
         if t is None or pairs:
