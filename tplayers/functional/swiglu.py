@@ -50,12 +50,12 @@ class ColumnSwiGLUFn(torch.autograd.Function):
             ctx.save_for_backward(chunks, weight, y)
             return h
         x2 = _flat(x)
-        h = x.new_empty((x2.shape[0], f))
-        ctx.fused = gemm_runs_triton(x2, weight, bias=bias, swiglu_out=h)
+        ctx.fused = gemm_runs_triton(x2, weight, bias=bias, swiglu_out=True)  # decided before h is allocated
         if not ctx.fused:  # HF's own ops: contiguous gate and up, no strided elementwise pass
             gate, up = (F.linear(x2, weight[i::2], bias[i::2] if bias is not None else None) for i in (0, 1))
             ctx.save_for_backward(x, weight, gate, up)
             return (F.silu(gate) * up).view(*x.shape[:-1], f)
+        h = x.new_empty((x2.shape[0], f))
         y = gemm(x2, weight, bias=bias, swiglu_out=h).view(*x.shape[:-1], 2 * f)
         ctx.save_for_backward(x, weight, y)
         return h.view(*x.shape[:-1], f)
