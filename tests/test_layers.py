@@ -222,3 +222,41 @@ def test_shard_sizes_are_torch_chunks_and_dtensor_shards(total, n):
     dtensor = [Shard(0)._local_shard_size_and_offset(total, n, r)[0] for r in range(n)]
     assert shard_sizes(total, n) == dtensor
     assert [shard_range(total, n, r) for r in range(n)] == [(sum(expected[:r]), expected[r]) for r in range(n)]
+
+
+def gathered_weight_step(rank, tp, group, sequence_parallel, wrong_rows):
+    """GatheredWeightLinear (7 rows: uneven over 2-4 ranks) against nn.Linear on integer values, bit
+    for bit: the output over this rank's tokens, the input's gradient, this rank's rows of the weight
+    and bias gradients (under SP each rank has its own tokens; the reference sees all of them)."""
+    from tplayers.nn.linear import GatheredWeightLinear
+
+    g = torch.Generator().manual_seed(0)
+    full = nn.Linear(5, 7)
+    with torch.no_grad():
+        full.weight.copy_(integer_valued((7, 5), generator=g))
+        full.bias.copy_(integer_valued((7,), generator=g))
+    x = integer_valued((2, 3 * tp, 5), generator=g).requires_grad_(True)
+    dy = integer_valued((2, 3 * tp, 7), generator=g)
+    layer = GatheredWeightLinear.from_linear(full, group=group, sequence_parallel=sequence_parallel)
+    if wrong_rows:  # negative control: every rank holds the first rank's rows
+        with torch.no_grad():
+            layer.weight.copy_(full.weight[: layer.weight.shape[0]])
+    mine = slice(3 * rank, 3 * rank + 3) if sequence_parallel else slice(None)
+    x_local = x.detach()[:, mine].clone().requires_grad_(True)
+    (layer(x_local) * dy[:, mine]).sum().backward()
+    (full(x) * dy).sum().backward()
+    assert_close(layer(x_local), full(x)[:, mine], exact=True)
+    assert_close(x_local.grad, x.grad[:, mine], exact=True)
+    assert_shard_close(layer.weight.grad, full.weight.grad, dim=0, rank=rank, num_shards=tp, exact=True)
+    assert_shard_close(layer.bias.grad, full.bias.grad, dim=0, rank=rank, num_shards=tp, exact=True)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3, 4])
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
+def test_gathered_weight_linear_is_nn_linear(pool, tp, sequence_parallel):
+    pool.run(gathered_weight_step, tp, sequence_parallel, False)
+
+
+def test_negative_control_gathered_weight_linear_with_wrong_rows(pool):
+    for reply in pool.run(gathered_weight_step, 2, False, True, return_exceptions=True)[1:]:
+        assert isinstance(reply, tplayers.testing.RemoteError) and "Mismatched elements" in reply.message, reply

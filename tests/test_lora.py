@@ -1,5 +1,6 @@
 """LoRA (peft) on tensor-parallel models: both orders, every projection of Llama, Qwen2, GPT-2
-(fused c_attn) and Phi-3 (fused qkv_proj, gate_up_proj), TP 2 with and without sequence
+(fused c_attn) and Phi-3 (fused qkv_proj, gate_up_proj), DeepSeek-V3's MLA, Qwen4-Exp's hyper-connection
+mixers, TP 2 with and without sequence
 parallelism and TP 4, equal to the unsharded peft model: logits, loss, every adapter gradient and
 weight after AdamW steps, the base untouched; the adapter exported as peft writes it; ZeRO-3 over
 the adapters only; checkpoints across layouts; refusals."""
@@ -14,6 +15,7 @@ import tplayers
 from tplayers.hf import gather_grads
 from tplayers.hf import lora as tp_lora
 from tplayers.testing import assert_close, logits_of
+from tplayers.testing.tiny import tiny_config
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_families import VOCAB, tiny_model  # noqa: E402
@@ -29,7 +31,21 @@ TARGETS = {
     "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],  # both fused
     # MLA: adapters on the latent (replicated) and per-head (split) projections alike
     "deepseek_v3": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+    # hyper-connection mixers, stored split and gathered whole (GatheredWeightLinear): their adapters whole
+    "qwen4_exp_text": ["input_mix_weight_down", "input_mix_weight_up", "o_proj"],
 }
+# families built from their own config class (tplayers.testing.tiny_config), not test_families' tiny sizes
+OWN_CONFIG = {"qwen4_exp_text"}
+
+
+def base_model(family):
+    if family not in OWN_CONFIG:
+        return tiny_model(family)
+    import transformers as tf
+
+    cfg = tiny_config(family, heads=8, vocab_size=VOCAB)  # 4 key heads in its linear attention: up to TP 4
+    torch.manual_seed(0)
+    return tf.AutoModelForCausalLM.from_config(cfg).eval()
 
 
 def lora_config(family, **kwargs):
@@ -40,7 +56,7 @@ def lora_config(family, **kwargs):
 
 
 def peft_model(family, **kwargs):
-    model = tiny_model(family)
+    model = base_model(family)
     torch.manual_seed(1)
     out = peft.get_peft_model(model, lora_config(family, **kwargs))
     with torch.no_grad():  # B nonzero: the adapters change the output from the start
@@ -55,7 +71,7 @@ def sharded(family, order, group, sequence_parallel, overlap="auto", **kwargs):
     options = dict(group=group, sequence_parallel=sequence_parallel, overlap=overlap)
     if order == 1:
         return tplayers.parallelize(peft_model(family, **kwargs), **options)
-    model = tplayers.parallelize(tiny_model(family), **options)
+    model = tplayers.parallelize(base_model(family), **options)
     torch.manual_seed(1)
     named = dict(target_modules=PROJECTIONS) if TARGETS[family] == "all-linear" else {}
     out = tplayers.get_peft_model(model, lora_config(family, **named, **kwargs))

@@ -56,13 +56,13 @@ from tplayers.hf.fused import MultiQueryProjection, SharedKVProjection
 from tplayers.hf.lora_checks import _refuse, check_config, keep_whole
 from tplayers.hf.shard import copy_in, on_device
 from tplayers.hf.state_dict import ExportRecord, LiveRecords
-from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear
+from tplayers.nn.linear import ColumnParallelLinear, GatheredWeightLinear, RowParallelLinear
 from tplayers.placement import placement_or_none, seal
 from tplayers.state import set_state, state_of
 
 # the tplayers layers an adapter can sit on (SharedKVProjection before RowParallelLinear
 # does not matter: neither subclasses the other)
-SUPPORTED = (ColumnParallelLinear, RowParallelLinear, SharedKVProjection, MultiQueryProjection)
+SUPPORTED = (ColumnParallelLinear, RowParallelLinear, GatheredWeightLinear, SharedKVProjection, MultiQueryProjection)
 
 
 def lora_layers(model) -> dict[str, nn.Module]:
@@ -246,6 +246,10 @@ def shard_adapter(layer, adapter):
     elif isinstance(base, SharedKVProjection):
         new_a, new_b = a, _shared_like(base, b)
         keep_whole(a.weight, group, partial=True)
+    elif isinstance(base, GatheredWeightLinear):  # the whole output on every rank: the adapter whole too
+        new_a, new_b = a, b
+        for p in (*a.parameters(), *b.parameters()):  # under SP each rank's tokens give part of the gradient
+            keep_whole(p, group, partial=base.sequence_parallel)
     elif isinstance(base, ColumnParallelLinear):
         new_a, new_b = a, _column_like(base, b, _map(base, 0))
         keep_whole(a.weight, group, partial=base.sequence_parallel or not base.reduce_input_grad)

@@ -22,6 +22,7 @@ from tplayers.hf.attention import NORMS_BEFORE_PROJECTION, forward_source, norm_
 from tplayers.hf.fused import fused_column, part_rows
 from tplayers.hf.shard import ShardingPass, as_linear, copy_in, gather, has_linears, on_device
 from tplayers.hf.state_dict import ExportRecord
+from tplayers.nn.linear import GatheredWeightLinear
 from tplayers.nn.mlp import ParallelMLP, fuse_gate_up, unfuse_gate_up
 from tplayers.placement import shard_sizes
 
@@ -340,6 +341,9 @@ RESIDUAL_STREAM = {
     "Qwen4ExpTextDecoderLayer": ("attn_hyper_connection", "mlp_hyper_connection"),
     "Qwen4ExpTextModel": ("hyper_connection_mixer",),
 }
+# Linears inside them too large to hold once per rank (Qwen4-Exp's mixers: 2 x 4H x 640 a connection):
+# stored split by rows, all-gathered whole at every forward (`GatheredWeightLinear`), by the class holding them
+GATHERED = {"Qwen4ExpTextGatedResidual": ("input_mix_weight_down", "input_mix_weight_up")}
 # Of those, the layers that take a per-layer input over the whole sequence beside their hidden states
 PER_LAYER_INPUTS = {"Gemma3nTextDecoderLayer", "Gemma4TextDecoderLayer"}
 
@@ -355,8 +359,13 @@ def residual_stream_modules(sp: ShardingPass, name, module):
             "its hidden states (and Gemma 3n's AltUp stacks several hidden states); sequence parallelism would split "
             "the hidden states and not the rest. Use sequence_parallel=False for this model"
         )
+    # the model holding the blocks runs its own modules outside them, on whole sequences
+    holds_blocks = any(isinstance(c, nn.ModuleList) for c in module.children())
     for child in RESIDUAL_STREAM[type(module).__name__]:
         if getattr(module, child, None) is not None:
             full = f"{name}.{child}" if name else child
             sp.done.add(full)
             sp.whole.add(full)
+            for key in GATHERED.get(type(getattr(module, child)).__name__, ()):
+                sp.column(f"{full}.{key}", getattr(getattr(module, child), key), layer_class=GatheredWeightLinear,
+                          sequence_parallel=sp.sp and not holds_blocks)  # fmt: skip

@@ -21,7 +21,7 @@ from torch.distributed.tensor import Replicate, Shard
 from tplayers.distributed import refuse_grid, resolve_group
 from tplayers.functional import comm
 from tplayers.functional.auto_overlap import check_overlap
-from tplayers.functional.collectives import gather_from_tp_region, own_slice, scatter_to_tp_region
+from tplayers.functional.collectives import all_gather_dim, gather_from_tp_region, own_slice, scatter_to_tp_region
 from tplayers.functional.linear import column_parallel_linear, row_parallel_linear
 from tplayers.placement import PlacedModule, check_sizes, shard_sizes
 
@@ -218,6 +218,61 @@ class ColumnParallelLinear(_ParallelLinear):
             f"in_features={self.in_features}, out_features={self.out_features} "
             f"({self.out_features_per_rank} per rank of {self.tp_size}), bias={self.bias is not None}, "
             f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}, overlap={self.overlap}"
+        )
+
+
+class _GatheredRows(torch.autograd.Function):
+    """This rank's rows of a weight -> the whole weight; backward: this rank's rows of the whole
+    weight's gradient, first summed over the group where each rank computed only part of it."""
+
+    @staticmethod
+    def forward(ctx, rows, group, sizes, summed):
+        ctx.group, ctx.sizes, ctx.summed = group, sizes, summed
+        return all_gather_dim(rows, 0, group, sizes=sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.summed:
+            grad = grad.contiguous().clone()
+            comm.all_reduce(grad, ctx.group)
+        return own_slice(grad, 0, ctx.group, sizes=ctx.sizes), None, None, None
+
+
+class GatheredWeightLinear(_ParallelLinear):
+    """nn.Linear computed whole on every rank, its weight stored split: for a module that acts token
+    by token on the whole hidden state, kept whole, whose weights are too large to hold once per
+    rank (Qwen4-Exp's hyper-connection mixers: 21M a layer). Each rank stores its rows of the weight
+    (and bias), Shard(0) as a column layer's; every forward all-gathers them. Input and output are
+    nn.Linear's, over the tokens this rank has: every rank's the same (the gradient of the whole
+    weight is then the same on every rank: backward keeps this rank's rows), or under
+    `sequence_parallel` its own (each rank's gradient is from its tokens: summed over the group
+    first)."""
+
+    _placements = {"weight": Shard(0), "bias": Shard(0)}
+    _set_shards = ColumnParallelLinear._set_shards  # this rank's rows, as a column layer stores them
+
+    def __init__(self, in_features, out_features, bias=True, *, group=None, sequence_parallel=False, overlap="auto",
+                 device=None, dtype=None):  # fmt: skip
+        super().__init__(in_features, out_features, group=group, sequence_parallel=sequence_parallel, overlap=overlap)
+        self.split_unit = 1
+        self.split_sizes = _split(out_features, 1, None, self.group, "GatheredWeightLinear")
+        self.out_features_per_rank = self.split_sizes[dist.get_rank(self.group)]
+        self._init_parameters(bias, device, dtype)
+
+    def forward(self, x):
+        x, weight, bias = autocast_operands(self, x)
+        if self.tp_size == 1:
+            return nn.functional.linear(x, weight, bias)
+        sizes, summed = list(self.split_sizes), self.sequence_parallel
+        weight = _GatheredRows.apply(weight, self.group, sizes, summed)
+        bias = _GatheredRows.apply(bias, self.group, sizes, summed) if bias is not None else None
+        return nn.functional.linear(x, weight, bias)
+
+    def extra_repr(self):
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} (whole; stored "
+            f"{self.out_features_per_rank} rows per rank of {self.tp_size}), bias={self.bias is not None}, "
+            f"sequence_parallel={self.sequence_parallel}"
         )
 
 
