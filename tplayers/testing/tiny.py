@@ -77,6 +77,11 @@ QUIRKS = {
     ),  # fmt: skip
     # Llama 4's pixel shuffle (ratio 1/2) makes 4 x the tower's width, its adapter's input
     "llama4": lambda caps: dict(vision_config=dict(intermediate_size=4 * caps["width"])) if "width" in caps else {},
+    # defaults left None that the models read: one dense and one sparse MLP layer; experts of their own
+    "deepseek_ocr2": dict(text_config=dict(mlp_layer_types=["dense", "sparse"], num_experts_per_tok=2)),
+    "diffusion_gemma": lambda caps: dict(
+        text_config=dict(num_experts=4, top_k_experts=2, moe_intermediate_size=caps.get("ffn"))
+    ),
     # the shared transformer is one module tied over the hybrid layers: two of them
     "zamba": dict(num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "hybrid"]),
 }
