@@ -4,12 +4,14 @@ projection in `attention.output` (dense, then LayerNorm over it plus the residua
 projection in `intermediate` and its down projection in `output` (the same). Split as Megatron splits
 its attention and MLP; the model's own forwards run on each rank's heads and features, the LayerNorms
 after the row projections see whole (or, under sequence parallelism, this rank's tokens of) hidden
-states and stay whole."""
+states and stay whole. Their LM prediction heads: the transform before the (vocabulary-parallel) LM
+head whole on every rank."""
 
 from torch import nn
 
 from tplayers.hf.attention import _finish_attention, _local_heads
 from tplayers.hf.shard import ShardingPass, has_linears
+from tplayers.nn.linear import ColumnParallelLinear
 
 
 def _holds_weights(module) -> bool:
@@ -69,3 +71,28 @@ def intermediate_output_mlp(sp: ShardingPass, name, layer):
     sp.column(f"{name}.intermediate.dense", layer.intermediate.dense)
     sp.row(f"{name}.output.dense", layer.output.dense)
     sp.done.add(f"{name}.intermediate")
+
+
+# A transform of the last hidden states kept beside the model's LM head, not in the module holding it
+PREDICTION_TRANSFORMS = ("ElectraGeneratorPredictions",)
+
+
+def is_prediction_head(module) -> bool:
+    """A BERT-family LM prediction head: the LM head as `decoder` (already vocabulary-parallel here)
+    beside a token-wise transform of the last hidden states (dense, activation, LayerNorm: in a
+    `transform` child or held directly); or ELECTRA's generator predictions (the transform alone)."""
+    if type(module).__name__ in PREDICTION_TRANSFORMS:
+        return True
+    others = [child for child, _ in module.named_children() if child != "decoder"]
+    return isinstance(getattr(module, "decoder", None), ColumnParallelLinear) and bool(others)
+
+
+def prediction_head(sp: ShardingPass, name, module):
+    """The transform whole on every rank: it sees the whole last hidden states (sequence parallelism
+    ends before the LM head), and the LM head sums its input's gradient over the ranks, so each rank's
+    gradient of it is the whole one. The LM head itself was placed with the embeddings."""
+    for child, _ in module.named_children():
+        if child != "decoder":
+            sp.done.add(f"{name}.{child}")
+            sp.whole.add(f"{name}.{child}")
+    sp.done.add(name)

@@ -226,6 +226,11 @@ ADAPTERS = (
     ),
     Adapter("GPT-2 attention", lambda m: has_conv1ds(m, ("c_attn", "c_proj")), attention.gpt2_attention),
     Adapter(
+        "BERT-family LM prediction head (a transform beside the LM head, whole)",
+        encoder_layers.is_prediction_head,
+        encoder_layers.prediction_head,
+    ),  # fmt: skip
+    Adapter(
         "BERT-style attention (self: query / key / value, output: dense)",
         encoder_layers.is_self_output_attention,
         encoder_layers.self_output_attention,

@@ -73,18 +73,12 @@ def copy_in(param, value):
     copy_into(param, value)
 
 
-def _refuse_a_bias_held_twice(model, name, head):
-    """An LM head whose bias its parent also holds as a parameter of its own (BERT's prediction head:
-    `self.decoder.bias = self.bias`): sharding the head's bias would leave the parent's whole and
-    unused, so its gradient and state-dict entry would be wrong. Refused by name."""
-    parent_name = name.rpartition(".")[0]
-    parent = model.get_submodule(parent_name) if parent_name else model
+def _bias_held_twice(model, name, head) -> tuple[nn.Module, str] | None:
+    """(the parent, its name for the bias) of an LM head whose bias its parent also holds as a
+    parameter of its own (BERT's prediction head: `self.decoder.bias = self.bias`), else None."""
+    parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
     held = [k for k, p in parent._parameters.items() if p is not None and head.bias is not None and p is head.bias]
-    if held:
-        raise ValueError(
-            f"parallelize: {name}'s bias is also {parent_name}.{held[0]}, a parameter of its own; tplayers does not "
-            f"split a bias held twice. Pass plan={{{name!r}: 'replicate'}} to keep the head whole"
-        )
+    return (parent, held[0]) if held else None
 
 
 def linear_export(layer, dim, transpose) -> Export:
@@ -314,7 +308,7 @@ class ShardingPass(SharesGroups):
             tied = head is not None and head.weight is emb.weight
             new_emb = self.vocab_parallel(names[id(emb)], emb)
             if isinstance(head, nn.Linear) and self.planned(names.get(id(head))) is None:
-                _refuse_a_bias_held_twice(self.model, names[id(head)], head)
+                bias_held_twice = _bias_held_twice(self.model, names[id(head)], head)
                 # the LM head sees the whole sequence: sequence parallelism ends after the last block
                 new_head = (
                     self.column(names[id(head)], head, sequence_parallel=False, gather_output=False)
@@ -324,6 +318,26 @@ class ShardingPass(SharesGroups):
                 if tied:  # one Parameter, one placement: still tied after sharding
                     new_head.weight = new_emb.weight
                     self.tied[names[id(head)]] = names[id(emb)]
+                if bias_held_twice:
+                    self._bias_held_twice(names[id(head)], new_head, *bias_held_twice)
+
+    def _bias_held_twice(self, name, head, parent, key):
+        """The parent of the LM head `name` holds the head's bias as `key` too: it holds the split
+        bias, the same Parameter, exported (and loaded) under its own name as well."""
+        parent_name = name.rpartition(".")[0]
+        setattr(parent, key, head.bias)
+
+        def export(pick, group):
+            bias = pick(head.bias)
+            return {"": gather(bias, 0, group)} if bias is not None else {}
+
+        def load(full):
+            copy_in(head.bias, own_slice(full[""], 0, self.group))
+
+        def layout():
+            return [pieces.split("", head.bias, 0, self.group, total=head.out_features)]
+
+        self.exports.append(ExportRecord(f"{parent_name}.{key}" if parent_name else key, export, load, layout))
 
     def apply_plan(self, name, module, kind):
         if kind == "colwise":
