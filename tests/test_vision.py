@@ -18,6 +18,7 @@ import tplayers
 from tplayers.hf import gather_grads, vision
 from tplayers.hf.verify import PROBE_BATCH, PROBE_TOKENS_PER_RANK
 from tplayers.testing import assert_close
+from tplayers.testing.meshes import layout_mesh
 from tplayers.testing.pool import RemoteError
 from tplayers.testing.tiny import tiny_config
 
@@ -453,3 +454,23 @@ def test_a_checkpoint_saved_at_tp2_loads_at_tp4_and_tp1_and_trains_on(pool, tmp_
         assert sorted(got) == sorted(want)
         for name, value in want.items():
             assert_close(got[name], value, msg=f"TP {tp}: {name}")
+
+
+def on_a_grid(rank, world, group):
+    mesh = layout_mesh(1, 1, 2, 2)
+    tplayers.parallelize(tiny_vlm("llava", 2), group=mesh["tp_r", "tp_c"])
+
+
+def pipeline_split_of_a_vlm(rank, world, group):
+    mesh = layout_mesh(1, 2, 2)
+    tplayers.pipeline_split(tplayers.parallelize(tiny_vlm("llava", 2), group=mesh["tp"]), group=mesh["pp"])
+
+
+def test_a_2d_grid_and_pipeline_split_refuse_the_towers_by_name(pool):
+    """Neither the 2-D grid nor pipeline_split places a vision tower (the grid had kept it whole unasked,
+    after a raw AttributeError): both refuse on every rank, naming the towers and the way out."""
+    for fn, mesh, what in ((on_a_grid, (1, 1, 2, 2), "1-D tensor-parallel group"),
+                           (pipeline_split_of_a_vlm, (1, 2, 2), "PipelineStage directly")):  # fmt: skip
+        for reply in pool.run(fn, 4, mesh=mesh, return_exceptions=True):
+            assert isinstance(reply, RemoteError), reply
+            assert "model.vision_tower, model.multi_modal_projector" in reply.message and what in reply.message

@@ -48,7 +48,7 @@ from tplayers.functional.collectives import (
     own_slice,
     scatter_to_tp_region,
 )
-from tplayers.hf import families, pieces
+from tplayers.hf import families, pieces, vision
 from tplayers.hf import fused_loss as fused
 from tplayers.hf import verify as verification
 from tplayers.hf.attention import HEAD_COUNTS, HIDDEN_WIDTHS, KV_HEAD_COUNTS, localize_attributes, rms_norm_eps
@@ -267,6 +267,10 @@ def parallelize_grid(model, mesh, *, sequence_parallel=False, plan=None, vocab_p
     """`parallelize` over a 2-D mesh (module docstring)."""
     if plan:
         _refuse(type(model).__name__, "plan= is not supported on a grid yet")
+    beside = vision.towers(model)
+    if beside:  # before any collective: every rank holds the same model
+        _refuse(type(model).__name__, f"its towers beside the language model ({', '.join(beside)}) are not part of the "
+                "2-D layout; parallelize it over a 1-D tensor-parallel group")  # fmt: skip
     groups = grid_groups(mesh)
     whole = resolve_group(mesh)  # every tensor-parallel rank: the records' one TP group
     probe = verification.before(model, verify, dist.get_world_size(whole), vocab_parallel=vocab_parallel_logits)

@@ -57,6 +57,7 @@ from tplayers.hf.context import (
 from tplayers.hf.fused_loss import installed
 from tplayers.hf.same_inputs import compare_inputs
 from tplayers.hf.state_dict import export_records
+from tplayers.hf.vision import towers
 from tplayers.nn.lm_head import ParallelLMHead
 from tplayers.pipeline import PipelineStage
 from tplayers.placement import refuse_overlap
@@ -273,6 +274,13 @@ def pipeline_split(model, *, group=None, virtual_stages: int = 1, layers_per_sta
                    "the stages are split over ranks that hold the same stage's shards or replicas (use "
                    "init_mesh(pp=..., tp=...) and pass mesh['pp'])", role="the pipeline group")  # fmt: skip
     n, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    beside = towers(model)
+    if beside:  # the stages would carry hidden states only: the image features never reach them
+        raise ValueError(
+            f"pipeline_split: {type(model).__name__} has towers beside its language model ({', '.join(beside)}), "
+            "whose outputs the model merges into the first stage's input; tplayers splits decoders only. "
+            "Split it with tplayers.PipelineStage directly"
+        )
     decoder = getattr(model, "model", None)
     missing = [p for p in DECODER_PARTS if not hasattr(decoder, p)]
     if missing or model.get_output_embeddings() is None:
