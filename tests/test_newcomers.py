@@ -182,10 +182,11 @@ def test_every_newcomer_is_exact_or_refused(pool, tp):
 
 # The types this sweep reached first with their own adapters: DeepSeek Sparse Attention, DeepSeek-V4,
 # Qwen4-Exp (hyper-connections, query-sparse attention), Kimi Delta Attention, OLMo hybrid's Gated
-# DeltaNet, fused gate_up MLPs with their own elementwise math, MLA variants, zero-computation experts.
+# DeltaNet, fused gate_up MLPs with their own elementwise math, MLA variants, zero-computation experts,
+# attention with convolved keys and values.
 ADAPTED = ["deepseek_v32", "glm_moe_dsa", "hy_v4", "dots3_note_text", "deepseek_v4", "qwen4_exp_text",
            "kimi_linear", "bailing_hybrid", "olmo_hybrid", "zamba2", "minimax_m3_vl_text", "axk1", "axk2", "youtu",
-           "lfm3", "longcat_flash"]  # fmt: skip
+           "lfm3", "longcat_flash", "inkling_text"]  # fmt: skip
 
 
 def generate_and_state_dict(rank, world, group, types):

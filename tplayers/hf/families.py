@@ -27,7 +27,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tplayers.hf import attention, attention_code_models, attention_pairs, encoder_layers, mixers, mla, mlp, moe, vision
+from tplayers.hf import (
+    attention,
+    attention_code_models,
+    attention_convolved,
+    attention_pairs,
+    encoder_layers,
+    mixers,
+    mla,
+    mlp,
+    moe,
+    vision,
+)
 from tplayers.hf.shard import ShardingPass, has_conv1ds, has_linears
 from tplayers.nn.embedding import VocabParallelEmbedding
 
@@ -168,6 +179,17 @@ ADAPTERS = (
     Adapter("GPTBigCode attention", attention.named("GPTBigCodeAttention"), attention_code_models.bigcode_attention),
     Adapter("CodeGen attention", attention.named("CodeGenAttention"), attention_code_models.codegen_attention),
     Adapter("MPT attention", attention.named("MptAttention"), attention_code_models.mpt_attention),
+    Adapter(
+        "short convolutions on the residual stream (Inkling's decoder layers), whole",
+        attention_convolved.holds_residual_convolutions,
+        attention_convolved.residual_convolutions,
+        passes_on=True,
+    ),  # fmt: skip
+    Adapter(
+        "attention with short convolutions over keys and values (Inkling)",
+        attention_convolved.is_convolved_attention,
+        attention_convolved.convolved_attention,
+    ),  # fmt: skip
     Adapter(
         "differential attention (DiffLlama: heads paired across halves)",
         attention_pairs.is_differential_attention,

@@ -94,11 +94,11 @@ def _rows(segments, start, count) -> torch.Tensor:
     return torch.cat([torch.arange(o + start * w, o + (start + count) * w) for o, w in segments])
 
 
-def _conv(sp: ShardingPass, name, conv, channels: list[torch.Tensor], whole: torch.Tensor):
+def channel_split_conv(sp: ShardingPass, name, conv, channels: list[torch.Tensor], whole: torch.Tensor | None = None):
     """The depthwise conv1d split by channel: rank r computes `channels[r]`; the channels in
-    `whole` every rank holds, their gradient summed over the group."""
+    `whole` (None: none) every rank holds, their gradient summed over the group."""
     rank = dist.get_rank(sp.group)
-    mask = [torch.isin(c, whole) for c in channels]
+    mask = [torch.isin(c, whole) if whole is not None else torch.zeros_like(c, dtype=torch.bool) for c in channels]
     layer = on_device(ChannelParallelConv1d(conv, channels[rank], mask[rank], group=sp.group), conv.weight.device)
     sp.swap(name, layer)
     if layer.whole_weight is not None:
@@ -196,7 +196,7 @@ def gated_deltanet(sp: ShardingPass, name, m):
         units = dict(q_proj=hk, k_proj=hk, v_proj=per * hv, g_proj=per * hv, a_proj=per, b_proj=per)
         for key, unit in units.items():
             sp.shared_input_column(f"{name}.{key}", getattr(m, key), split_unit=unit, split_sizes=split)
-    _conv(sp, f"{name}.conv1d", m.conv1d, qkv, torch.zeros(0, dtype=torch.long))
+    channel_split_conv(sp, f"{name}.conv1d", m.conv1d, qkv)
     for key in ("A_log", "dt_bias"):
         split_per_head(sp, name, m, key, per, split)
     _head_wise_norm(sp, f"{name}.{norm}", getattr(m, norm), hv)
@@ -237,7 +237,7 @@ def kimi_delta_attention(sp: ShardingPass, name, m):
             if isinstance(getattr(owner, key, None), nn.Linear):
                 sp.shared_input_column(f"{prefix}.{key}", getattr(owner, key), split_unit=unit, split_sizes=split)
     qkv = [_rows([(0, width), (dim, width), (2 * dim, width)], s, c) for s, c in ranges]
-    _conv(sp, f"{name}.conv1d", m.conv1d, qkv, torch.zeros(0, dtype=torch.long))
+    channel_split_conv(sp, f"{name}.conv1d", m.conv1d, qkv)
     split_per_head(sp, f"{name}.forget_gate", gate, "dt_bias", width, split)
     split_per_head(sp, f"{name}.forget_gate", gate, "A_log", 1, split, dim=list(gate.A_log.shape).index(heads))
     _head_wise_norm(sp, f"{name}.o_norm", m.o_norm, width)
@@ -326,7 +326,7 @@ def short_conv(sp: ShardingPass, name, m):
     split = even_sizes(width, sp.n)
     fused_column(sp, f"{name}.in_proj", m.in_proj, part_rows([width] * 3, sp.n, split=split))
     ranges = _ranges(sp, width, split)
-    _conv(sp, f"{name}.conv", m.conv, [torch.arange(s, s + c) for s, c in ranges], torch.zeros(0, dtype=torch.long))
+    channel_split_conv(sp, f"{name}.conv", m.conv, [torch.arange(s, s + c) for s, c in ranges])
     sp.row(f"{name}.out_proj", m.out_proj, split_sizes=split)
     localize_attributes(name, m, {})
     sp.shared_input.append(m)
@@ -356,7 +356,7 @@ def mamba1_mixer(sp: ShardingPass, name, m):
     rank = dist.get_rank(sp.group)
     fused_column(sp, f"{name}.in_proj", m.in_proj, part_rows([inner, inner], sp.n, split=split))
     ranges = _ranges(sp, inner, split)
-    _conv(sp, f"{name}.conv1d", m.conv1d, [torch.arange(s, s + c) for s, c in ranges], torch.zeros(0, dtype=torch.long))
+    channel_split_conv(sp, f"{name}.conv1d", m.conv1d, [torch.arange(s, s + c) for s, c in ranges])
     x_proj = on_device(SummedRowLinear(m.x_proj, group=sp.group, split_sizes=split), m.x_proj.weight.device)
     sp.swap(f"{name}.x_proj", x_proj)
     sp.record(f"{name}.x_proj", x_proj, dim=1)
@@ -467,7 +467,7 @@ def mamba2_mixer(sp: ShardingPass, name, m):
     else:
         fused_column(sp, f"{name}.in_proj", m.in_proj, local_rows)
         whole = torch.zeros(0, dtype=torch.long)
-    _conv(sp, f"{name}.conv1d", m.conv1d, channels, whole)
+    channel_split_conv(sp, f"{name}.conv1d", m.conv1d, channels, whole)
     if isinstance(getattr(m, "mup_vector", None), torch.Tensor):  # Falcon-H1's multipliers on in_proj's rows
         m.mup_vector = m.mup_vector[..., local_rows[rank].to(m.mup_vector.device)].clone()
     for key in sorted(MAMBA2_PARAMS):
