@@ -183,10 +183,15 @@ def test_every_newcomer_is_exact_or_refused(pool, tp):
 # The types this sweep reached first with their own adapters: DeepSeek Sparse Attention, DeepSeek-V4,
 # Qwen4-Exp (hyper-connections, query-sparse attention), Kimi Delta Attention, OLMo hybrid's Gated
 # DeltaNet, fused gate_up MLPs with their own elementwise math, MLA variants, zero-computation experts,
-# attention with convolved keys and values.
+# attention with convolved keys and values, RecurrentGemma's RG-LRU.
 ADAPTED = ["deepseek_v32", "glm_moe_dsa", "hy_v4", "dots3_note_text", "deepseek_v4", "qwen4_exp_text",
            "kimi_linear", "bailing_hybrid", "olmo_hybrid", "zamba2", "minimax_m3_vl_text", "axk1", "axk2", "youtu",
-           "lfm3", "longcat_flash", "inkling_text"]  # fmt: skip
+           "lfm3", "longcat_flash", "inkling_text", "recurrent_gemma"]  # fmt: skip
+
+
+# transformers 5.24's generate() fails for these unsharded (RecurrentGemma: its cache holds no attention
+# layer get_seq_length can read): their state dicts are compared, their decoding not
+NO_GENERATE = {"recurrent_gemma"}
 
 
 def generate_and_state_dict(rank, world, group, types):
@@ -205,8 +210,13 @@ def generate_and_state_dict(rank, world, group, types):
         ids = torch.randint(3, VOCAB - MEANINGFUL_IDS, (1, 6), generator=torch.Generator().manual_seed(2))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            expected = reference.generate(ids, max_new_tokens=5, do_sample=False)
-            if not torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False), expected):
+            try:
+                expected = reference.generate(ids, max_new_tokens=5, do_sample=False)
+            except ValueError as e:  # transformers' own generate() fails for the unsharded model
+                assert model_type in NO_GENERATE, f"{model_type}: {e}"
+                expected = None
+            if expected is not None and not torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False),
+                                                        expected):  # fmt: skip
                 wrong.append("generate()")
         out[model_type] = wrong
     return out

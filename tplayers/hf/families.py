@@ -37,6 +37,7 @@ from tplayers.hf import (
     mla,
     mlp,
     moe,
+    recurrent,
     vision,
 )
 from tplayers.hf.shard import ShardingPass, has_conv1ds, has_linears
@@ -225,6 +226,11 @@ ADAPTERS = (
     ),  # fmt: skip
     Adapter("Mamba 1 mixer (Mamba, Falcon-Mamba, Jamba)", mixers.is_mamba1, mixers.mamba1_mixer),
     Adapter("LFM2 short convolution", mixers.is_short_conv, mixers.short_conv),
+    Adapter(
+        "RecurrentGemma's recurrent block (the RG-LRU by heads)",
+        recurrent.is_recurrent_block,
+        recurrent.recurrent_block,
+    ),  # fmt: skip
     Adapter("gated MLP named w1 / w3 / w2 (LFM2)", mlp.is_w1_w3_w2, mlp.w1_w3_w2),
     Adapter("Mamba 2 mixer (Mamba2, Bamba, Nemotron-H, Granite-4, Falcon-H1)", mixers.is_mamba2, mixers.mamba2_mixer),
     # recognised by their children
