@@ -227,6 +227,12 @@ ADAPTERS = (
     Adapter("Mamba 1 mixer (Mamba, Falcon-Mamba, Jamba)", mixers.is_mamba1, mixers.mamba1_mixer),
     Adapter("LFM2 short convolution", mixers.is_short_conv, mixers.short_conv),
     Adapter(
+        "xLSTM (mLSTM layers by heads, gated feed-forwards)",
+        recurrent.is_xlstm_model,
+        recurrent.xlstm_model,
+        passes_on=True,
+    ),  # fmt: skip
+    Adapter(
         "RecurrentGemma's recurrent block (the RG-LRU by heads)",
         recurrent.is_recurrent_block,
         recurrent.recurrent_block,
