@@ -575,3 +575,39 @@ def normed_embedding(rank, tp, group, sequence_parallel):
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
 def test_normed_embeddings_are_vocabulary_parallel(pool, sequence_parallel):
     pool.run(normed_embedding, 2, sequence_parallel)
+
+
+def scaled_logits_head(rank, tp, group, sequence_parallel):
+    """A Llama whose LM head is Dory's (each logit scaled by a learned per-entry factor, in fp32): the
+    vocabulary split unevenly (97 entries), the scale with it; logits, loss, every gradient (the
+    scale's included) and the state dict equal the unsharded model's."""
+    from transformers.models.dory.configuration_dory import DoryConfig
+    from transformers.models.dory.modeling_dory import DoryLMHead
+
+    model = tiny_model("llama", vocab=97)
+    torch.manual_seed(3)
+    head = DoryLMHead(DoryConfig(hidden_size=32, vocab_size=97, initializer_range=0.02))
+    with torch.no_grad():
+        head.weight.copy_(model.lm_head.weight)
+        head.logit_scale.uniform_(0.01, 0.03)
+    model.lm_head = head
+    reference = copy.deepcopy(model)
+    tplayers.parallelize(model, group=group, sequence_parallel=sequence_parallel)
+    ids = torch.randint(3, 97, (2, 8), generator=torch.Generator().manual_seed(1))
+    out, expected = model(ids, labels=ids), reference(ids, labels=ids)
+    assert_close(out.logits, expected.logits)
+    assert_close(out.loss, expected.loss)
+    out.loss.backward()
+    expected.loss.backward()
+    grads = tplayers.hf.gather_grads(model, group=group)
+    for name, p in reference.named_parameters():
+        assert_close(grads[name], p.grad, msg=lambda m, name=name: f"{name}: {m}")
+    full = tplayers.gather_state_dict(model, group=group)
+    assert list(full) == list(reference.state_dict())
+    for key, value in reference.state_dict().items():
+        assert_close(full[key], value, exact=True, msg=lambda m, k=key: f"{k}: {m}")
+
+
+@pytest.mark.parametrize(("tp", "sequence_parallel"), [(2, True), (3, False)], ids=["tp2-sp", "tp3"])
+def test_a_head_scaling_its_logits_per_entry_is_split_with_the_vocabulary(pool, tp, sequence_parallel):
+    pool.run(scaled_logits_head, tp, sequence_parallel)

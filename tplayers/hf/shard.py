@@ -8,6 +8,7 @@ same map with its weight stored (in, out)); both are handled here.
 """
 
 import fnmatch
+import inspect
 from collections.abc import Callable
 
 import torch.distributed as dist
@@ -17,7 +18,7 @@ from tplayers.functional.collectives import all_gather_any, own_slice
 from tplayers.hf import pieces
 from tplayers.hf.state_dict import ExportRecord
 from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear, _ParallelLinear, refuse_own_forward
-from tplayers.nn.lm_head import ParallelLMHead
+from tplayers.nn.lm_head import ParallelLMHead, ScaledLogitsHead
 from tplayers.placement import SharesGroups, copy_into
 
 PLAN_KINDS = ("colwise", "rowwise", "vocab", "replicate")
@@ -71,6 +72,16 @@ def copy_in(param, value):
     """Copy this rank's TP shard into a parameter (or its data-parallel shard of it, under ZeRO
     2-3), refusing a shape that is not this rank's shard."""
     copy_into(param, value)
+
+
+def _scales_logits(head) -> bool:
+    """Dory's LM head (`linear(x).float() * (logit_scale.float() * logit_scale_factor)`), with
+    transformers' forward line for line."""
+    if type(head).__name__ != "DoryLMHead":
+        return False
+    from transformers.models.dory.modeling_dory import DoryLMHead
+
+    return inspect.getsource(type(head).forward) == inspect.getsource(DoryLMHead.forward)
 
 
 def _bias_held_twice(model, name, head) -> tuple[nn.Module, str] | None:
@@ -307,7 +318,9 @@ class ShardingPass(SharesGroups):
         if isinstance(emb, nn.Embedding) and self.planned(names.get(id(emb))) is None:
             tied = head is not None and head.weight is emb.weight
             new_emb = self.vocab_parallel(names[id(emb)], emb)
-            if isinstance(head, nn.Linear) and self.planned(names.get(id(head))) is None:
+            if isinstance(head, nn.Linear) and self.planned(names.get(id(head))) is None and _scales_logits(head):
+                self._scaled_logits_head(names[id(head)], head, new_emb if tied else None)
+            elif isinstance(head, nn.Linear) and self.planned(names.get(id(head))) is None:
                 bias_held_twice = _bias_held_twice(self.model, names[id(head)], head)
                 # the LM head sees the whole sequence: sequence parallelism ends after the last block
                 new_head = (
@@ -320,6 +333,34 @@ class ShardingPass(SharesGroups):
                     self.tied[names[id(head)]] = names[id(emb)]
                 if bias_held_twice:
                     self._bias_held_twice(names[id(head)], new_head, *bias_held_twice)
+
+    def _scaled_logits_head(self, name, head, tied_embedding):
+        """Dory's LM head: its logits scaled per vocabulary entry (`ScaledLogitsHead`), the scale
+        split with the vocabulary and exported under its own name."""
+        plain = nn.Linear(head.in_features, head.out_features, bias=head.bias is not None, device="meta")
+        plain.weight, plain.bias = head.weight, head.bias
+        new = ScaledLogitsHead.from_linear(plain, group=self.group, factor=head.logit_scale_factor)
+        new = on_device(new, head.weight.device)
+        new.logit_scale = nn.Parameter(own_slice(head.logit_scale.detach(), 0, self.group).clone(),
+                                       requires_grad=head.logit_scale.requires_grad)  # fmt: skip
+        new._keep_placements()
+        self.swap(name, new)
+        self.record(name, new, dim=0)
+        if tied_embedding is not None:
+            new.weight = tied_embedding.weight
+            self.tied[name] = next(n for n, m in self.model.named_modules() if m is tied_embedding)
+
+        def export(pick, group):
+            scale = pick(new.logit_scale)
+            return {"": gather(scale, 0, group)} if scale is not None else {}
+
+        def load(full):
+            copy_in(new.logit_scale, own_slice(full[""], 0, self.group))
+
+        def layout():
+            return [pieces.split("", new.logit_scale, 0, self.group, total=new.out_features)]
+
+        self.exports.append(ExportRecord(f"{name}.logit_scale", export, load, layout))
 
     def _bias_held_twice(self, name, head, parent, key):
         """The parent of the LM head `name` holds the head's bias as `key` too: it holds the split

@@ -17,7 +17,11 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+from torch.distributed.tensor import Shard
 
+from tplayers.functional.collectives import gather_from_tp_region
+from tplayers.functional.linear import column_parallel_linear
 from tplayers.functional.linear_cross_entropy import linear_cross_entropy
 from tplayers.nn.linear import ColumnParallelLinear, autocast_operands, check_input
 
@@ -148,3 +152,31 @@ class ParallelLMHead(ColumnParallelLinear):
             x, weight, bias, target.to(x.device), group=head.group, vocab_size=head.out_features,
             ignore_index=ignore_index, divisor=divisor, transforms=transforms,
         )  # fmt: skip
+
+
+class ScaledLogitsHead(ColumnParallelLinear):
+    """An LM head that scales each vocabulary entry's logit by a learned factor, in fp32 (Dory's:
+    `linear(x).float() * (logit_scale.float() * logit_scale_factor)`): ColumnParallelLinear over the
+    vocabulary, `logit_scale` split with its rows (Shard(0)), each rank scaling its own logits before
+    they are gathered: the unsharded head's operations on each element. Its logits are always
+    computed (no fused loss reads the scale)."""
+
+    _placements = {**ColumnParallelLinear._placements, "logit_scale": Shard(0)}
+
+    def __init__(self, in_features, out_features, bias=True, *, factor: float = 1.0, **kwargs):
+        super().__init__(in_features, out_features, bias, **kwargs)
+        self.factor = factor
+
+    def _set_shards(self, weight, bias, device):
+        """This rank's rows of the weight / bias, and its entries of the scale (ones until given)."""
+        super()._set_shards(weight, bias, device)
+        local = self.out_features_per_rank
+        self.logit_scale = nn.Parameter(torch.ones(local, device=device, dtype=weight.dtype))
+        self._tag_parameters()
+
+    def forward(self, x):
+        x, weight, bias = autocast_operands(self, x)
+        check_input(self, x, self.in_features, False, weight)
+        local = column_parallel_linear(x, weight, bias, self.group, overlap=self.overlap, widest=self.widest)
+        local = local.float() * (self.logit_scale.float() * self.factor)
+        return gather_from_tp_region(local, self.group, dim=-1, total=self.out_features)
