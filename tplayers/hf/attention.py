@@ -35,6 +35,7 @@ from tplayers.hf.fused import (
     shared_rows_record,
 )
 from tplayers.hf.shard import ShardingPass, copy_in, on_device
+from tplayers.hf.source import forward_source
 from tplayers.hf.state_dict import ExportRecord
 from tplayers.nn.linear import RowParallelLinear
 from tplayers.nn.norm import ComputedRowsRMSNorm, ParallelRMSNorm
@@ -51,21 +52,9 @@ SIZE_NAMES = {*HEAD_COUNTS, *KV_HEAD_COUNTS, "hidden_size", "embed_dim", "all_he
 _SELF_READS = re.compile(r"self\.((?:config\.)?[A-Za-z_]\w*)")
 
 
-def forward_source(module) -> str:
-    """The source of the module's forward ("" where it has none)."""
-    try:
-        return inspect.getsource(type(module).forward)
-    except (OSError, TypeError):
-        return ""
-
-
 def _forward_reads(module) -> set[str]:
     """`self.x` / `self.config.x` names read in the module's forward (none where it has no source)."""
-    try:
-        source = inspect.getsource(type(module).forward)
-    except (OSError, TypeError):
-        return set()
-    return set(_SELF_READS.findall(source))
+    return set(_SELF_READS.findall(forward_source(module)))
 
 
 def localize_attributes(name, module, local: dict[str, int], *, config_keys=()):
@@ -133,7 +122,7 @@ def qkvo_attention(sp: ShardingPass, name, attn):
     head_dim = getattr(attn, "head_dim", None) or o_proj.in_features // sp.config("num_attention_heads")
     heads, kv_heads = attn.q_proj.out_features // head_dim, attn.k_proj.out_features // head_dim
     q_unit = head_dim
-    if attn.q_proj.out_features == 2 * o_proj.in_features and "head_dim * 2" in inspect.getsource(type(attn).forward):
+    if attn.q_proj.out_features == 2 * o_proj.in_features and "head_dim * 2" in forward_source(attn):
         # an output gate per head (Qwen3-Next, Qwen3.5): q_proj's rows are [query; gate] head by head
         heads, q_unit = o_proj.in_features // head_dim, 2 * head_dim
     if heads % sp.n or (kv_heads % sp.n and sp.n % kv_heads):

@@ -19,13 +19,12 @@ ranks (fewer than ranks) would make the same channels' states and gradients shar
 name, naming the TP sizes that work.
 """
 
-import inspect
-
 import torch
 
-from tplayers.hf.attention import _finish_attention, _heads_and_widths, forward_source
+from tplayers.hf.attention import _finish_attention, _heads_and_widths
 from tplayers.hf.mixers import channel_split_conv
 from tplayers.hf.shard import ShardingPass
+from tplayers.hf.source import same_forward
 
 CONVOLUTIONS = ("k_sconv", "v_sconv")
 
@@ -36,7 +35,7 @@ def is_convolved_attention(module) -> bool:
         return False
     from transformers.models.inkling.modeling_inkling import InklingAttention
 
-    return forward_source(module) == inspect.getsource(InklingAttention.forward)
+    return same_forward(module, InklingAttention)
 
 
 def convolved_attention(sp: ShardingPass, name, attn):

@@ -18,15 +18,14 @@ head whose query heads straddle two ranks has its gradient summed over both). Th
 act alike on every pair: replicated, their gradients summed.
 """
 
-import inspect
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from tplayers.hf.attention import _finish_attention, _heads_and_widths, forward_source, head_split
+from tplayers.hf.attention import _finish_attention, _heads_and_widths, head_split
 from tplayers.hf.fused import SharedKVProjection, shared_rows_record
 from tplayers.hf.shard import ShardingPass, on_device
+from tplayers.hf.source import same_forward
 from tplayers.placement import shard_range
 
 LAMBDAS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
@@ -38,7 +37,7 @@ def is_differential_attention(module) -> bool:
         return False
     from transformers.models.diffllama.modeling_diffllama import DiffLlamaAttention
 
-    return forward_source(module) == inspect.getsource(DiffLlamaAttention.forward)
+    return same_forward(module, DiffLlamaAttention)
 
 
 def _by_pairs(heads) -> torch.Tensor:

@@ -36,7 +36,7 @@ from tplayers.functional import comm
 from tplayers.functional.context import METHODS, AttentionOptions, context_attention, ulysses_fits
 from tplayers.functional.context_layout import balanced_layout
 from tplayers.functional.cost_model import default_costs
-from tplayers.hf.attention import forward_source
+from tplayers.hf.source import forward_source
 from tplayers.nn.lm_head import ParallelLMHead, is_deferred
 from tplayers.state import set_state, state_of
 

@@ -18,14 +18,13 @@ not picked) becomes `PreScaledMoe`: the same router and shared expert, the picke
 name under an expert group; without one, its experts are split over the tensor-parallel group.
 """
 
-import inspect
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from tplayers.hf import pieces
 from tplayers.hf.shard import ShardingPass, copy_in, gather, on_device
+from tplayers.hf.source import forward_source, same_forward, source
 from tplayers.hf.state_dict import ExportRecord
 from tplayers.nn.experts import ClampedGluExperts, ParallelExperts, PreScaledExperts, StackedExperts
 from tplayers.placement import shard_range
@@ -41,22 +40,15 @@ def refuse(name, module, why):
     )
 
 
-def _source(fn) -> str:
-    return inspect.getsource(inspect.unwrap(fn)).strip()
-
-
 def _standard_forward() -> str:
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
-    return _source(MixtralExperts.forward)
+    return source(MixtralExperts.forward)
 
 
 def is_standard(module) -> bool:
     """Whether `module`'s forward is transformers' standard experts forward, line for line."""
-    try:
-        return _source(type(module).forward) == _standard_forward()
-    except (OSError, TypeError):  # no source to read: not known
-        return False
+    return bool(forward_source(module)) and forward_source(module) == _standard_forward()
 
 
 def standard(module, flags, by_expert) -> bool:
@@ -70,7 +62,7 @@ def is_gpt_oss(module) -> bool:
         return False
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
-    return _source(type(module).forward) == _source(GptOssExperts.forward)
+    return same_forward(module, GptOssExperts)
 
 
 def is_llama4(block, module) -> bool:
@@ -80,7 +72,7 @@ def is_llama4(block, module) -> bool:
     from transformers.models.llama4 import modeling_llama4 as hf
 
     pairs = ((block, hf.Llama4TextMoe), (block.router, hf.Llama4Router), (module, hf.Llama4TextExperts))
-    return all(_source(type(mine).forward) == _source(theirs.forward) for mine, theirs in pairs)
+    return all(same_forward(mine, theirs) for mine, theirs in pairs)
 
 
 class PreScaledMoe(nn.Module):
@@ -204,7 +196,7 @@ def dbrx_experts(sp: ShardingPass, name, module):
     from transformers.models.dbrx.modeling_dbrx import DbrxExpertGLU, DbrxExperts
 
     theirs = ((module, DbrxExperts), (module.mlp, DbrxExpertGLU))
-    if any(_source(type(mine).forward) != _source(cls.forward) for mine, cls in theirs):
+    if not all(same_forward(mine, cls) for mine, cls in theirs):
         refuse(name, module, "its forward is not transformers' DBRX experts forward, which the dispatch computes")
     new = StackedExperts.from_hf(module, expert_group=sp.expert_group, group=sp.group, sequence_parallel=sp.sp)
     new = on_device(new, module.mlp.w1.device)

@@ -38,6 +38,7 @@ from tplayers.hf import (
     mlp,
     moe,
     recurrent,
+    source,
     vision,
 )
 from tplayers.hf.shard import ShardingPass, has_conv1ds, has_linears
@@ -254,7 +255,7 @@ ADAPTERS = (
         lambda m: (
             has_linears(m, ("input_linear", "output_linear"))
             and m.input_linear.out_features == 2 * m.output_linear.in_features
-            and "chunk(2, dim=-1)" in attention.forward_source(m)
+            and "chunk(2, dim=-1)" in source.forward_source(m)
         ),
         mlp.chunked_gate_up,
     ),

@@ -48,6 +48,7 @@ from tplayers.hf import pieces
 from tplayers.hf.attention import head_split, localize_attributes, rms_norm_eps, split_per_head
 from tplayers.hf.fused import SummedRowLinear, fused_column, multi_query_column, part_rows, split_and_gathered_column
 from tplayers.hf.shard import ShardingPass, copy_in, gather, has_linears, on_device
+from tplayers.hf.source import forward_source
 from tplayers.hf.state_dict import ExportRecord
 from tplayers.nn.conv import ChannelParallelConv1d
 from tplayers.nn.norm import ParallelGatedRMSNorm, ParallelRMSNorm, gated_rms_norm
@@ -385,7 +386,7 @@ def _fused_scan(module, kernel="mamba2_split_conv1d_scan_combined") -> bool:
     (and the norm's, x_proj's) weights itself."""
     fn = getattr(sys.modules.get(type(module).__module__), kernel, None)
     if fn is None:
-        return kernel in inspect.getsource(type(module).forward)
+        return kernel in forward_source(module)
     while fn is not None:
         nonlocals = inspect.getclosurevars(fn).nonlocals
         if "is_new_implementation" in nonlocals:

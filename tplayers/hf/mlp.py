@@ -18,9 +18,10 @@ from torch import nn
 
 from tplayers.functional.collectives import own_slice, sum_over_tp_region
 from tplayers.hf import pieces
-from tplayers.hf.attention import NORMS_BEFORE_PROJECTION, forward_source, norm_before_row
+from tplayers.hf.attention import NORMS_BEFORE_PROJECTION, norm_before_row
 from tplayers.hf.fused import fused_column, part_rows
 from tplayers.hf.shard import ShardingPass, as_linear, copy_in, gather, has_linears, on_device
+from tplayers.hf.source import forward_source
 from tplayers.hf.state_dict import ExportRecord
 from tplayers.nn.linear import GatheredWeightLinear
 from tplayers.nn.mlp import ParallelMLP, fuse_gate_up, unfuse_gate_up

@@ -54,8 +54,8 @@ from tplayers.functional.collectives import (
     reduce_scatter_sequence,
 )
 from tplayers.hf import expert_parallel, pieces
-from tplayers.hf.attention import forward_source
 from tplayers.hf.shard import ShardingPass, copy_in, gather
+from tplayers.hf.source import same_forward
 from tplayers.hf.state_dict import ExportRecord
 from tplayers.nn.experts import aligned_unit
 from tplayers.placement import even_sizes, set_placement, shard_range
@@ -113,7 +113,7 @@ def _zero_computation_experts(name, module) -> int:
         return 0
     from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashExperts
 
-    if forward_source(module) != inspect.getsource(LongcatFlashExperts.forward):
+    if not same_forward(module, LongcatFlashExperts):
         raise ValueError(
             f"parallelize: {name} ({type(module).__name__}) holds {zero} zero-computation experts under a forward "
             "tplayers does not know (LongCat-Flash's is the one it splits); pass a plan for this model"

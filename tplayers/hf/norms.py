@@ -5,20 +5,14 @@ with other math (Gemma's 1 + weight, a norm without weight, a cast in another pl
 own forward.
 """
 
-import functools
-import inspect
-
 from torch import nn
 
+from tplayers.hf.source import source
 from tplayers.nn.norm import RMSNorm
 
 
-@functools.cache
 def _source(cls) -> str:
-    try:
-        return inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        return ""
+    return source(cls.forward)
 
 
 def _llama_source() -> str:

@@ -22,7 +22,6 @@ reduce-scattered, as for attention; the recurrence sees the whole sequence. The 
 
 import copy
 import functools
-import inspect
 
 import torch
 import torch.distributed as dist
@@ -30,6 +29,7 @@ import torch.distributed as dist
 from tplayers.hf.attention import head_split, localize_attributes, split_per_head
 from tplayers.hf.mixers import channel_split_conv
 from tplayers.hf.shard import ShardingPass
+from tplayers.hf.source import same_forward
 from tplayers.placement import even_sizes, shard_range
 
 RG_LRU_PER_HEAD = ("input_gate_weight", "input_gate_bias", "recurrent_gate_weight", "recurrent_gate_bias")
@@ -42,7 +42,7 @@ def is_recurrent_block(module) -> bool:
     from transformers.models.recurrent_gemma import modeling_recurrent_gemma as hf
 
     pairs = ((module, hf.RecurrentGemmaRecurrentBlock), (module.rg_lru, hf.RecurrentGemmaRglru))
-    return all(inspect.getsource(type(mine).forward) == inspect.getsource(theirs.forward) for mine, theirs in pairs)
+    return all(same_forward(mine, theirs) for mine, theirs in pairs)
 
 
 def recurrent_block(sp: ShardingPass, name, block):
@@ -75,8 +75,8 @@ def is_xlstm_model(module) -> bool:
         return False
     from transformers.models.xlstm import modeling_xlstm as hf
 
-    same = lambda mine, theirs: inspect.getsource(type(mine).forward) == inspect.getsource(theirs.forward)  # noqa: E731
-    return all(same(b.mlstm_layer, hf.xLSTMLayer) and same(b.ffn, hf.xLSTMFeedForward) for b in module.blocks)
+    return all(same_forward(b.mlstm_layer, hf.xLSTMLayer) and same_forward(b.ffn, hf.xLSTMFeedForward)
+               for b in module.blocks)  # fmt: skip
 
 
 @functools.cache

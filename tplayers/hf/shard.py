@@ -8,7 +8,6 @@ same map with its weight stored (in, out)); both are handled here.
 """
 
 import fnmatch
-import inspect
 from collections.abc import Callable
 
 import torch.distributed as dist
@@ -16,6 +15,7 @@ from torch import nn
 
 from tplayers.functional.collectives import all_gather_any, own_slice
 from tplayers.hf import pieces
+from tplayers.hf.source import same_forward
 from tplayers.hf.state_dict import ExportRecord
 from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear, _ParallelLinear, refuse_own_forward
 from tplayers.nn.lm_head import ParallelLMHead, ScaledLogitsHead
@@ -81,7 +81,7 @@ def _scales_logits(head) -> bool:
         return False
     from transformers.models.dory.modeling_dory import DoryLMHead
 
-    return inspect.getsource(type(head).forward) == inspect.getsource(DoryLMHead.forward)
+    return same_forward(head, DoryLMHead)
 
 
 def _bias_held_twice(model, name, head) -> tuple[nn.Module, str] | None:

@@ -14,8 +14,9 @@ import re
 import torch
 from torch import nn
 
-from tplayers.hf.attention import _finish_attention, _fused_qkv, _per_head_weights, forward_source
+from tplayers.hf.attention import _finish_attention, _fused_qkv, _per_head_weights
 from tplayers.hf.shard import ShardingPass
+from tplayers.hf.source import forward_source
 
 # Sub-configs of a model that takes more than text: a tower per kind of input
 TOWER_CONFIGS = ("vision_config", "audio_config", "vision_tower_config", "speech_config")
