@@ -194,6 +194,18 @@ def set_backend(name: str) -> None:
     _backend = name
 
 
+@contextlib.contextmanager
+def backend_kept():
+    """The backend selected now, selected again when the block ends, whatever the block selected
+    (the test pool's workers serve one test after another)."""
+    global _backend
+    before = _backend
+    try:
+        yield
+    finally:
+        _backend = before
+
+
 def get_backend() -> str:
     if _backend not in BACKENDS:
         raise ValueError(f"TPLAYERS_BACKEND must be one of {BACKENDS}, got {_backend!r}")

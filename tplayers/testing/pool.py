@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from tplayers.backend import backend_kept
 from tplayers.distributed import RankError, free_port, rank_context
 from tplayers.testing.meshes import group_of, mesh_ranks, prepare_mesh
 
@@ -72,7 +73,8 @@ def _worker(rank, world_size, port, tasks, results, timeout_s, dump_dir):
             faulthandler.dump_traceback_later(deadline_s, file=dump)
         try:
             # Pickled here so that an unpicklable result is an error, not a lost reply.
-            results.put((rank, task_id, "ok", pickle.dumps(fn(rank, tp, groups[tp], *args))))
+            with backend_kept():  # a task that selects a backend selects it for itself, not the next
+                results.put((rank, task_id, "ok", pickle.dumps(fn(rank, tp, groups[tp], *args))))
         except BaseException as e:
             results.put((rank, task_id, "error", RemoteError(rank, type(e).__name__, str(e), traceback.format_exc())))
         finally:
