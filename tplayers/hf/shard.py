@@ -349,36 +349,30 @@ class ShardingPass(SharesGroups):
         if tied_embedding is not None:
             new.weight = tied_embedding.weight
             self.tied[name] = next(n for n, m in self.model.named_modules() if m is tied_embedding)
-
-        def export(pick, group):
-            scale = pick(new.logit_scale)
-            return {"": gather(scale, 0, group)} if scale is not None else {}
-
-        def load(full):
-            copy_in(new.logit_scale, own_slice(full[""], 0, self.group))
-
-        def layout():
-            return [pieces.split("", new.logit_scale, 0, self.group, total=new.out_features)]
-
-        self.exports.append(ExportRecord(f"{name}.logit_scale", export, load, layout))
+        self._vocabulary_vector(f"{name}.logit_scale", new, "logit_scale", new.out_features)
 
     def _bias_held_twice(self, name, head, parent, key):
         """The parent of the LM head `name` holds the head's bias as `key` too: it holds the split
         bias, the same Parameter, exported (and loaded) under its own name as well."""
         parent_name = name.rpartition(".")[0]
         setattr(parent, key, head.bias)
+        self._vocabulary_vector(f"{parent_name}.{key}" if parent_name else key, head, "bias", head.out_features)
+
+    def _vocabulary_vector(self, record_name, owner, key, total):
+        """The export record, under `record_name`, of `owner.<key>`: a vector split with the
+        vocabulary as the LM head's rows are (read at each call: a load may replace it)."""
 
         def export(pick, group):
-            bias = pick(head.bias)
-            return {"": gather(bias, 0, group)} if bias is not None else {}
+            value = pick(getattr(owner, key))
+            return {"": gather(value, 0, group)} if value is not None else {}
 
         def load(full):
-            copy_in(head.bias, own_slice(full[""], 0, self.group))
+            copy_in(getattr(owner, key), own_slice(full[""], 0, self.group))
 
         def layout():
-            return [pieces.split("", head.bias, 0, self.group, total=head.out_features)]
+            return [pieces.split("", getattr(owner, key), 0, self.group, total=total)]
 
-        self.exports.append(ExportRecord(f"{parent_name}.{key}" if parent_name else key, export, load, layout))
+        self.exports.append(ExportRecord(record_name, export, load, layout))
 
     def apply_plan(self, name, module, kind):
         if kind == "colwise":
