@@ -22,6 +22,7 @@ from tplayers.hf import gather_grads
 from tplayers.hf.verify import VerifyError
 from tplayers.placement import PlacementError
 from tplayers.testing.meshes import layout_mesh
+from tplayers.testing.pool import RemoteError
 from tplayers.testing.tiny import MEANINGFUL_IDS, VOCAB, tiny_config
 from tplayers.tolerances import tolerance
 
@@ -226,3 +227,19 @@ def generate_and_state_dict(rank, world, group, types):
 def test_adapted_types_generate_and_round_trip_their_state_dict(pool):
     wrong = {t: w for t, w in pool.run(generate_and_state_dict, 2, ADAPTED, mesh=(1, 1, 2))[0].items() if w}
     assert not wrong, wrong
+
+
+def inkling_under_sp(rank, world, group):
+    model_class, cfg, _, _ = tiny_reference("inkling_text", world)
+    tplayers.parallelize(_build(model_class, cfg), group=group, sequence_parallel=True)
+
+
+def test_a_convolution_left_whole_in_a_block_is_refused_under_sp(pool):
+    """Inkling convolves its residual stream along the sequence in each block: under sequence parallelism
+    each token would read its predecessors across the split, which at random init (weights near 0) the
+    self-check cannot see. Refused by name on every rank, before any collective; exact without SP (the
+    sweep)."""
+    for reply in pool.run(inkling_under_sp, 2, return_exceptions=True):
+        assert isinstance(reply, RemoteError) and "attn_sconv.conv1d (Conv1d) convolves along the sequence" in (
+            reply.message
+        ), reply

@@ -11,7 +11,8 @@ bias per head (Inkling): split by heads like a q/k/v/o attention.
     o_proj                   row-parallel
 
 The decoder layer's own convolutions of the attention's and the MLP's outputs (over the whole
-hidden state) stay whole; under sequence parallelism they would read across the split: refused.
+hidden state) stay whole; under sequence parallelism they would read across the split: refused
+(parallelize refuses every convolution left whole in a block under sequence parallelism).
 
 The convolution reads each key/value channel's own history only, so it splits by channel with no
 exchange, where every rank holds whole key/value heads of its own. Key/value heads shared by several
@@ -76,14 +77,8 @@ def holds_residual_convolutions(module) -> bool:
 def residual_convolutions(sp: ShardingPass, name, layer):
     """Inkling's convolutions of the attention's and the MLP's outputs over the sequence: whole on
     every rank, where every rank has the whole sequence. Under sequence parallelism a rank has its
-    part of the sequence only, and each token's convolution reads the tokens before it, across the
-    split: refused by name."""
-    if sp.sp:
-        raise ValueError(
-            f"parallelize: {name} ({type(layer).__name__}) convolves its residual stream over the sequence "
-            f"({', '.join(RESIDUAL_CONVOLUTIONS[type(layer).__name__])}): each token reads the tokens before it, "
-            "across the sequence split. Use sequence_parallel=False for this model"
-        )
+    part of the sequence only, and each token's convolution would read the tokens before it across
+    the split: parallelize refuses any convolution left whole in a block then, by name."""
     for child in RESIDUAL_CONVOLUTIONS[type(layer).__name__]:
         sp.done.add(f"{name}.{child}")
         sp.whole.add(f"{name}.{child}")

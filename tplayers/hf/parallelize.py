@@ -80,6 +80,24 @@ def _shared_input_hooks(modules, group, sequence_parallel):
         module.register_forward_pre_hook(replace_hidden(lambda h: prepare(h, group)), with_kwargs=True)
 
 
+def _refuse_convolutions_across_the_split(model, blocks, gathered):
+    """Under sequence parallelism a block sees its rank's part of the sequence, except inside the
+    modules whose input is gathered along it (`gathered`: attention, the mixers). A convolution left
+    whole elsewhere in a block (Inkling's of its residual stream) would read the tokens before each
+    token across the split, and at random init its small weights hide that from the self-check:
+    refused by name, on every rank alike."""
+    inside = {id(m) for owner in gathered for m in owner.modules()}
+    names = {id(m): n for n, m in model.named_modules()}
+    for block in blocks:
+        for module in block.modules():
+            if isinstance(module, nn.modules.conv._ConvNd) and id(module) not in inside:
+                raise ValueError(
+                    f"parallelize: {names[id(module)]} ({type(module).__name__}) convolves along the sequence, "
+                    "where sequence parallelism gives each rank its part of it: each token would read the tokens "
+                    "before it across the split. Use sequence_parallel=False for this model"
+                )
+
+
 def _sequence_parallel_hooks(model, group, blocks):
     """Shard the residual stream along the sequence between the first block's entry and the last
     block's exit (the model's masks and positions are built from the whole sequence before,
@@ -365,6 +383,7 @@ def _parallelize(
         blocks = _decoder_blocks(model, text_inputs, parallelizer.towers)
         if not blocks:
             raise ValueError("parallelize: sequence_parallel=True needs the model's blocks in an nn.ModuleList")
+        _refuse_convolutions_across_the_split(model, blocks, text_inputs)
     _shared_input_hooks(text_inputs, group, sequence_parallel)
     _shared_input_hooks(tower_inputs, group, False)  # a tower's input is never split by sequence
     summed_grads(parallelizer.partial_grads, group)
