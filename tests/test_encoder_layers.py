@@ -53,7 +53,7 @@ def encoder_matches_unsharded(rank, tp, group, model_type, sequence_parallel):
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
-@pytest.mark.parametrize("model_type", ["bert", "roberta", "electra", "roformer"])
+@pytest.mark.parametrize("model_type", ["bert", "roberta", "electra", "roformer", "roberta-prelayernorm"])
 def test_encoder_matches_unsharded(pool, model_type, sequence_parallel):
     pool.run(encoder_matches_unsharded, 2, model_type, sequence_parallel)
 

@@ -51,9 +51,16 @@ def self_output_attention(sp: ShardingPass, name, attn):
     _finish_attention(sp, f"{name}.self", inner, dict(num_attention_heads=local, all_head_size=local * width))
 
 
+def _input_norm(module, width) -> bool:
+    """A norm over `width` features, the column layer's input (RoBERTa-PreLN's LayerNorm before
+    `intermediate.dense`): it sees the layer's whole hidden state, kept whole."""
+    params = list(module.parameters())
+    return isinstance(module, nn.LayerNorm | nn.RMSNorm) and all(tuple(p.shape) == (width,) for p in params)
+
+
 def is_intermediate_output_mlp(module) -> bool:
-    """A layer holding `intermediate` (dense, an elementwise activation) and `output` (dense, then
-    LayerNorm over it plus the residual) as its MLP."""
+    """A layer holding `intermediate` (a norm of its input or not, dense, an elementwise activation)
+    and `output` (dense, then LayerNorm over it plus the residual) as its MLP."""
     inner, out = getattr(module, "intermediate", None), getattr(module, "output", None)
     return (
         isinstance(inner, nn.Module)
@@ -61,7 +68,10 @@ def is_intermediate_output_mlp(module) -> bool:
         and isinstance(out, nn.Module)
         and has_linears(out, ("dense",))
         and inner.dense.out_features == out.dense.in_features
-        and not any(c != "dense" and _holds_weights(m) for c, m in inner.named_children())
+        and not any(
+            c != "dense" and _holds_weights(m) and not _input_norm(m, inner.dense.in_features)
+            for c, m in inner.named_children()
+        )
     )
 
 
@@ -70,6 +80,10 @@ def intermediate_output_mlp(sp: ShardingPass, name, layer):
     row-parallel by the same features."""
     sp.column(f"{name}.intermediate.dense", layer.intermediate.dense)
     sp.row(f"{name}.output.dense", layer.output.dense)
+    for child, module in layer.intermediate.named_children():  # a norm of the input: whole
+        if child != "dense" and _holds_weights(module):
+            sp.done.add(f"{name}.intermediate.{child}")
+            sp.whole.add(f"{name}.intermediate.{child}")
     sp.done.add(f"{name}.intermediate")
 
 
