@@ -110,3 +110,21 @@ def prediction_head(sp: ShardingPass, name, module):
             sp.done.add(f"{name}.{child}")
             sp.whole.add(f"{name}.{child}")
     sp.done.add(name)
+
+
+# Linear layers between the embeddings and the first layer, by the name their models give them (RemBERT's
+# projection of its narrow embeddings, RoC-BERT's of its concatenated ones)
+EMBEDDING_PROJECTIONS = ("embedding_hidden_mapping_in", "map_inputs_layer")
+
+
+def holds_embedding_projection(module) -> bool:
+    return any(isinstance(getattr(module, key, None), nn.Linear) for key in EMBEDDING_PROJECTIONS)
+
+
+def embedding_projection(sp: ShardingPass, name, module):
+    """The projection whole on every rank: it sees the whole embeddings (sequence parallelism splits
+    the sequence at the first layer, after it), and the first layer's input gradient reaches it whole."""
+    for key in EMBEDDING_PROJECTIONS:
+        if isinstance(getattr(module, key, None), nn.Linear):
+            sp.done.add(f"{name}.{key}" if name else key)
+            sp.whole.add(f"{name}.{key}" if name else key)

@@ -261,6 +261,12 @@ ADAPTERS = (
     ),
     Adapter("GPT-2 attention", lambda m: has_conv1ds(m, ("c_attn", "c_proj")), attention.gpt2_attention),
     Adapter(
+        "a projection of the embeddings before the first layer (RemBERT, RoC-BERT), whole",
+        encoder_layers.holds_embedding_projection,
+        encoder_layers.embedding_projection,
+        passes_on=True,
+    ),  # fmt: skip
+    Adapter(
         "BERT-family LM prediction head (a transform beside the LM head, whole)",
         encoder_layers.is_prediction_head,
         encoder_layers.prediction_head,
