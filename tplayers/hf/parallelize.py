@@ -227,7 +227,8 @@ def _no_labels(module, args, kwargs):
 def _decoder_blocks(model, placed, towers=()):
     """The transformer blocks: the nn.ModuleList whose items hold the placed attention / MLP modules
     (or tensor-parallel layers: Nemotron-H's blocks hold an attention, a mixer or an MLP each), outside
-    the `towers` beside the language model (a vision tower's encoder layers)."""
+    the `towers` beside the language model (a vision tower's encoder layers); not the LM heads (MusicGen
+    holds one per codebook in a list)."""
     placed_ids = {id(m) for m in placed}
     inside_towers = {id(m) for t in towers for m in model.get_submodule(t).modules()}
 
@@ -237,11 +238,13 @@ def _decoder_blocks(model, placed, towers=()):
         )
 
     names = {id(m): name for name, m in model.named_modules()}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None  # MusicGen's list
     lists = [
         m
         for m in model.modules()
         if isinstance(m, nn.ModuleList) and len(m) and id(m) not in inside_towers and all(map(holds_placed, m))
-    ]
+        and m is not head
+    ]  # fmt: skip
     outer = [m for m in lists if not any(m is not o and any(m is x for x in o.modules()) for o in lists)]
     if len(outer) > 1:  # HRM's H and L modules: the sequence between the lists is the model's own business
         raise ValueError(

@@ -74,6 +74,11 @@ def copy_in(param, value):
     copy_into(param, value)
 
 
+def _codebook_heads(head) -> bool:
+    """One LM head per codebook (MusicGen's `lm_heads`): an nn.ModuleList of plain nn.Linear."""
+    return isinstance(head, nn.ModuleList) and len(head) > 0 and all(type(h) is nn.Linear for h in head)
+
+
 def _scales_logits(head) -> bool:
     """Dory's LM head (`linear(x).float() * (logit_scale.float() * logit_scale_factor)`), with
     transformers' forward line for line."""
@@ -315,6 +320,10 @@ class ShardingPass(SharesGroups):
         emb = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
         head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
         names = {id(m): n for n, m in self.model.named_modules()}
+        if _codebook_heads(head) and self.planned(names.get(id(head))) is None:
+            for i, each in enumerate(head):  # MusicGen: the model stacks their logits and scores them itself
+                self.column(f"{names[id(head)]}.{i}", each, sequence_parallel=False, gather_output=True)
+            head = None  # placed
         if isinstance(emb, nn.Embedding) and self.planned(names.get(id(emb))) is None:
             tied = head is not None and head.weight is emb.weight
             new_emb = self.vocab_parallel(names[id(emb)], emb)
