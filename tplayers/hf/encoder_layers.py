@@ -84,6 +84,10 @@ def intermediate_output_mlp(sp: ShardingPass, name, layer):
         if child != "dense" and _holds_weights(module):
             sp.done.add(f"{name}.intermediate.{child}")
             sp.whole.add(f"{name}.intermediate.{child}")
+    if isinstance(getattr(layer.output, "adapter_modules", None), nn.ModuleDict):
+        # X-MOD's per-language bottleneck adapters, token by token on the summed hidden state: whole
+        sp.done.add(f"{name}.output.adapter_modules")
+        sp.whole.add(f"{name}.output.adapter_modules")
     sp.done.add(f"{name}.intermediate")
 
 
