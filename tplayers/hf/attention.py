@@ -23,7 +23,7 @@ import re
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from tplayers.functional.collectives import all_gather_any, own_slice
 from tplayers.hf import pieces
@@ -495,6 +495,13 @@ def interleaved_qkv_attention(sp: ShardingPass, name, attn):
     sp.row(f"{name}.dense", attn.dense, split_unit=head_dim, split_sizes=split)
     if "alibi" in inspect.signature(type(attn).forward).parameters:
         _local_head_bias(sp, attn, "alibi", heads, start, local)
+    if isinstance(getattr(attn, "dense_bias", None), nn.Parameter):
+        # GPT-NeoX-Japanese returns dense's bias for its layer to add to the summed output: whole, and
+        # under sequence parallelism added to this rank's tokens (its gradient summed)
+        if sp.sp:
+            sp.partial_grads.append(attn.dense_bias)
+        else:
+            set_placement(attn.dense_bias, sp.group, Replicate())
     _finish_attention(sp, name, attn, _heads_and_widths(attn, heads, head_dim, local))
 
 

@@ -174,7 +174,7 @@ ADAPTERS = (
     # fused layouts, recognised by the class whose forward reads them
     Adapter(
         "per-head query_key_value (GPT-NeoX, Bloom)",
-        attention.named("GPTNeoXAttention", "BloomAttention"),
+        attention.named("GPTNeoXAttention", "BloomAttention", "GPTNeoXJapaneseAttention"),
         attention.interleaved_qkv_attention,
     ),
     Adapter("Falcon attention", attention.named("FalconAttention"), attention.falcon_attention),
