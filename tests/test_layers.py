@@ -224,19 +224,19 @@ def test_shard_sizes_are_torch_chunks_and_dtensor_shards(total, n):
     assert [shard_range(total, n, r) for r in range(n)] == [(sum(expected[:r]), expected[r]) for r in range(n)]
 
 
-def gathered_weight_step(rank, tp, group, sequence_parallel, wrong_rows):
-    """GatheredWeightLinear (7 rows: uneven over 2-4 ranks) against nn.Linear on integer values, bit
+def gathered_weight_step(rank, tp, group, sequence_parallel, wrong_rows, rows=7):
+    """GatheredWeightLinear (7 rows: uneven over 2-4 ranks; 12: even) against nn.Linear on integer values, bit
     for bit: the output over this rank's tokens, the input's gradient, this rank's rows of the weight
     and bias gradients (under SP each rank has its own tokens; the reference sees all of them)."""
     from tplayers.nn.linear import GatheredWeightLinear
 
     g = torch.Generator().manual_seed(0)
-    full = nn.Linear(5, 7)
+    full = nn.Linear(5, rows)
     with torch.no_grad():
-        full.weight.copy_(integer_valued((7, 5), generator=g))
-        full.bias.copy_(integer_valued((7,), generator=g))
+        full.weight.copy_(integer_valued((rows, 5), generator=g))
+        full.bias.copy_(integer_valued((rows,), generator=g))
     x = integer_valued((2, 3 * tp, 5), generator=g).requires_grad_(True)
-    dy = integer_valued((2, 3 * tp, 7), generator=g)
+    dy = integer_valued((2, 3 * tp, rows), generator=g)
     layer = GatheredWeightLinear.from_linear(full, group=group, sequence_parallel=sequence_parallel)
     if wrong_rows:  # negative control: every rank holds the first rank's rows
         with torch.no_grad():
@@ -251,10 +251,11 @@ def gathered_weight_step(rank, tp, group, sequence_parallel, wrong_rows):
     assert_shard_close(layer.bias.grad, full.bias.grad, dim=0, rank=rank, num_shards=tp, exact=True)
 
 
+@pytest.mark.parametrize("rows", [7, 12], ids=["uneven", "even"])
 @pytest.mark.parametrize("tp", [1, 2, 3, 4])
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
-def test_gathered_weight_linear_is_nn_linear(pool, tp, sequence_parallel):
-    pool.run(gathered_weight_step, tp, sequence_parallel, False)
+def test_gathered_weight_linear_is_nn_linear(pool, tp, sequence_parallel, rows):
+    pool.run(gathered_weight_step, tp, sequence_parallel, False, rows)
 
 
 def test_negative_control_gathered_weight_linear_with_wrong_rows(pool):

@@ -21,7 +21,13 @@ from torch.distributed.tensor import Replicate, Shard
 from tplayers.distributed import refuse_grid, resolve_group
 from tplayers.functional import comm
 from tplayers.functional.auto_overlap import check_overlap
-from tplayers.functional.collectives import all_gather_dim, gather_from_tp_region, own_slice, scatter_to_tp_region
+from tplayers.functional.collectives import (
+    all_gather_dim,
+    gather_from_tp_region,
+    own_slice,
+    reduce_scatter_dim,
+    scatter_to_tp_region,
+)
 from tplayers.functional.linear import column_parallel_linear, row_parallel_linear
 from tplayers.placement import PlacedModule, check_sizes, shard_sizes
 
@@ -232,6 +238,8 @@ class _GatheredRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.summed and len(set(ctx.sizes)) == 1:  # even rows: one reduce-scatter, half an all-reduce's bytes
+            return reduce_scatter_dim(grad.contiguous(), 0, ctx.group), None, None, None
         if ctx.summed:
             grad = grad.contiguous().clone()
             comm.all_reduce(grad, ctx.group)
