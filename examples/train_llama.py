@@ -14,6 +14,7 @@ Rank 0 prints the loss and how closely the run follows the same model trained un
 """
 
 import argparse
+import gc
 import os
 
 import torch.distributed as dist
@@ -52,6 +53,10 @@ if __name__ == "__main__":
         mesh = tplayers.init_mesh(dp=args.dp, tp=world // args.dp)  # raises if dp does not divide the world
         cfg = DemoConfig(tp=world // args.dp, **options)
         main(dist.get_rank(), dist.get_world_size(), cfg)
+        # Free the model's tensors (its hooks make reference cycles) while the interpreter is whole, and let
+        # every rank finish before any tears its groups down: a gloo rank exiting with work in flight aborts.
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
     else:
         cfg = DemoConfig(tp=args.tp, **options)

@@ -31,6 +31,7 @@ from tplayers.hf import (
     attention,
     attention_code_models,
     attention_convolved,
+    attention_experts,
     attention_pairs,
     encoder_layers,
     mixers,
@@ -196,6 +197,16 @@ ADAPTERS = (
         "differential attention (DiffLlama: heads paired across halves)",
         attention_pairs.is_differential_attention,
         attention_pairs.differential_attention,
+    ),  # fmt: skip
+    Adapter(
+        "mixture of attention heads (JetMoE: query experts by key/value heads)",
+        attention_experts.is_mixture_of_attention,
+        attention_experts.mixture_of_attention,
+    ),  # fmt: skip
+    Adapter(
+        "experts stacked (E, out, in) with their router inside (JetMoE's MLP), by features",
+        attention_experts.is_stacked_experts_mlp,
+        attention_experts.stacked_experts_mlp,
     ),  # fmt: skip
     Adapter("multi-head latent attention (DeepSeek-V2 / V3, MiniCPM3)", mla.is_mla, mla.mla_attention),
     Adapter(
