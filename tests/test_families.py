@@ -37,7 +37,10 @@ EXACT = ["llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "gemma", 
          # differential attention: query heads paired across the halves, key/value groups straddling ranks
          "diffllama",
          # a mixture of attention heads: query experts split by key/value heads (5: 3, 2 / 2, 2, 1 / 2, 1, 1, 1)
-         "jetmoe"]  # fmt: skip
+         "jetmoe",
+         # a dynamic mask per key/value head from every head's values: 6 heads over 3 key/value heads straddle at
+         # TP 2 and 4; a window of 4 keys of 8, so its top-k masks
+         "doge"]  # fmt: skip
 # Multi-head latent attention: a query latent of 16, a key/value latent of 12, heads of [8 | 4 rope] for q and k
 # and 6 for v; the rotary width is head_dim, one key/value head per query head (the latents expand to every head)
 MLA = dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
@@ -97,6 +100,7 @@ VARIANTS = {
     "phimoe": ("phimoe", dict(num_local_experts=4, num_experts_per_tok=2)),  # the router as mlp.router
     # 6 pairs of query heads over 4 key/value heads: 3, 3 pairs at TP 2; 2, 2, 2 and 2, 2, 1, 1 straddle a group
     "diffllama": ("diffllama", dict(num_attention_heads=12, num_key_value_heads=4)),
+    "doge": ("doge", dict(num_attention_heads=6, num_key_value_heads=3, attention_bias=True, keep_window_size=4)),
     "jetmoe": ("jetmoe", dict(num_key_value_heads=5, kv_channels=8, num_local_experts=4, num_experts_per_tok=2)),
     # per-layer inputs on the residual stream (their own vocabulary, tiny here: the default is 262144 x 2 x 256)
     "gemma4_text": ("gemma4_text", dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB)),
@@ -162,7 +166,12 @@ def tiny_model(family, dtype=torch.float32, vocab=None, ffn=None, **config):
     for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout", "attention_dropout", "dropout"):
         if hasattr(cfg, key):
             setattr(cfg, key, 0.0)
-    return tf.AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
+    model = tf.AutoModelForCausalLM.from_config(cfg)
+    if family == "doge":  # A starts at 0, making every head's mask exp(0): each head its own mask
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.A.normal_()
+    return model.to(dtype).eval()
 
 
 def matches_unsharded(rank, tp, group, family, sequence_parallel, dtype, vocab=None, ffn=None, config=None, lr=0.5):

@@ -31,6 +31,7 @@ from tplayers.hf import (
     attention,
     attention_code_models,
     attention_convolved,
+    attention_dynamic_mask,
     attention_experts,
     attention_pairs,
     encoder_layers,
@@ -197,6 +198,11 @@ ADAPTERS = (
         "differential attention (DiffLlama: heads paired across halves)",
         attention_pairs.is_differential_attention,
         attention_pairs.differential_attention,
+    ),  # fmt: skip
+    Adapter(
+        "attention with a dynamic mask from the values (Doge)",
+        attention_dynamic_mask.is_dynamic_mask_attention,
+        attention_dynamic_mask.dynamic_mask_attention,
     ),  # fmt: skip
     Adapter(
         "mixture of attention heads (JetMoE: query experts by key/value heads)",

@@ -355,22 +355,29 @@ class SummedRowLinear(PlacedModule):
     (Mamba's x_proj: each rank's channels give dt / B / C, which every rank's channels use): each
     rank's partial product summed over the group, and in backward the ranks' partial gradients of
     that output summed again (`sum_over_tp_region`), so each rank's columns and input get their
-    whole gradient. Placement Shard(1) by input features (`split_sizes`), no bias."""
+    whole gradient. Placement Shard(1) by input features (`split_sizes`).
 
-    _placements = {"weight": Shard(1)}
+    `reads`: the (start, stop) ranges of this rank's input its columns multiply, where it holds more
+    (Doge's value heads, some of them also held by another rank, which counts them); None: all.
+    A bias is added once, after the sum: whole on every rank, its gradient each rank's part of the
+    output's (the caller sums it over the group: `summed_grads`)."""
 
-    def __init__(self, linear: nn.Linear, *, group, split_sizes):
+    _placements = {"weight": Shard(1)}  # the bias: Replicate, tagged by the sum over the group (`summed_grads`)
+
+    def __init__(self, linear: nn.Linear, *, group, split_sizes, reads=None):
         super().__init__()
-        if linear.bias is not None:
-            raise ValueError("SummedRowLinear: a bias would be added once per rank")
         self.group, self.split_unit, self.split_sizes = group, 1, list(split_sizes)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = nn.Parameter(own_slice(linear.weight.detach(), 1, group, 1, self.split_sizes).clone())
-        self.bias = None
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
+        self.reads = None if reads is None else list(reads)  # (start, stop) ranges: slices, on any device
         self._keep_placements()
 
     def forward(self, x):
-        return sum_over_tp_region(nn.functional.linear(x, self.weight), self.group)
+        if self.reads is not None:  # (no ranges: none of it)
+            x = torch.cat([x[..., a:b] for a, b in self.reads] or [x[..., :0]], -1)
+        y = sum_over_tp_region(nn.functional.linear(x, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self):
         return f"in_features={self.in_features} ({self.weight.shape[1]} on this rank), out_features={self.out_features}"

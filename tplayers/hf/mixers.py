@@ -361,6 +361,7 @@ def mamba1_mixer(sp: ShardingPass, name, m):
     x_proj = on_device(SummedRowLinear(m.x_proj, group=sp.group, split_sizes=split), m.x_proj.weight.device)
     sp.swap(f"{name}.x_proj", x_proj)
     sp.record(f"{name}.x_proj", x_proj, dim=1)
+    sp.partial_grads.extend([x_proj.bias] if x_proj.bias is not None else [])  # added once after the sum
     for key in ("weight", "bias"):  # read by the forward itself (dt_proj.weight @ dt): local rows
         if getattr(m.dt_proj, key, None) is not None:
             split_per_head(sp, f"{name}.dt_proj", m.dt_proj, key, 1, split)

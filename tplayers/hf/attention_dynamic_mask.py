@@ -1,0 +1,91 @@
+"""Attention with a dynamic mask computed from the values (Doge): split by heads like any q/k/v/o
+attention, with the mask's projection summed over the ranks' value heads.
+
+Doge adds to each key/value head's attention scores exp(A_h * softplus(dt_h)), where
+dt = dt_proj(the values of every key/value head): each head's mask reads all heads' values.
+
+    q_proj, k_proj, v_proj, o_proj, q_norm, k_norm   as any q/k/v/o attention (`qkvo_attention`):
+                     by heads, evenly or not; key/value heads shared by ranks where fewer than them
+    dt_proj          `SummedRowLinear` over the value heads: each key/value head's columns on the
+                     first rank holding that head, which reads those channels of its values; the
+                     partial products summed forward and backward, so every rank has dt for every
+                     head (one all-reduce of (tokens x key/value heads) a layer), its bias added once
+                     after the sum, its gradient summed
+    A                whole on every rank (one number per key/value head), its gradient summed
+    the mask         each rank takes the rows of its own value heads (`prepare_dynamic_mask`, HF's
+                     own, given this rank's rows of dt), repeated over its query heads as HF repeats
+"""
+
+import types
+
+import torch.distributed as dist
+
+from tplayers.hf.attention import qkvo_attention
+from tplayers.hf.fused import SharedKVProjection, SummedRowLinear
+from tplayers.hf.shard import ShardingPass, on_device
+from tplayers.hf.source import same_forward, source
+
+
+def is_dynamic_mask_attention(module) -> bool:
+    """Doge's attention, with transformers' forward and mask line for line."""
+    if type(module).__name__ != "DogeAttention":
+        return False
+    from transformers.models.doge.modeling_doge import DogeAttention
+
+    mask = type(module).prepare_dynamic_mask
+    return same_forward(module, DogeAttention) and source(mask) == source(DogeAttention.prepare_dynamic_mask)
+
+
+def _value_heads(attn, kv_heads, head_dim, n) -> list[list[int]]:
+    """For every rank, the key/value head of each value head it computes, in its order."""
+    v_proj = attn.v_proj
+    if isinstance(v_proj, SharedKVProjection):
+        return [(rows[::head_dim] // head_dim).tolist() for rows in v_proj.rows_of_ranks]
+    per_rank = kv_heads // n  # an even split by whole key/value heads
+    return [list(range(r * per_rank, (r + 1) * per_rank)) for r in range(n)]
+
+
+def dynamic_mask_attention(sp: ShardingPass, name, attn):
+    dt_proj, a = attn.dt_proj, attn.A
+    kv_heads = a.shape[0]
+    head_dim = dt_proj.in_features // kv_heads
+    # the q/k/v/o pass would refuse dt_proj (a weight over every head) and cut A by heads (where
+    # there are as many key/value heads as query heads): both are placed here
+    modules, params = dict(attn._modules), dict(attn._parameters)
+    del attn._modules["dt_proj"], attn._parameters["A"]
+    try:
+        qkvo_attention(sp, name, attn)
+    finally:  # back in their places (the state dict's order)
+        attn._modules = {k: attn._modules.get(k, m) for k, m in modules.items()}
+        attn._parameters = {k: attn._parameters.get(k, p) for k, p in params.items()}
+    heads = _value_heads(attn, kv_heads, head_dim, sp.n)
+    rank = dist.get_rank(sp.group)
+    owner = {}
+    for r, held in enumerate(heads):  # each key/value head counted by the first rank holding it
+        for h in held:
+            owner.setdefault(h, r)
+    owned = [sorted(h for h, r in owner.items() if r == rank_) for rank_ in range(sp.n)]
+    if sum(owned, []) != list(range(kv_heads)):  # the ranks' columns must be dt_proj's in order
+        raise ValueError(f"parallelize: {name}: the key/value heads do not follow the ranks in order: {heads}")
+    mine = owned[rank]
+    reads = [(p * head_dim, (p + 1) * head_dim) for p in (heads[rank].index(h) for h in mine)]
+    layer = SummedRowLinear(dt_proj, group=sp.group, split_sizes=[len(o) * head_dim for o in owned], reads=reads)
+    layer = on_device(layer, dt_proj.weight.device)
+    sp.swap(f"{name}.dt_proj", layer)
+    sp.record(f"{name}.dt_proj", layer, dim=1)
+    sp.partial_grads.extend([a] + ([layer.bias] if layer.bias is not None else []))
+    attn.value_heads = tuple(heads[rank])
+    attn.prepare_dynamic_mask = types.MethodType(_local_dynamic_mask, attn)  # a deep copy rebinds it
+
+
+def _local_dynamic_mask(self, hidden_states, dt_states, keep_window_size=2048, attention_mask=None):
+    """HF's mask for this rank's value heads: dt_states (batch, key/value heads, keys) whole, its rows
+    taken in this rank's order."""
+    rows = list(self.value_heads)
+    return type(self).prepare_dynamic_mask(
+        self,
+        hidden_states=hidden_states,
+        dt_states=dt_states[:, rows],
+        keep_window_size=keep_window_size,
+        attention_mask=attention_mask,
+    )
