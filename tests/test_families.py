@@ -40,7 +40,9 @@ EXACT = ["llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "gemma", 
          "jetmoe",
          # a dynamic mask per key/value head from every head's values: 6 heads over 3 key/value heads straddle at
          # TP 2 and 4; a window of 4 keys of 8, so its top-k masks
-         "doge"]  # fmt: skip
+         "doge",
+         # RWKV (v4): time mixing by channel, channel mixing by features; weights rescaled per layer in eval mode
+         "rwkv"]  # fmt: skip
 # Multi-head latent attention: a query latent of 16, a key/value latent of 12, heads of [8 | 4 rope] for q and k
 # and 6 for v; the rotary width is head_dim, one key/value head per query head (the latents expand to every head)
 MLA = dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
@@ -101,6 +103,9 @@ VARIANTS = {
     # 6 pairs of query heads over 4 key/value heads: 3, 3 pairs at TP 2; 2, 2, 2 and 2, 2, 1, 1 straddle a group
     "diffllama": ("diffllama", dict(num_attention_heads=12, num_key_value_heads=4)),
     "doge": ("doge", dict(num_attention_heads=6, num_key_value_heads=3, attention_bias=True, keep_window_size=4)),
+    # transformers' own RWKV cannot backpropagate through its cache (it updates the states in place):
+    # its cached generate() is in test_newcomers' ADAPTED
+    "rwkv": ("rwkv", dict(rescale_every=1, use_cache=False)),
     "jetmoe": ("jetmoe", dict(num_key_value_heads=5, kv_channels=8, num_local_experts=4, num_experts_per_tok=2)),
     # per-layer inputs on the residual stream (their own vocabulary, tiny here: the default is 262144 x 2 x 256)
     "gemma4_text": ("gemma4_text", dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB)),
@@ -167,10 +172,12 @@ def tiny_model(family, dtype=torch.float32, vocab=None, ffn=None, **config):
         if hasattr(cfg, key):
             setattr(cfg, key, 0.0)
     model = tf.AutoModelForCausalLM.from_config(cfg)
-    if family == "doge":  # A starts at 0, making every head's mask exp(0): each head its own mask
-        with torch.no_grad():
+    with torch.no_grad():
+        if family == "doge":  # A starts at 0, making every head's mask exp(0): each head its own mask
             for layer in model.model.layers:
                 layer.self_attn.A.normal_()
+        if family == "rwkv":  # embeddings of 1e-4 (RWKV's init) under a LayerNorm scale every gradient's
+            model.rwkv.embeddings.weight.normal_()  # fp32 rounding before it by 1e4, past the table's atol
     return model.to(dtype).eval()
 
 

@@ -131,6 +131,27 @@ def test_the_self_check_catches_a_planted_bug(pool, bug, named):
     for said in pool.run(planted, 2, bug, mesh=(1, 1, 2)):
         assert "train" in said and named in said["train"], said
         assert "logits" not in said  # the logits alone cannot see either
+        assert "fp32 rounding" not in said["train"]  # a wrong gradient is never put down to rounding
+
+
+def gradient_verdicts(rank, world, group):
+    """The self-check's gradient comparison on a gradient up to 300: off by 1e-4 (below 1e-5 of its
+    largest: rounding a model amplifies, said so, still refused) and off by half (said nothing of)."""
+    from tplayers.hf.verify import VerifyError, _check_grads
+
+    reference = {"w": torch.tensor([300.0, 1.0])}
+    said = []
+    for sharded in (torch.tensor([300.0, 1.0001]), torch.tensor([150.0, 1.0])):
+        with pytest.raises(VerifyError) as caught:
+            _check_grads(reference, {"w": sharded}, group)
+        said.append(str(caught.value))
+    return said
+
+
+def test_a_gradient_off_by_rounding_of_its_largest_is_refused_and_said_so(pool):
+    for rounding, wrong in pool.run(gradient_verdicts, 2, mesh=(1, 1, 2)):
+        assert "w (largest |difference| 0.0001 in gradients up to 300" in rounding and "fp32 rounding" in rounding
+        assert "w (largest |difference| 150" in wrong and "fp32 rounding" not in wrong
 
 
 def verify_leaves_the_model_as_given(rank, world, group):

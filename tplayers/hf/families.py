@@ -251,6 +251,12 @@ ADAPTERS = (
         passes_on=True,
     ),  # fmt: skip
     Adapter(
+        "RWKV's block (time mixing by channel, channel mixing by features)",
+        recurrent.is_rwkv_block,
+        recurrent.rwkv_block,
+        passes_on=True,
+    ),
+    Adapter(
         "RecurrentGemma's recurrent block (the RG-LRU by heads)",
         recurrent.is_recurrent_block,
         recurrent.recurrent_block,

@@ -10,6 +10,8 @@
                          model's own scan over its heads' features, whole sequence, no exchange
     linear_out           row-parallel by the same heads
 
+RWKV (v4): its time mixing split by channel, its channel mixing by features (`rwkv_block`).
+
 xLSTM's mLSTM layer: q / k / v, the output gate's and the input / forget gates' rows by heads, the
 per-head norm's weights with them, `out_proj` row-parallel; its gated feed-forward by features. The
 backbone and its layers read a copy of the config with this rank's head count (and widths), which
@@ -25,12 +27,14 @@ import functools
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Replicate
 
+from tplayers.functional.collectives import own_slice
 from tplayers.hf.attention import head_split, localize_attributes, split_per_head
 from tplayers.hf.mixers import channel_split_conv
 from tplayers.hf.shard import ShardingPass
-from tplayers.hf.source import same_forward
-from tplayers.placement import even_sizes, shard_range
+from tplayers.hf.source import same_forward, source
+from tplayers.placement import even_sizes, set_placement, shard_range
 
 RG_LRU_PER_HEAD = ("input_gate_weight", "input_gate_bias", "recurrent_gate_weight", "recurrent_gate_bias")
 
@@ -142,3 +146,90 @@ def _gated_ffn(sp: ShardingPass, name, ffn):
     ffn.up_proj_dim = split[dist.get_rank(sp.group)]
     sp.shared_input.append(ffn)
     sp.done.add(name)
+
+
+# ---- RWKV (v4) -------------------------------------------------------------------------------------
+
+
+def is_rwkv_block(module) -> bool:
+    """RWKV's block, its time mixing and channel mixing with transformers' code line for line."""
+    if type(module).__name__ != "RwkvBlock":
+        return False
+    from transformers.models.rwkv import modeling_rwkv as hf
+
+    attn, ffn = module.attention, module.feed_forward
+    return (
+        same_forward(module, hf.RwkvBlock)
+        and same_forward(attn, hf.RwkvSelfAttention)
+        and source(type(attn).extract_key_value) == source(hf.RwkvSelfAttention.extract_key_value)
+        and same_forward(ffn, hf.RwkvFeedForward)
+    )
+
+
+def rwkv_block(sp: ShardingPass, name, block):
+    """RWKV's time mixing splits by channel: key / value / receptance column-parallel over the
+    attention channels, the WKV recurrence and its `time_decay` / `time_first` per channel, so each
+    rank runs the model's own recurrence on its channels; `output` row-parallel. The token-shift
+    mixes (`time_mix_*`) act on the whole hidden state before the projections: replicated, their
+    gradients summed. The cache's WKV states are this rank's channels of the model's whole-width
+    state tensors (`_local_wkv_state`).
+
+    Channel mixing: `key` column-parallel, squared ReLU, `value` row-parallel, times
+    sigmoid(receptance(x)) with `receptance` (hidden -> hidden) whole on every rank. Without
+    sequence parallelism the block's output is whole: `key` sums its own input's gradient, so
+    the receptance's whole gradient passes once. Under sequence parallelism the token shift needs
+    the tokens before each: the module's input is gathered along the sequence, `value`
+    reduce-scatters to this rank's tokens, and the receptance reads this rank's tokens of its
+    input (so its input's gradient, summed over the ranks as the gather's backward does, holds
+    each token once)."""
+    attn, ffn = block.attention, block.feed_forward
+    channels = attn.attention_hidden_size
+    split = even_sizes(channels, sp.n)
+    for proj in ("key", "value", "receptance"):
+        sp.shared_input_column(f"{name}.attention.{proj}", getattr(attn, proj), split_sizes=split)
+    for key in ("time_decay", "time_first"):
+        split_per_head(sp, f"{name}.attention", attn, key, 1, split)
+    sp.row(f"{name}.attention.output", attn.output, split_sizes=split)
+    sp.partial_grads.extend(getattr(attn, f"time_mix_{k}") for k in ("key", "value", "receptance"))
+    start, size = shard_range(channels, sp.n, dist.get_rank(sp.group), split)
+    _local_wkv_state(attn, slice(start, start + size))
+    sp.shared_input.append(attn)
+    sp.done.add(f"{name}.attention")
+
+    features = ffn.key.out_features
+    ffn_split = even_sizes(features, sp.n)
+    mixes = [ffn.time_mix_key, ffn.time_mix_receptance]
+    if sp.sp:  # each rank's part of their gradients: summed
+        sp.shared_input_column(f"{name}.feed_forward.key", ffn.key, split_sizes=ffn_split)
+        group = sp.group
+        ffn.receptance.register_forward_pre_hook(lambda mod, args: (own_slice(args[0], 1, group), *args[1:]))
+        sp.shared_input.append(ffn)
+        sp.partial_grads.extend(mixes)
+    else:  # whole gradients: key's input gradient is summed before them
+        sp.column(f"{name}.feed_forward.key", ffn.key, split_sizes=ffn_split)
+        for p in mixes:
+            set_placement(p, sp.group, Replicate())
+    sp.row(f"{name}.feed_forward.value", ffn.value, split_sizes=ffn_split)
+    sp.done.add(f"{name}.feed_forward.receptance")
+    sp.whole.add(f"{name}.feed_forward.receptance")
+    sp.done.add(f"{name}.feed_forward")
+
+
+def _local_wkv_state(attn, channels: slice):
+    """The cache's WKV states (state[2:], (batch, hidden, layers) each, whole width) seen by the time
+    mixing as their `channels` (views: its in-place updates land there); the block gets the
+    model's whole list back."""
+
+    def local(mod, args, kwargs):
+        state = kwargs.get("state")
+        if state is None:
+            return None
+        mod._whole_state = state
+        return args, {**kwargs, "state": [*state[:2], *(s[:, channels] for s in state[2:])]}
+
+    def whole(mod, args, kwargs, out):
+        state = mod.__dict__.pop("_whole_state", None)
+        return out if state is None else (out[0], state)
+
+    attn.register_forward_pre_hook(local, with_kwargs=True)
+    attn.register_forward_hook(whole, with_kwargs=True)
