@@ -42,7 +42,9 @@ EXACT = ["llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "gemma", 
          # TP 2 and 4; a window of 4 keys of 8, so its top-k masks
          "doge",
          # RWKV (v4): time mixing by channel, channel mixing by features; weights rescaled per layer in eval mode
-         "rwkv"]  # fmt: skip
+         "rwkv",
+         # nGPT's unit-norm attention and MLP: per-channel scales split with the heads / features, L2 norms over them
+         "dory"]  # fmt: skip
 # Multi-head latent attention: a query latent of 16, a key/value latent of 12, heads of [8 | 4 rope] for q and k
 # and 6 for v; the rotary width is head_dim, one key/value head per query head (the latents expand to every head)
 MLA = dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,

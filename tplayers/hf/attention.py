@@ -38,7 +38,7 @@ from tplayers.hf.shard import ShardingPass, copy_in, on_device
 from tplayers.hf.source import forward_source
 from tplayers.hf.state_dict import ExportRecord
 from tplayers.nn.linear import RowParallelLinear
-from tplayers.nn.norm import ComputedRowsRMSNorm, ParallelRMSNorm
+from tplayers.nn.norm import ComputedRowsRMSNorm, ParallelL2Norm, ParallelRMSNorm
 from tplayers.placement import even_sizes, set_placement, shard_range
 from tplayers.tolerances import TOLERANCES
 
@@ -294,19 +294,36 @@ def _norm_over_projection(sp: ShardingPass, name, norm, projection):
     sp.record(name, layer, dim=dim)
 
 
-# RMSNorms over a row projection's whole input (BitNet's sub-norms): {norm: the projection after it}
+# Norms over a row projection's whole input (BitNet's, Dory's sub-norms): {norm: the projection after it}
 NORMS_BEFORE_PROJECTION = {"attn_sub_norm": "o_proj", "ffn_sub_norm": "down_proj"}
+
+
+def l2_norm_eps(norm) -> float | None:
+    """The epsilon of a weightless norm computing x * rsqrt(sum(x^2) + eps) in fp32 (nGPT's unit-norm
+    projection, Dory's L2 norms), checked on a probe; None for anything else."""
+    eps = next((getattr(norm, k) for k in EPS_NAMES if isinstance(getattr(norm, k, None), float)), None)
+    if eps is None or next(norm.parameters(), None) is not None or next(norm.buffers(), None) is not None:
+        return None
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+        return eps if torch.allclose(norm(x), expected, **TOLERANCES[torch.float32]) else None
 
 
 def norm_before_row(sp: ShardingPass, name, norm, row):
     """BitNet's attn_sub_norm / ffn_sub_norm: an RMSNorm over all heads' (all features') output,
     just before the row-parallel projection `row`: a ParallelRMSNorm over the same split as the
-    row layer's input (its sum of squares summed over the group)."""
+    row layer's input (its sum of squares summed over the group). Dory's, weightless L2 norms:
+    ParallelL2Norm. Any other norm there is refused by name: over split features it would see a
+    rank's slice."""
     eps = rms_norm_eps(norm)
+    if eps is None and l2_norm_eps(norm) is not None:
+        sp.swap(name, ParallelL2Norm(l2_norm_eps(norm), group=sp.group))
+        return
     if eps is None:
         raise ValueError(
-            f"parallelize: {name} ({type(norm).__name__}) spans every head's features and is not an RMSNorm "
-            "tplayers knows"
+            f"parallelize: {name} ({type(norm).__name__}) spans every head's features and is not an RMSNorm tplayers "
+            "knows"
         )
     layer = ParallelRMSNorm.from_weight(norm.weight, eps, group=sp.group, split_unit=row.split_unit,
                                         split_sizes=row.split_sizes)  # fmt: skip
@@ -329,8 +346,9 @@ def _per_head_weights(sp: ShardingPass, name, attn, head_dim, projections):
             sp.partial_grads.extend(child.parameters())
             continue
         row = getattr(attn, NORMS_BEFORE_PROJECTION.get(child_name, ""), None)
-        if isinstance(row, RowParallelLinear) and tuple(getattr(child, "weight", torch.empty(0)).shape) == (
-            row.in_features,
+        if isinstance(row, RowParallelLinear) and tuple(getattr(child, "weight", torch.empty(0)).shape) in (
+            (row.in_features,),
+            (0,),  # weightless
         ):
             norm_before_row(sp, f"{name}.{child_name}", child, row)
             continue

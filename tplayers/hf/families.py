@@ -31,9 +31,9 @@ from tplayers.hf import (
     attention,
     attention_code_models,
     attention_convolved,
-    attention_dynamic_mask,
     attention_experts,
     attention_pairs,
+    attention_variants,
     encoder_layers,
     mixers,
     mla,
@@ -200,9 +200,14 @@ ADAPTERS = (
         attention_pairs.differential_attention,
     ),  # fmt: skip
     Adapter(
+        "unit-norm attention with per-channel query / gate scales (Dory)",
+        attention_variants.is_unit_norm_attention,
+        attention_variants.unit_norm_attention,
+    ),  # fmt: skip
+    Adapter(
         "attention with a dynamic mask from the values (Doge)",
-        attention_dynamic_mask.is_dynamic_mask_attention,
-        attention_dynamic_mask.dynamic_mask_attention,
+        attention_variants.is_dynamic_mask_attention,
+        attention_variants.dynamic_mask_attention,
     ),  # fmt: skip
     Adapter(
         "mixture of attention heads (JetMoE: query experts by key/value heads)",

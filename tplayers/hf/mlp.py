@@ -18,10 +18,10 @@ from torch import nn
 
 from tplayers.functional.collectives import own_slice, sum_over_tp_region
 from tplayers.hf import pieces
-from tplayers.hf.attention import NORMS_BEFORE_PROJECTION, norm_before_row
+from tplayers.hf.attention import NORMS_BEFORE_PROJECTION, norm_before_row, split_per_head
 from tplayers.hf.fused import fused_column, part_rows
 from tplayers.hf.shard import ShardingPass, as_linear, copy_in, gather, has_linears, on_device
-from tplayers.hf.source import forward_source
+from tplayers.hf.source import forward_source, same_forward
 from tplayers.hf.state_dict import ExportRecord
 from tplayers.nn.linear import GatheredWeightLinear
 from tplayers.nn.mlp import ParallelMLP, fuse_gate_up, unfuse_gate_up
@@ -183,20 +183,37 @@ def gate_up_halves(sp: ShardingPass, name, mlp, extras=((), ())):
     sp.done.add(name)
 
 
+# Per-feature scales of the gate / up outputs an MLP holds itself (Dory's), split with its features
+FEATURE_SCALES = ("suv_gate", "suv_up")
+
+
+def _scales_features(mlp) -> bool:
+    """Dory's MLP (gate and up outputs scaled per feature, an L2 norm before down), with transformers'
+    forward line for line."""
+    if type(mlp).__name__ != "DoryMLP":
+        return False
+    from transformers.models.dory.modeling_dory import DoryMLP
+
+    return same_forward(mlp, DoryMLP)
+
+
 def gated_mlp(sp: ShardingPass, name, mlp):
-    """down(act(gate(x)) * up(x)): with SiLU and nothing else holding weights, ParallelMLP (one
-    fused gate|up GEMM with the SwiGLU epilogue); else gate, up column-parallel and down
-    row-parallel, with BitNet's ffn_sub_norm before down a ParallelRMSNorm over the same split."""
-    others = [c for c, m in mlp.named_children() if c not in ("gate_proj", "up_proj", "down_proj")
-              and next(m.parameters(), None) is not None]  # fmt: skip
-    if others or not is_silu(getattr(mlp, "act_fn", None)) or sp.keeps(name, ("gate_proj", "up_proj", "down_proj")):
+    """down(act(gate(x)) * up(x)): with SiLU and nothing else in the module, ParallelMLP (one fused
+    gate|up GEMM with the SwiGLU epilogue); else the module's own forward with gate, up
+    column-parallel and down row-parallel, BitNet's ffn_sub_norm before down a ParallelRMSNorm over
+    the same split (Dory's a ParallelL2Norm, its per-feature scales split with the features)."""
+    others = [c for c in mlp._modules if c not in ("gate_proj", "up_proj", "down_proj", "act_fn")]
+    plain = not others and not mlp._parameters and is_silu(getattr(mlp, "act_fn", None))
+    if not plain or sp.keeps(name, ("gate_proj", "up_proj", "down_proj")):  # HF's forward on the split
         sp.shared_input_column(f"{name}.gate_proj", mlp.gate_proj)
         sp.shared_input_column(f"{name}.up_proj", mlp.up_proj)
         down = sp.row(f"{name}.down_proj", mlp.down_proj)
         for child in others:
-            norm = getattr(mlp, child)
-            if child in NORMS_BEFORE_PROJECTION and tuple(norm.weight.shape) == (down.in_features,):
-                norm_before_row(sp, f"{name}.{child}", norm, down)
+            if child in NORMS_BEFORE_PROJECTION:  # over every feature: over the group
+                norm_before_row(sp, f"{name}.{child}", getattr(mlp, child), down)
+        if _scales_features(mlp):
+            for key in FEATURE_SCALES:  # split as the columns are (torch.chunk's sizes)
+                split_per_head(sp, name, mlp, key)
         if getattr(mlp, "activation_sparsity", 0):  # statistics over the whole width: the group's
             mlp = _gaussian_topk_mlp(sp, name, mlp)
         sp.shared_input.append(mlp)

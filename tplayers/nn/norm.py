@@ -1,4 +1,5 @@
-"""`ParallelRMSNorm`: an RMSNorm over a dimension split across the tensor-parallel group; and
+"""`ParallelRMSNorm`: an RMSNorm over a dimension split across the tensor-parallel group (and
+`ParallelL2Norm`, its unweighted unit-norm cousin); and
 `RMSNorm`, HF's LlamaRMSNorm (whole on every rank) in one fused kernel each way
 (tplayers.functional.rms_norm).
 
@@ -85,6 +86,25 @@ class ParallelRMSNorm(PlacedModule):
     def extra_repr(self):
         sp = ", sequence_parallel=True" if self.sequence_group is not None else ""
         return f"{self.hidden_size} ({self.weight.shape[0]} per rank of {self.tp_size}), eps={self.eps}{sp}"
+
+
+class ParallelL2Norm(nn.Module):
+    """x / |x| over features split across the group, y = x * rsqrt(sum(x^2) + eps) in fp32, cast back
+    to x's dtype (nGPT's projection onto the unit sphere: Dory's sub-norms before a row projection).
+    No weight; each rank's sum of squares is summed over the group (`sum_over_tp_region`: forward
+    and backward), then every rank scales its own slice."""
+
+    def __init__(self, eps=1e-6, *, group=None):
+        super().__init__()
+        self.group, self.eps = resolve_group(group), eps
+
+    def forward(self, x):
+        h = x.float()
+        squares = sum_over_tp_region(h.pow(2).sum(-1, keepdim=True), self.group)
+        return (h * torch.rsqrt(squares + self.eps)).to(x.dtype)
+
+    def extra_repr(self):
+        return f"eps={self.eps}, over {dist.get_world_size(self.group)} ranks"
 
 
 class ComputedRowsRMSNorm(PlacedModule):

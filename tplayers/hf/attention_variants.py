@@ -1,7 +1,12 @@
-"""Attention with a dynamic mask computed from the values (Doge): split by heads like any q/k/v/o
-attention, with the mask's projection summed over the ranks' value heads.
+"""q/k/v/o attentions with more than projections, split by heads like any (`qkvo_attention`), with
+what they add placed here.
 
-Doge adds to each key/value head's attention scores exp(A_h * softplus(dt_h)), where
+Dory (nGPT's unit-norm attention): queries scaled per channel after rope (`sqk`), the output gated
+with a per-channel scale (`s_gate`): both cut to this rank's heads' channels; the L2 norm over every
+head's output before `o_proj` a `ParallelL2Norm` (its sum of squares summed over the group).
+
+Doge's attention has a dynamic mask computed from the values; the mask's projection is summed over
+the ranks' value heads. Doge adds to each key/value head's attention scores exp(A_h * softplus(dt_h)), where
 dt = dt_proj(the values of every key/value head): each head's mask reads all heads' values.
 
     q_proj, k_proj, v_proj, o_proj, q_norm, k_norm   as any q/k/v/o attention (`qkvo_attention`):
@@ -20,10 +25,30 @@ import types
 
 import torch.distributed as dist
 
-from tplayers.hf.attention import qkvo_attention
+from tplayers.hf.attention import qkvo_attention, split_per_head
 from tplayers.hf.fused import SharedKVProjection, SummedRowLinear
 from tplayers.hf.shard import ShardingPass, on_device
 from tplayers.hf.source import same_forward, source
+from tplayers.placement import even_sizes
+
+# Dory's attention: per-channel scales of every head's query / output gate, {name: per head}
+CHANNEL_SCALES = ("sqk", "s_gate")
+
+
+def is_unit_norm_attention(module) -> bool:
+    """Dory's attention, with transformers' forward line for line."""
+    if type(module).__name__ != "DoryAttention":
+        return False
+    from transformers.models.dory.modeling_dory import DoryAttention
+
+    return same_forward(module, DoryAttention)
+
+
+def unit_norm_attention(sp: ShardingPass, name, attn):
+    qkvo_attention(sp, name, attn)  # its attn_sub_norm over every head: a ParallelL2Norm there
+    sizes = even_sizes(attn.sqk.shape[0] // attn.head_dim, sp.n)  # the query heads' split (`head_split`)
+    for key in CHANNEL_SCALES:
+        split_per_head(sp, name, attn, key, attn.head_dim, sizes)
 
 
 def is_dynamic_mask_attention(module) -> bool:
