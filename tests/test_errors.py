@@ -168,3 +168,26 @@ def test_a_crash_inside_the_sharded_model_names_tplayers_the_model_and_the_modul
         assert "LlamaForCausalLM (llama)" in message, message
         assert "in model.layers.0.self_attn (LlamaAttention)" in message, message
         assert ("parallelize(verify)" if verify else "tplayers: raised") in message, message
+
+
+def tie_left_whole(rank, tp, group, untied):
+    """A second module holding the input embedding's Parameter (tied), which no adapter places: the
+    pass would shard the one and leave the other, two tensors from then on. Untied (a copy), the
+    second is simply whole."""
+    from test_fused_loss import tiny_llama
+
+    model = tiny_llama()
+    embedding = model.model.embed_tokens
+    model.extra = torch.nn.Embedding(*embedding.weight.shape)
+    model.extra.weight = torch.nn.Parameter(embedding.weight.detach().clone()) if untied else embedding.weight
+    try:
+        tplayers.parallelize(model, group=group, verify=False)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_a_tie_the_pass_would_break_is_refused_by_name(pool):
+    for message in pool.run(tie_left_whole, 2, False):
+        assert message and "extra.weight is the same Parameter as model.embed_tokens.weight (tied)" in message, message
+    assert pool.run(tie_left_whole, 2, True) == [None, None]  # negative control: no tie, no refusal

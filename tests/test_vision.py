@@ -33,9 +33,10 @@ pytestmark = pytest.mark.multirank
 # MLP, patch merger) and multimodal rope; Qwen3-VL's ViT with deepstack mergers; InternViT (q / k norms
 # over every head) + layer norm and linear pair; SigLIP + pixel shuffle and one linear, images stacked
 # per row with a pixel mask; SigLIP + linear pair over any-resolution tiles; Llama 4's ViT (2-D rope,
-# pixel shuffle, its own MLP adapter) + one linear, with a mixture-of-experts language model
+# pixel shuffle, its own MLP adapter) + one linear, with a mixture-of-experts language model; GLM-4V's
+# ViT + a merger holding a projection and a norm before its gated MLP
 VLMS = ("llava", "mistral3", "paligemma", "gemma3", "qwen2_5_vl", "qwen3_vl", "internvl", "smolvlm", "llava_onevision",
-        "llama4")  # fmt: skip
+        "llama4", "glm4v")  # fmt: skip
 
 
 def mend_llama4_output():

@@ -34,13 +34,13 @@ from tplayers.hf.fused import (
     part_rows,
     shared_rows_record,
 )
+from tplayers.hf.norms import l2_norm_eps, rms_norm_eps
 from tplayers.hf.shard import ShardingPass, copy_in, on_device
 from tplayers.hf.source import forward_source
 from tplayers.hf.state_dict import ExportRecord
 from tplayers.nn.linear import RowParallelLinear
 from tplayers.nn.norm import ComputedRowsRMSNorm, ParallelL2Norm, ParallelRMSNorm
 from tplayers.placement import even_sizes, set_placement, shard_range
-from tplayers.tolerances import TOLERANCES
 
 HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
 KV_HEAD_COUNTS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
@@ -145,7 +145,8 @@ def qkvo_attention(sp: ShardingPass, name, attn):
         attn,
         {**dict.fromkeys(HEAD_COUNTS, heads // sp.n), **dict.fromkeys(KV_HEAD_COUNTS, local_kv), **widths},
     )
-    _per_head_weights(sp, name, attn, head_dim, {"q_proj", "k_proj", "v_proj", out, *gates})
+    rows = dict(q_norm=even_sizes(heads, sp.n), k_norm=even_sizes(kv_heads, sp.n) if kv_heads % sp.n == 0 else None)
+    _per_head_weights(sp, name, attn, head_dim, {"q_proj", "k_proj", "v_proj", out, *gates}, rows)
     _held_per_head(sp, name, attn, heads, None)
     sp.shared_input.append(attn)
     sp.done.add(name)
@@ -206,7 +207,7 @@ def _qkvo_by_whole_heads(sp: ShardingPass, name, attn, out, head_dim, heads, kv_
     localize_attributes(
         name, attn, {**dict.fromkeys(HEAD_COUNTS, local), **dict.fromkeys(KV_HEAD_COUNTS, local), **widths}
     )
-    _per_head_weights(sp, name, attn, head_dim, {"q_proj", "k_proj", "v_proj", out, *gates})
+    _per_head_weights(sp, name, attn, head_dim, {"q_proj", "k_proj", "v_proj", out, *gates}, dict(q_norm=sizes))
     _held_per_head(sp, name, attn, heads, sizes)
     sp.shared_input.append(attn)
     sp.done.add(name)
@@ -248,25 +249,6 @@ def split_per_head(sp: ShardingPass, name, module, key, unit=1, sizes=None, dim=
 
 
 NORMS_OVER_PROJECTION = {"q_norm": "q_proj", "k_norm": "k_proj"}
-KNOWN_RMS_NORMS = ("Olmo2RMSNorm",)  # accepted unprobed on the meta device, where no probe can run
-EPS_NAMES = ("variance_epsilon", "eps")
-
-
-def rms_norm_eps(norm) -> float | None:
-    """The epsilon of a norm computing weight * (x * rsqrt(mean(x^2) + eps)) in fp32, checked on
-    a probe with the module's own weights (so a look-alike with other math, Gemma's (1 + weight),
-    is not taken for it); None for anything else."""
-    eps = next((getattr(norm, k) for k in EPS_NAMES if isinstance(getattr(norm, k, None), float)), None)
-    weight = getattr(norm, "weight", None)
-    if eps is None or not isinstance(weight, nn.Parameter) or weight.dim() != 1 or len(list(norm.parameters())) != 1:
-        return None
-    if weight.is_meta:
-        return eps if type(norm).__name__ in KNOWN_RMS_NORMS else None
-    x = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight.device, weight.dtype)
-    with torch.no_grad():
-        h = x.float()
-        expected = (weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
-        return eps if torch.allclose(norm(x), expected, **TOLERANCES[weight.dtype]) else None
 
 
 def _norm_over_projection(sp: ShardingPass, name, norm, projection):
@@ -298,18 +280,6 @@ def _norm_over_projection(sp: ShardingPass, name, norm, projection):
 NORMS_BEFORE_PROJECTION = {"attn_sub_norm": "o_proj", "ffn_sub_norm": "down_proj"}
 
 
-def l2_norm_eps(norm) -> float | None:
-    """The epsilon of a weightless norm computing x * rsqrt(sum(x^2) + eps) in fp32 (nGPT's unit-norm
-    projection, Dory's L2 norms), checked on a probe; None for anything else."""
-    eps = next((getattr(norm, k) for k in EPS_NAMES if isinstance(getattr(norm, k, None), float)), None)
-    if eps is None or next(norm.parameters(), None) is not None or next(norm.buffers(), None) is not None:
-        return None
-    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        expected = x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
-        return eps if torch.allclose(norm(x), expected, **TOLERANCES[torch.float32]) else None
-
-
 def norm_before_row(sp: ShardingPass, name, norm, row):
     """BitNet's attn_sub_norm / ffn_sub_norm: an RMSNorm over all heads' (all features') output,
     just before the row-parallel projection `row`: a ParallelRMSNorm over the same split as the
@@ -331,9 +301,11 @@ def norm_before_row(sp: ShardingPass, name, norm, row):
     sp.record(name, layer, dim=0)
 
 
-def _per_head_weights(sp: ShardingPass, name, attn, head_dim, projections):
+def _per_head_weights(sp: ShardingPass, name, attn, head_dim, projections, per_head_rows=None):
     """Other weights inside the attention. Acting on each head alike (Qwen3's q_norm / k_norm):
-    replicated, but each rank's heads give only part of their gradient, so it is summed. An
+    replicated, but each rank's heads give only part of their gradient, so it is summed. One row
+    per head (Chameleon's): cut to this rank's heads, split as `per_head_rows` says ({child: every
+    rank's heads}, None where they are not split by whole heads: refused). An
     RMSNorm over a whole projection (OLMo2): split with it (`_norm_over_projection`). Any other
     weight spanning all heads, or one module per head (StableLM's per-head norms: each rank would
     apply the first heads' norms to its own heads), cannot be split by this pass: an error naming
@@ -363,13 +335,24 @@ def _per_head_weights(sp: ShardingPass, name, attn, head_dim, projections):
                 f"parallelize: {name}.{child_name} ({type(child).__name__}) holds weights per head in "
                 "submodules; tplayers does not shard it: pass a plan for this model"
             )
-        for param_name, p in child.named_parameters():
+        for param_name, p in list(child.named_parameters()):
             if p.shape[-1] != head_dim:
                 raise ValueError(
                     f"parallelize: {name}.{child_name}.{param_name} {tuple(p.shape)} spans all heads; "
                     "pass a plan for this model"
                 )
-            sp.partial_grads.append(p)
+            if p.dim() == 1:
+                sp.partial_grads.append(p)
+                continue
+            # one row per head (Chameleon's q / k norms): cut with the heads where they split by whole heads
+            sizes = (per_head_rows or {}).get(child_name)
+            if p.dim() != 2 or sizes is None or p.shape[0] != sum(sizes):
+                raise ValueError(
+                    f"parallelize: {name}.{child_name}.{param_name} {tuple(p.shape)} holds a row per head, and its "
+                    "heads are not split by whole heads here (key/value heads shared by ranks); use a tensor-parallel "
+                    "size dividing the key/value heads"
+                )
+            split_per_head(sp, f"{name}.{child_name}", child, param_name, 1, sizes)
 
 
 def _local_heads(name, heads, sp: ShardingPass):

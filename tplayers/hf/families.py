@@ -167,6 +167,11 @@ ADAPTERS = (
         vision.keep_whole,
     ),
     Adapter("two-layer projector (LLaVA, Mistral 3)", vision.is_two_layer_projector, vision.two_layer_projector),
+    Adapter(
+        "patch merger: a projection and norm before a gated MLP (GLM-4V)",
+        vision.is_projected_gated_merger,
+        vision.projected_gated_merger,
+    ),  # fmt: skip
     Adapter("Qwen-VL vision attention (qkv by heads)", vision.is_qkv_by_heads_attention, vision.qkv_by_heads_attention),
     Adapter(
         "Sequential(Linear, activation, Linear) (Qwen-VL patch mergers)",

@@ -51,10 +51,10 @@ from tplayers.functional.collectives import (
 from tplayers.hf import families, pieces, vision
 from tplayers.hf import fused_loss as fused
 from tplayers.hf import verify as verification
-from tplayers.hf.attention import HEAD_COUNTS, HIDDEN_WIDTHS, KV_HEAD_COUNTS, localize_attributes, rms_norm_eps
+from tplayers.hf.attention import HEAD_COUNTS, HIDDEN_WIDTHS, KV_HEAD_COUNTS, localize_attributes
 from tplayers.hf.finish import finish
 from tplayers.hf.mlp import is_silu
-from tplayers.hf.norms import fuse_rms_norms
+from tplayers.hf.norms import fuse_rms_norms, rms_norm_eps
 from tplayers.hf.shard import ShardingPass, copy_in, replace_hidden
 from tplayers.hf.state_dict import ExportRecord, Records
 from tplayers.nn.grid import GridLinear

@@ -45,8 +45,9 @@ from torch import nn
 
 from tplayers.functional.collectives import all_gather_any, own_slice
 from tplayers.hf import pieces
-from tplayers.hf.attention import head_split, localize_attributes, rms_norm_eps, split_per_head
+from tplayers.hf.attention import head_split, localize_attributes, split_per_head
 from tplayers.hf.fused import SummedRowLinear, fused_column, multi_query_column, part_rows, split_and_gathered_column
+from tplayers.hf.norms import rms_norm_eps
 from tplayers.hf.shard import ShardingPass, copy_in, gather, has_linears, on_device
 from tplayers.hf.source import forward_source
 from tplayers.hf.state_dict import ExportRecord

@@ -184,6 +184,7 @@ class ShardingPass(SharesGroups):
         if unknown:
             raise ValueError(f"parallelize: plan values must be one of {PLAN_KINDS}, got {unknown}")
         self.plan_used: set[str] = set()  # plan keys that named a module
+        self.swapped_out: dict[int, str] = {}  # {id: name} of the parameters of the modules swapped out
 
     def planned(self, name) -> str | None:
         """The plan's kind for module `name`: its own entry, else the one kind of the patterns
@@ -224,6 +225,18 @@ class ShardingPass(SharesGroups):
             )
         raise ValueError(f"parallelize: plan entries {unused} name no module of {type(self.model).__name__}")
 
+    def check_no_tie_broken(self):
+        """A Parameter the model holds under two names (tied: T5Gemma 2's encoder and decoder
+        embeddings) whose module was swapped under one name and left as it was under the other
+        would be two tensors from then on, trained apart: refused, naming both."""
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            if id(p) in self.swapped_out:
+                raise ValueError(
+                    f"parallelize: {name} is the same Parameter as {self.swapped_out[id(p)]} (tied), which tplayers "
+                    f"sharded while {name} was left whole: the two would be trained apart. Pass a plan placing "
+                    f"{name.rpartition('.')[0]!r} like the other, or untie them"
+                )
+
     def release(self):
         """Drop the pass's references to the model and its modules, which the export records
         (closures over this pass) would otherwise keep alive: pipeline stages hold only their own
@@ -241,6 +254,10 @@ class ShardingPass(SharesGroups):
                 layer.overlap = self.overlap
         parent_name, _, child = name.rpartition(".")
         parent = self.model.get_submodule(parent_name) if parent_name else self.model
+        kept = {id(p) for p in new.parameters()}
+        for key, p in getattr(parent, child).named_parameters():  # what the new module does not hold on to
+            if id(p) not in kept:
+                self.swapped_out.setdefault(id(p), f"{name}.{key}")
         new.train(getattr(parent, child).training)  # in the mode of the module it replaces
         setattr(parent, child, new)
         self.done.add(name)
@@ -435,6 +452,7 @@ class ShardingPass(SharesGroups):
         self.sp = self.sequence_parallel
         self.tower_linears()
         self.check_plan_used()
+        self.check_no_tie_broken()
         unplaced = [
             name
             for name, module in self.model.named_modules()

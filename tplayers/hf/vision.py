@@ -16,7 +16,7 @@ from torch import nn
 
 from tplayers.hf.attention import _finish_attention, _fused_qkv, _per_head_weights
 from tplayers.hf.shard import ShardingPass
-from tplayers.hf.source import forward_source
+from tplayers.hf.source import forward_source, source
 
 # Sub-configs of a model that takes more than text: a tower per kind of input
 TOWER_CONFIGS = ("vision_config", "audio_config", "vision_tower_config", "speech_config")
@@ -115,6 +115,33 @@ def is_sequential_mlp(module) -> bool:
 def sequential_mlp(sp: ShardingPass, name, module):
     sp.column(f"{name}.0", module[0])
     sp.row(f"{name}.2", module[2])
+
+
+def is_projected_gated_merger(module) -> bool:
+    """GLM-4V's patch merger (a projection and a norm before a gated MLP), with its forward line for
+    line (GLM-4.1V / 4.5V / 4.6V and GLM-OCR copy it), or GLM-5-Next's (its gate and up clamped: each
+    element alike)."""
+    if not type(module).__name__.endswith("VisionPatchMerger"):
+        return False
+    from transformers.models.glm4v.modeling_glm4v import Glm4vVisionPatchMerger
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextVisionPatchMerger
+
+    return forward_source(module) in (source(Glm4vVisionPatchMerger.forward), source(Glm5NextVisionPatchMerger.forward))
+
+
+def projected_gated_merger(sp: ShardingPass, name, merger):
+    """`proj` and `post_projection_norm` whole on every rank (they act on the whole input before the
+    split; their gradients, partial as the gated MLP's input gradient is on each rank, summed), then
+    gate / up column-parallel and down row-parallel."""
+    for child in ("proj", "post_projection_norm"):
+        sp.done.add(f"{name}.{child}")
+        sp.whole.add(f"{name}.{child}")
+        sp.partial_grads.extend(getattr(merger, child).parameters())
+    for proj in ("gate_proj", "up_proj"):
+        sp.shared_input_column(f"{name}.{proj}", getattr(merger, proj))
+    sp.row(f"{name}.down_proj", merger.down_proj)
+    sp.shared_input.append(merger)
+    sp.done.add(name)
 
 
 # Modules of towers kept whole on every rank, by class: nn.MultiheadAttention (SigLIP's pooling

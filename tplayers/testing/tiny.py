@@ -56,6 +56,7 @@ CAPPED_TOGETHER = {"num_key_value_heads", "num_kv_heads", "head_dim", "qk_head_d
 QSA = dict(indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=4, indexer_compress_ratio=2)
 # Configs whose defaults build no model (fields left None that the modeling code reads, a pattern longer
 # than the cut depth) get those fields set, at tiny sizes; a few need more than one layer of a kind.
+DIGITS_AS_LETTERS = str.maketrans("0123456789", "ABCDEFGHIJ")
 COMPASS_ROPE = {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}  # left None, read per layer type
 QUIRKS = {
     "cohere_compass_text": dict(rope_parameters=COMPASS_ROPE),
@@ -81,6 +82,29 @@ QUIRKS = {
     "deepseek_ocr2": dict(text_config=dict(mlp_layer_types=["dense", "sparse"], num_experts_per_tok=2)),
     "diffusion_gemma": lambda caps: dict(
         text_config=dict(num_experts=4, top_k_experts=2, moe_intermediate_size=caps.get("ffn"))
+    ),
+    # image / audio tokens are codebook indices offset into the vocabulary: their ranges packed below its top ids
+    "apertus1p5": dict(
+        image_token_offset=64,
+        audio_token_offset=96,
+        vision_config=dict(codebook_size=32),
+        audio_config=dict(codebook_size=16),
+    ),  # fmt: skip
+    # image tokens as codebook indices mapped to vocabulary ids by name (VQ tokenizers): 32 codes at ids 64-95
+    "chameleon": dict(
+        vq_config=dict(num_embeddings=32),
+        vocabulary_map={  # code 12: IMGIMGBCZ (digits as A-J)
+            "<image>": 120,
+            **{"IMGIMG" + str(c).translate(DIGITS_AS_LETTERS) + "Z": 64 + c for c in range(32)},
+        },
+    ),
+    "emu3": dict(
+        vq_config=dict(codebook_size=32),
+        vocabulary_map={
+            "<image>": 120,
+            "<|extra_200|>": 121,
+            **{f"<|visual token {c:06d}|>": 64 + c for c in range(32)},
+        },
     ),
     # the shared transformer is one module tied over the hybrid layers: two of them
     "zamba": dict(num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "hybrid"]),
