@@ -1,5 +1,10 @@
 """q/k/v/o attentions with more than projections, split by heads like any (`qkvo_attention`), with
-what they add placed here.
+what they add placed here; and multi-head attentions whose projections go by other names.
+
+CTRL (`Wq` / `Wk` / `Wv` / `dense`, its forward given values, keys and queries as three inputs) and
+XLM (`q_lin` / `k_lin` / `v_lin` / `out_lin`): q / k / v column-parallel by whole heads, the output
+row-parallel; each input (one tensor passed three times, in CTRL's layers) has its gradient summed
+over the group once (or is gathered along the sequence under sequence parallelism).
 
 Dory (nGPT's unit-norm attention): queries scaled per channel after rope (`sqk`), the output gated
 with a per-channel scale (`s_gate`): both cut to this rank's heads' channels; the L2 norm over every
@@ -25,7 +30,8 @@ import types
 
 import torch.distributed as dist
 
-from tplayers.hf.attention import qkvo_attention, split_per_head
+from tplayers.functional.collectives import all_gather_sequence, copy_to_tp_region
+from tplayers.hf.attention import head_split, localize_attributes, qkvo_attention, split_per_head
 from tplayers.hf.fused import SharedKVProjection, SummedRowLinear
 from tplayers.hf.shard import ShardingPass, on_device
 from tplayers.hf.source import same_forward, source
@@ -114,3 +120,58 @@ def _local_dynamic_mask(self, hidden_states, dt_states, keep_window_size=2048, a
         keep_window_size=keep_window_size,
         attention_mask=attention_mask,
     )
+
+
+# {class: ((q, k, v), output, head count attribute, the positional inputs the projections read)}
+RENAMED = {
+    "transformers.models.ctrl.modeling_ctrl.MultiHeadAttention": (("Wq", "Wk", "Wv"), "dense", "num_heads", 3),
+    "transformers.models.xlm.modeling_xlm.MultiHeadAttention": (("q_lin", "k_lin", "v_lin"), "out_lin", "n_heads", 1),
+}
+
+
+def _class_path(module) -> str:
+    return f"{type(module).__module__}.{type(module).__qualname__}"
+
+
+def is_renamed_attention(module) -> bool:
+    """CTRL's or XLM's multi-head attention, with transformers' forward line for line."""
+    path = _class_path(module)
+    if path not in RENAMED:
+        return False
+    import importlib
+
+    owner, _, cls = path.rpartition(".")
+    return same_forward(module, getattr(importlib.import_module(owner), cls))
+
+
+def renamed_attention(sp: ShardingPass, name, attn):
+    qkv, out, count, inputs = RENAMED[_class_path(attn)]
+    heads, head_dim = getattr(attn, count), attn.head_dim
+    split = head_split(name, heads, sp.n)
+    for proj in qkv:
+        sp.shared_input_column(f"{name}.{proj}", getattr(attn, proj), split_unit=head_dim, split_sizes=split)
+    sp.row(f"{name}.{out}", getattr(attn, out), split_unit=head_dim, split_sizes=split)
+    localize_attributes(name, attn, {count: split[dist.get_rank(sp.group)]})
+    _shared_inputs(sp, attn, inputs)
+    sp.done.add(name)
+
+
+def _shared_inputs(sp: ShardingPass, attn, inputs: int):
+    """Before the attention: its first `inputs` positional inputs prepared as a shared input is (see
+    parallelize's `_shared_input_hooks`), one tensor passed several times prepared once; XLM's
+    cross-attention input (`kv`) refused, by name."""
+    if sp.n == 1:
+        return
+    group = sp.group
+    prepare = (lambda h: all_gather_sequence(h, group, 1)) if sp.sp else (lambda h: copy_to_tp_region(h, group))
+
+    def hook(module, args, kwargs):
+        if kwargs.get("kv") is not None:
+            raise ValueError(f"parallelize: {type(module).__name__}'s cross-attention input (kv) is not split")
+        done = {}
+        for a in args[:inputs]:
+            if id(a) not in done:
+                done[id(a)] = prepare(a)
+        return tuple(done[id(a)] for a in args[:inputs]) + tuple(args[inputs:]), kwargs
+
+    attn.register_forward_pre_hook(hook, with_kwargs=True)

@@ -205,6 +205,11 @@ ADAPTERS = (
         attention_pairs.differential_attention,
     ),  # fmt: skip
     Adapter(
+        "multi-head attention with renamed projections (CTRL, XLM)",
+        attention_variants.is_renamed_attention,
+        attention_variants.renamed_attention,
+    ),  # fmt: skip
+    Adapter(
         "unit-norm attention with per-channel query / gate scales (Dory)",
         attention_variants.is_unit_norm_attention,
         attention_variants.unit_norm_attention,

@@ -8,6 +8,7 @@ same map with its weight stored (in, out)); both are handled here.
 """
 
 import fnmatch
+import weakref
 from collections.abc import Callable
 
 import torch.distributed as dist
@@ -184,7 +185,7 @@ class ShardingPass(SharesGroups):
         if unknown:
             raise ValueError(f"parallelize: plan values must be one of {PLAN_KINDS}, got {unknown}")
         self.plan_used: set[str] = set()  # plan keys that named a module
-        self.swapped_out: dict[int, str] = {}  # {id: name} of the parameters of the modules swapped out
+        self.swapped_out: dict[int, tuple] = {}  # {id: (name, weakref)} of the swapped-out modules' parameters
 
     def planned(self, name) -> str | None:
         """The plan's kind for module `name`: its own entry, else the one kind of the patterns
@@ -230,9 +231,10 @@ class ShardingPass(SharesGroups):
         embeddings) whose module was swapped under one name and left as it was under the other
         would be two tensors from then on, trained apart: refused, naming both."""
         for name, p in self.model.named_parameters(remove_duplicate=False):
-            if id(p) in self.swapped_out:
+            other, ref = self.swapped_out.get(id(p), (None, lambda: None))
+            if ref() is p:
                 raise ValueError(
-                    f"parallelize: {name} is the same Parameter as {self.swapped_out[id(p)]} (tied), which tplayers "
+                    f"parallelize: {name} is the same Parameter as {other} (tied), which tplayers "
                     f"sharded while {name} was left whole: the two would be trained apart. Pass a plan placing "
                     f"{name.rpartition('.')[0]!r} like the other, or untie them"
                 )
@@ -242,6 +244,7 @@ class ShardingPass(SharesGroups):
         (closures over this pass) would otherwise keep alive: pipeline stages hold only their own
         records, and the layers of the other stages must be freed with the model."""
         self.model, self.shared_input, self.partial_grads, self.done, self.whole = None, [], [], set(), set()
+        self.swapped_out = {}
 
     # -- what adapters call -----------------------------------------------------------------
     def keeps(self, name, children) -> bool:
@@ -256,8 +259,9 @@ class ShardingPass(SharesGroups):
         parent = self.model.get_submodule(parent_name) if parent_name else self.model
         kept = {id(p) for p in new.parameters()}
         for key, p in getattr(parent, child).named_parameters():  # what the new module does not hold on to
-            if id(p) not in kept:
-                self.swapped_out.setdefault(id(p), f"{name}.{key}")
+            held = self.swapped_out.get(id(p))
+            if id(p) not in kept and (held is None or held[1]() is None):  # weakly: freed, its id is reused
+                self.swapped_out[id(p)] = (f"{name}.{key}", weakref.ref(p))
         new.train(getattr(parent, child).training)  # in the mode of the module it replaces
         setattr(parent, child, new)
         self.done.add(name)
