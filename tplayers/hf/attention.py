@@ -77,7 +77,7 @@ def localize_attributes(name, module, local: dict[str, int], *, config_keys=()):
         )
 
 
-OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "projection_layer")  # the last: InternViT
+OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "projection_layer", "Wo")  # InternViT, ModernBERT-decoder
 HIDDEN_WIDTHS = ("hidden_size", "embed_dim", "all_head_size")
 
 

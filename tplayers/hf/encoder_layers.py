@@ -92,7 +92,7 @@ def intermediate_output_mlp(sp: ShardingPass, name, layer):
 
 
 # A transform of the last hidden states kept beside the model's LM head, not in the module holding it
-PREDICTION_TRANSFORMS = ("ElectraGeneratorPredictions",)
+PREDICTION_TRANSFORMS = ("ElectraGeneratorPredictions", "ModernBertDecoderPredictionHead")
 
 
 def is_prediction_head(module) -> bool:

@@ -40,7 +40,6 @@ from tplayers.hf import (
     mlp,
     moe,
     recurrent,
-    source,
     vision,
 )
 from tplayers.hf.shard import ShardingPass, has_conv1ds, has_linears
@@ -289,12 +288,8 @@ ADAPTERS = (
     ),
     Adapter("fused gate|up MLP (Phi-3)", lambda m: has_linears(m, ("gate_up_proj", "down_proj")), mlp.fused_gate_up),
     Adapter(
-        "chunked [gate; up] shared MLP (Granite-MoE shared / hybrid)",
-        lambda m: (
-            has_linears(m, ("input_linear", "output_linear"))
-            and m.input_linear.out_features == 2 * m.output_linear.in_features
-            and "chunk(2, dim=-1)" in source.forward_source(m)
-        ),
+        "chunked [gate; up] MLP (Granite-MoE shared / hybrid, ModernBERT-decoder)",
+        lambda m: mlp.chunked_pair(m) is not None,
         mlp.chunked_gate_up,
     ),
     Adapter("GPT-2 attention", lambda m: has_conv1ds(m, ("c_attn", "c_proj")), attention.gpt2_attention),

@@ -55,15 +55,30 @@ def w1_w3_w2(sp: ShardingPass, name, mlp):
     sp.done.add(name)
 
 
+# (the [gate; up] projection, the one after): GraniteMoeShared / GraniteMoeHybrid, ModernBERT-decoder
+CHUNKED_PAIRS = (("input_linear", "output_linear"), ("Wi", "Wo"))
+
+
+def chunked_pair(module) -> tuple[str, str] | None:
+    """The (in, out) names of an MLP whose in-projection holds [gate; up] halves (its forward chunks
+    them in two), else None."""
+    for first, second in CHUNKED_PAIRS:
+        if has_linears(module, (first, second)) and getattr(module, first).out_features == 2 * getattr(
+            module, second
+        ).in_features and "chunk(2, dim=-1)" in forward_source(module):
+            return first, second
+    return None
+
+
 def chunked_gate_up(sp: ShardingPass, name, mlp):
-    """GraniteMoeShared / GraniteMoeHybrid's shared_mlp: input_linear holding [gate; up] halves
-    (its forward chunks them in two and gates elementwise), output_linear after: this rank's rows
-    of each half, and output_linear row-parallel by the same features; the model's forward runs."""
-    ffn = mlp.output_linear.in_features
-    fused_column(
-        sp, f"{name}.input_linear", mlp.input_linear, part_rows([ffn, ffn], sp.n, split=shard_sizes(ffn, sp.n))
-    )
-    sp.row(f"{name}.output_linear", mlp.output_linear)
+    """An in-projection holding [gate; up] halves (its forward chunks them in two and gates
+    elementwise), the out-projection after: this rank's rows of each half, and the out-projection
+    row-parallel by the same features; the model's forward runs."""
+    first, second = chunked_pair(mlp)
+    ffn = getattr(mlp, second).in_features
+    rows = part_rows([ffn, ffn], sp.n, split=shard_sizes(ffn, sp.n))
+    fused_column(sp, f"{name}.{first}", getattr(mlp, first), rows)
+    sp.row(f"{name}.{second}", getattr(mlp, second))
     sp.shared_input.append(mlp)
     sp.done.add(name)
 
