@@ -63,9 +63,11 @@ def chunked_pair(module) -> tuple[str, str] | None:
     """The (in, out) names of an MLP whose in-projection holds [gate; up] halves (its forward chunks
     them in two), else None."""
     for first, second in CHUNKED_PAIRS:
-        if has_linears(module, (first, second)) and getattr(module, first).out_features == 2 * getattr(
-            module, second
-        ).in_features and "chunk(2, dim=-1)" in forward_source(module):
+        if (
+            has_linears(module, (first, second))
+            and getattr(module, first).out_features == 2 * getattr(module, second).in_features
+            and "chunk(2, dim=-1)" in forward_source(module)
+        ):
             return first, second
     return None
 
