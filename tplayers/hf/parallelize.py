@@ -114,6 +114,8 @@ def _sequence_parallel_hooks(model, group, blocks):
         lambda module, args, out: (
             (gather_from_tp_region(out[0], group, dim=1), *out[1:])
             if isinstance(out, tuple)
+            else [gather_from_tp_region(out[0], group, dim=1), *out[1:]]  # OpenAI GPT's blocks return a list
+            if isinstance(out, list)
             else gather_from_tp_region(out, group, dim=1)
         )
     )
