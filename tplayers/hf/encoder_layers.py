@@ -116,6 +116,20 @@ def prediction_head(sp: ShardingPass, name, module):
     sp.done.add(name)
 
 
+def holds_pooler(module) -> bool:
+    """A BERT-family model's pooler (BigBird's): a linear layer over the first token's last hidden
+    state, held as `pooler`."""
+    return isinstance(getattr(module, "pooler", None), nn.Linear)
+
+
+def pooler(sp: ShardingPass, name, module):
+    """Whole on every rank: it reads the first token of the whole last hidden states (sequence
+    parallelism ends after the last block), and its output is whole."""
+    key = f"{name}.pooler" if name else "pooler"
+    sp.done.add(key)
+    sp.whole.add(key)
+
+
 # Linear layers between the embeddings and the first layer, by the name their models give them (RemBERT's
 # projection of its narrow embeddings, RoC-BERT's of its concatenated ones)
 EMBEDDING_PROJECTIONS = ("embedding_hidden_mapping_in", "map_inputs_layer")

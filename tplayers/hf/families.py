@@ -294,6 +294,12 @@ ADAPTERS = (
     ),
     Adapter("GPT-2 attention", lambda m: has_conv1ds(m, ("c_attn", "c_proj")), attention.gpt2_attention),
     Adapter(
+        "a pooler over the first token (BigBird), whole",
+        encoder_layers.holds_pooler,
+        encoder_layers.pooler,
+        passes_on=True,
+    ),  # fmt: skip
+    Adapter(
         "a projection of the embeddings before the first layer (RemBERT, RoC-BERT), whole",
         encoder_layers.holds_embedding_projection,
         encoder_layers.embedding_projection,
