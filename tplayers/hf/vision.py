@@ -145,11 +145,10 @@ def projected_gated_merger(sp: ShardingPass, name, merger):
 
 
 # Modules of towers kept whole on every rank, by class: nn.MultiheadAttention (SigLIP's pooling
-# head's attention; its MLP splits as any two-layer MLP) reads its projections' weights itself; GIT's
-# projection of the image features (a linear layer and a norm), small, feeds the whole sequence.
+# head's attention; its MLP splits as any two-layer MLP) reads its projections' weights itself.
 # A tower's other linear layers no adapter places are column-parallel with their output gathered
 # (ShardingPass.tower_linears).
-WHOLE = {"MultiheadAttention", "GitProjection"}
+WHOLE = {"MultiheadAttention"}
 
 
 def is_kept_whole(module) -> bool:
