@@ -44,7 +44,9 @@ EXACT = ["llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "gemma", 
          # RWKV (v4): time mixing by channel, channel mixing by features; weights rescaled per layer in eval mode
          "rwkv",
          # nGPT's unit-norm attention and MLP: per-channel scales split with the heads / features, L2 norms over them
-         "dory"]  # fmt: skip
+         "dory",
+         # per-head [q, k, v] query_key_value with q / k LayerNorms over each head's features
+         "persimmon"]  # fmt: skip
 # Multi-head latent attention: a query latent of 16, a key/value latent of 12, heads of [8 | 4 rope] for q and k
 # and 6 for v; the rotary width is head_dim, one key/value head per query head (the latents expand to every head)
 MLA = dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
@@ -108,6 +110,10 @@ VARIANTS = {
     # transformers' own RWKV cannot backpropagate through its cache (it updates the states in place):
     # its cached generate() is in test_newcomers' ADAPTED
     "rwkv": ("rwkv", dict(rescale_every=1, use_cache=False)),
+    "doge-cdmoe": (
+        "doge",
+        dict(num_attention_heads=6, num_key_value_heads=3, is_moe=True, num_experts=16, num_experts_per_tok=2),
+    ),  # fmt: skip
     "jetmoe": ("jetmoe", dict(num_key_value_heads=5, kv_channels=8, num_local_experts=4, num_experts_per_tok=2)),
     # per-layer inputs on the residual stream (their own vocabulary, tiny here: the default is 262144 x 2 x 256)
     "gemma4_text": ("gemma4_text", dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB)),
@@ -133,14 +139,14 @@ VARIANTS["gemma3n_text-sparse"] = (
 )  # fmt: skip
 # Not known exactly: each is refused with the module that stops it (see the README's table).
 REFUSED = {
-    "persimmon": r"could not place \[.*query_key_value",  # per-head q/k layer norms inside a fused projection
+    # Doge's cross-domain MoE: product-key experts beside a gated MLP, routing that mixes tokens across the batch
+    "doge-cdmoe": r"router_gate\.weight .* is a parameter of DogeCDMoE",
 }
 SP_REFUSED = {
     "hrm_text": r"blocks are in 2 lists \(model.L_module.layers, model.H_module.layers\)",  # its H and L modules
     # per-layer inputs over the whole sequence beside the hidden states (Gemma 3n: AltUp's stacked states too)
     "gemma3n_text": r"takes a per-layer input over the whole sequence.*sequence_parallel=False",
     "gemma3n_text-sparse": r"takes a per-layer input over the whole sequence.*sequence_parallel=False",
-    "persimmon": r"could not place \[.*query_key_value",  # per-head q/k layer norms inside a fused projection
 }
 
 # Every family at every TP size here: none refused for its shapes.
@@ -175,7 +181,7 @@ def tiny_model(family, dtype=torch.float32, vocab=None, ffn=None, **config):
             setattr(cfg, key, 0.0)
     model = tf.AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():
-        if family == "doge":  # A starts at 0, making every head's mask exp(0): each head its own mask
+        if family.startswith("doge"):  # A starts at 0, making every head's mask exp(0): each head its own mask
             for layer in model.model.layers:
                 layer.self_attn.A.normal_()
         if family == "rwkv":  # embeddings of 1e-4 (RWKV's init) under a LayerNorm scale every gradient's

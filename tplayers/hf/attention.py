@@ -484,7 +484,7 @@ def _heads_and_widths(attn, heads, head_dim, local_heads, local_kv=None):
 
 
 def interleaved_qkv_attention(sp: ShardingPass, name, attn):
-    """GPT-NeoX, Bloom: query_key_value's rows run head by head ([q, k, v] of head 0, then head 1,
+    """GPT-NeoX, Bloom, Persimmon: query_key_value's rows run head by head ([q, k, v] of head 0, then head 1,
     ...), so a contiguous column split gives each rank its own heads whole; dense row-parallel.
     Bloom's ALiBi bias is sliced to each rank's heads."""
     head_dim = getattr(attn, "head_dim", None) or attn.head_size
@@ -503,6 +503,8 @@ def interleaved_qkv_attention(sp: ShardingPass, name, attn):
             sp.partial_grads.append(attn.dense_bias)
         else:
             set_placement(attn.dense_bias, sp.group, Replicate())
+    # Persimmon's q / k LayerNorms over each head's features act on every head alike: gradients summed
+    _per_head_weights(sp, name, attn, head_dim, {"query_key_value", "dense"})
     _finish_attention(sp, name, attn, _heads_and_widths(attn, heads, head_dim, local))
 
 

@@ -179,8 +179,8 @@ ADAPTERS = (
     ),  # fmt: skip
     # fused layouts, recognised by the class whose forward reads them
     Adapter(
-        "per-head query_key_value (GPT-NeoX, Bloom)",
-        attention.named("GPTNeoXAttention", "BloomAttention", "GPTNeoXJapaneseAttention"),
+        "per-head query_key_value (GPT-NeoX, Bloom, Persimmon)",
+        attention.named("GPTNeoXAttention", "BloomAttention", "GPTNeoXJapaneseAttention", "PersimmonAttention"),
         attention.interleaved_qkv_attention,
     ),
     Adapter("Falcon attention", attention.named("FalconAttention"), attention.falcon_attention),
