@@ -105,14 +105,16 @@ def dynamic_mask_attention(sp: ShardingPass, name, attn):
     sp.swap(f"{name}.dt_proj", layer)
     sp.record(f"{name}.dt_proj", layer, dim=1)
     sp.partial_grads.extend([a] + ([layer.bias] if layer.bias is not None else []))
-    attn.value_heads = tuple(heads[rank])
+    local = heads[rank]  # read through a slice where contiguous: an index list copies to the device each step
+    contiguous = local == list(range(local[0], local[0] + len(local)))
+    attn.value_heads = slice(local[0], local[0] + len(local)) if contiguous else tuple(local)
     attn.prepare_dynamic_mask = types.MethodType(_local_dynamic_mask, attn)  # a deep copy rebinds it
 
 
 def _local_dynamic_mask(self, hidden_states, dt_states, keep_window_size=2048, attention_mask=None):
     """HF's mask for this rank's value heads: dt_states (batch, key/value heads, keys) whole, its rows
     taken in this rank's order."""
-    rows = list(self.value_heads)
+    rows = self.value_heads if isinstance(self.value_heads, slice) else list(self.value_heads)
     return type(self).prepare_dynamic_mask(
         self,
         hidden_states=hidden_states,

@@ -374,8 +374,9 @@ class SummedRowLinear(PlacedModule):
         self._keep_placements()
 
     def forward(self, x):
-        if self.reads is not None:  # (no ranges: none of it)
-            x = torch.cat([x[..., a:b] for a, b in self.reads] or [x[..., :0]], -1)
+        if self.reads is not None:  # one range: a view; several: one copy; none: none of it
+            parts = [x[..., a:b] for a, b in self.reads] or [x[..., :0]]
+            x = parts[0] if len(parts) == 1 else torch.cat(parts, -1)
         y = sum_over_tp_region(nn.functional.linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
