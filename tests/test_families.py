@@ -19,7 +19,7 @@ from torch import nn
 import tplayers
 from tplayers.hf import attention, families
 from tplayers.plan import Layout
-from tplayers.testing import RemoteError, assert_close, check_parallel, examples
+from tplayers.testing import RemoteError, assert_close, check_parallel, examples, hooks_holding_state
 from tplayers.testing import strategies as tst
 
 pytestmark = pytest.mark.multirank
@@ -193,6 +193,7 @@ def matches_unsharded(rank, tp, group, family, sequence_parallel, dtype, vocab=N
     model = tiny_model(family, dtype, vocab, ffn, **(config or {}))
     reference = copy.deepcopy(model)
     tplayers.parallelize(model, group=group, sequence_parallel=sequence_parallel)  # verify on by default
+    assert not hooks_holding_state(model), hooks_holding_state(model)  # a deep copy of the model is its own
     full = tplayers.gather_state_dict(model, group=group)  # the state dict round-trips exactly
     assert list(full) == list(reference.state_dict())
     for key, value in reference.state_dict().items():
@@ -542,32 +543,55 @@ def test_a_rank_holding_none_of_a_split_under_zero3():
 def assign_loaded_grads(rank, tp, group, family, sequence_parallel, how):
     """Every gradient against the unsharded model's after the user reloads the parallelized
     model's own state dict with load_state_dict(assign=True) (new tensors in every slot), or
-    deep-copies it (copy.deepcopy keeps a tensor's attributes but not its hooks)."""
+    deep-copies it (copy.deepcopy keeps a tensor's attributes but not its hooks), and trains one
+    step: the second step's gradients see any hook still reading the original's weights."""
     from tplayers.hf import gather_grads
 
     reference = tiny_model(family)
     model = tplayers.parallelize(copy.deepcopy(reference), group=group, sequence_parallel=sequence_parallel)
-    if how == "assign":
+    if how == "assign":  # on both: an assign load unties tied weights in HF's own model too
         model.load_state_dict(model.state_dict(), assign=True)
+        reference.load_state_dict(reference.state_dict(), assign=True)
     else:
         model = copy.deepcopy(model)
-    ids = torch.randint(3, VOCAB, (2, 8), generator=torch.Generator().manual_seed(3))
-    model(ids, labels=ids).loss.backward()
-    reference(ids, labels=ids).loss.backward()
-    grads = gather_grads(model, group=group)
-    for name, p in reference.named_parameters():
-        assert_close(grads[name], p.grad, msg=lambda m, name=name: f"{family} {name} after an assign load: {m}")
+    for step in range(2):
+        ids = torch.randint(3, VOCAB, (2, 8), generator=torch.Generator().manual_seed(3 + step))
+        for m in (model, reference):
+            m.zero_grad()
+            m(ids, labels=ids).loss.backward()
+        grads = gather_grads(model, group=group)
+        for name, p in reference.named_parameters():
+            assert_close(
+                grads[name],
+                p.grad,
+                msg=lambda m, name=name, step=step: f"{family} {name} after {how}, step {step}: {m}",
+            )
+        for m in (model, reference):
+            torch.optim.SGD(m.parameters(), lr=0.5).step()
 
 
 @pytest.mark.parametrize("how", ["assign", "deepcopy"])
-@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3", "jetmoe", "doge", "rwkv", "dory", "persimmon"])
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
 def test_gradients_summed_over_the_group_survive_an_assign_load_or_a_deepcopy(pool, family, sequence_parallel, how):
-    """Qwen3's per-head q / k norms and MLA's latent projections: each rank computes part of their
+    """Per-head q / k norms (Qwen3, Persimmon), MLA's latent projections, JetMoE's routers, Doge's
+    summed dt_proj, RWKV's mixing vectors, Dory's L2 norms: each rank computes part of their
     gradient, summed by a hook; a tensor assigned into their slot, or a deep copy of the model,
     gets that hook back (before, each rank silently kept its own part: 0.08 off on DeepSeek-V3's
-    kv_a_proj_with_mqa), and only once."""
+    kv_a_proj_with_mqa), and only once. JetMoE's deep copy once subtracted the original's expert
+    bias after a step (its hook held the module)."""
     pool.run(assign_loaded_grads, 2, family, sequence_parallel, how)
+
+
+def test_negative_control_a_hook_holding_a_module_is_found():
+    """hooks_holding_state finds a closure over a module (what a deep copy leaves on the original)
+    and passes hooks that read the module they are called with."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    model[0].register_forward_hook(lambda mod, args, out: out - mod.bias)
+    assert hooks_holding_state(model) == []
+    bias = model[0].bias
+    model[0].register_forward_hook(lambda mod, args, out: out - bias)
+    assert len(hooks_holding_state(model)) == 1 and "Parameter" in hooks_holding_state(model)[0]
 
 
 def normed_embedding(rank, tp, group, sequence_parallel):

@@ -21,6 +21,7 @@ import tplayers
 from tplayers.hf import gather_grads
 from tplayers.hf.verify import VerifyError
 from tplayers.placement import PlacementError
+from tplayers.testing.hooks import hooks_holding_state
 from tplayers.testing.meshes import layout_mesh
 from tplayers.testing.pool import RemoteError
 from tplayers.testing.tiny import MEANINGFUL_IDS, VOCAB, tiny_config
@@ -121,6 +122,8 @@ def _checked(build, step, expected, reference_grads, group, sp, verify):
     except Exception as e:
         ours = isinstance(e, REFUSALS) or str(e).startswith("parallelize")  # tplayers' own refusal
         return ("refused" if ours else "CRASH", f"{type(e).__name__}: {str(e)[:300]}")  # else from inside HF / torch
+    if hooks_holding_state(model):  # a deep copy of the model would read the original's state
+        return "WRONG", f"hooks holding state: {hooks_holding_state(model)[:2]}"
     try:
         loss = step(model)
         grads = gather_grads(model)

@@ -163,9 +163,11 @@ def _routed(sp: ShardingPass, name, experts, module, output):
     else:
         finish = lambda y: reduce_from_tp_region(y, group)  # noqa: E731
 
+    bias = "bias" if experts is module else "experts.bias"  # read off the hooked module: a deep copy's own
+
     def summed(mod, args, out):
         y = out if output is None else out[output]
-        y = finish(y if first else y - experts.bias.detach())
+        y = finish(y if first else y - mod.get_parameter(bias).detach())
         return y if output is None else (*out[:output], y, *out[output + 1 :])
 
     module.register_forward_hook(summed)

@@ -12,6 +12,8 @@ layouts; the parts it is built from serve hand-written checks. tplayers' own sui
     numerics.py    TOLERANCES (one per-dtype table), assert_close, assert_shard_close, shard_of
     outputs.py     logits_of: the logits of a forward that computed its loss without them
     memory.py      peak_bytes: the peak of host memory in use (glibc), for CPU memory tests
+    hooks.py       hooks_holding_state: module hooks whose closures hold a module or tensor (which
+                   a deep copy of the model would leave reading the original's)
     ops.py         count_ops: the ops a block runs (kernel launches, host syncs), through the dispatcher
     tiny.py        tiny_config: any transformers model type's config with every size field shrunk;
                    published_config: its published widths with only the depth cut
@@ -20,6 +22,7 @@ A user-facing top layer: may import anything in tplayers; nothing in tplayers im
 """
 
 from tplayers.testing.check import ParallelMismatch, check_parallel, default_loss
+from tplayers.testing.hooks import hooks_holding_state
 from tplayers.testing.meshes import layout_mesh
 from tplayers.testing.numerics import (
     TOLERANCES,
@@ -40,6 +43,7 @@ __all__ = [
     "ParallelMismatch",
     "check_parallel",
     "default_loss",
+    "hooks_holding_state",
     "layout_mesh",
     "TOLERANCES",
     "RemoteError",
