@@ -68,8 +68,8 @@ def tiny_vlm(model_type, tp):
     for name, p in model.named_parameters():
         # Gemma 3's projection matrix starts at zero: zero image embeddings make the first norms'
         # gradients 1/sqrt(eps) large, where fp32 summation order alone exceeds any tolerance. A
-        # checkpoint's is not zero.
-        if name.endswith("mm_input_projection_weight"):
+        # checkpoint's is not zero. BLIP-2's query tokens too.
+        if name.endswith(("mm_input_projection_weight", "query_tokens")):
             torch.nn.init.normal_(p, std=0.02)
     return model.eval()
 
@@ -185,7 +185,7 @@ def image_text_types() -> list[str]:
 
 
 def _step(model, ids, images):
-    loss = model(ids, labels=ids, use_cache=False, **images).loss
+    loss = model(input_ids=ids, labels=ids, use_cache=False, **images).loss
     loss.backward()
     return loss.detach()
 

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tplayers.functional import comm
+from tplayers.functional.rng import leave_sharded_region
 from tplayers.placement import shard_range, shard_sizes
 
 
@@ -179,7 +180,10 @@ def copy_to_tp_region(x, group):
 
 
 def reduce_from_tp_region(x, group):
-    return x if _alone(group) else _ReduceFromTPRegion.apply(x, group)
+    if _alone(group):
+        return x
+    leave_sharded_region()  # a sum of the ranks' parts ends their sharded region (tplayers.functional.rng)
+    return _ReduceFromTPRegion.apply(x, group)
 
 
 def sum_over_tp_region(x, group):
@@ -201,4 +205,7 @@ def all_gather_sequence(x, group, dim=1):
 
 
 def reduce_scatter_sequence(x, group, dim=1):
-    return x if _alone(group) else _ReduceScatterSequence.apply(x, group, dim)
+    if _alone(group):
+        return x
+    leave_sharded_region()
+    return _ReduceScatterSequence.apply(x, group, dim)

@@ -24,6 +24,7 @@ from torch.distributed.tensor import Shard
 
 from tplayers.functional.collectives import all_gather_sequence, own_slice, sum_over_tp_region
 from tplayers.functional.linear import column_parallel_linear
+from tplayers.functional.rng import enter_sharded_region
 from tplayers.functional.shared_rows import SharedRows, share_rows
 from tplayers.hf import pieces
 from tplayers.hf.shard import ShardingPass, as_linear, copy_in, gather, is_conv1d, on_device
@@ -135,7 +136,10 @@ class SharedKVProjection(PlacedModule):
             self.rows = self.rows.to(weight.device)  # moved once, not copied to the device every step
         rows = self.rows
         bias = bias[rows] if bias is not None else None
-        return column_parallel_linear(x, weight[rows], bias, self.group, reduce_input_grad=False)
+        y = column_parallel_linear(x, weight[rows], bias, self.group, reduce_input_grad=False)
+        if self.training:  # this rank's rows: its dropout draws of its own (tplayers.functional.rng)
+            enter_sharded_region(y.device, self.group)
+        return y
 
     def extra_repr(self):
         return (

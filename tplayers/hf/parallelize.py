@@ -33,6 +33,7 @@ from tplayers.functional.collectives import (
     gather_from_tp_region,
     scatter_to_tp_region,
 )
+from tplayers.functional.rng import leave_sharded_region
 from tplayers.hf import families, lora, vision
 from tplayers.hf import fused_loss as fused
 from tplayers.hf import verify as verification
@@ -199,6 +200,12 @@ def _inside_sharded_modules(model, done, whole, group):
                 "replicated, which would leave each rank part of its gradient. Pass plan={...: 'replicate'} for "
                 f"{prefix!r} to keep that module whole"
             )
+
+
+def _back_to_shared_generator(module, args, output):
+    """A sharded region (tplayers.functional.rng) no reduction closed, such as a column layer's
+    output the model reads whole, ends with the forward."""
+    leave_sharded_region()
 
 
 def _length_check(max_positions):
@@ -405,6 +412,8 @@ def _parallelize(
     for p in model.parameters():  # everything else is whole on every rank, with its whole gradient
         if placement_or_none(p) is None:
             set_placement(p, group, Replicate())
+    if dist.get_world_size(group) > 1:  # the forward ends on the shared generator, whatever it raised or skipped
+        model.register_forward_hook(_back_to_shared_generator, always_call=True)
     if dist.get_world_size(group) > 1:  # a sum over a group of one is the gradient itself: nothing to re-hook
         model.register_load_state_dict_post_hook(rehook_summed)  # a tensor assigned in: its hook again
         model.register_forward_pre_hook(rehook_summed)  # and a deep copy's tensors, before they get a gradient

@@ -222,6 +222,31 @@ def _probe_pixels(vision_config, get, batch, generator) -> list[dict]:
     return layouts
 
 
+def _other_towers_pixels(config, get, batch, generator) -> dict:
+    """Images for a second tower that `get_image_features` requires by name (DeepSeek-VL hybrid's
+    `high_res_pixel_values`, seen by the tower of its `high_res_vision_config`), at that tower's size."""
+    out = {}
+    for name, param in inspect.signature(get).parameters.items():
+        prefix = name.removesuffix("_pixel_values")
+        tower = getattr(config, f"{prefix}_vision_config", None)
+        if prefix == name or param.default is not param.empty or tower is None:
+            continue
+        size, channels = getattr(tower, "image_size", None), getattr(tower, "num_channels", 3)
+        if type(size) is int and type(channels) is int:
+            out[name] = torch.randn(batch, channels, size, size, generator=generator)
+    return out
+
+
+def _image_features_fn(model):
+    """The model's `get_image_features`, or its base model's where only that has one (DeepSeek-VL,
+    Janus, dots.ocr's successors): None where neither has."""
+    for owner in (model, getattr(model, "model", None)):
+        get = getattr(owner, "get_image_features", None)
+        if callable(get):
+            return get
+    return None
+
+
 def probe_images(model, ids, n) -> tuple[torch.Tensor, dict]:
     """The self-check's probe batch for a model that takes images: one random image per row (the
     first layout of `_probe_pixels` the model's `get_image_features` takes), and the ids with that
@@ -237,9 +262,11 @@ def probe_images(model, ids, n) -> tuple[torch.Tensor, dict]:
     token = next(
         (v for k in ("image_token_id", "image_token_index") if type(v := getattr(config, k, None)) is int), None
     )
-    get = getattr(model, "get_image_features", None)
+    get = _image_features_fn(model)
     batch, generator = ids.shape[0], torch.Generator().manual_seed(0)
     layouts = _probe_pixels(vision_config, get, batch, generator) if token is not None and callable(get) else []
+    extra = _other_towers_pixels(config, get, batch, generator) if layouts else {}
+    layouts = [{**layout, **extra} for layout in layouts]
     if not layouts:
         raise ValueError(
             f"parallelize(verify): {name} takes images, and tplayers cannot make a probe image for it, so its "

@@ -29,6 +29,7 @@ from tplayers.functional.collectives import (
     scatter_to_tp_region,
 )
 from tplayers.functional.linear import column_parallel_linear, row_parallel_linear
+from tplayers.functional.rng import enter_sharded_region, leave_sharded_region
 from tplayers.placement import PlacedModule, check_sizes, shard_sizes
 
 
@@ -212,7 +213,11 @@ class ColumnParallelLinear(_ParallelLinear):
             x, weight, bias, self.group, sequence_parallel=self.sequence_parallel, overlap=self.overlap,
             reduce_input_grad=self.reduce_input_grad, widest=self.widest,
         )  # fmt: skip
-        return gather_from_tp_region(y, self.group, dim=-1, total=self.out_features) if self.gather_output else y
+        if self.gather_output:
+            return gather_from_tp_region(y, self.group, dim=-1, total=self.out_features)
+        if self.training and self.tp_size > 1:  # this rank's features: its dropout draws of its own
+            enter_sharded_region(y.device, self.group)
+        return y
 
     @property
     def widest(self) -> int:
@@ -325,6 +330,7 @@ class RowParallelLinear(_ParallelLinear):
 
     @tokens_as_sequence
     def forward(self, x):
+        leave_sharded_region()  # the sum makes the output every rank's: drawn for alike again
         expected = self.in_features_per_rank if self.input_is_parallel else self.in_features
         x, weight, bias = autocast_operands(self, x)
         check_input(self, x, expected, self.sequence_parallel, weight)

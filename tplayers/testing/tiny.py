@@ -58,6 +58,7 @@ QSA = dict(indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=8, indexer_bu
 # than the cut depth) get those fields set, at tiny sizes; a few need more than one layer of a kind.
 DIGITS_AS_LETTERS = str.maketrans("0123456789", "ABCDEFGHIJ")
 COMPASS_ROPE = {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}  # left None, read per layer type
+BLIP_IDS = dict(image_token_index=VOCAB - 1, vision_config=dict(initializer_range=0.02))
 QUIRKS = {
     "cohere_compass_text": dict(rope_parameters=COMPASS_ROPE),
     "cohere_compass": dict(text_config=dict(rope_parameters=COMPASS_ROPE)),
@@ -106,6 +107,11 @@ QUIRKS = {
             **{f"<|visual token {c:06d}|>": 64 + c for c in range(32)},
         },
     ),
+    # published checkpoints mark the query tokens' places in the text (Salesforce/blip2-opt-2.7b: 50265, an
+    # added token); transformers' default leaves it None: the tiny vocabulary's top id. Their towers' default
+    # init (std 1e-10) leaves a random model's LayerNorms dividing by ~0 (gradients of 1e17): the usual 0.02
+    "blip-2": lambda caps: BLIP_IDS if "width" in caps else {},
+    "instructblip": lambda caps: BLIP_IDS if "width" in caps else {},
     # the shared transformer is one module tied over the hybrid layers: two of them
     "zamba": dict(num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "hybrid"]),
 }
@@ -234,8 +240,14 @@ def _per_layer(value, layers) -> bool:
 
 
 def _layer_indices(name, value, layers) -> bool:
-    """A list of layer indices (`mlp_only_layers=[0, 1]`, `moe_layers`, `hybrid_layer_ids`)."""
-    return "layer" in name and isinstance(value, (list, tuple)) and _indices(value) and all(i < layers for i in value)
+    """A list of layer indices (`mlp_only_layers=[0, 1]`, `moe_layers`, `hybrid_layer_ids`, SAM's
+    `global_attn_indexes`, `window_block_indexes`)."""
+    return (
+        ("layer" in name or name.endswith(("attn_indexes", "block_indexes")))
+        and isinstance(value, (list, tuple))
+        and _indices(value)
+        and all(i < layers for i in value)
+    )
 
 
 def _indices(value) -> bool:

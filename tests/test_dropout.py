@@ -1,0 +1,98 @@
+"""Dropout under tensor parallelism (tplayers.functional.rng): the ranks' replicated hidden states
+stay alike when a split is uneven (before, 3 heads over 2 ranks drew unequal numbers in the
+attention and parted the ranks' generators: each rank trained a different model, silently), each
+rank's slice draws masks of its own, and activation checkpointing recomputes the same masks."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tplayers
+from tplayers.functional.rng import enter_sharded_region, inside_sharded_region, leave_sharded_region
+from tplayers.testing import assert_close
+
+pytestmark = pytest.mark.multirank
+
+VOCAB = 96
+
+
+def gpt2(heads, **config):
+    """GPT-2 with its default dropout (0.1 on embeddings, attention probabilities and residuals)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(vocab_size=VOCAB, n_embd=8 * heads, n_layer=2, n_head=heads, n_positions=64, **config)
+    return tf.GPT2LMHeadModel(cfg)
+
+
+def _gathered(t, group):
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, t.contiguous(), group=group)
+    return out
+
+
+def hidden_states_in_training(rank, tp, group, heads, sequence_parallel, seed_per_rank):
+    """Every rank's hidden states after each block of one training forward, gathered."""
+    model = tplayers.parallelize(gpt2(heads), group=group, sequence_parallel=sequence_parallel, verify=False).train()
+    torch.manual_seed(7 + (rank if seed_per_rank else 0))  # torchrun scripts seed every rank alike
+    ids = torch.randint(3, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    out = model(ids, output_hidden_states=True)
+    assert not inside_sharded_region()  # the forward ends on the shared generator
+    return [_gathered(h.detach(), group) for h in out.hidden_states]
+
+
+@pytest.mark.parametrize(
+    "tp, heads, sequence_parallel", [(2, 3, False), (2, 3, True), (4, 5, False), (2, 4, False)],
+    ids=["3-heads-tp2", "3-heads-tp2-sp", "5-heads-tp4", "4-heads-tp2"],
+)  # fmt: skip
+def test_ranks_keep_one_model_under_dropout(pool, tp, heads, sequence_parallel):
+    for states in pool.run(hidden_states_in_training, tp, heads, sequence_parallel, False)[0]:
+        for other in states[1:]:
+            assert torch.equal(other, states[0])
+
+
+def test_negative_control_ranks_seeded_apart_are_seen_apart(pool):
+    """The comparison above sees ranks whose shared generators differ (each seeded by its rank)."""
+    states = pool.run(hidden_states_in_training, 2, 4, False, True)[0]
+    assert any(not torch.equal(s[1], s[0]) for s in states)
+
+
+def region_draws(rank, tp, group):
+    """(draws inside the region, draws after it) of every rank: its own inside, the same after, and
+    the shared generator one draw further than before the region, whatever the region drew."""
+    torch.manual_seed(3)
+    enter_sharded_region(torch.device("cpu"), group)
+    inside = torch.rand(4 + rank)[:4]  # unequal draws, as an uneven split makes
+    leave_sharded_region()
+    after = torch.rand(4)
+    torch.manual_seed(3)
+    torch.randint((1 << 63) - 1, ())
+    return _gathered(inside, group), _gathered(after, group), torch.equal(after, torch.rand(4))
+
+
+def test_each_rank_draws_its_own_inside_a_region_and_alike_after(pool):
+    inside, after, one_draw_on = pool.run(region_draws, 3)[0]
+    assert len({tuple(t.tolist()) for t in inside}) == 3
+    assert all(torch.equal(t, after[0]) for t in after)
+    assert one_draw_on
+
+
+def checkpointed_grads(rank, tp, group, checkpointing):
+    from tplayers.hf import gather_grads
+
+    model = tplayers.parallelize(gpt2(3), group=group, verify=False).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    torch.manual_seed(11)
+    ids = torch.randint(3, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    model(ids, labels=ids).loss.backward()
+    return gather_grads(model, group=group)
+
+
+def test_activation_checkpointing_recomputes_the_same_masks(pool):
+    """The recomputed blocks draw the masks the forward drew (the region's stream derives from the
+    shared state, which checkpointing restores): every gradient as without checkpointing."""
+    plain = pool.run(checkpointed_grads, 2, False)[0]
+    recomputed = pool.run(checkpointed_grads, 2, True)[0]
+    for name, grad in plain.items():
+        assert_close(recomputed[name], grad, msg=lambda m, name=name: f"{name}: {m}")

@@ -1,0 +1,76 @@
+"""Random numbers in the sharded region between a column-parallel layer and the reduction of its
+work (a row-parallel layer, or a sum over the group): dropout that stays the model's dropout.
+
+Dropout draws from the default generator of its tensor's device. Between a column-parallel layer
+and the layer that sums its partial outputs (attention over this rank's heads, an MLP's
+intermediate features) each rank draws for its own slice: as many numbers as its slice holds,
+which differ between ranks where a split is uneven (3 heads over 2 ranks). Drawn from the shared
+generator, the ranks' generators would part there, and the next dropout on the replicated hidden
+state (GPT-2's resid_dropout) would drop different features on each rank: each rank a different
+model, silently. Drawn alike on every rank (an even split), each rank's heads would get the same
+masks as every other rank's, where unsharded dropout's masks are independent across heads.
+
+Megatron keeps a second generator for the model-parallel region (its CUDA RNG states tracker).
+Here the region's generator is derived, not kept: entering the region (`enter_sharded_region`, at
+a column layer's output, in training), each rank reseeds the default generator from a number the
+shared generator draws alike on every rank and from its rank; leaving it (`leave_sharded_region`,
+at the reduction), the shared generator's state comes back, one draw further on every rank.
+Derived from the shared state alone, the masks repeat when activation checkpointing recomputes a
+block (it restores the shared state it stashed), and every rank's slice gets masks of its own.
+
+The random numbers a replicated module draws (dropout on the hidden state, MoE router jitter) stay
+on the shared generator, alike on every rank as long as the ranks were seeded alike (torchrun
+scripts seed every rank with the same seed). Under sequence parallelism the ranks' sequence chunks
+draw from the shared generator too: as many on each rank (the sequence splits evenly), each token's
+mask drawn as unsharded dropout draws it, repeated across the ranks' chunks.
+"""
+
+import torch
+import torch.distributed as dist
+
+_SEED_MIX = 0x9E3779B97F4A7C15  # the golden-ratio increment: ranks' seeds far apart
+_SEED_BITS = (1 << 63) - 1
+
+# the generator the region reseeded and the shared state to give back, while inside a region
+_inside: list = []
+
+
+def _generator(device: torch.device) -> torch.Generator:
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    if device.type == "cpu":
+        return torch.default_generator
+    raise ValueError(f"tplayers: no default generator known for {device.type} tensors")
+
+
+def _shared_draw(generator: torch.Generator) -> int:
+    """A number the shared generator gives alike on every rank, advancing it alike: on CUDA read off
+    its state (seed and Philox offset) and the offset stepped on, so that no kernel runs and the
+    host does not wait for the device."""
+    if generator.device.type == "cuda":
+        offset = generator.get_offset()
+        generator.set_offset(offset + 4)  # one Philox draw further: the increment a kernel's draw makes
+        return (generator.initial_seed() * _SEED_MIX + offset) & _SEED_BITS
+    return int(torch.randint(_SEED_BITS, (), generator=generator))
+
+
+def enter_sharded_region(device: torch.device, group) -> None:
+    """Draw the region's random numbers, from here on, from this rank's own stream (see the module
+    docstring); nothing while already inside a region or where the group has one rank."""
+    if _inside or dist.get_world_size(group) == 1:
+        return
+    generator = _generator(device)
+    base = _shared_draw(generator)
+    _inside.append((generator, generator.get_state()))
+    generator.manual_seed((base + (dist.get_rank(group) + 1) * _SEED_MIX) & _SEED_BITS)
+
+
+def leave_sharded_region() -> None:
+    """Back to the shared generator, at the state it had entering the region (one draw further)."""
+    while _inside:
+        generator, state = _inside.pop()
+        generator.set_state(state)
+
+
+def inside_sharded_region() -> bool:
+    return bool(_inside)
