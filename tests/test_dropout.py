@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import tplayers
-from tplayers.functional.rng import enter_sharded_region, inside_sharded_region, leave_sharded_region
+from tplayers.functional.rng import enter_sharded_region, inside_sharded_region, leave_sharded_region, shared_draws
 from tplayers.testing import assert_close
 
 pytestmark = pytest.mark.multirank
@@ -58,23 +58,29 @@ def test_negative_control_ranks_seeded_apart_are_seen_apart(pool):
 
 
 def region_draws(rank, tp, group):
-    """(draws inside the region, draws after it) of every rank: its own inside, the same after, and
-    the shared generator one draw further than before the region, whatever the region drew."""
+    """(draws inside the region, shared draws inside it, draws after it) of every rank, and whether
+    the shared generator ends one region draw and the shared draws further than before the region,
+    whatever the region drew for itself."""
     torch.manual_seed(3)
     enter_sharded_region(torch.device("cpu"), group)
     inside = torch.rand(4 + rank)[:4]  # unequal draws, as an uneven split makes
+    with shared_draws():  # peft's dropout on a column layer's whole input
+        shared = torch.rand(4)
+    inside = torch.cat([inside, torch.rand(2)])  # the region's own stream resumes
     leave_sharded_region()
     after = torch.rand(4)
     torch.manual_seed(3)
     torch.randint((1 << 63) - 1, ())
-    return _gathered(inside, group), _gathered(after, group), torch.equal(after, torch.rand(4))
+    in_step = torch.equal(shared, torch.rand(4)) and torch.equal(after, torch.rand(4))
+    return _gathered(inside, group), _gathered(shared, group), _gathered(after, group), in_step
 
 
 def test_each_rank_draws_its_own_inside_a_region_and_alike_after(pool):
-    inside, after, one_draw_on = pool.run(region_draws, 3)[0]
+    inside, shared, after, in_step = pool.run(region_draws, 3)[0]
     assert len({tuple(t.tolist()) for t in inside}) == 3
+    assert all(torch.equal(t, shared[0]) for t in shared)
     assert all(torch.equal(t, after[0]) for t in after)
-    assert one_draw_on
+    assert in_step
 
 
 def checkpointed_grads(rank, tp, group, checkpointing):

@@ -63,6 +63,7 @@ def tiny_vlm(model_type, tp):
             mend_llama4_output()
         if "output_router_logits" in vars(cfg):  # MoE auxiliary losses on
             cfg.output_router_logits = True
+        _no_dropout(cfg)
         torch.manual_seed(0)
         model = tf.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(cfg)](cfg)
     for name, p in model.named_parameters():
@@ -72,6 +73,18 @@ def tiny_vlm(model_type, tp):
         if name.endswith(("mm_input_projection_weight", "query_tokens")):
             torch.nn.init.normal_(p, std=0.02)
     return model.eval()
+
+
+def _no_dropout(config):
+    """Every dropout rate of the config and its sub-configs 0 (BLIP-2's Q-Former and OPT default to
+    0.1): a training step compared exactly draws no masks (tests/test_dropout.py covers dropout)."""
+    from transformers import PretrainedConfig
+
+    for key, value in list(vars(config).items()):
+        if isinstance(value, PretrainedConfig):
+            _no_dropout(value)
+        elif type(value) is float and any(n in key for n in ("dropout", "pdrop")):
+            setattr(config, key, 0.0)
 
 
 def image_batch(model, tp):

@@ -9,6 +9,7 @@
     swiglu.py         the column-parallel gate|up GEMM with SwiGLU in its epilogue
     cross_entropy.py  vocab_parallel_cross_entropy
     linear_cross_entropy.py  the LM head's GEMM fused with (vocab-parallel) cross-entropy, no logits held
+    rng.py            dropout in the sharded region: each rank's own stream, derived from the shared generator
 
 May import: tplayers.kernels (lazily: `import tplayers` must not import triton) and the
 foundations (backend, distributed, placement); never tplayers.nn or anything above it.

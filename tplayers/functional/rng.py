@@ -25,6 +25,8 @@ draw from the shared generator too: as many on each rank (the sequence splits ev
 mask drawn as unsharded dropout draws it, repeated across the ranks' chunks.
 """
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -74,3 +76,21 @@ def leave_sharded_region() -> None:
 
 def inside_sharded_region() -> bool:
     return bool(_inside)
+
+
+@contextlib.contextmanager
+def shared_draws():
+    """Draw from the shared generator inside a sharded region, for a mask every rank must draw
+    alike (peft's lora_dropout on the whole input of a column layer, which peft runs after the
+    base layer's forward entered the region); the region's own stream resumes after."""
+    if not _inside:
+        yield
+        return
+    generator, shared = _inside[-1]
+    own = generator.get_state()
+    generator.set_state(shared)
+    try:
+        yield
+    finally:
+        _inside[-1] = (generator, generator.get_state())
+        generator.set_state(own)

@@ -34,12 +34,12 @@ from tplayers.hf.fused import (
     part_rows,
     shared_rows_record,
 )
-from tplayers.hf.norms import l2_norm_eps, rms_norm_eps
+from tplayers.hf.norms import is_plain_layer_norm, l2_norm_eps, rms_norm_eps
 from tplayers.hf.shard import ShardingPass, copy_in, on_device
 from tplayers.hf.source import forward_source
 from tplayers.hf.state_dict import ExportRecord
 from tplayers.nn.linear import RowParallelLinear
-from tplayers.nn.norm import ComputedRowsRMSNorm, ParallelL2Norm, ParallelRMSNorm
+from tplayers.nn.norm import ComputedRowsRMSNorm, ParallelL2Norm, ParallelLayerNorm, ParallelRMSNorm
 from tplayers.placement import even_sizes, set_placement, shard_range
 
 HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
@@ -276,19 +276,26 @@ def _norm_over_projection(sp: ShardingPass, name, norm, projection):
     sp.record(name, layer, dim=dim)
 
 
-# Norms over a row projection's whole input (BitNet's, Dory's sub-norms): {norm: the projection after it}
-NORMS_BEFORE_PROJECTION = {"attn_sub_norm": "o_proj", "ffn_sub_norm": "down_proj"}
+# Norms over a row projection's whole input (BitNet's, Dory's, Kosmos-2's sub-norms): {norm: the projection after it}
+NORMS_BEFORE_PROJECTION = {"attn_sub_norm": "o_proj", "ffn_sub_norm": "down_proj", "inner_attn_ln": "out_proj",
+                           "ffn_layernorm": "fc2"}  # fmt: skip
 
 
 def norm_before_row(sp: ShardingPass, name, norm, row):
     """BitNet's attn_sub_norm / ffn_sub_norm: an RMSNorm over all heads' (all features') output,
     just before the row-parallel projection `row`: a ParallelRMSNorm over the same split as the
     row layer's input (its sum of squares summed over the group). Dory's, weightless L2 norms:
-    ParallelL2Norm. Any other norm there is refused by name: over split features it would see a
-    rank's slice."""
+    ParallelL2Norm; Kosmos-2's nn.LayerNorms: ParallelLayerNorm. Any other norm there is refused
+    by name: over split features it would see a rank's slice."""
     eps = rms_norm_eps(norm)
     if eps is None and l2_norm_eps(norm) is not None:
         sp.swap(name, ParallelL2Norm(l2_norm_eps(norm), group=sp.group))
+        return
+    if is_plain_layer_norm(norm):  # Kosmos-2's sub-LayerNorms
+        layer = ParallelLayerNorm.from_norm(norm, group=sp.group, split_unit=row.split_unit,
+                                            split_sizes=row.split_sizes)  # fmt: skip
+        sp.swap(name, layer)
+        sp.record(name, layer, dim=0)
         return
     if eps is None:
         raise ValueError(

@@ -50,6 +50,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate
 
 from tplayers.functional.collectives import all_gather_any
+from tplayers.functional.rng import shared_draws
 from tplayers.hf import lora_experts, pieces
 from tplayers.hf.finish import finish
 from tplayers.hf.fused import MultiQueryProjection, SharedKVProjection
@@ -171,7 +172,9 @@ class ShardedDropout(nn.Module):
     """peft's lora_dropout on an input this rank holds part of: the mask is drawn for the whole
     (unsharded) input, as the unsharded model's nn.Dropout draws it, and this rank's part taken
     (`dim` of `index`), so every element is dropped independently and the ranks' generators
-    stay in step (each draws the same, whatever it holds)."""
+    stay in step (each draws the same, whatever it holds). `dim` None: the input is whole on every
+    rank (a column layer's), its mask every rank's alike. Drawn from the shared generator, also
+    where the base layer's forward entered its sharded region (tplayers.functional.rng)."""
 
     def __init__(self, p: float, dim: int, index: torch.Tensor | None, total: int | None, group=None):
         super().__init__()
@@ -182,16 +185,22 @@ class ShardedDropout(nn.Module):
         if not self.training or self.p == 0:
             return x
         dim, index, shape = self.dim, self.index, list(x.shape)
+        if dim is None:
+            with shared_draws():
+                return nn.functional.dropout(x, self.p, True)
         if index is None:  # this rank's even part of the sequence (dim 1), or of the tokens of a 2-D input
             dim, n, r = (1 if x.dim() == 3 else 0), dist.get_world_size(self.group), dist.get_rank(self.group)
             index = torch.arange(r * shape[dim], (r + 1) * shape[dim])
             shape[dim] *= n
         else:
             shape[dim] = self.total
-        mask = nn.functional.dropout(x.new_ones(shape), self.p, True)
+        with shared_draws():
+            mask = nn.functional.dropout(x.new_ones(shape), self.p, True)
         return x * mask.index_select(dim, index.to(x.device))
 
     def extra_repr(self):
+        if self.dim is None:
+            return f"p={self.p}, the whole input"
         return f"p={self.p}, " + ("this rank's part of the sequence" if self.index is None else f"dim={self.dim}")
 
 
@@ -204,6 +213,8 @@ def _dropout(layer, adapter, base):
         layer.lora_dropout[adapter] = ShardedDropout(dropout.p, -1, _map(base, 1), base.in_features)
     elif getattr(base, "sequence_parallel", False):  # this rank's part of the sequence
         layer.lora_dropout[adapter] = ShardedDropout(dropout.p, 1, None, None, base.group)
+    else:  # the whole input, every rank's alike
+        layer.lora_dropout[adapter] = ShardedDropout(dropout.p, None, None, None)
 
 
 def on_whole_base(layer) -> bool:

@@ -337,15 +337,18 @@ def two_layer_pair(module):
 
 
 def two_layer_mlp(sp: ShardingPass, name, module):
-    """fc_out(act(fc_in(x))) with an elementwise act: fc_in column-, fc_out row-parallel. The two
+    """fc_out(act(fc_in(x))) with an elementwise act: fc_in column-, fc_out row-parallel (a norm over
+    every feature between them, Kosmos-2's, split with them: `norm_before_row`). The two
     may sit in the MLP module or in the decoder layer itself (OPT, which flattens the tokens first:
     under sequence parallelism the layers then split the tokens), so only they are marked done."""
     first, second = two_layer_pair(module)
     sp.column(f"{name}.{first}", getattr(module, first))
-    sp.row(f"{name}.{second}", getattr(module, second))
+    row = sp.row(f"{name}.{second}", getattr(module, second))
     for child, act in module.named_children():  # the activation between them acts on split features
         if "act" in child and any(True for _ in act.parameters()):
             sp.done.add(f"{name}.{child}")
+        elif NORMS_BEFORE_PROJECTION.get(child) == second:  # Kosmos-2's ffn_layernorm: over every feature
+            norm_before_row(sp, f"{name}.{child}", act, row)
 
 
 def shared_expert_gate(sp: ShardingPass, name, module):

@@ -79,3 +79,11 @@ def l2_norm_eps(norm) -> float | None:
     with torch.no_grad():
         expected = x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
         return eps if torch.allclose(norm(x), expected, **TOLERANCES[torch.float32]) else None
+
+
+def is_plain_layer_norm(norm) -> bool:
+    """torch's own nn.LayerNorm (not a subclass with a forward of its own) over one dimension, with
+    its affine weight, and no hook of anyone's on it."""
+    hooked = norm._forward_hooks or norm._forward_pre_hooks or norm._backward_hooks
+    return (type(norm) is nn.LayerNorm and norm.elementwise_affine and len(norm.normalized_shape) == 1
+            and not hooked)  # fmt: skip

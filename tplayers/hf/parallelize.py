@@ -64,7 +64,8 @@ def _check_sequence(hidden, n):
 def _shared_input_hooks(modules, group, sequence_parallel):
     """Before each module whose column projections share one input: copy_to_tp_region (forward
     identity, backward one all-reduce of the summed partial input gradients), or under sequence
-    parallelism all_gather_sequence (forward one all-gather, backward one reduce-scatter). HF
+    parallelism all_gather_sequence (forward one all-gather, backward one reduce-scatter); a
+    cross-attention's other input, whole on every rank, copy_to_tp_region in either case. HF
     attention reshapes with its input's sequence length, so it must see the whole sequence; a
     flattened (tokens, H) input is gathered along its tokens, which the row layer after it
     reduce-scatters back in the same order."""
@@ -78,7 +79,8 @@ def _shared_input_hooks(modules, group, sequence_parallel):
     else:
         prepare = copy_to_tp_region
     for module in modules:
-        module.register_forward_pre_hook(replace_hidden(lambda h: prepare(h, group)), with_kwargs=True)
+        hook = replace_hidden(lambda h: prepare(h, group), cross=lambda h: copy_to_tp_region(h, group))
+        module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def _refuse_convolutions_across_the_split(model, blocks, gathered):

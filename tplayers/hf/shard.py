@@ -140,10 +140,27 @@ def hf_plan_hint(model, names) -> str:
     return f" (HF's base_model_tp_plan, a hint tplayers has not checked, says {said})"
 
 
-def replace_hidden(fn):
-    """A forward pre-hook applying `fn` to a module's hidden states, passed first or by keyword."""
+# A cross-attention's other input, by keyword (Kosmos-2's image latents, Mllama's vision states): whole on
+# every rank, under sequence parallelism too, and read by the same key / value columns as the hidden states
+CROSS_INPUTS = ("encoder_hidden_states", "key_value_states", "cross_attention_states")
+
+
+def _embedding(model, getter):
+    """model.get_input_embeddings() / get_output_embeddings(), None where it has none (transformers'
+    default raises NotImplementedError where it cannot find one: PP-FormulaNet)."""
+    try:
+        return getattr(model, getter)() if hasattr(model, getter) else None
+    except NotImplementedError:
+        return None
+
+
+def replace_hidden(fn, cross=None):
+    """A forward pre-hook applying `fn` to a module's hidden states, passed first or by keyword, and
+    `cross` to a cross-attention input passed by keyword (CROSS_INPUTS)."""
 
     def hook(module, args, kwargs):
+        if cross is not None and any(kwargs.get(k) is not None for k in CROSS_INPUTS):
+            kwargs = {k: cross(v) if k in CROSS_INPUTS and v is not None else v for k, v in kwargs.items()}
         if args:
             return (fn(args[0]), *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
@@ -338,8 +355,7 @@ class ShardingPass(SharesGroups):
         return new
 
     def embeddings(self):
-        emb = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
-        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        emb, head = _embedding(self.model, "get_input_embeddings"), _embedding(self.model, "get_output_embeddings")
         names = {id(m): n for n, m in self.model.named_modules()}
         if _codebook_heads(head) and self.planned(names.get(id(head))) is None:
             for i, each in enumerate(head):  # MusicGen: the model stacks their logits and scores them itself

@@ -59,7 +59,12 @@ class Probe:
 def _token_model(model) -> bool:
     """An HF-style model: a config and an nn.Embedding input embedding to draw token ids for."""
     get = getattr(model, "get_input_embeddings", None)
-    return getattr(model, "config", None) is not None and callable(get) and isinstance(get(), nn.Embedding)
+    if getattr(model, "config", None) is None or not callable(get):
+        return False
+    try:
+        return isinstance(get(), nn.Embedding)
+    except NotImplementedError:  # transformers' default where it cannot find one (PP-FormulaNet)
+        return False
 
 
 def probe_input(model, verify, n):

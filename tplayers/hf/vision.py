@@ -8,6 +8,7 @@ other linear layers (a one-linear projector, a patch merger's) column-parallel w
 gathered; nn.MultiheadAttention (in SigLIP's pooling head), which reads its weights itself, whole.
 """
 
+import functools
 import inspect
 import re
 
@@ -189,11 +190,12 @@ def _image_tokens(features) -> int:
 
 def _probe_pixels(vision_config, get, batch, generator) -> list[dict]:
     """One random image per row in each layout a processor makes that fits the tower's config, to be
-    tried in order: Qwen-VL's flattened patches with `image_grid_thw` (IMAGE_SIDE x IMAGE_SIDE merges
-    of patches); else (batch, channels, height, width) at the tower's `image_size` (with
-    `image_sizes` where `get_image_features` names them), then (batch, images, channels, height,
-    width) with one image a row (Idefics, SmolVLM; with `pixel_attention_mask`), then with its base
-    image and one tile (LLaVA-NeXT's any resolution, with `image_sizes`). Empty: none fits."""
+    tried in order: Qwen-VL's flattened patches with `image_grid_thw` (2 x 2 merges of patches);
+    SigLIP 2's flat patches with `spatial_shapes` (4 x 4); else (batch, channels, height, width) at
+    the tower's `image_size` (with `image_sizes` where `get_image_features` names them), then
+    (batch, images, channels, height, width) with one image a row (Idefics, SmolVLM; with
+    `pixel_attention_mask`), then with its base image and one tile (LLaVA-NeXT's any resolution,
+    with `image_sizes`). Empty: none fits."""
     channels = next(
         (v for k in ("num_channels", "in_channels", "in_chans") if type(v := getattr(vision_config, k, None)) is int), 3
     )
@@ -205,6 +207,18 @@ def _probe_pixels(vision_config, get, batch, generator) -> list[dict]:
         side = 2 * merge
         pixels = torch.randn(batch * side * side, channels * frames * patch * patch, generator=generator)
         return [{"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, side, side]] * batch)}]
+    if _names(get, "spatial_shapes"):  # SigLIP 2's native resolution (LFM2-VL): flat patches, their grid, a mask
+        patch = getattr(vision_config, "patch_size", None)
+        if type(patch) is not int:
+            return []
+        side = 4  # 4 x 4 patches: a pixel-shuffle factor of 2 or 4 divides it
+        return [
+            {
+                "pixel_values": torch.randn(batch, side * side, channels * patch * patch, generator=generator),
+                "spatial_shapes": torch.tensor([[side, side]] * batch),
+                "pixel_attention_mask": torch.ones(batch, side * side, dtype=torch.bool),
+            }
+        ]
     size = getattr(vision_config, "image_size", None)
     size = (size, size) if type(size) is int else tuple(size) if isinstance(size, list | tuple) else ()
     if len(size) != 2 or not all(type(v) is int for v in size):
@@ -222,11 +236,17 @@ def _probe_pixels(vision_config, get, batch, generator) -> list[dict]:
     return layouts
 
 
-def _other_towers_pixels(config, get, batch, generator) -> dict:
-    """Images for a second tower that `get_image_features` requires by name (DeepSeek-VL hybrid's
-    `high_res_pixel_values`, seen by the tower of its `high_res_vision_config`), at that tower's size."""
+def _other_inputs(config, get, batch, generator) -> dict:
+    """What else `get_image_features` requires by name: images for a second tower (DeepSeek-VL
+    hybrid's `high_res_pixel_values`, seen by the tower of its `high_res_vision_config`), at that
+    tower's size; InstructBLIP's `qformer_input_ids` (the prompt in the Q-Former's vocabulary)."""
     out = {}
     for name, param in inspect.signature(get).parameters.items():
+        qformer = getattr(config, "qformer_config", None)
+        if name == "qformer_input_ids" and type(getattr(qformer, "vocab_size", None)) is int:
+            out[name] = torch.randint(0, qformer.vocab_size, (batch, 4), generator=generator)
+            out["qformer_attention_mask"] = torch.ones(batch, 4, dtype=torch.long)
+            continue
         prefix = name.removesuffix("_pixel_values")
         tower = getattr(config, f"{prefix}_vision_config", None)
         if prefix == name or param.default is not param.empty or tower is None:
@@ -235,6 +255,13 @@ def _other_towers_pixels(config, get, batch, generator) -> dict:
         if type(size) is int and type(channels) is int:
             out[name] = torch.randn(batch, channels, size, size, generator=generator)
     return out
+
+
+def _no_image_tokens(model, ids, **images) -> torch.Tensor:
+    """The model's forward on `ids` and `images` (a layout it takes, or it raises): none of the
+    tokens are the image's (an empty tensor, as `_image_tokens` counts them)."""
+    model(input_ids=ids, **images)
+    return ids.new_zeros(0, 1)
 
 
 def _image_features_fn(model):
@@ -263,10 +290,20 @@ def probe_images(model, ids, n) -> tuple[torch.Tensor, dict]:
         (v for k in ("image_token_id", "image_token_index") if type(v := getattr(config, k, None)) is int), None
     )
     get = _image_features_fn(model)
+    # Kosmos-2 marks its image's places with a mask beside the ids (any token id there), not an image token
+    by_mask = token is None and _names(model.forward, "image_embeds_position_mask")
+    # BLIP's captioner reads its image through cross-attention: no image tokens in the text, the model's own
+    # forward (on the ids as they are) is what takes the images
+    by_cross = token is None and not by_mask and get is None and _names(model.forward, "pixel_values")
     batch, generator = ids.shape[0], torch.Generator().manual_seed(0)
-    layouts = _probe_pixels(vision_config, get, batch, generator) if token is not None and callable(get) else []
-    extra = _other_towers_pixels(config, get, batch, generator) if layouts else {}
-    layouts = [{**layout, **extra} for layout in layouts]
+    if by_cross:
+        get = functools.partial(_no_image_tokens, model, ids)
+        layouts = _probe_pixels(vision_config, model.forward, batch, generator)
+    else:
+        placed = token is not None or by_mask
+        layouts = _probe_pixels(vision_config, get, batch, generator) if placed and callable(get) else []
+        extra = _other_inputs(config, get, batch, generator) if layouts else {}
+        layouts = [{**layout, **extra} for layout in layouts]
     if not layouts:
         raise ValueError(
             f"parallelize(verify): {name} takes images, and tplayers cannot make a probe image for it, so its "
@@ -292,6 +329,12 @@ def probe_images(model, ids, n) -> tuple[torch.Tensor, dict]:
     ordinary = next(i for i in range(int(ids.max()) + 2) if i not in special)
     text = torch.where(torch.isin(ids, torch.tensor(sorted(special), device=ids.device)), ordinary, ids)
     text = torch.cat([text, text[:, : (-per_image) % n]], 1)
+    if by_mask:
+        token = ordinary
+        marks = torch.ones(batch, per_image, device=ids.device, dtype=ids.dtype)
+        images["image_embeds_position_mask"] = torch.cat([marks, text * 0], 1)
+    if by_cross:
+        return ids, images
     ids = torch.cat([torch.full((batch, per_image), token, device=ids.device, dtype=ids.dtype), text], 1)
     if _names(model.forward, "mm_token_type_ids"):  # text 0, image 1, as the processors make them
         images["mm_token_type_ids"] = (ids == token).int()

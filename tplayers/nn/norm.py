@@ -1,5 +1,5 @@
 """`ParallelRMSNorm`: an RMSNorm over a dimension split across the tensor-parallel group (and
-`ParallelL2Norm`, its unweighted unit-norm cousin); and
+`ParallelLayerNorm`, `ParallelL2Norm`, its LayerNorm and unweighted unit-norm cousins); and
 `RMSNorm`, HF's LlamaRMSNorm (whole on every rank) in one fused kernel each way
 (tplayers.functional.rms_norm).
 
@@ -86,6 +86,59 @@ class ParallelRMSNorm(PlacedModule):
     def extra_repr(self):
         sp = ", sequence_parallel=True" if self.sequence_group is not None else ""
         return f"{self.hidden_size} ({self.weight.shape[0]} per rank of {self.tp_size}), eps={self.eps}{sp}"
+
+
+class ParallelLayerNorm(PlacedModule):
+    """LayerNorm over features split across the group, this rank holding its slice of the input,
+    the weight and the bias (Shard(0), split as a row layer's input: `split_unit` / `split_sizes`):
+    Kosmos-2's sub-LayerNorms over every head's output and over the MLP's features, before the row
+    projection. The mean, then the variance around it, are sums over the whole width: each rank's
+    sum summed over the group (`sum_over_tp_region`, forward and backward; two passes, as torch's
+    LayerNorm centres before squaring), then every rank normalises its own slice, in fp32.
+
+        y = (x - mean(x)) * rsqrt(var(x) + eps) * weight + bias"""
+
+    _placements = {"weight": Shard(0), "bias": Shard(0)}
+
+    def __init__(self, hidden_size, eps=1e-5, *, group=None, split_unit=1, split_sizes=None, bias=True,
+                 device=None, dtype=None):  # fmt: skip
+        super().__init__()
+        self.group = resolve_group(group)
+        self.tp_size = dist.get_world_size(self.group)
+        self.hidden_size, self.eps, self.split_unit = hidden_size, eps, split_unit
+        self.split_sizes = _split(hidden_size, split_unit, split_sizes, self.group, "ParallelLayerNorm")
+        local = self.split_sizes[dist.get_rank(self.group)] * split_unit
+        self.weight = nn.Parameter(torch.ones(local, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(local, device=device, dtype=dtype)) if bias else None
+        self._keep_placements()
+
+    @classmethod
+    def from_norm(cls, norm: nn.LayerNorm, *, group=None, **split):
+        """The layer holding this rank's slice of nn.LayerNorm `norm` (left unchanged)."""
+        (size,) = norm.normalized_shape
+        layer = cls(size, norm.eps, group=group, bias=norm.bias is not None, device="meta", dtype=norm.weight.dtype,
+                    **split)  # fmt: skip
+        for key in ("weight", "bias"):
+            if getattr(norm, key) is not None:
+                local = own_slice(getattr(norm, key).detach(), 0, layer.group, layer.split_unit, layer.split_sizes)
+                setattr(layer, key, nn.Parameter(local.to(norm.weight.device, copy=True)))
+        layer._tag_parameters()
+        return layer
+
+    def forward(self, x):
+        if x.shape[-1] != self.weight.shape[0]:
+            raise ValueError(
+                f"ParallelLayerNorm: input last dim {x.shape[-1]} is not this rank's {self.weight.shape[0]} "
+                f"of {self.hidden_size} features"
+            )
+        h = x.float()
+        centred = h - sum_over_tp_region(h.sum(-1, keepdim=True), self.group) / self.hidden_size
+        variance = sum_over_tp_region(centred.pow(2).sum(-1, keepdim=True), self.group) / self.hidden_size
+        y = centred * torch.rsqrt(variance + self.eps) * self.weight.float()
+        return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
+
+    def extra_repr(self):
+        return f"{self.hidden_size} ({self.weight.shape[0]} per rank of {self.tp_size}), eps={self.eps}"
 
 
 class ParallelL2Norm(nn.Module):
