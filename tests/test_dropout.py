@@ -59,8 +59,8 @@ def test_negative_control_ranks_seeded_apart_are_seen_apart(pool):
 
 def region_draws(rank, tp, group):
     """(draws inside the region, shared draws inside it, draws after it) of every rank, and whether
-    the shared generator ends one region draw and the shared draws further than before the region,
-    whatever the region drew for itself."""
+    the shared generator ends as it began but for the shared draws and one draw for the region's
+    own (whatever the region drew for itself), and untouched by a region that drew nothing."""
     torch.manual_seed(3)
     enter_sharded_region(torch.device("cpu"), group)
     inside = torch.rand(4 + rank)[:4]  # unequal draws, as an uneven split makes
@@ -70,8 +70,15 @@ def region_draws(rank, tp, group):
     leave_sharded_region()
     after = torch.rand(4)
     torch.manual_seed(3)
-    torch.randint((1 << 63) - 1, ())
-    in_step = torch.equal(shared, torch.rand(4)) and torch.equal(after, torch.rand(4))
+    in_step = torch.equal(shared, torch.rand(4))
+    torch.randint(2, ())  # the region's one draw
+    in_step = in_step and torch.equal(after, torch.rand(4))
+    enter_sharded_region(torch.device("cpu"), group)  # a region without dropout: the stream as unsharded
+    leave_sharded_region()
+    untouched = torch.rand(4)
+    torch.manual_seed(3)
+    torch.rand(4), torch.randint(2, ()), torch.rand(4)
+    in_step = in_step and torch.equal(untouched, torch.rand(4))
     return _gathered(inside, group), _gathered(shared, group), _gathered(after, group), in_step
 
 

@@ -12,11 +12,14 @@ masks as every other rank's, where unsharded dropout's masks are independent acr
 
 Megatron keeps a second generator for the model-parallel region (its CUDA RNG states tracker).
 Here the region's generator is derived, not kept: entering the region (`enter_sharded_region`, at
-a column layer's output, in training), each rank reseeds the default generator from a number the
-shared generator draws alike on every rank and from its rank; leaving it (`leave_sharded_region`,
-at the reduction), the shared generator's state comes back, one draw further on every rank.
-Derived from the shared state alone, the masks repeat when activation checkpointing recomputes a
-block (it restores the shared state it stashed), and every rank's slice gets masks of its own.
+a column layer's output, in training), each rank reseeds the default generator from the shared
+generator's state (which every rank holds alike) and its rank; leaving it (`leave_sharded_region`,
+at the reduction), the shared state comes back, one draw further on every rank where the region
+drew (so that the next region, or the next step, draws anew), untouched where it drew nothing (a
+model without dropout consumes the shared stream as the unsharded model does: peft's lora_dropout
+then draws the unsharded masks). Derived from the shared state alone, the masks repeat when
+activation checkpointing recomputes a block (it restores the shared state it stashed), and every
+rank's slice gets masks of its own.
 
 The random numbers a replicated module draws (dropout on the hidden state, MoE router jitter) stay
 on the shared generator, alike on every rank as long as the ranks were seeded alike (torchrun
@@ -26,6 +29,7 @@ mask drawn as unsharded dropout draws it, repeated across the ranks' chunks.
 """
 
 import contextlib
+import hashlib
 
 import torch
 import torch.distributed as dist
@@ -33,7 +37,7 @@ import torch.distributed as dist
 _SEED_MIX = 0x9E3779B97F4A7C15  # the golden-ratio increment: ranks' seeds far apart
 _SEED_BITS = (1 << 63) - 1
 
-# the generator the region reseeded and the shared state to give back, while inside a region
+# [generator the region reseeded, the shared state to give back, its seeded state], while inside a region
 _inside: list = []
 
 
@@ -45,15 +49,23 @@ def _generator(device: torch.device) -> torch.Generator:
     raise ValueError(f"tplayers: no default generator known for {device.type} tensors")
 
 
-def _shared_draw(generator: torch.Generator) -> int:
-    """A number the shared generator gives alike on every rank, advancing it alike: on CUDA read off
-    its state (seed and Philox offset) and the offset stepped on, so that no kernel runs and the
-    host does not wait for the device."""
+def _region_seed(generator: torch.Generator, shared: torch.Tensor, rank: int) -> int:
+    """This rank's seed for a region entered at the shared generator's present state: alike on every
+    rank but for the rank, without drawing (on CUDA read off the seed and Philox offset: no kernel,
+    no wait for the device)."""
     if generator.device.type == "cuda":
-        offset = generator.get_offset()
-        generator.set_offset(offset + 4)  # one Philox draw further: the increment a kernel's draw makes
-        return (generator.initial_seed() * _SEED_MIX + offset) & _SEED_BITS
-    return int(torch.randint(_SEED_BITS, (), generator=generator))
+        base = generator.initial_seed() * _SEED_MIX + generator.get_offset()
+    else:
+        base = int.from_bytes(hashlib.blake2b(shared.numpy().tobytes(), digest_size=8).digest(), "little")
+    return (base + (rank + 1) * _SEED_MIX) & _SEED_BITS
+
+
+def _advance(generator: torch.Generator) -> None:
+    """One draw further, alike on every rank."""
+    if generator.device.type == "cuda":
+        generator.set_offset(generator.get_offset() + 4)  # the increment one kernel's draw makes
+    else:
+        torch.randint(2, (), generator=generator)
 
 
 def enter_sharded_region(device: torch.device, group) -> None:
@@ -62,16 +74,20 @@ def enter_sharded_region(device: torch.device, group) -> None:
     if _inside or dist.get_world_size(group) == 1:
         return
     generator = _generator(device)
-    base = _shared_draw(generator)
-    _inside.append((generator, generator.get_state()))
-    generator.manual_seed((base + (dist.get_rank(group) + 1) * _SEED_MIX) & _SEED_BITS)
+    shared = generator.get_state()
+    generator.manual_seed(_region_seed(generator, shared, dist.get_rank(group)))
+    _inside.append([generator, shared, generator.get_state()])
 
 
 def leave_sharded_region() -> None:
-    """Back to the shared generator, at the state it had entering the region (one draw further)."""
+    """Back to the shared generator: its state entering the region, one draw further if the region
+    drew (every rank's region draws alike, each for its own slice)."""
     while _inside:
-        generator, state = _inside.pop()
-        generator.set_state(state)
+        generator, shared, seeded = _inside.pop()
+        drew = not torch.equal(generator.get_state(), seeded)
+        generator.set_state(shared)
+        if drew:
+            _advance(generator)
 
 
 def inside_sharded_region() -> bool:
@@ -86,11 +102,11 @@ def shared_draws():
     if not _inside:
         yield
         return
-    generator, shared = _inside[-1]
-    own = generator.get_state()
-    generator.set_state(shared)
+    region = _inside[-1]
+    generator, own = region[0], region[0].get_state()
+    generator.set_state(region[1])
     try:
         yield
     finally:
-        _inside[-1] = (generator, generator.get_state())
+        region[1] = generator.get_state()
         generator.set_state(own)
