@@ -504,3 +504,36 @@ def test_the_overlap_engine_decides_per_axis(pool, overlap):
         assert choices["tp_r"] and choices["tp_c"], choices  # both axes asked, each on its own group
         if overlap != "auto":
             assert set(choices["tp_r"]) == set(choices["tp_c"]) == {overlap}
+
+
+def dropout_on_grid(rank, world, group, rates):
+    """(refusal or None, every rank's per-layer hidden-state sums) of one training forward of a Llama
+    with 3 heads and dropout `rates` (tiny_model sets the config's to 0: set on the model here)."""
+    from test_families import tiny_model
+
+    mesh = tplayers.init_mesh(tp=(2, 2))["tp_r", "tp_c"]
+    model = tiny_model("llama", num_attention_heads=3, num_key_value_heads=3, hidden_size=24)
+    for key, value in rates.items():
+        setattr(model.config, key, value)
+        for layer in model.model.layers:
+            layer.self_attn.attention_dropout = rates.get("attention_dropout", 0.0)
+    try:
+        model = tplayers.parallelize(model, group=mesh, verify=False).train()
+    except ValueError as e:
+        return str(e), None
+    torch.manual_seed(5)
+    ids = torch.randint(3, 60, (2, 8), generator=torch.Generator().manual_seed(1))
+    sums = torch.stack([h.detach().sum() for h in model(ids, output_hidden_states=True).hidden_states])
+    out = [torch.empty_like(sums) for _ in range(4)]
+    torch.distributed.all_gather(out, sums)
+    return None, out
+
+
+def test_dropout_on_a_grid(pool):
+    """Attention dropout over uneven heads (3 over tp_r = 2): the ranks holding the same features
+    (same tp_c) stay alike. Dropout on the residual stream (a `hidden_dropout` rate), split over
+    tp_c, is refused by name."""
+    refusal, sums = pool.run(dropout_on_grid, 4, dict(attention_dropout=0.2))[0]
+    assert refusal is None and torch.equal(sums[0], sums[2]) and torch.equal(sums[1], sums[3])
+    for refusal, _ in pool.run(dropout_on_grid, 4, dict(hidden_dropout=0.1)):  # as Falcon names it
+        assert "dropout on the residual stream" in refusal and "hidden_dropout" in refusal, refusal

@@ -68,6 +68,28 @@ def _refuse(name, why):
     raise ValueError(f"parallelize on a 2-D tensor-parallel mesh: {name}: {why}")
 
 
+# Dropout rates a grid takes: the attention probabilities', drawn over a rank's heads inside the attention
+ATTENTION_DROPOUT = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
+
+
+def _refuse_residual_dropout(model, blocks_name, blocks):
+    """On a grid the residual stream is split over tp_c (unevenly where the width does not divide):
+    dropout on it would draw unequal counts on the ranks, parting their generators, and the ranks that
+    hold the same heads would then drop them apart. Refused by name where the model has any (a
+    dropout module in a block outside its attention probabilities, a residual or hidden rate in its
+    config), before any collective."""
+    config = getattr(model, "config", None)
+    rates = {k: v for k, v in vars(config or {}).items() if type(v) is float and v > 0 and k not in ATTENTION_DROPOUT
+             and any(n in k for n in ("dropout", "pdrop")) and "embd" not in k}  # fmt: skip
+    for i, block in enumerate(blocks):
+        for child, module in block.named_modules():
+            if isinstance(module, nn.Dropout) and module.p > 0 and not child.startswith(("self_attn", "attn")):
+                rates[f"{blocks_name}.{i}.{child}"] = module.p
+    if rates:
+        _refuse(type(model).__name__, f"dropout on the residual stream ({rates}) is not supported on a 2-D grid: "
+                "set it to 0 for training on a grid, or parallelize over a 1-D tensor-parallel group")  # fmt: skip
+
+
 def _blocks(model):
     lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
     if not lists:
@@ -271,6 +293,7 @@ def parallelize_grid(model, mesh, *, sequence_parallel=False, plan=None, vocab_p
     if beside:  # before any collective: every rank holds the same model
         _refuse(type(model).__name__, f"its towers beside the language model ({', '.join(beside)}) are not part of the "
                 "2-D layout; parallelize it over a 1-D tensor-parallel group")  # fmt: skip
+    _refuse_residual_dropout(model, *_blocks(model))
     groups = grid_groups(mesh)
     whole = resolve_group(mesh)  # every tensor-parallel rank: the records' one TP group
     probe = verification.before(model, verify, dist.get_world_size(whole), vocab_parallel=vocab_parallel_logits)
