@@ -26,6 +26,10 @@ on the shared generator, alike on every rank as long as the ranks were seeded al
 scripts seed every rank with the same seed). Under sequence parallelism the ranks' sequence chunks
 draw from the shared generator too: as many on each rank (the sequence splits evenly), each token's
 mask drawn as unsharded dropout draws it, repeated across the ranks' chunks.
+
+Whether a region drew is each rank's own finding: alike wherever every rank holds part of the
+region (every rank holds heads; a width narrower than the group, with dropout inside, would leave a
+rank with nothing to draw and its shared generator a draw behind).
 """
 
 import contextlib

@@ -188,6 +188,10 @@ def _image_tokens(features) -> int:
     return sum(f.numel() // f.shape[-1] for f in parts)
 
 
+def _first_int(config, names, default):
+    return next((v for k in names if type(v := getattr(config, k, None)) is int), default)
+
+
 def _probe_pixels(vision_config, get, batch, generator) -> list[dict]:
     """One random image per row in each layout a processor makes that fits the tower's config, to be
     tried in order: Qwen-VL's flattened patches with `image_grid_thw` (2 x 2 merges of patches);
@@ -200,8 +204,9 @@ def _probe_pixels(vision_config, get, batch, generator) -> list[dict]:
         (v for k in ("num_channels", "in_channels", "in_chans") if type(v := getattr(vision_config, k, None)) is int), 3
     )
     if _names(get, "image_grid_thw"):
-        patch, merge = getattr(vision_config, "patch_size", None), getattr(vision_config, "spatial_merge_size", 1)
-        frames = getattr(vision_config, "temporal_patch_size", 1)
+        patch = getattr(vision_config, "patch_size", None)
+        merge = _first_int(vision_config, ("spatial_merge_size", "merge_size"), 1)  # Muse's names them otherwise
+        frames = _first_int(vision_config, ("temporal_patch_size", "patch_temporal"), 1)
         if not all(type(v) is int for v in (patch, merge, frames)):
             return []
         side = 2 * merge

@@ -112,6 +112,10 @@ QUIRKS = {
     # init (std 1e-10) leaves a random model's LayerNorms dividing by ~0 (gradients of 1e17): the usual 0.02
     "blip-2": lambda caps: BLIP_IDS if "width" in caps else {},
     "instructblip": lambda caps: BLIP_IDS if "width" in caps else {},
+    # the tower's layers the projector reads (published: -2, -5, -8, -11, 6), within the cut depth
+    "vipllava": dict(vision_feature_layer=[-2, -1]),
+    # the number of query tokens per count of patches: the tiny image's 4 x 4 patches
+    "aria": lambda caps: dict(projector_patch_to_query_dict={16: 4}) if "width" in caps else {},
     # the shared transformer is one module tied over the hybrid layers: two of them
     "zamba": dict(num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "hybrid"]),
 }
