@@ -109,3 +109,22 @@ def test_activation_checkpointing_recomputes_the_same_masks(pool):
     recomputed = pool.run(checkpointed_grads, 2, True)[0]
     for name, grad in plain.items():
         assert_close(recomputed[name], grad, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def layers_with_dropout(rank, tp, group):
+    """The layers on their own, in a model of the user's: a column layer (5 features over the ranks,
+    unevenly), dropout on its slice, the slices gathered, dropout on the whole: alike on every rank."""
+    from tplayers.functional import gather_from_tp_region
+    from tplayers.nn import ColumnParallelLinear
+
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(4, 5, group=group).train()
+    torch.manual_seed(9)
+    y = torch.nn.functional.dropout(layer(torch.randn(3, 4, generator=torch.Generator().manual_seed(1))), 0.5)
+    whole = torch.nn.functional.dropout(gather_from_tp_region(y, group, total=5), 0.5)
+    return _gathered(whole.detach(), group)
+
+
+def test_a_users_model_of_layers_keeps_one_model_under_dropout(pool):
+    wholes = pool.run(layers_with_dropout, 3)[0]
+    assert all(torch.equal(w, wholes[0]) for w in wholes)

@@ -196,8 +196,11 @@ def scatter_to_tp_region(x, group, dim=-1):
 
 def gather_from_tp_region(x, group, dim=-1, total=None):
     """All-gather along `dim` (`total`: the gathered size, for uneven slices); backward keeps this
-    rank's slice."""
-    return x if _alone(group) else _GatherFromTPRegion.apply(x, dim, group, total)
+    rank's slice. The whole it makes is every rank's: a sharded region ends (tplayers.functional.rng)."""
+    if _alone(group):
+        return x
+    leave_sharded_region()
+    return _GatherFromTPRegion.apply(x, dim, group, total)
 
 
 def all_gather_sequence(x, group, dim=1):

@@ -1,5 +1,6 @@
 """Random numbers in the sharded region between a column-parallel layer and the reduction of its
-work (a row-parallel layer, or a sum over the group): dropout that stays the model's dropout.
+work (a row-parallel layer, a sum or an all-gather over the group): dropout that stays the model's
+dropout.
 
 Dropout draws from the default generator of its tensor's device. Between a column-parallel layer
 and the layer that sums its partial outputs (attention over this rank's heads, an MLP's
