@@ -28,7 +28,7 @@ def towers(model) -> list[str]:
     child with weights along the path from the model to its decoder (`get_decoder()`), other than
     that path and the LM head. Empty for a text model."""
     config = getattr(model, "config", None)
-    if not any(getattr(config, key, None) is not None for key in TOWER_CONFIGS):
+    if not any(getattr(config, key, None) is not None for key in TOWER_CONFIGS) and not _patches_in_config(model):
         return []
     get = getattr(model, "get_decoder", None)
     decoder = get() if callable(get) else None
@@ -46,6 +46,15 @@ def towers(model) -> list[str]:
             if full != on_path and module is not head and any(True for _ in module.parameters()):
                 out.append(full)
     return out
+
+
+def _patches_in_config(model) -> bool:
+    """A model that takes images without a vision sub-config (Fuyu: its patch size, channels and image
+    token on its own config, its patches embedded by one linear layer): `get_image_features` and an
+    image token."""
+    config = getattr(model, "config", None)
+    return (type(getattr(config, "patch_size", None)) is int and type(getattr(config, "image_token_id", None)) is int
+            and callable(_image_features_fn(model)))  # fmt: skip
 
 
 # linear_2(act(linear_1(x))) in the projector's forward, each step on the last one's output
@@ -238,6 +247,10 @@ def _probe_pixels(vision_config, get, batch, generator) -> list[dict]:
     layouts = [flat, stacked]
     if _names(get, "image_sizes"):  # any-resolution tiles (LLaVA-NeXT): the base image and one tile
         layouts.append({"pixel_values": torch.stack([pixels, pixels.flip(-1)], 1), "image_sizes": flat["image_sizes"]})
+    patch = getattr(vision_config, "patch_size", None)
+    if type(patch) is int and size[0] % patch == 0 and size[1] % patch == 0:  # Fuyu's: the image as flat patches
+        patches = pixels.unfold(2, patch, patch).unfold(3, patch, patch)  # (batch, channels, rows, cols, p, p)
+        layouts.append({"pixel_values": patches.permute(0, 2, 3, 1, 4, 5).reshape(batch, -1, channels * patch * patch)})
     return layouts
 
 
@@ -287,7 +300,7 @@ def probe_images(model, ids, n) -> tuple[torch.Tensor, dict]:
     they are, no images. A model with a sharded tower whose images tplayers cannot make is refused:
     the self-check must see the tower."""
     config = getattr(model, "config", None)
-    vision_config = getattr(config, "vision_config", None)
+    vision_config = getattr(config, "vision_config", None) or (config if _patches_in_config(model) else None)
     if vision_config is None or not towers(model):
         return ids, {}
     name = f"{type(model).__name__} ({config.model_type})"
