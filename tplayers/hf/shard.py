@@ -154,16 +154,24 @@ def _embedding(model, getter):
         return None
 
 
+# A module's hidden states by keyword: by that name, or a perceiver's latents and the context they attend to
+# (Idefics 2's resampler: both read by its columns)
+HIDDEN_INPUTS = ("hidden_states", "latents", "context")
+
+
 def replace_hidden(fn, cross=None):
-    """A forward pre-hook applying `fn` to a module's hidden states, passed first or by keyword, and
-    `cross` to a cross-attention input passed by keyword (CROSS_INPUTS)."""
+    """A forward pre-hook applying `fn` to a module's hidden states, passed first or by keyword
+    (HIDDEN_INPUTS), and `cross` to a cross-attention input passed by keyword (CROSS_INPUTS)."""
 
     def hook(module, args, kwargs):
         if cross is not None and any(kwargs.get(k) is not None for k in CROSS_INPUTS):
             kwargs = {k: cross(v) if k in CROSS_INPUTS and v is not None else v for k, v in kwargs.items()}
         if args:
             return (fn(args[0]), *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
+        named = [k for k in HIDDEN_INPUTS if kwargs.get(k) is not None]
+        if not named:
+            raise ValueError(f"parallelize: {type(module).__name__} was called without its hidden states")
+        return args, {**kwargs, **{k: fn(kwargs[k]) for k in named}}
 
     return hook
 
