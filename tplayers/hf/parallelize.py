@@ -122,7 +122,7 @@ def _sequence_parallel_hooks(model, group, blocks):
             else gather_from_tp_region(out, group, dim=1)
         )
     )
-    for block in blocks:  # token ids passed beside the hidden states (DeepSeek-V4's hash router): this rank's part
+    for block in blocks:  # per-token inputs passed beside the hidden states: this rank's part
         block.register_forward_pre_hook(_own_token_ids(group, n), with_kwargs=True)
     summed_grads([p for block in blocks for p in block.parameters() if placement_or_none(p) is None], group)
     blocks_name = next(name for name, m in model.named_modules() if m is blocks)
@@ -130,17 +130,25 @@ def _sequence_parallel_hooks(model, group, blocks):
     base.register_forward_hook(_whole_sequence_outputs(group, n), with_kwargs=True)
 
 
+# Per-token inputs a block reads beside its hidden states, over the whole sequence as the model passes them,
+# (dims, the dim of their tokens): DeepSeek-V4's token ids (its hash router), Mllama's row mask (a text row with no
+# image before it zeroed after the cross-attention's MLP; its attention mask stays whole: the attention sees the
+# whole sequence)
+PER_TOKEN_INPUTS = {"input_ids": (2, 1), "full_text_row_masked_out_mask": (4, 2)}
+
+
 def _own_token_ids(group, n):
-    """A block's `input_ids` keyword (the whole sequence, as the model passes it to every block) cut
-    to this rank's part of the sequence, the part its hidden states hold."""
+    """A block's per-token keyword inputs (PER_TOKEN_INPUTS) cut to this rank's part of the sequence,
+    the part its hidden states hold."""
     rank = dist.get_rank(group)
 
     def hook(module, args, kwargs):
-        ids = kwargs.get("input_ids")
-        if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] % n == 0:
-            kwargs["input_ids"] = ids.chunk(n, dim=1)[rank]
-            return args, kwargs
-        return None
+        cut = False
+        for key, (dims, dim) in PER_TOKEN_INPUTS.items():
+            t = kwargs.get(key)
+            if isinstance(t, torch.Tensor) and t.dim() == dims and t.shape[dim] % n == 0:
+                kwargs[key], cut = t.chunk(n, dim=dim)[rank], True
+        return (args, kwargs) if cut else None
 
     return hook
 

@@ -275,6 +275,25 @@ def _other_inputs(config, get, batch, generator) -> dict:
     return out
 
 
+def _tiled_image(vision_config, ids, generator) -> list[dict]:
+    """Mllama's image: one image a row in the first of its tiles (aspect ratio 1:1, id 1), every
+    token of the text attending to it (`cross_attention_mask`); empty where the config lacks a size."""
+    size, tiles = getattr(vision_config, "image_size", None), getattr(vision_config, "max_num_tiles", None)
+    channels = _first_int(vision_config, ("num_channels",), 3)
+    if type(size) is not int or type(tiles) is not int:
+        return []
+    batch, first = ids.shape[0], torch.zeros(tiles, dtype=torch.long)
+    first[0] = 1
+    return [
+        {
+            "pixel_values": torch.randn(batch, 1, tiles, channels, size, size, generator=generator),
+            "aspect_ratio_ids": torch.ones(batch, 1, dtype=torch.long),
+            "aspect_ratio_mask": first.expand(batch, 1, tiles).clone(),
+            "cross_attention_mask": first.expand(batch, ids.shape[1], 1, tiles).clone(),
+        }
+    ]
+
+
 def _no_image_tokens(model, ids, **images) -> torch.Tensor:
     """The model's forward on `ids` and `images` (a layout it takes, or it raises): none of the
     tokens are the image's (an empty tensor, as `_image_tokens` counts them)."""
@@ -311,12 +330,18 @@ def probe_images(model, ids, n) -> tuple[torch.Tensor, dict]:
     # Kosmos-2 marks its image's places with a mask beside the ids (any token id there), not an image token
     by_mask = token is None and _names(model.forward, "image_embeds_position_mask")
     # BLIP's captioner reads its image through cross-attention: no image tokens in the text, the model's own
-    # forward (on the ids as they are) is what takes the images
-    by_cross = token is None and not by_mask and get is None and _names(model.forward, "pixel_values")
+    # forward (on the ids as they are) is what takes the images; Mllama's too, its image token first and its
+    # image in tiles (`_tiled_image`)
+    tiled = token is not None and _names(model.forward, "aspect_ratio_ids")
+    by_cross = (token is None or tiled) and not by_mask and get is None and _names(model.forward, "pixel_values")
     batch, generator = ids.shape[0], torch.Generator().manual_seed(0)
+    if tiled:
+        ids = ids.clone()
+        ids[:, 0] = token
     if by_cross:
         get = functools.partial(_no_image_tokens, model, ids)
-        layouts = _probe_pixels(vision_config, model.forward, batch, generator)
+        layouts = _tiled_image(vision_config, ids, generator) if tiled else []
+        layouts = layouts or _probe_pixels(vision_config, model.forward, batch, generator)
     else:
         placed = token is not None or by_mask
         layouts = _probe_pixels(vision_config, get, batch, generator) if placed and callable(get) else []

@@ -116,6 +116,8 @@ QUIRKS = {
     "vipllava": dict(vision_feature_layer=[-2, -1]),
     # the number of query tokens per count of patches: the tiny image's 4 x 4 patches
     "aria": lambda caps: dict(projector_patch_to_query_dict={16: 4}) if "width" in caps else {},
+    # Mllama's tower outputs its last and its one kept intermediate layer's states side by side
+    "mllama": lambda caps: dict(vision_config=dict(vision_output_dim=2 * caps["width"])) if "width" in caps else {},
     # the shared transformer is one module tied over the hybrid layers: two of them
     "zamba": dict(num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "hybrid"]),
 }
