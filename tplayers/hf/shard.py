@@ -145,7 +145,7 @@ def hf_plan_hint(model, names) -> str:
 CROSS_INPUTS = ("encoder_hidden_states", "key_value_states", "cross_attention_states")
 
 
-def _embedding(model, getter):
+def model_embedding(model, getter):
     """model.get_input_embeddings() / get_output_embeddings(), None where it has none (transformers'
     default raises NotImplementedError where it cannot find one: PP-FormulaNet)."""
     try:
@@ -363,7 +363,8 @@ class ShardingPass(SharesGroups):
         return new
 
     def embeddings(self):
-        emb, head = _embedding(self.model, "get_input_embeddings"), _embedding(self.model, "get_output_embeddings")
+        emb = model_embedding(self.model, "get_input_embeddings")
+        head = model_embedding(self.model, "get_output_embeddings")
         names = {id(m): n for n, m in self.model.named_modules()}
         if _codebook_heads(head) and self.planned(names.get(id(head))) is None:
             for i, each in enumerate(head):  # MusicGen: the model stacks their logits and scores them itself

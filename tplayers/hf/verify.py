@@ -28,6 +28,7 @@ from torch import nn
 
 from tplayers.functional.collectives import all_gather_any, all_gather_dim
 from tplayers.hf import vision
+from tplayers.hf.shard import model_embedding
 from tplayers.placement import placement_or_none
 from tplayers.tolerances import tolerance
 
@@ -58,13 +59,9 @@ class Probe:
 
 def _token_model(model) -> bool:
     """An HF-style model: a config and an nn.Embedding input embedding to draw token ids for."""
-    get = getattr(model, "get_input_embeddings", None)
-    if getattr(model, "config", None) is None or not callable(get):
-        return False
-    try:
-        return isinstance(get(), nn.Embedding)
-    except NotImplementedError:  # transformers' default where it cannot find one (PP-FormulaNet)
-        return False
+    return getattr(model, "config", None) is not None and isinstance(
+        model_embedding(model, "get_input_embeddings"), nn.Embedding
+    )
 
 
 def probe_input(model, verify, n):
