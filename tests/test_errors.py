@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import tplayers
+from tplayers.nn.linear import splits_checked_together
 from tplayers.testing import RemoteError
 
 pytestmark = pytest.mark.multirank
@@ -23,6 +24,15 @@ def build_and_call(rank, tp, group, case):
         tplayers.ColumnParallelLinear(8, 12, group=group, split_unit=4, split_sizes=[2, 1, 1])
     elif case == "split_sizes_differ":  # each rank's split is valid, but not its peers'
         tplayers.RowParallelLinear(12, 8, group=group, split_unit=4, split_sizes=[1, 1, 1] if rank else [2, 1, 0])
+    elif case == "split_sizes_differ_together":  # checked at the end of the block, the disagreeing layer named
+        with splits_checked_together():
+            tplayers.ColumnParallelLinear(8, 12, group=group, split_unit=4, split_sizes=[1, 1, 1])
+            told = [1, 1, 1] if rank else [2, 1, 0]
+            tplayers.ColumnParallelLinear(8, 12, group=group, split_unit=4, split_sizes=told)
+    elif case == "layers_differ_together":  # a rank that built one layer more than its peers
+        with splits_checked_together():
+            for _ in range(2 if rank else 1):
+                tplayers.RowParallelLinear(12, 8, group=group, split_unit=4, split_sizes=[1, 1, 1])
     elif case == "split_sizes_gathered":
         tplayers.ColumnParallelLinear(8, 12, group=group, split_sizes=[4, 4, 4], gather_output=True)
     col = tplayers.ColumnParallelLinear(8, 6 * tp, group=group, sequence_parallel=case.startswith("sp"))
@@ -46,6 +56,11 @@ CASES = {
         ValueError,
         r"the ranks were told different splits \(rank by rank: \[\[2, 1, 0\], \[1, 1, 1\]",
     ),
+    "split_sizes_differ_together": (
+        ValueError,
+        r"ColumnParallelLinear: the ranks were told different splits \(rank by rank: \[\[2, 1, 0\], \[1, 1, 1\]",
+    ),
+    "layers_differ_together": (ValueError, r"the ranks built different layers"),
     "split_sizes_gathered": (ValueError, r"split_unit / split_sizes need gather_output=False"),
     "last_dim": (ValueError, r"input last dim \(7,\) does not match the layer's 8"),
     "dtype": (TypeError, "input dtype torch.float16 does not match the weight dtype torch.float32"),

@@ -19,7 +19,15 @@ from torch import nn
 import tplayers
 from tplayers.hf import attention, families
 from tplayers.plan import Layout
-from tplayers.testing import RemoteError, assert_close, check_parallel, examples, hooks_holding_state
+from tplayers.testing import (
+    RemoteError,
+    assert_close,
+    check_parallel,
+    differing_grads,
+    examples,
+    grads_as_state_dict,
+    hooks_holding_state,
+)
 from tplayers.testing import strategies as tst
 
 pytestmark = pytest.mark.multirank
@@ -592,6 +600,30 @@ def test_negative_control_a_hook_holding_a_module_is_found():
     bias = model[0].bias
     model[0].register_forward_hook(lambda mod, args, out: out - bias)
     assert len(hooks_holding_state(model)) == 1 and "Parameter" in hooks_holding_state(model)[0]
+
+
+def rank_by_rank_grads(rank, tp, group):
+    """differing_grads (each rank's gradients against its load-path slices of the reference's) finds
+    none on an exact model, names a gradient one rank holds wrong on that rank only, and leaves the
+    model's parameters as they were."""
+    model = tiny_model("llama")
+    reference = copy.deepcopy(model)
+    tplayers.parallelize(model, group=group)
+    ids = torch.randint(3, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    model(ids, labels=ids).loss.backward()
+    reference(ids, labels=ids).loss.backward()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    full = grads_as_state_dict(reference)
+    assert differing_grads(model, full) == []
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    name, p = next((n, p) for n, p in model.named_parameters() if "k_proj" in n)
+    if rank == 1:
+        p.grad[0, 0] += 1e-3
+    assert differing_grads(model, full) == ([name] if rank == 1 else [])
+
+
+def test_negative_control_a_wrong_gradient_on_one_rank_is_found_rank_by_rank(pool):
+    pool.run(rank_by_rank_grads, 2)
 
 
 def normed_embedding(rank, tp, group, sequence_parallel):

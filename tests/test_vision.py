@@ -20,6 +20,7 @@ from tplayers.hf.verify import PROBE_BATCH, PROBE_TOKENS_PER_RANK
 from tplayers.testing import assert_close
 from tplayers.testing.meshes import layout_mesh
 from tplayers.testing.pool import RemoteError
+from tplayers.testing.shards import grads_as_state_dict
 from tplayers.testing.tiny import tiny_config
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -221,7 +222,7 @@ def _verdicts(model_type, tp, group):
         expected = _step(reference, *batch)
     except Exception as e:  # the unsharded model fails on the probe images: parallelize must refuse by name
         return {sp: _refused_unsharded(model_type, tp, group, sp, e) for sp in (False, True)}
-    grads = {name: p.grad for name, p in reference.named_parameters(remove_duplicate=False) if p.grad is not None}
+    grads = grads_as_state_dict(reference)
     out = {}
     for sp in (False, True):
         out[sp] = sharded_verdict(lambda: tiny_vlm(model_type, tp), lambda m: _step(m.train(), *batch),

@@ -45,7 +45,7 @@ from tplayers.hf.same_inputs import check_same_inputs
 from tplayers.hf.shard import ShardingPass, replace_hidden
 from tplayers.hf.state_dict import Records, refuse_own_save_pretrained
 from tplayers.hf.summed_grads import rehook_summed, summed_grads
-from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear
+from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear, splits_checked_together
 from tplayers.placement import placement_or_none, set_placement
 
 
@@ -243,6 +243,21 @@ def _no_labels(module, args, kwargs):
         )
 
 
+# Models whose blocks run (sequence, batch, features)-major (XLNet transposes its ids first): sequence
+# parallelism splits dim 1 of a block's input, there the batch.
+SEQUENCE_FIRST = ("XLNetModel",)
+
+
+def _refuse_sequence_first(model):
+    first = next((m for m in model.modules() if type(m).__name__ in SEQUENCE_FIRST), None)
+    if first is not None:
+        raise ValueError(
+            f"parallelize: sequence_parallel=True: {type(first).__name__} runs its blocks sequence-first "
+            "(sequence, batch, features), where tplayers would split dim 1, the batch. Use sequence_parallel=False "
+            "for this model"
+        )
+
+
 def _decoder_blocks(model, placed, towers=()):
     """The transformer blocks: the nn.ModuleList whose items hold the placed attention / MLP modules
     (or tensor-parallel layers: Nemotron-H's blocks hold an attention, a mixer or an MLP each), outside
@@ -386,6 +401,8 @@ def _parallelize(
     """`parallelize` of a model without adapters; `keep`: modules no sharding layout may fuse
     with another (they carry LoRA adapters)."""
     towers = vision.towers(model)
+    if sequence_parallel:
+        _refuse_sequence_first(model)
     if context is not None and towers:
         raise ValueError(
             f"parallelize: context parallelism splits the token ids before {type(model).__name__} merges its image "
@@ -398,7 +415,9 @@ def _parallelize(
         model, group, sequence_parallel=sequence_parallel, plan=plan, vocab_parallel_logits=vocab_parallel_logits,
         overlap=overlap, keep=keep, expert_group=expert_group, towers=towers,
     )  # fmt: skip
-    parallelizer.run(families.ADAPTERS, families.EMBEDDINGS, families.LINEAR_EQUIVALENTS)  # read per call: patchable
+    with splits_checked_together():  # one collective for every layer's split, not one each
+        # the adapters read per call: patchable
+        parallelizer.run(families.ADAPTERS, families.EMBEDDINGS, families.LINEAR_EQUIVALENTS)
     fuse_rms_norms(model)  # the norms left whole, LlamaRMSNorm's math exactly: the fused kernels
     text_inputs, tower_inputs = parallelizer.shared_inputs_by_sequence()
     if sequence_parallel:
@@ -413,7 +432,7 @@ def _parallelize(
         model.register_forward_pre_hook(_no_labels, with_kwargs=True)
     config = getattr(model, "config", None)
     max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if max_positions:
+    if max_positions and max_positions > 0:  # XLNet's -1: relative positions, no limit
         model.register_forward_pre_hook(_length_check(max_positions), with_kwargs=True)
     # before sequence parallelism sums every block weight left
     _inside_sharded_modules(model, parallelizer.done, parallelizer.whole, group)

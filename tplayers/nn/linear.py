@@ -13,6 +13,8 @@ this rank's own. The math and the communication
 per mode are in tplayers/functional/linear.py.
 """
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -39,22 +41,64 @@ def _divide(total: int, n: int, what: str) -> int:
     return total // n
 
 
+_DEFERRED: list | None = None  # (group, sizes, what), while splits_checked_together() collects them
+
+
 def _split(total: int, unit: int, sizes, group, what: str) -> tuple[int, ...]:
     """Every rank's share of a dimension of `total`, in whole units of `unit`: the explicit
-    `sizes` (checked here, and against the other ranks': one tiny all-gather at construction, so a
-    rank told another split than its peers fails on every rank, not silently in the reductions),
-    else as torch.chunk splits the units."""
+    `sizes` (checked here, and against the other ranks': one tiny all-gather at construction, or
+    one for all layers built inside `splits_checked_together`, so a rank told another split than
+    its peers fails on every rank, not silently in the reductions), else as torch.chunk splits the units."""
     n = dist.get_world_size(group)
     if sizes is None:
         return tuple(shard_sizes(total // unit, n))
     sizes = check_sizes(sizes, total // unit, n, what)
-    if n > 1:
-        device = comm.control_device(group)
-        told = torch.empty(n, n, dtype=torch.int64, device=device)
-        comm.all_gather_into(told, torch.tensor([sizes], device=device), group, record=False)
-        if any(row != list(sizes) for row in told.tolist()):
-            raise ValueError(f"{what}: the ranks were told different splits (rank by rank: {told.tolist()})")
+    if n > 1 and _DEFERRED is not None:
+        _DEFERRED.append((group, sizes, what))
+    elif n > 1:
+        _check_told(group, [(sizes, what)])
     return sizes
+
+
+@contextlib.contextmanager
+def splits_checked_together():
+    """Layers built inside check that every rank was told the same splits all at once when it
+    ends: two collectives per group, not one per layer (a model's sharding pass builds hundreds,
+    and a collective costs milliseconds on gloo). Where the body raises, this rank stops there."""
+    global _DEFERRED
+    outer, _DEFERRED = _DEFERRED, []
+    try:
+        yield
+        pending = _DEFERRED
+    finally:
+        _DEFERRED = outer
+    if outer is not None:
+        outer.extend(pending)
+        return
+    by_group: dict = {}
+    for group, sizes, what in pending:  # groups in order of first use: the same on every rank
+        by_group.setdefault(group, []).append((sizes, what))
+    for group, told in by_group.items():
+        _check_told(group, told)
+
+
+def _check_told(group, told: list) -> None:
+    """Every rank of `group` was told the same `told` ([(sizes, what)], in build order)."""
+    n, device = dist.get_world_size(group), comm.control_device(group)
+    mine = torch.tensor([s for sizes, _ in told for s in sizes], dtype=torch.int64, device=device)
+    lengths = torch.empty(n, dtype=torch.int64, device=device)
+    comm.all_gather_into(lengths, torch.tensor([mine.numel()], device=device), group, record=False)
+    widest = int(lengths.max())
+    rows = torch.empty(n, widest, dtype=torch.int64, device=device)
+    comm.all_gather_into(rows, torch.cat([mine, mine.new_full((widest - mine.numel(),), -1)]), group, record=False)
+    if len(set(lengths.tolist())) > 1:
+        raise ValueError(f"the ranks built different layers (split sizes told, rank by rank: {lengths.tolist()})")
+    start = 0
+    for sizes, what in told:  # the first layer whose split the ranks disagree on
+        block = rows[:, start : start + len(sizes)]
+        if not bool((block == block[0]).all()):
+            raise ValueError(f"{what}: the ranks were told different splits (rank by rank: {block.tolist()})")
+        start += len(sizes)
 
 
 def refuse_own_forward(module, base, what):

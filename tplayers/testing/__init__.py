@@ -12,6 +12,8 @@ layouts; the parts it is built from serve hand-written checks. tplayers' own sui
     numerics.py    TOLERANCES (one per-dtype table), assert_close, assert_shard_close, shard_of
     outputs.py     logits_of: the logits of a forward that computed its loss without them
     memory.py      peak_bytes: the peak of host memory in use (glibc), for CPU memory tests
+    shards.py      expected_shards / differing_grads: a parallelized HF model's parameters or gradients
+                   against an unsharded reference rank by rank, with no collective (its load path)
     hooks.py       hooks_holding_state: module hooks whose closures hold a module or tensor (which
                    a deep copy of the model would leave reading the original's)
     ops.py         count_ops: the ops a block runs (kernel launches, host syncs), through the dispatcher
@@ -37,12 +39,16 @@ from tplayers.testing.numerics import (
 )
 from tplayers.testing.outputs import logits_of
 from tplayers.testing.pool import RemoteError, WorkerPool
+from tplayers.testing.shards import differing_grads, expected_shards, grads_as_state_dict
 from tplayers.testing.tiny import published_config, tiny_config
 
 __all__ = [
     "ParallelMismatch",
     "check_parallel",
     "default_loss",
+    "differing_grads",
+    "expected_shards",
+    "grads_as_state_dict",
     "hooks_holding_state",
     "layout_mesh",
     "TOLERANCES",
