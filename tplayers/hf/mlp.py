@@ -326,7 +326,8 @@ def _gaussian_topk_mlp(sp: ShardingPass, name, mlp):
 
 
 MLP_PAIRS = (("fc1", "fc2"), ("fc_in", "fc_out"), ("c_fc", "c_proj"), ("up_proj", "down_proj"),
-             ("dense_h_to_4h", "dense_4h_to_h"), ("linear_fc1", "linear_fc2"), ("lin1", "lin2"), ("layer_1", "layer_2"))  # fmt: skip
+             ("dense_h_to_4h", "dense_4h_to_h"), ("linear_fc1", "linear_fc2"), ("lin1", "lin2"),
+             ("layer_1", "layer_2"))  # fmt: skip
 
 
 def two_layer_pair(module):

@@ -37,7 +37,7 @@ def towers(model) -> list[str]:
         return []
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
-    parts, out = path.split("."), []
+    parts, out = path.split("."), [f"{path}.{child}" for child in INNER_TOWERS.get(type(decoder).__name__, ())]
     for depth in range(len(parts)):
         parent = ".".join(parts[:depth])
         on_path = ".".join(parts[: depth + 1])
@@ -46,6 +46,11 @@ def towers(model) -> list[str]:
             if full != on_path and module is not head and any(True for _ in module.parameters()):
                 out.append(full)
     return out
+
+
+# Decoders that hold their towers themselves (GIT's model embeds the image, projects it and runs the
+# text decoder over [image tokens; text tokens])
+INNER_TOWERS = {"GitModel": ("image_encoder", "visual_projection")}
 
 
 def _patches_in_config(model) -> bool:
