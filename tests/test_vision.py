@@ -174,13 +174,13 @@ def test_negative_control_the_self_check_catches_a_wrong_shard_in_the_tower(pool
 
 
 def unknown_image_layout(rank, tp, group):
-    model = tiny_vlm("minicpmv4_6", tp)
-    with pytest.raises(ValueError, match=r"\(minicpmv4_6\) takes images.*verify=\{'input_ids'"):
+    model = tiny_vlm("florence2", tp)
+    with pytest.raises(ValueError, match=r"\(florence2\) takes images.*verify=\{'input_ids'"):
         tplayers.parallelize(model, group=group)
 
 
 def test_images_tplayers_cannot_make_are_refused_by_name(pool):
-    """MiniCPM-V 4.6 names no image token in its config and takes its images as `*args`: not a probe
+    """Florence-2's DaViT tower names no image size in its config (a patch size per stage): not a probe
     tplayers makes, so the self-check could not see the tower; refused, pointing to verify=<inputs>."""
     pool.run(unknown_image_layout, 2)
 

@@ -238,6 +238,17 @@ def _probe_pixels(vision_config, get, batch, generator) -> list[dict]:
                 "pixel_attention_mask": torch.ones(batch, side * side, dtype=torch.bool),
             }
         ]
+    if _names(get, "target_sizes"):  # MiniCPM-V's NaViT packing: every image's patches side by side in one row
+        patch = getattr(vision_config, "patch_size", None)
+        if type(patch) is not int:
+            return []
+        side = 8  # 8 x 8 patches: its two 2 x 2 merges leave 2 x 2 tokens an image
+        return [
+            {
+                "pixel_values": torch.randn(1, channels, patch, batch * side * side * patch, generator=generator),
+                "target_sizes": torch.tensor([[side, side]] * batch),
+            }
+        ]
     size = getattr(vision_config, "image_size", None)
     size = (size, size) if type(size) is int else tuple(size) if isinstance(size, list | tuple) else ()
     if len(size) != 2 or not all(type(v) is int for v in size):
@@ -308,12 +319,13 @@ def _no_image_tokens(model, ids, **images) -> torch.Tensor:
 
 def _image_features_fn(model):
     """The model's `get_image_features`, or its base model's where only that has one (DeepSeek-VL,
-    Janus, dots.ocr's successors): None where neither has."""
-    for owner in (model, getattr(model, "model", None)):
-        get = getattr(owner, "get_image_features", None)
-        if callable(get):
-            return get
-    return None
+    Janus, dots.ocr's successors) or where the model's only passes on *args and **kwargs (MiniCPM-V:
+    the base model's names what it takes): None where neither has."""
+    owners = (model, getattr(model, "model", None))
+    found = [get for owner in owners if callable(get := getattr(owner, "get_image_features", None))]
+    kinds = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    named = [get for get in found if any(p.kind not in kinds for p in inspect.signature(get).parameters.values())]
+    return (named or found or [None])[0]
 
 
 def probe_images(model, ids, n) -> tuple[torch.Tensor, dict]:
