@@ -54,12 +54,12 @@ def mend_llama4_output():
         modeling_outputs.MoeCausalLMOutputWithPast.image_outputs = None
 
 
-def tiny_vlm(model_type, tp):
+def tiny_vlm(model_type, tp, **overrides):
     import transformers as tf
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cfg = tiny_config(model_type, heads=2 * tp)
+        cfg = tiny_config(model_type, heads=2 * tp, **overrides)
         if model_type == "llama4":
             mend_llama4_output()
         if "output_router_logits" in vars(cfg):  # MoE auxiliary losses on
@@ -272,6 +272,35 @@ def test_every_image_text_to_text_type_is_exact_or_refused(pool, tp):
 
 
 # -- driven the way users drive models: .to(), dtype round trips, assign loads, deep copies --------
+# Mistral Large 4's second layer reuses the first's latents (KV sharing) and top-k (a shared indexer);
+# the default config shares neither
+SHARED_LATENTS = dict(
+    text_config=dict(num_hidden_layers=3, kv_source_layers=[0, 0, 2], indexer_types=["full", "shared", "full"])
+)
+
+
+def shared_latents(rank, tp, group):
+    reference = tiny_vlm("mistral_large4", tp, **SHARED_LATENTS).train()
+    assert reference.model.language_model.layers[1].self_attn.kv_a_proj_with_mqa is None
+    batch = image_batch(reference, tp)
+    expected = _step(reference, *batch)
+    grads = grads_as_state_dict(reference)
+    assert grads["model.language_model.rotary_emb.alpha"].abs().sum() > 0  # the learned rope's gradient is checked
+
+    def build():
+        return tiny_vlm("mistral_large4", tp, **SHARED_LATENTS)
+
+    return {sp: sharded_verdict(build, lambda m: _step(m.train(), *batch), expected, grads, group, sp) for sp in (0, 1)}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_mistral_large4_reusing_latents_and_top_k_is_exact(pool, tp):
+    """Multi-head latent attention whose later layers reuse an earlier layer's latents and top-k, with a
+    per-head softmax scaling and a learned rotary embedding (its gradient summed over the heads' ranks)."""
+    verdicts = pool.run(shared_latents, tp)[0]
+    assert verdicts == {0: ("exact", ""), 1: ("exact", "")}, verdicts
+
+
 def _assign(model):
     model.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()}, assign=True)
 

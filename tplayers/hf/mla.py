@@ -32,10 +32,18 @@ MLA_PER_HEAD = ("q_proj", "q_b_proj", "q_gate_proj", "kv_b_proj", "o_proj")
 QUERIES = ("q_b_proj", "q_proj", "q_gate_proj")
 
 
+# Per-head values an MLA module holds in a child of its own: Mistral Large 4's softmax scaling (a scale
+# and a bias per head, by the log of the position), cut to each rank's heads
+PER_HEAD_CHILDREN = {"softmax_scaling": ("scale", "bias")}
+
+
 def is_mla(module) -> bool:
-    return has_linears(module, ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj")) and any(
-        has_linears(module, (query,)) for query in QUERIES
+    """MLA: its latent key / value projection, or none in a layer that reuses an earlier layer's
+    latents (Mistral Large 4's KV sharing: whole on every rank, as the latents are)."""
+    latent = has_linears(module, ("kv_a_proj_with_mqa",)) or (
+        getattr(module, "is_kv_shared_layer", False) is True and getattr(module, "kv_a_proj_with_mqa", 0) is None
     )
+    return latent and has_linears(module, ("kv_b_proj", "o_proj")) and any(has_linears(module, (q,)) for q in QUERIES)
 
 
 def mla_attention(sp: ShardingPass, name, attn):
@@ -50,8 +58,8 @@ def mla_attention(sp: ShardingPass, name, attn):
     refused by name."""
     heads, nope, v_dim = attn.num_heads, attn.qk_nope_head_dim, attn.v_head_dim
     split, _, local = _local_heads(name, heads, sp)
-    width = attn.kv_a_proj_with_mqa.in_features
-    known = MLA_LATENT + MLA_PER_HEAD + (output_gate(attn, heads, v_dim, width),)
+    width = attn.o_proj.out_features  # the hidden size
+    known = MLA_LATENT + MLA_PER_HEAD + tuple(PER_HEAD_CHILDREN) + (output_gate(attn, heads, v_dim, width),)
     extra = [c for c, m in attn.named_children() if c not in known and next(m.parameters(), None) is not None]
     if extra:
         raise ValueError(
@@ -69,6 +77,16 @@ def mla_attention(sp: ShardingPass, name, attn):
     # of the block's input gradient by the shared-input hook (each latent weight's gradient by its own sum)
     sp.shared_input_column(f"{name}.kv_b_proj", attn.kv_b_proj, split_unit=nope + v_dim, split_sizes=split)
     sp.row(f"{name}.o_proj", attn.o_proj, split_unit=v_dim, split_sizes=split)
+    for child, keys in PER_HEAD_CHILDREN.items():
+        module = getattr(attn, child, None)
+        if isinstance(module, nn.Module):
+            if any(p.shape[:1] != (heads,) for p in module.parameters()) or {
+                k for k, _ in module.named_parameters()
+            } != set(keys):
+                raise ValueError(f"parallelize: {name}.{child} does not hold one value per head in {keys}")
+            for key in keys:
+                split_per_head(sp, f"{name}.{child}", module, key, 1, split)
+            sp.done.add(f"{name}.{child}")
     for child in MLA_LATENT:
         module = getattr(attn, child, None)
         if isinstance(module, nn.Module):

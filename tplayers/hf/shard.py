@@ -459,6 +459,14 @@ class ShardingPass(SharesGroups):
             if _under(name, self.towers) and not _under(name, self.done) and type(module) is nn.Linear:
                 self.column(name, module, sequence_parallel=False, gather_output=True)
 
+    def learned_rotaries(self):
+        """A rotary embedding with weights (Mistral Large 4's learned frequency scales) is computed whole
+        on every rank, and its cos / sin reach the loss only through the attention heads, which the
+        ranks split: each rank holds part of its gradient, summed over the group."""
+        for module in self.model.modules():
+            if type(module).__name__.endswith("RotaryEmbedding"):
+                self.partial_grads.extend(p for p in module.parameters() if p.requires_grad)
+
     def run(self, adapters, embedding_adapters, linear_equivalents=()):
         """Embeddings, then every module top-down: the plan first, else the first adapter that
         matches it; finally an error naming every linear layer left unplaced."""
@@ -480,6 +488,7 @@ class ShardingPass(SharesGroups):
                         break
         self.sp = self.sequence_parallel
         self.tower_linears()
+        self.learned_rotaries()
         self.check_plan_used()
         self.check_no_tie_broken()
         unplaced = [
