@@ -223,9 +223,15 @@ def _probe_pixels(vision_config, get, batch, generator) -> list[dict]:
         frames = _first_int(vision_config, ("temporal_patch_size", "patch_temporal"), 1)
         if not all(type(v) is int for v in (patch, merge, frames)):
             return []
+        kernel = getattr(vision_config, "merge_kernel_size", None)  # Kimi-K2.5's (height, width) merge
+        merge = kernel[0] if isinstance(kernel, list | tuple) and type(kernel[0]) is int else merge
         side = 2 * merge
         pixels = torch.randn(batch * side * side, channels * frames * patch * patch, generator=generator)
-        return [{"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, side, side]] * batch)}]
+        grid = torch.tensor([[1, side, side]] * batch)
+        # each patch flattened (Qwen-VL), or as an image of its own (Kimi-K2.5's MoonViT)
+        return [{"pixel_values": pixels, "image_grid_thw": grid}] + (
+            [{"pixel_values": pixels.view(-1, channels, patch, patch), "image_grid_thw": grid}] if frames == 1 else []
+        )
     if _names(get, "spatial_shapes"):  # SigLIP 2's native resolution (LFM2-VL): flat patches, their grid, a mask
         patch = getattr(vision_config, "patch_size", None)
         if type(patch) is not int:

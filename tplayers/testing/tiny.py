@@ -127,7 +127,9 @@ QUIRKS = {
 IMAGE_PATCHES = 4  # a vision tower's image: 4 x 4 patches
 DEPTH = dict(layers=2, dense_layers=1)  # the depth caps: alone, the published widths with a cut depth
 LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "decoder_layers")
-KEEP = {"conv1d_width", "num_channels", "in_channels", "out_channels", "audio_channels", "conv_kernel_size"}
+# kept at their defaults (Kimi-K2.5's position grid: its height and width alike, not a width to shrink)
+KEEP = {"conv1d_width", "num_channels", "in_channels", "out_channels", "audio_channels", "conv_kernel_size",
+        "pos_emb_height", "pos_emb_width"}  # fmt: skip
 
 
 def tiny_config(model_type: str, heads: int = 4, **overrides):
