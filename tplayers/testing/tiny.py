@@ -121,6 +121,8 @@ QUIRKS = {
     "aria": lambda caps: dict(projector_patch_to_query_dict={16: 4}) if "width" in caps else {},
     # Mllama's tower outputs its last and its one kept intermediate layer's states side by side
     "mllama": lambda caps: dict(vision_config=dict(vision_output_dim=2 * caps["width"])) if "width" in caps else {},
+    # Step 3.7 builds its sliding-window mask whether or not a layer slides: a window, one layer of each kind
+    "step3p7": dict(text_config=dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])),
     # the shared transformer is one module tied over the hybrid layers: two of them
     "zamba": dict(num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "hybrid"]),
 }
