@@ -227,10 +227,12 @@ def _probe_pixels(vision_config, get, batch, generator) -> list[dict]:
         merge = kernel[0] if isinstance(kernel, list | tuple) and type(kernel[0]) is int else merge
         side = 2 * merge
         pixels = torch.randn(batch * side * side, channels * frames * patch * patch, generator=generator)
-        grid = torch.tensor([[1, side, side]] * batch)
+        grid = {"image_grid_thw": torch.tensor([[1, side, side]] * batch)}
+        if _names(get, "image_merge_sizes"):  # VideoLLaMA 3: each image's merge, named beside its grid
+            grid["image_merge_sizes"] = torch.tensor([merge] * batch)
         # each patch flattened (Qwen-VL), or as an image of its own (Kimi-K2.5's MoonViT)
-        return [{"pixel_values": pixels, "image_grid_thw": grid}] + (
-            [{"pixel_values": pixels.view(-1, channels, patch, patch), "image_grid_thw": grid}] if frames == 1 else []
+        return [{"pixel_values": pixels, **grid}] + (
+            [{"pixel_values": pixels.view(-1, channels, patch, patch), **grid}] if frames == 1 else []
         )
     if _names(get, "spatial_shapes"):  # SigLIP 2's native resolution (LFM2-VL): flat patches, their grid, a mask
         patch = getattr(vision_config, "patch_size", None)
@@ -325,13 +327,17 @@ def _no_image_tokens(model, ids, **images) -> torch.Tensor:
 
 def _image_features_fn(model):
     """The model's `get_image_features`, or its base model's where only that has one (DeepSeek-VL,
-    Janus, dots.ocr's successors) or where the model's only passes on *args and **kwargs (MiniCPM-V:
-    the base model's names what it takes): None where neither has."""
+    Janus, dots.ocr's successors) or where the base model's requires by name what the model's leaves
+    to *args / **kwargs (MiniCPM-V's `target_sizes`, VideoLLaMA 3's `image_merge_sizes`): None where
+    neither has."""
     owners = (model, getattr(model, "model", None))
     found = [get for owner in owners if callable(get := getattr(owner, "get_image_features", None))]
-    kinds = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    named = [get for get in found if any(p.kind not in kinds for p in inspect.signature(get).parameters.values())]
-    return (named or found or [None])[0]
+    if len(found) == 2:
+        own, base = (inspect.signature(get).parameters for get in found)
+        kinds = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        if any(p.kind not in kinds and p.default is p.empty and k not in own for k, p in base.items()):
+            return found[1]
+    return found[0] if found else None
 
 
 def probe_images(model, ids, n) -> tuple[torch.Tensor, dict]:
