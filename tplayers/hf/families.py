@@ -43,6 +43,7 @@ from tplayers.hf import (
     vision,
 )
 from tplayers.hf.shard import ShardingPass, has_conv1ds, has_linears
+from tplayers.hf.source import same_forward
 from tplayers.nn.embedding import VocabParallelEmbedding
 
 
@@ -157,6 +158,20 @@ EMBEDDINGS = (
 # nn.Linear subclasses whose forward is nn.Linear's math (read in their source): made plain
 # nn.Linear (the same Parameters) before the pass. FalconLinear: input @ weight.T + bias.
 LINEAR_EQUIVALENTS = ("transformers.models.falcon.modeling_falcon.FalconLinear",)
+
+
+def _moshi_linear(module) -> bool:
+    """Moshi's MoshiLinear without per-codebook weights: its forward is its `linear` child's."""
+    if type(module).__name__ != "MoshiLinear" or module.use_flexible_linear:
+        return False
+    from transformers.models.moshi.modeling_moshi import MoshiLinear
+
+    return same_forward(module, MoshiLinear) and type(module.linear) is nn.Linear
+
+
+# Modules whose forward is their `linear` child's: the adapters see that child in their place
+# (`ShardingPass.unwrap_linears`), and it is sharded under its own name
+LINEAR_WRAPPERS = (_moshi_linear,)
 
 ADAPTERS = (
     # vision-language models: modules beside the language model (tplayers.hf.vision)

@@ -55,18 +55,24 @@ def w1_w3_w2(sp: ShardingPass, name, mlp):
     sp.done.add(name)
 
 
-# (the [gate; up] projection, the one after): GraniteMoeShared / GraniteMoeHybrid, ModernBERT-decoder
-CHUNKED_PAIRS = (("input_linear", "output_linear"), ("Wi", "Wo"))
+# (the [gate; up] projection, the one after): GraniteMoeShared / GraniteMoeHybrid, ModernBERT-decoder, Moshi
+CHUNKED_PAIRS = (("input_linear", "output_linear"), ("Wi", "Wo"), ("fc1", "fc2"))
+# the forward's split of the in-projection's features into two halves: chunk(2), or Moshi's view as
+# (..., 2, half) read at [..., 0, :] and [..., 1, :]
+HALVES = re.compile(
+    r"chunk\(2, dim=-1\)|(\w+) = \1\.view\(batch_size, sequence_length, 2, -1\)\s*\n\s*\1 = "
+    r"self\.\w+\(\1\[\.\.\., 0, :\]\) \* \1\[\.\.\., 1, :\]"
+)
 
 
 def chunked_pair(module) -> tuple[str, str] | None:
-    """The (in, out) names of an MLP whose in-projection holds [gate; up] halves (its forward chunks
-    them in two), else None."""
+    """The (in, out) names of an MLP whose in-projection holds [gate; up] halves (its forward splits
+    them in two, `HALVES`), else None."""
     for first, second in CHUNKED_PAIRS:
         if (
             has_linears(module, (first, second))
             and getattr(module, first).out_features == 2 * getattr(module, second).in_features
-            and "chunk(2, dim=-1)" in forward_source(module)
+            and HALVES.search(forward_source(module)) is not None
         ):
             return first, second
     return None

@@ -417,7 +417,7 @@ def _parallelize(
     )  # fmt: skip
     with splits_checked_together():  # one collective for every layer's split, not one each
         # the adapters read per call: patchable
-        parallelizer.run(families.ADAPTERS, families.EMBEDDINGS, families.LINEAR_EQUIVALENTS)
+        parallelizer.run(families.ADAPTERS, families.EMBEDDINGS, families.LINEAR_EQUIVALENTS, families.LINEAR_WRAPPERS)
     fuse_rms_norms(model)  # the norms left whole, LlamaRMSNorm's math exactly: the fused kernels
     text_inputs, tower_inputs = parallelizer.shared_inputs_by_sequence()
     if sequence_parallel:

@@ -211,6 +211,7 @@ class ShardingPass(SharesGroups):
             raise ValueError(f"parallelize: plan values must be one of {PLAN_KINDS}, got {unknown}")
         self.plan_used: set[str] = set()  # plan keys that named a module
         self.swapped_out: dict[int, tuple] = {}  # {id: (name, weakref)} of the swapped-out modules' parameters
+        self.wrapped: dict[str, nn.Module] = {}  # {name: wrapper} given way to its linear child (unwrap_linears)
 
     def planned(self, name) -> str | None:
         """The plan's kind for module `name`: its own entry, else the one kind of the patterns
@@ -451,6 +452,30 @@ class ShardingPass(SharesGroups):
                 parent, _, child = name.rpartition(".")
                 setattr(self.model.get_submodule(parent) if parent else self.model, child, plain)
 
+    def unwrap_linears(self, wrappers):
+        """Modules whose forward is their `linear` child's (`wrappers`: predicates; Moshi's MoshiLinear)
+        give way to that child while the adapters run, so they see the plain linear a projection is;
+        `rewrap_linears` puts each back around what took the child's place."""
+        for name, module in list(self.model.named_modules()):
+            if any(is_wrapper(module) for is_wrapper in wrappers):
+                self.wrapped[name] = module
+                parent, _, child = name.rpartition(".")
+                setattr(self.model.get_submodule(parent), child, module.linear)
+
+    def rewrap_linears(self):
+        """The wrappers back in their places, each around what replaced its child; every name the pass
+        recorded under a wrapper's (export records, swapped-out parameters) moved to the child's."""
+
+        def moved(name):
+            return next((f"{w}.linear{name[len(w) :]}" for w in self.wrapped if _under(name, {w})), name)
+
+        for name, wrapper in self.wrapped.items():
+            parent, _, child = name.rpartition(".")
+            wrapper.linear = self.model.get_submodule(name)
+            setattr(self.model.get_submodule(parent), child, wrapper)
+        self.exports[:] = [record._replace(prefix=moved(record.prefix)) for record in self.exports]
+        self.swapped_out = {k: (moved(name), ref) for k, (name, ref) in self.swapped_out.items()}
+
     def tower_linears(self):
         """A linear layer of a tower (tplayers.hf.vision) that no adapter or plan placed (a projector's
         single projection, a patch merger's): column-parallel with its output all-gathered, which is
@@ -467,11 +492,12 @@ class ShardingPass(SharesGroups):
             if type(module).__name__.endswith("RotaryEmbedding"):
                 self.partial_grads.extend(p for p in module.parameters() if p.requires_grad)
 
-    def run(self, adapters, embedding_adapters, linear_equivalents=()):
+    def run(self, adapters, embedding_adapters, linear_equivalents=(), linear_wrappers=()):
         """Embeddings, then every module top-down: the plan first, else the first adapter that
         matches it; finally an error naming every linear layer left unplaced."""
         self.embedding_adapters = embedding_adapters
         self.plain_linears(linear_equivalents)
+        self.unwrap_linears(linear_wrappers)
         self.embeddings()
         for name, module in list(self.model.named_modules()):
             if not name or _under(name, self.done):
@@ -486,6 +512,7 @@ class ShardingPass(SharesGroups):
                     adapter.apply(self, name, module)
                     if not adapter.passes_on:
                         break
+        self.rewrap_linears()
         self.sp = self.sequence_parallel
         self.tower_linears()
         self.learned_rotaries()
