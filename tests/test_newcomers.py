@@ -194,11 +194,11 @@ def test_every_newcomer_is_exact_or_refused(pool, tp):
 # attention with convolved keys and values, RecurrentGemma's RG-LRU, xLSTM's mLSTM, RWKV's cached WKV states,
 # CTRL's, XLM's and ModernBERT-decoder's layers (renamed projections, a chunked [input; gate] MLP),
 # BigBird's pooler, Moshi's wrapped projections and [gate; up] viewed in two, XLNet's feed-forward (its
-# relative attention whole), GIT's towers inside its model.
+# relative attention whole), GIT's towers inside its model, Zamba's multi-head Mamba mixer.
 ADAPTED = ["deepseek_v32", "glm_moe_dsa", "hy_v4", "dots3_note_text", "deepseek_v4", "qwen4_exp_text",
            "kimi_linear", "bailing_hybrid", "olmo_hybrid", "zamba2", "minimax_m3_vl_text", "axk1", "axk2", "youtu",
            "lfm3", "longcat_flash", "inkling_text", "recurrent_gemma", "xlstm", "rwkv", "ctrl", "xlm",
-           "modernbert-decoder", "big_bird", "moshi", "xlnet", "git"]  # fmt: skip
+           "modernbert-decoder", "big_bird", "moshi", "xlnet", "git", "zamba"]  # fmt: skip
 
 
 # transformers 5.24's generate() fails for these unsharded (RecurrentGemma: its cache holds no attention

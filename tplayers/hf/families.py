@@ -272,6 +272,7 @@ ADAPTERS = (
         mixers.kimi_delta_attention,
     ),  # fmt: skip
     Adapter("Mamba 1 mixer (Mamba, Falcon-Mamba, Jamba)", mixers.is_mamba1, mixers.mamba1_mixer),
+    Adapter("Zamba's multi-head Mamba mixer, by heads", mixers.is_zamba_mixer, mixers.zamba_mixer),
     Adapter("LFM2 short convolution", mixers.is_short_conv, mixers.short_conv),
     Adapter(
         "xLSTM (mLSTM layers by heads, gated feed-forwards)",

@@ -49,7 +49,7 @@ from tplayers.hf.attention import head_split, localize_attributes, split_per_hea
 from tplayers.hf.fused import SummedRowLinear, fused_column, multi_query_column, part_rows, split_and_gathered_column
 from tplayers.hf.norms import rms_norm_eps
 from tplayers.hf.shard import ShardingPass, copy_in, gather, has_linears, on_device
-from tplayers.hf.source import forward_source
+from tplayers.hf.source import forward_source, same_forward
 from tplayers.hf.state_dict import ExportRecord
 from tplayers.nn.conv import ChannelParallelConv1d
 from tplayers.nn.norm import ParallelGatedRMSNorm, ParallelRMSNorm, gated_rms_norm
@@ -375,6 +375,41 @@ def mamba1_mixer(sp: ShardingPass, name, m):
     localize_attributes(name, m, dict(intermediate_size=split[rank]))
     if _fused_scan(m, "mamba_inner_fn"):
         m.register_forward_pre_hook(_refuse_fused_training(name, "mamba_inner_fn"), with_kwargs=True)
+    sp.shared_input.append(m)
+    sp.done.add(name)
+
+
+ZAMBA_PARAMS = {"x_proj_weight", "dt_proj_weight", "dt_proj_bias", "A_log", "D"}
+
+
+def is_zamba_mixer(module) -> bool:
+    """Zamba's Mamba mixer, with transformers' forward line for line: Mamba 1 with its channels in
+    heads, each head with its own x / dt projections (raw weights, one slice per head)."""
+    if type(module).__name__ != "ZambaMambaMixer" or _own_params(module) != ZAMBA_PARAMS:
+        return False
+    from transformers.models.zamba.modeling_zamba import ZambaMambaMixer
+
+    return same_forward(module, ZambaMambaMixer)
+
+
+def zamba_mixer(sp: ShardingPass, name, m):
+    """Zamba's mixer split by whole heads, as evenly as they go: in_proj's rows ([x_c; z_c] interleaved
+    channel by channel), conv1d's channels, each head's x / dt projections, A_log and D; out_proj
+    row-parallel by the same channels. Each head computes its dt, B and C from its own channels, so
+    nothing inside is summed; the mixer's input is gathered along the sequence under SP."""
+    _refuse_unknown_children(name, m, ("in_proj", "out_proj", "conv1d", "act"))
+    heads, head_dim = m.n_mamba_heads, m.mamba_head_dim
+    split = head_split(name, heads, sp.n)
+    sp.shared_input_column(f"{name}.in_proj", m.in_proj, split_unit=2 * head_dim, split_sizes=split)
+    channels = [
+        torch.arange(start * head_dim, (start + count) * head_dim) for start, count in _ranges(sp, heads, split)
+    ]
+    channel_split_conv(sp, f"{name}.conv1d", m.conv1d, channels)
+    for key in sorted(ZAMBA_PARAMS):
+        split_per_head(sp, name, m, key, 1, split)
+    sp.row(f"{name}.out_proj", m.out_proj, split_unit=head_dim, split_sizes=split)
+    local = split[dist.get_rank(sp.group)]
+    localize_attributes(name, m, dict(n_mamba_heads=local, intermediate_size=local * head_dim))
     sp.shared_input.append(m)
     sp.done.add(name)
 

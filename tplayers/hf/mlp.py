@@ -382,6 +382,7 @@ RESIDUAL_STREAM = {
     "Gemma4TextDecoderLayer": ("per_layer_input_gate", "per_layer_projection"),
     "Gemma4TextModel": ("per_layer_model_projection",),
     "Zamba2HybridLayer": ("linear",),  # the shared transformer's output, projected before the Mamba layer
+    "ZambaHybridLayer": ("linear",),
     # hyper-connections: the mixing of several residual streams into a block's input and back
     "Qwen4ExpTextDecoderLayer": ("attn_hyper_connection", "mlp_hyper_connection"),
     "Qwen4ExpTextModel": ("hyper_connection_mixer",),

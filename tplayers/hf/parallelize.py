@@ -19,6 +19,8 @@ the replicated weights applied to sequence shards (norms) get their gradients su
 group, so every `.grad` is complete.
 """
 
+import inspect
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -123,7 +125,7 @@ def _sequence_parallel_hooks(model, group, blocks):
         )
     )
     for block in blocks:  # per-token inputs passed beside the hidden states: this rank's part
-        block.register_forward_pre_hook(_own_token_ids(group, n), with_kwargs=True)
+        block.register_forward_pre_hook(_own_token_ids(block, group, n), with_kwargs=True)
     summed_grads([p for block in blocks for p in block.parameters() if placement_or_none(p) is None], group)
     blocks_name = next(name for name, m in model.named_modules() if m is blocks)
     base = model.get_submodule(blocks_name.rpartition(".")[0])
@@ -133,22 +135,31 @@ def _sequence_parallel_hooks(model, group, blocks):
 # Per-token inputs a block reads beside its hidden states, over the whole sequence as the model passes them,
 # (dims, the dim of their tokens): DeepSeek-V4's token ids (its hash router), Mllama's row mask (a text row with no
 # image before it zeroed after the cross-attention's MLP; its attention mask stays whole: the attention sees the
-# whole sequence)
-PER_TOKEN_INPUTS = {"input_ids": (2, 1), "full_text_row_masked_out_mask": (4, 2)}
+# whole sequence), Zamba's embeddings (concatenated to the hidden states before its shared transformer's norm)
+PER_TOKEN_INPUTS = {"input_ids": (2, 1), "full_text_row_masked_out_mask": (4, 2), "original_hidden_states": (3, 1)}
 
 
-def _own_token_ids(group, n):
-    """A block's per-token keyword inputs (PER_TOKEN_INPUTS) cut to this rank's part of the sequence,
-    the part its hidden states hold."""
+def _own_token_ids(block, group, n):
+    """A forward pre-hook on `block`: its per-token inputs (PER_TOKEN_INPUTS, by keyword or by their place
+    in its forward's signature) cut to this rank's part of the sequence, the part its hidden states hold;
+    a float one through scatter_to_tp_region, so its gradient is gathered back whole."""
     rank = dist.get_rank(group)
+    places = {k: i for i, k in enumerate(inspect.signature(block.forward).parameters) if k in PER_TOKEN_INPUTS}
+
+    def cut(t, key):
+        dims, dim = PER_TOKEN_INPUTS[key]
+        if not isinstance(t, torch.Tensor) or t.dim() != dims or t.shape[dim] % n:
+            return None
+        return scatter_to_tp_region(t, group, dim=dim) if t.is_floating_point() else t.chunk(n, dim=dim)[rank]
 
     def hook(module, args, kwargs):
-        cut = False
-        for key, (dims, dim) in PER_TOKEN_INPUTS.items():
-            t = kwargs.get(key)
-            if isinstance(t, torch.Tensor) and t.dim() == dims and t.shape[dim] % n == 0:
-                kwargs[key], cut = t.chunk(n, dim=dim)[rank], True
-        return (args, kwargs) if cut else None
+        args, changed = list(args), False
+        for key in PER_TOKEN_INPUTS:
+            if key in kwargs and (mine := cut(kwargs[key], key)) is not None:
+                kwargs[key], changed = mine, True
+            elif places.get(key, len(args)) < len(args) and (mine := cut(args[places[key]], key)) is not None:
+                args[places[key]], changed = mine, True
+        return (tuple(args), kwargs) if changed else None
 
     return hook
 
