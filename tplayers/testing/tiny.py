@@ -123,10 +123,15 @@ QUIRKS = {
     "mllama": lambda caps: dict(vision_config=dict(vision_output_dim=2 * caps["width"])) if "width" in caps else {},
     # Step 3.7 builds its sliding-window mask whether or not a layer slides: a window, one layer of each kind
     "step3p7": dict(text_config=dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])),
-    # PaddleOCR-VL's modeling code falls back to the published heads' mrope sections (16, 24, 24) where its config
-    # names none: sections of the tiny head's rotary half
+    # PaddleOCR-VL's and ERNIE 4.5-VL's modeling code falls back to the published heads' mrope sections where
+    # their configs name none: sections of the tiny head's rotary half (ERNIE's: height and width alike)
     "paddleocr_vl": lambda caps: (
         dict(text_config=dict(rope_parameters=dict(rope_type="default", mrope_section=[2, 1, 1])))
+        if "width" in caps
+        else {}
+    ),
+    "ernie4_5_vl_moe": lambda caps: (
+        dict(text_config=dict(rope_parameters=dict(rope_type="default", mrope_section=[1, 1, 2])))
         if "width" in caps
         else {}
     ),
