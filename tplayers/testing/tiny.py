@@ -79,6 +79,10 @@ QUIRKS = {
     ),  # fmt: skip
     # Llama 4's pixel shuffle (ratio 1/2) makes 4 x the tower's width, its adapter's input
     "llama4": lambda caps: dict(vision_config=dict(intermediate_size=4 * caps["width"])) if "width" in caps else {},
+    # Muse's pixel shuffle (merge 2) folds 2 x 2 patches into its adapter's input: 4 x the tower's width
+    **dict.fromkeys(
+        ("muse_spark", "muse_glimmer"), lambda caps: dict(out_hidden_size=4 * caps["width"]) if "width" in caps else {}
+    ),
     # defaults left None that the models read: one dense and one sparse MLP layer; experts of their own
     "deepseek_ocr2": dict(text_config=dict(mlp_layer_types=["dense", "sparse"], num_experts_per_tok=2)),
     "diffusion_gemma": lambda caps: dict(
