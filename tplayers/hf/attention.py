@@ -35,7 +35,7 @@ from tplayers.hf.fused import (
     shared_rows_record,
 )
 from tplayers.hf.norms import is_plain_layer_norm, l2_norm_eps, rms_norm_eps
-from tplayers.hf.shard import ShardingPass, copy_in, on_device
+from tplayers.hf.shard import ShardingPass, _under, copy_in, on_device
 from tplayers.hf.source import forward_source
 from tplayers.hf.state_dict import ExportRecord
 from tplayers.nn.linear import RowParallelLinear
@@ -125,6 +125,10 @@ def qkvo_attention(sp: ShardingPass, name, attn):
     if attn.q_proj.out_features == 2 * o_proj.in_features and "head_dim * 2" in forward_source(attn):
         # an output gate per head (Qwen3-Next, Qwen3.5): q_proj's rows are [query; gate] head by head
         heads, q_unit = o_proj.in_features // head_dim, 2 * head_dim
+    if heads < sp.n and _under(name, sp.towers):  # a tower's activations and their gradients are whole on every
+        sp.done.add(name)  # rank: an attention with fewer heads than ranks (Emu3's VQ encoder: one) kept whole
+        sp.whole.add(name)
+        return
     if heads % sp.n or (kv_heads % sp.n and sp.n % kv_heads):
         return _qkvo_by_whole_heads(sp, name, attn, out, head_dim, heads, kv_heads, q_unit)
     sp.shared_input_column(f"{name}.q_proj", attn.q_proj)

@@ -20,7 +20,7 @@ from tplayers.hf.shard import ShardingPass
 from tplayers.hf.source import forward_source, source
 
 # Sub-configs of a model that takes more than text: a tower per kind of input
-TOWER_CONFIGS = ("vision_config", "audio_config", "vision_tower_config", "speech_config")
+TOWER_CONFIGS = ("vision_config", "audio_config", "vision_tower_config", "speech_config", "vq_config")
 
 
 def towers(model) -> list[str]:
