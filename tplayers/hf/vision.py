@@ -49,8 +49,11 @@ def towers(model) -> list[str]:
 
 
 # Decoders that hold their towers themselves (GIT's model embeds the image, projects it and runs the
-# text decoder over [image tokens; text tokens])
-INNER_TOWERS = {"GitModel": ("image_encoder", "visual_projection")}
+# text decoder over [image tokens; text tokens]; Idefics' cross-attends to its perceiver's latents)
+INNER_TOWERS = {
+    "GitModel": ("image_encoder", "visual_projection"),
+    "IdeficsModel": ("vision_model", "perceiver_resampler"),
+}
 
 
 def _patches_in_config(model) -> bool:
@@ -371,6 +374,12 @@ def probe_images(model, ids, n) -> tuple[torch.Tensor, dict]:
         get = functools.partial(_no_image_tokens, model, ids)
         layouts = _tiled_image(vision_config, ids, generator) if tiled else []
         layouts = layouts or _probe_pixels(vision_config, model.forward, batch, generator)
+        if _names(model.forward, "image_attention_mask"):  # Idefics: every token attends to each row's image
+            layouts = [
+                {**layout, "image_attention_mask": torch.ones(batch, ids.shape[1], layout["pixel_values"].shape[1])}
+                for layout in layouts
+                if layout["pixel_values"].dim() == 5
+            ]
     else:
         placed = token is not None or by_mask
         layouts = _probe_pixels(vision_config, get, batch, generator) if placed and callable(get) else []
