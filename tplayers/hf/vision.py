@@ -261,6 +261,9 @@ def _probe_pixels(vision_config, get, batch, generator) -> list[dict]:
             }
         ]
     size = getattr(vision_config, "image_size", None)
+    if size is None:  # a tower of parts, its size on one of their configs (DeepSeek-OCR 2's SAM encoder)
+        parts = [v for v in vars(vision_config).values() if hasattr(v, "to_dict")]
+        size = next((v for part in parts if (v := getattr(part, "image_size", None)) is not None), None)
     size = (size, size) if type(size) is int else tuple(size) if isinstance(size, list | tuple) else ()
     if len(size) != 2 or not all(type(v) is int for v in size):
         return []

@@ -59,6 +59,12 @@ QSA = dict(indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=8, indexer_bu
 DIGITS_AS_LETTERS = str.maketrans("0123456789", "ABCDEFGHIJ")
 COMPASS_ROPE = {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}  # left None, read per layer type
 BLIP_IDS = dict(image_token_index=VOCAB - 1, vision_config=dict(initializer_range=0.02))
+
+
+def _sam_neck(caps):
+    return {"vision_config": {"sam_config": {"downsample_channels": [caps["width"]] * 2}}} if "width" in caps else {}
+
+
 QUIRKS = {
     "cohere_compass_text": dict(rope_parameters=COMPASS_ROPE),
     "cohere_compass": dict(text_config=dict(rope_parameters=COMPASS_ROPE)),
@@ -84,7 +90,11 @@ QUIRKS = {
         ("muse_spark", "muse_glimmer"), lambda caps: dict(out_hidden_size=4 * caps["width"]) if "width" in caps else {}
     ),
     # defaults left None that the models read: one dense and one sparse MLP layer; experts of their own
-    "deepseek_ocr2": dict(text_config=dict(mlp_layer_types=["dense", "sparse"], num_experts_per_tok=2)),
+    # (DeepSeek-OCR 2's and Unlimited-OCR's SAM necks downsample into their encoders' width)
+    "deepseek_ocr2": lambda caps: dict(
+        text_config=dict(mlp_layer_types=["dense", "sparse"], num_experts_per_tok=2), **_sam_neck(caps)
+    ),
+    "unlimited_ocr": lambda caps: _sam_neck(caps),
     "diffusion_gemma": lambda caps: dict(
         text_config=dict(num_experts=4, top_k_experts=2, moe_intermediate_size=caps.get("ffn"))
     ),
