@@ -237,6 +237,13 @@ def _probe_pixels(vision_config, get, batch, generator) -> list[dict]:
         return [{"pixel_values": pixels, **grid}] + (
             [{"pixel_values": pixels.view(-1, channels, patch, patch), **grid}] if frames == 1 else []
         )
+    if _names(get, "image_grid_hw"):  # RADIO's flattened patches with their (height, width) grid (Nemotron-H Omni)
+        patch = getattr(vision_config, "patch_size", None)
+        if type(patch) is not int:
+            return []
+        side = 4  # 4 x 4 patches: a 2 x 2 pixel shuffle divides it
+        pixels = torch.randn(batch * side * side, channels * patch * patch, generator=generator)
+        return [{"pixel_values": pixels, "image_grid_hw": torch.tensor([[side, side]] * batch)}]
     if _names(get, "spatial_shapes"):  # SigLIP 2's native resolution (LFM2-VL): flat patches, their grid, a mask
         patch = getattr(vision_config, "patch_size", None)
         if type(patch) is not int:

@@ -126,9 +126,11 @@ QUIRKS = {
     # init (std 1e-10) leaves a random model's LayerNorms dividing by ~0 (gradients of 1e17): the usual 0.02
     "blip-2": lambda caps: BLIP_IDS if "width" in caps else {},
     "instructblip": lambda caps: BLIP_IDS if "width" in caps else {},
-    # MiniCPM-V / OCR merge images only where the config names their token (published checkpoints do;
-    # transformers' default leaves it None): the tiny vocabulary's top id
-    **dict.fromkeys(("minicpmv4_6", "minicpmv4_7", "minicpm_ocr"), lambda caps: dict(image_token_id=VOCAB - 1)),
+    # MiniCPM-V / OCR and Nemotron-H Omni merge images only where the config names their token (published
+    # checkpoints do; transformers' default leaves it None): the tiny vocabulary's top id
+    **dict.fromkeys(
+        ("minicpmv4_6", "minicpmv4_7", "minicpm_ocr", "nemotron_h_omni"), lambda caps: dict(image_token_id=VOCAB - 1)
+    ),
     # the tower's layers the projector reads (published: -2, -5, -8, -11, 6), within the cut depth
     "vipllava": dict(vision_feature_layer=[-2, -1]),
     # the number of query tokens per count of patches: the tiny image's 4 x 4 patches
