@@ -53,6 +53,7 @@ def towers(model) -> list[str]:
 INNER_TOWERS = {
     "GitModel": ("image_encoder", "visual_projection"),
     "IdeficsModel": ("vision_model", "perceiver_resampler"),
+    "Phi4MultimodalModel": ("embed_tokens_extend",),  # its image and audio encoders with their projections
 }
 
 
