@@ -489,8 +489,8 @@ class ShardingPass(SharesGroups):
         on every rank, and its cos / sin reach the loss only through the attention heads, which the
         ranks split: each rank holds part of its gradient, summed over the group."""
         for module in self.model.modules():
-            if type(module).__name__.endswith("RotaryEmbedding"):
-                self.partial_grads.extend(p for p in module.parameters() if p.requires_grad)
+            if type(module).__name__.endswith("RotaryEmbedding"):  # frozen ones too: they may be trained later
+                self.partial_grads.extend(module.parameters())
 
     def run(self, adapters, embedding_adapters, linear_equivalents=(), linear_wrappers=()):
         """Embeddings, then every module top-down: the plan first, else the first adapter that
@@ -498,21 +498,23 @@ class ShardingPass(SharesGroups):
         self.embedding_adapters = embedding_adapters
         self.plain_linears(linear_equivalents)
         self.unwrap_linears(linear_wrappers)
-        self.embeddings()
-        for name, module in list(self.model.named_modules()):
-            if not name or _under(name, self.done):
-                continue
-            self.sp = self.sequence_parallel and not _under(name, self.towers)
-            kind = self.planned(name)
-            if kind is not None:
-                self.apply_plan(name, module, kind)
-                continue
-            for adapter in adapters:  # the first that matches; one that passes on lets the next see it too
-                if adapter.matches(module):
-                    adapter.apply(self, name, module)
-                    if not adapter.passes_on:
-                        break
-        self.rewrap_linears()
+        try:
+            self.embeddings()
+            for name, module in list(self.model.named_modules()):
+                if not name or _under(name, self.done):
+                    continue
+                self.sp = self.sequence_parallel and not _under(name, self.towers)
+                kind = self.planned(name)
+                if kind is not None:
+                    self.apply_plan(name, module, kind)
+                    continue
+                for adapter in adapters:  # the first that matches; one that passes on lets the next see it too
+                    if adapter.matches(module):
+                        adapter.apply(self, name, module)
+                        if not adapter.passes_on:
+                            break
+        finally:  # a refusal leaves the model's wrappers where they were
+            self.rewrap_linears()
         self.sp = self.sequence_parallel
         self.tower_linears()
         self.learned_rotaries()
