@@ -210,10 +210,15 @@ def _first_int(config, names, default):
     return next((v for k in names if type(v := getattr(config, k, None)) is int), default)
 
 
+# The grids that name a processor's flat-patch layouts (Qwen-VL, RADIO, SigLIP 2, MiniCPM-V's NaViT)
+FLAT_PATCH_GRIDS = ("image_grid_thw", "image_grid_hw", "spatial_shapes", "target_sizes")
+
+
 def _probe_pixels(vision_config, get, batch, generator) -> list[dict]:
     """One random image per row in each layout a processor makes that fits the tower's config, to be
-    tried in order: Qwen-VL's flattened patches with `image_grid_thw` (2 x 2 merges of patches);
-    SigLIP 2's flat patches with `spatial_shapes` (4 x 4); else (batch, channels, height, width) at
+    tried in order: Qwen-VL's flattened patches with `image_grid_thw` (2 x 2 merges of patches; or
+    each patch an image, Kimi-K2.5's); RADIO's with `image_grid_hw`; SigLIP 2's flat patches with
+    `spatial_shapes` (4 x 4); MiniCPM-V's NaViT row with `target_sizes`; else (batch, channels, height, width) at
     the tower's `image_size` (with `image_sizes` where `get_image_features` names them), then
     (batch, images, channels, height, width) with one image a row (Idefics, SmolVLM; with
     `pixel_attention_mask`), then with its base image and one tile (LLaVA-NeXT's any resolution,
@@ -221,11 +226,13 @@ def _probe_pixels(vision_config, get, batch, generator) -> list[dict]:
     channels = next(
         (v for k in ("num_channels", "in_channels", "in_chans") if type(v := getattr(vision_config, k, None)) is int), 3
     )
+    patch = getattr(vision_config, "patch_size", None)
+    if any(_names(get, grid) for grid in FLAT_PATCH_GRIDS) and type(patch) is not int:
+        return []  # flat patches, the size of which the tower does not name
     if _names(get, "image_grid_thw"):
-        patch = getattr(vision_config, "patch_size", None)
         merge = _first_int(vision_config, ("spatial_merge_size", "merge_size"), 1)  # Muse's names them otherwise
         frames = _first_int(vision_config, ("temporal_patch_size", "patch_temporal"), 1)
-        if not all(type(v) is int for v in (patch, merge, frames)):
+        if not all(type(v) is int for v in (merge, frames)):
             return []
         kernel = getattr(vision_config, "merge_kernel_size", None)  # Kimi-K2.5's (height, width) merge
         merge = kernel[0] if isinstance(kernel, list | tuple) and type(kernel[0]) is int else merge
@@ -239,16 +246,10 @@ def _probe_pixels(vision_config, get, batch, generator) -> list[dict]:
             [{"pixel_values": pixels.view(-1, channels, patch, patch), **grid}] if frames == 1 else []
         )
     if _names(get, "image_grid_hw"):  # RADIO's flattened patches with their (height, width) grid (Nemotron-H Omni)
-        patch = getattr(vision_config, "patch_size", None)
-        if type(patch) is not int:
-            return []
         side = 4  # 4 x 4 patches: a 2 x 2 pixel shuffle divides it
         pixels = torch.randn(batch * side * side, channels * patch * patch, generator=generator)
         return [{"pixel_values": pixels, "image_grid_hw": torch.tensor([[side, side]] * batch)}]
     if _names(get, "spatial_shapes"):  # SigLIP 2's native resolution (LFM2-VL): flat patches, their grid, a mask
-        patch = getattr(vision_config, "patch_size", None)
-        if type(patch) is not int:
-            return []
         side = 4  # 4 x 4 patches: a pixel-shuffle factor of 2 or 4 divides it
         return [
             {
@@ -258,9 +259,6 @@ def _probe_pixels(vision_config, get, batch, generator) -> list[dict]:
             }
         ]
     if _names(get, "target_sizes"):  # MiniCPM-V's NaViT packing: every image's patches side by side in one row
-        patch = getattr(vision_config, "patch_size", None)
-        if type(patch) is not int:
-            return []
         side = 8  # 8 x 8 patches: its two 2 x 2 merges leave 2 x 2 tokens an image
         return [
             {
@@ -285,7 +283,6 @@ def _probe_pixels(vision_config, get, batch, generator) -> list[dict]:
     layouts = [flat, stacked]
     if _names(get, "image_sizes"):  # any-resolution tiles (LLaVA-NeXT): the base image and one tile
         layouts.append({"pixel_values": torch.stack([pixels, pixels.flip(-1)], 1), "image_sizes": flat["image_sizes"]})
-    patch = getattr(vision_config, "patch_size", None)
     if type(patch) is int and size[0] % patch == 0 and size[1] % patch == 0:  # Fuyu's: the image as flat patches
         patches = pixels.unfold(2, patch, patch).unfold(3, patch, patch)  # (batch, channels, rows, cols, p, p)
         layouts.append({"pixel_values": patches.permute(0, 2, 3, 1, 4, 5).reshape(batch, -1, channels * patch * patch)})
