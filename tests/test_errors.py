@@ -206,3 +206,96 @@ def test_a_tie_the_pass_would_break_is_refused_by_name(pool):
     for message in pool.run(tie_left_whole, 2, False):
         assert message and "extra.weight is the same Parameter as model.embed_tokens.weight (tied)" in message, message
     assert pool.run(tie_left_whole, 2, True) == [None, None]  # negative control: no tie, no refusal
+
+
+# -- a refused parallelize gives the model back as it was given --------------------------------
+def _fingerprint(model):
+    """Everything of `model` a refused parallelize may have changed, for comparison by ==, with
+    the objects themselves (an optimizer made before holds them)."""
+    modules = list(model.named_modules())
+    hooks = [name for name, m in modules for key, table in vars(m).items() if key.endswith("hooks") and table]
+    tagged = [name for name, m in modules if any(k.startswith("_tplayers") for k in vars(m))]
+    tagged += [name for name, p in model.named_parameters() if vars(p)]
+    return dict(
+        modules=[(name, type(m), id(m)) for name, m in modules],
+        parameters=[(name, id(p), p.requires_grad) for name, p in model.named_parameters()],
+        state={k: v.clone() for k, v in model.state_dict().items()},
+        config=model.config.to_dict(),
+        hooks=hooks,
+        tagged=tagged,
+    )
+
+
+def _differences(before, after):
+    out = [key for key in ("modules", "parameters", "config", "hooks", "tagged") if before[key] != after[key]]
+    same_keys = before["state"].keys() == after["state"].keys()
+    if not same_keys or any(not torch.equal(before["state"][k], after["state"][k]) for k in before["state"]):
+        out.append("state")
+    return out
+
+
+def _step(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def refused_then_given_back(rank, tp, group, how, rollback=True):
+    """parallelize refused at `how` (mid-pass: a Linear no adapter places; at the self-check: a
+    crash inside the sharded model; the same on a peft model): the model after it against before
+    (what differs, by kind), the same training step bitwise, and a second parallelize that can
+    succeed (the cause removed) exact by its self-check."""
+    import contextlib
+    import importlib
+
+    import peft
+    from test_fused_loss import tiny_llama
+
+    module = importlib.import_module("tplayers.hf.parallelize")
+
+    model = tiny_llama()
+    if how == "peft":
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    base = model.get_base_model() if how == "peft" else model
+    if how == "unplaced":
+        base.model.layers[1].mlp.extra = torch.nn.Linear(24, 24)  # after layer 0 is sharded
+    else:
+        _heads_from_the_config(base)
+    ids = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(1))
+    before, reference = _fingerprint(model), _step(model, ids)
+    model.zero_grad(set_to_none=True)
+    saved = module.restored_if_refused
+    module.restored_if_refused = saved if rollback else lambda model: contextlib.nullcontext()
+    try:
+        with pytest.raises((ValueError, tplayers.hf.verify.VerifyError)) as refused:
+            tplayers.parallelize(model, group=group)
+    finally:
+        module.restored_if_refused = saved
+    differences = _differences(before, _fingerprint(model))
+    if not rollback:
+        return differences
+    logits, grads = _step(model, ids)
+    same_step = torch.equal(logits, reference[0]) and grads.keys() == reference[1].keys()
+    same_step = same_step and all(torch.equal(grads[n], reference[1][n]) for n in grads)
+    if how == "unplaced":
+        del base.model.layers[1].mlp.extra
+    else:
+        del base.model.layers[0].self_attn.forward  # the instance's patch: the class's forward again
+    model.zero_grad(set_to_none=True)
+    tplayers.parallelize(model, group=group)  # verify on: exact against the unsharded model, or raises
+    return type(refused.value).__name__, differences, same_step
+
+
+@pytest.mark.parametrize("how", ["unplaced", "self-check", "peft"])
+def test_a_refused_parallelize_gives_the_model_back_as_it_was_given(pool, how):
+    """Every module, parameter (the same objects, bitwise), buffer, config field and hook as before;
+    no tplayers record left; the same training step bitwise; parallelize again works."""
+    expected = "ValueError" if how == "unplaced" else "VerifyError"
+    assert pool.run(refused_then_given_back, 2, how) == [(expected, [], True)] * 2
+
+
+def test_without_the_rollback_the_model_is_left_changed(pool):
+    """Negative control of the comparison above: the pass changes the model in place."""
+    for differences in pool.run(refused_then_given_back, 2, "unplaced", False):
+        assert {"modules", "parameters", "state", "hooks", "tagged"} <= set(differences), differences

@@ -43,6 +43,7 @@ from tplayers.hf.context import apply_context, context_state
 from tplayers.hf.finish import finish
 from tplayers.hf.grid import parallelize_grid
 from tplayers.hf.norms import fuse_rms_norms
+from tplayers.hf.rollback import restored_if_refused
 from tplayers.hf.same_inputs import check_same_inputs
 from tplayers.hf.shard import ShardingPass, replace_hidden
 from tplayers.hf.state_dict import Records, refuse_own_save_pretrained
@@ -347,27 +348,30 @@ def parallelize(
     """
     check_overlap(overlap, "parallelize")
     guards.guard_accelerate()  # a plain Trainer / Accelerator handed the result raises (accelerate is loaded by now)
-    kwargs = dict(sequence_parallel=sequence_parallel, plan=plan, vocab_parallel_logits=vocab_parallel_logits,
-                  overlap=overlap)  # fmt: skip
-    kwargs["fused_loss"] = not training_logits
-    layers = lora.lora_layers(model)
-    if expert_group is not None:
-        kwargs["expert_group"] = _expert_group(expert_group, group)
-    if context_group is not None:
-        kwargs["context"] = (*_context(context_group, context, group, expert_group, vocab_parallel_logits),
-                             context_logits)  # fmt: skip
-    if is_grid(group):  # a 2-D tensor-parallel mesh (tplayers.hf.grid)
+    with restored_if_refused(model):  # a refusal gives the model back as it was given
+        kwargs = dict(sequence_parallel=sequence_parallel, plan=plan, vocab_parallel_logits=vocab_parallel_logits,
+                      overlap=overlap)  # fmt: skip
+        kwargs["fused_loss"] = not training_logits
+        layers = lora.lora_layers(model)
         if expert_group is not None:
-            raise ValueError("parallelize: expert_group with a 2-D tensor-parallel mesh is not supported")
-        if layers:
-            raise ValueError("parallelize: LoRA adapters on a 2-D tensor-parallel mesh are not supported yet")
-        if vocab_parallel_logits:
-            model.register_forward_pre_hook(_no_labels, with_kwargs=True)
-        model = parallelize_grid(model, group, verify=verify, **kwargs)
-    elif layers:
-        model = lora.parallelize_peft(model, layers, _parallelize, group=resolve_group(group), verify=verify, **kwargs)
-    else:
-        model = _parallelize(model, group=resolve_group(group), verify=verify, **kwargs)
+            kwargs["expert_group"] = _expert_group(expert_group, group)
+        if context_group is not None:
+            kwargs["context"] = (*_context(context_group, context, group, expert_group, vocab_parallel_logits),
+                                 context_logits)  # fmt: skip
+        if is_grid(group):  # a 2-D tensor-parallel mesh (tplayers.hf.grid)
+            if expert_group is not None:
+                raise ValueError("parallelize: expert_group with a 2-D tensor-parallel mesh is not supported")
+            if layers:
+                raise ValueError("parallelize: LoRA adapters on a 2-D tensor-parallel mesh are not supported yet")
+            if vocab_parallel_logits:
+                model.register_forward_pre_hook(_no_labels, with_kwargs=True)
+            model = parallelize_grid(model, group, verify=verify, **kwargs)
+        elif layers:
+            model = lora.parallelize_peft(
+                model, layers, _parallelize, group=resolve_group(group), verify=verify, **kwargs
+            )
+        else:
+            model = _parallelize(model, group=resolve_group(group), verify=verify, **kwargs)
     refuse_own_save_pretrained(model)
     return model
 

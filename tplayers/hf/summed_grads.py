@@ -35,6 +35,16 @@ def _sum_hook(p, group):
     _HOOKED[id(p)] = p
 
 
+def is_hooked(p) -> bool:
+    return _HOOKED.get(id(p)) is p
+
+
+def forget_hook(p) -> None:
+    """`p`'s summing hook was taken off (a refused parallelize put its hooks back as they were)."""
+    if is_hooked(p):
+        del _HOOKED[id(p)]
+
+
 def carry_sum_hook(old, new) -> None:
     """`new` replaces `old` with `old`'s hooks copied onto it (a meta parameter materialised): it
     has the summing hook too, if `old` had it."""
@@ -49,7 +59,7 @@ def rehook_summed(module, *_):
     without it each rank would keep its own part of that gradient, silently. Run after every
     load_state_dict and before every forward of the parallelized model."""
     for p in module.parameters():
-        if _HOOKED.get(id(p)) is p:
+        if is_hooked(p):
             continue
         record = placement_or_none(p)
         if record is not None and record.grad_summed:
