@@ -247,19 +247,29 @@ def test_2026_layouts_at_tp4_with_sequence_parallelism(pool, family):
     pool.run(matches_unsharded, 4, family, True, torch.float32)
 
 
-def test_gemma4_text_per_layer_inputs(pool):
-    """Gemma 4 text (per-layer inputs kept whole on the residual stream) at TP 2; sequence
-    parallelism refused by name. Not in the TP 3 / 4 matrix: at random init its embedding gradient
-    carries fp32 rounding of 1e-5 on values of 1 (the unsharded model's own fp32 gradient is 6e-6
-    from its fp64 one; attention without 1/sqrt(d) over normed q / k amplifies it), at the edge of
-    the tolerance table's atol, so the self-check passes or not by the order of a sum). Here the step
-    is 0.1 x the gradient, not 0.5 x: the weights after it then differ by that rounding times 0.1,
-    which the table's atol does not decide (at 0.5 x it did, one way or the other by the process's
-    history: it failed when run alone)."""
-    pool.run(matches_unsharded, 2, "gemma4_text", False, torch.float32, None, None, None, 0.1)
-    for reply in pool.run(matches_unsharded, 2, "gemma4_text", True, torch.float32, return_exceptions=True):
-        assert isinstance(reply, RemoteError) and re.search(r"takes a per-layer input over the whole sequence",
-                                                            reply.message), reply  # fmt: skip
+# Gemma 4's published layouts beside its per-layer inputs: the last layers reading an earlier layer's keys and values
+# (E2B / E4B), global layers whose keys are their values too with their own head count and size, and an MoE block
+# beside the dense MLP with a router that scales its input and weights (26B-A4B)
+GEMMA4_LAYOUTS = {
+    "per-layer-inputs": {},
+    "kv-sharing": dict(num_hidden_layers=4, num_kv_shared_layers=2,
+                       layer_types=["sliding_attention", "full_attention"] * 2),
+    "keys-as-values-moe": dict(attention_k_eq_v=True, num_global_key_value_heads=1, global_head_dim=16,
+                               enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", GEMMA4_LAYOUTS)
+@pytest.mark.parametrize("tp, sequence_parallel", [(2, True), (3, False)], ids=["tp2-sp", "tp3"])
+def test_gemma4_text_layouts(pool, layout, tp, sequence_parallel):
+    """Gemma 4 text: per-layer inputs kept whole on the residual stream and, under sequence parallelism,
+    cut to each rank's tokens with the hidden states; a layer sharing another's keys and values splits its
+    query heads as that layer does. The step is 0.1 x the gradient, not 0.5 x: at random init its
+    embedding gradient carries fp32 rounding of 1e-5 on values of 1 (the unsharded model's own fp32
+    gradient is 6e-6 from its fp64 one; attention without 1/sqrt(d) over normed q / k amplifies it), and
+    the weights after a 0.5 x step differ by that rounding at the edge of the tolerance table's atol."""
+    pool.run(matches_unsharded, tp, "gemma4_text", sequence_parallel, torch.float32, None, None,
+             GEMMA4_LAYOUTS[layout], 0.1)  # fmt: skip
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "gpt2", "opt"])

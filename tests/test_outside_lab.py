@@ -137,13 +137,13 @@ def test_the_self_check_catches_a_planted_bug(pool, bug, named):
 def gradient_verdicts(rank, world, group):
     """The self-check's gradient comparison on a gradient up to 300: off by 1e-4 (below 1e-5 of its
     largest: rounding a model amplifies, said so, still refused) and off by half (said nothing of)."""
-    from tplayers.hf.verify import VerifyError, _check_grads
+    from tplayers.hf.verify import Probe, VerifyError, _check_grads
 
-    reference = {"w": torch.tensor([300.0, 1.0])}
+    probe = Probe(torch.zeros(1), "train", grads={"w": torch.tensor([300.0, 1.0])})  # no model: no fp64 arbiter
     said = []
     for sharded in (torch.tensor([300.0, 1.0001]), torch.tensor([150.0, 1.0])):
         with pytest.raises(VerifyError) as caught:
-            _check_grads(reference, {"w": sharded}, group)
+            _check_grads(probe, {"w": sharded}, group)
         said.append(str(caught.value))
     return said
 
@@ -152,6 +152,33 @@ def test_a_gradient_off_by_rounding_of_its_largest_is_refused_and_said_so(pool):
     for rounding, wrong in pool.run(gradient_verdicts, 2, mesh=(1, 1, 2)):
         assert "w (largest |difference| 0.0001 in gradients up to 300" in rounding and "fp32 rounding" in rounding
         assert "w (largest |difference| 150" in wrong and "fp32 rounding" not in wrong
+
+
+def arbiter_verdict(rank, world, group, planted):
+    """The fp64 arbiter on a small model's probe: its own gradients pass; one weight's gradient off by
+    `planted` x its largest at one element is refused, the arbiter naming it."""
+    from tplayers.hf.verify import VerifyError, _check_grads, before
+
+    model = tiny("llama")
+    probe = before(model, True, world)
+    assert probe.unsharded is not None
+    grads = {k: v.clone() for k, v in probe.grads.items()}
+    name = "model.layers.1.mlp.down_proj.weight"
+    grads[name][0, 0] += planted * grads[name].abs().max()
+    try:
+        _check_grads(probe, grads, group)
+    except VerifyError as e:
+        return str(e)
+    return None
+
+
+def test_the_fp64_arbiter_refuses_a_gradient_off_by_more_than_rounding(pool):
+    """Where a gradient is past the table, the unsharded model's fp64 gradient decides: 1 % off at one
+    element is no rounding of a model whose own fp32 gradient is 1e-7 from fp64 (negative control: no
+    difference, no error)."""
+    for said in pool.run(arbiter_verdict, 2, 1e-2, mesh=(1, 1, 2)):
+        assert said and "model.layers.1.mlp.down_proj.weight is " in said and "wrong, not rounding" in said, said
+    assert pool.run(arbiter_verdict, 2, 0.0, mesh=(1, 1, 2)) == [None, None]
 
 
 def verify_leaves_the_model_as_given(rank, world, group):

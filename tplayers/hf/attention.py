@@ -35,7 +35,7 @@ from tplayers.hf.fused import (
     shared_rows_record,
 )
 from tplayers.hf.norms import is_plain_layer_norm, l2_norm_eps, rms_norm_eps
-from tplayers.hf.shard import ShardingPass, _under, copy_in, on_device
+from tplayers.hf.shard import ShardingPass, _under, copy_in, has_linears, on_device
 from tplayers.hf.source import forward_source
 from tplayers.hf.state_dict import ExportRecord
 from tplayers.nn.linear import RowParallelLinear
@@ -116,11 +116,27 @@ def output_projection(attn) -> str | None:
     return next((p for p in OUTPUT_PROJECTIONS if isinstance(getattr(attn, p, None), nn.Linear)), None)
 
 
+def is_qkvo_attention(module) -> bool:
+    """q / k / v / o projections; Gemma 4's keys read as values too (`use_alternative_attention`: no
+    v_proj), or its keys and values taken from an earlier layer (`is_kv_shared_layer`: neither)."""
+    if not has_linears(module, ("q_proj",)) or output_projection(module) is None:
+        return False
+    shares = getattr(module, "is_kv_shared_layer", False) is True and getattr(module, "k_proj", None) is None
+    keys_as_values = getattr(module, "use_alternative_attention", False) is True
+    keys_as_values = keys_as_values and getattr(module, "v_proj", 0) is None
+    return shares or has_linears(module, ("k_proj", "v_proj") if not keys_as_values else ("k_proj",))
+
+
 def qkvo_attention(sp: ShardingPass, name, attn):
+    """Split by heads: q / k / v column-parallel, o row-parallel. A layer that reads another's keys
+    and values (Gemma 4's KV sharing) splits its query heads as that layer (the same head counts):
+    each rank's queries meet the keys and values its own heads of that layer stored."""
     out = output_projection(attn)
     o_proj = getattr(attn, out)
     head_dim = getattr(attn, "head_dim", None) or o_proj.in_features // sp.config("num_attention_heads")
-    heads, kv_heads = attn.q_proj.out_features // head_dim, attn.k_proj.out_features // head_dim
+    heads = attn.q_proj.out_features // head_dim
+    k_proj = getattr(attn, "k_proj", None)
+    kv_heads = k_proj.out_features // head_dim if k_proj is not None else heads // attn.num_key_value_groups
     q_unit = head_dim
     if attn.q_proj.out_features == 2 * o_proj.in_features and "head_dim * 2" in forward_source(attn):
         # an output gate per head (Qwen3-Next, Qwen3.5): q_proj's rows are [query; gate] head by head
@@ -134,8 +150,8 @@ def qkvo_attention(sp: ShardingPass, name, attn):
     sp.shared_input_column(f"{name}.q_proj", attn.q_proj)
     gates = _split_output_gate(sp, name, attn, heads, head_dim)
     if kv_heads % sp.n == 0:
-        sp.shared_input_column(f"{name}.k_proj", attn.k_proj)
-        sp.shared_input_column(f"{name}.v_proj", attn.v_proj)
+        for proj in _kv_projections(attn):
+            sp.shared_input_column(f"{name}.{proj}", getattr(attn, proj))
     else:  # fewer key/value heads than ranks: each rank computes the one its query heads use
         block = torch.arange(head_dim)
         _shared_kv(sp, name, attn, [r // (sp.n // kv_heads) * head_dim + block for r in range(sp.n)], head_dim)
@@ -185,11 +201,15 @@ def _heads_and_kv_rows(name, heads, kv_heads, head_dim, sp: ShardingPass):
 def _shared_kv(sp: ShardingPass, name, attn, rows: list[torch.Tensor], head_dim):
     """k_proj and v_proj held where they are read: rank r holds the key/value heads among
     `rows[r]` (the rows its query heads read) and computes those rows (`SharedKVProjection`)."""
-    for proj in ("k_proj", "v_proj"):
+    for proj in _kv_projections(attn):
         module = getattr(attn, proj)
         layer = on_device(SharedKVProjection(module, rows, group=sp.group, unit=head_dim), module.weight.device)
         sp.swap(f"{name}.{proj}", layer)
         sp.exports.append(shared_rows_record(f"{name}.{proj}", layer))
+
+
+def _kv_projections(attn) -> list[str]:
+    return [p for p in ("k_proj", "v_proj") if getattr(attn, p, None) is not None]
 
 
 def _qkvo_by_whole_heads(sp: ShardingPass, name, attn, out, head_dim, heads, kv_heads, q_unit=None):
@@ -517,72 +537,3 @@ def interleaved_qkv_attention(sp: ShardingPass, name, attn):
     # Persimmon's q / k LayerNorms over each head's features act on every head alike: gradients summed
     _per_head_weights(sp, name, attn, head_dim, {"query_key_value", "dense"})
     _finish_attention(sp, name, attn, _heads_and_widths(attn, heads, head_dim, local))
-
-
-def falcon_attention(sp: ShardingPass, name, attn):
-    """Falcon's query_key_value in its three layouts: the new decoder architecture's key/value
-    groups ([q x heads/groups, k, v] group by group: split by whole groups, or with fewer groups
-    than ranks by query heads, see `_falcon_grouped_by_heads`), multi-query ([q; k; v] with one
-    key/value head: the queries split, k and v whole on every rank), and per-head [q, k, v] (split
-    by heads). dense row-parallel; ALiBi sliced to each rank's heads."""
-    heads, head_dim, qkv = attn.num_heads, attn.head_dim, f"{name}.query_key_value"
-    if attn.new_decoder_architecture and attn.num_kv_heads >= sp.n:
-        groups = attn.num_kv_heads
-        per_group = heads // groups
-        group_split = even_sizes(groups, sp.n)
-        sp.shared_input_column(
-            qkv, attn.query_key_value, split_unit=(per_group + 2) * head_dim, split_sizes=group_split
-        )
-        split = [g * per_group for g in group_split]
-        start, local = shard_range(heads, sp.n, dist.get_rank(sp.group), split)
-        local_kv = local // per_group
-    elif attn.new_decoder_architecture:
-        split, start, local = _falcon_grouped_by_heads(sp, qkv, attn)
-        local_kv = local
-    elif attn.multi_query:
-        split, start, local = _local_heads(name, heads, sp)
-        multi_query_column(sp, qkv, attn.query_key_value, heads * head_dim, head_dim=head_dim, split=split)
-        local_kv = 1  # the one key/value head, on every rank
-    else:
-        split, start, local = _local_heads(name, heads, sp)
-        sp.shared_input_column(qkv, attn.query_key_value, split_unit=3 * head_dim, split_sizes=split)
-        local_kv = local
-    sp.row(f"{name}.dense", attn.dense, split_unit=head_dim, split_sizes=split)
-    _local_head_bias(sp, attn, "alibi", heads, start, local)
-    _finish_attention(sp, name, attn, _heads_and_widths(attn, heads, head_dim, local, local_kv))
-
-
-def _falcon_grouped_by_heads(sp: ShardingPass, name, attn):
-    """Falcon's grouped query_key_value with fewer key/value groups than ranks: the query heads
-    split whole (`head_split`), each rank holding the key / value rows of its heads' groups
-    (`SharedKVProjection`), and
-    each rank lays out, for each of its query heads, [q, k, v] of that head's group: the model's
-    own forward then reads its local heads as groups of one."""
-    heads, head_dim, groups = attn.num_heads, attn.head_dim, attn.num_kv_heads
-    per_group = heads // groups
-    split, start, local = _local_heads(name, heads, sp)
-    block = torch.arange(head_dim)
-
-    def hf_rows(group, slot):  # slot j < per_group: query head j of the group; per_group: k; +1: v
-        return (group * (per_group + 2) + slot) * head_dim + block
-
-    queries = [hf_rows(*divmod(h, per_group)) for h in range(heads)]
-    keys_values = [hf_rows(g, per_group + i) for g in range(groups) for i in (0, 1)]  # [k0; v0; k1; v1; ...]
-    order = torch.cat(queries + keys_values)
-    kv_rows = []  # every rank's [k, v] rows of its query heads' groups
-    for r in range(sp.n):
-        first, count = shard_range(heads, sp.n, r, split)
-        groups_read = (torch.arange(first, first + count) // per_group).tolist()
-        kv_rows.append(torch.cat([2 * g * head_dim + torch.arange(2 * head_dim) for g in groups_read]))
-    # local output [q_0 .. q_{L-1}; k_0, v_0, k_1, v_1, ...] -> [q_0, k_0, v_0, q_1, k_1, v_1, ...]
-    interleave = torch.cat(
-        [
-            torch.cat([i * head_dim + block, (local + 2 * i) * head_dim + torch.arange(2 * head_dim)])
-            for i in range(local)
-        ]
-    )
-    multi_query_column(
-        sp, name, attn.query_key_value, heads * head_dim, head_dim=head_dim, kv_rows=kv_rows, split=split,
-        order=order, interleave=interleave,
-    )  # fmt: skip
-    return split, start, local

@@ -32,6 +32,7 @@ from tplayers.hf import (
     attention_code_models,
     attention_convolved,
     attention_experts,
+    attention_falcon,
     attention_pairs,
     attention_variants,
     encoder_layers,
@@ -198,7 +199,7 @@ ADAPTERS = (
         attention.named("GPTNeoXAttention", "BloomAttention", "GPTNeoXJapaneseAttention", "PersimmonAttention"),
         attention.interleaved_qkv_attention,
     ),
-    Adapter("Falcon attention", attention.named("FalconAttention"), attention.falcon_attention),
+    Adapter("Falcon attention", attention.named("FalconAttention"), attention_falcon.falcon_attention),
     Adapter("GPTBigCode attention", attention.named("GPTBigCodeAttention"), attention_code_models.bigcode_attention),
     Adapter("CodeGen attention", attention.named("CodeGenAttention"), attention_code_models.codegen_attention),
     Adapter("MPT attention", attention.named("MptAttention"), attention_code_models.mpt_attention),
@@ -294,11 +295,7 @@ ADAPTERS = (
     Adapter("gated MLP named w1 / w3 / w2 (LFM2)", mlp.is_w1_w3_w2, mlp.w1_w3_w2),
     Adapter("Mamba 2 mixer (Mamba2, Bamba, Nemotron-H, Granite-4, Falcon-H1)", mixers.is_mamba2, mixers.mamba2_mixer),
     # recognised by their children
-    Adapter(
-        "q/k/v/o attention",
-        lambda m: has_linears(m, ("q_proj", "k_proj", "v_proj")) and attention.output_projection(m) is not None,
-        attention.qkvo_attention,
-    ),
+    Adapter("q/k/v/o attention", attention.is_qkvo_attention, attention.qkvo_attention),
     Adapter(
         "fused qkv attention (Phi-3)", lambda m: has_linears(m, ("qkv_proj", "o_proj")), attention.fused_qkv_attention
     ),

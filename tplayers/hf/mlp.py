@@ -390,8 +390,9 @@ RESIDUAL_STREAM = {
 # Linears inside them too large to hold once per rank (Qwen4-Exp's mixers: 2 x 4H x 640 a connection):
 # stored split by rows, all-gathered whole at every forward (`GatheredWeightLinear`), by the class holding them
 GATHERED = {"Qwen4ExpTextGatedResidual": ("input_mix_weight_down", "input_mix_weight_up")}
-# Of those, the layers that take a per-layer input over the whole sequence beside their hidden states
-PER_LAYER_INPUTS = {"Gemma3nTextDecoderLayer", "Gemma4TextDecoderLayer"}
+# Of those, the layers whose hidden states sequence parallelism cannot split (Gemma 3n's AltUp stacks several of them
+# before the sequence); Gemma 4's per-layer input is cut with the hidden states (parallelize.PER_TOKEN_INPUTS)
+PER_LAYER_INPUTS = {"Gemma3nTextDecoderLayer"}
 
 
 def holds_residual_stream_modules(module) -> bool:

@@ -304,21 +304,23 @@ def expert_count(experts) -> int:
 def routers(sp: ShardingPass, name, block):
     """An MoE block's routers, found by what they are: a linear layer whose outputs are one score
     per expert, held directly (Llama 4's `router`, PhiMoE's `router`) or as the only weight of a
-    child (Hunyuan-MoE's `gate.wg`). Each is replicated: it sees whole tokens and gets its whole
-    gradient (the routing weights' gradient is summed where they enter the experts), or under
-    sequence parallelism sees this rank's tokens and has its gradient summed like a norm's."""
+    child (Hunyuan-MoE's `gate.wg`), beside vectors of its own at most (Gemma 4's router scales its
+    input per feature and its weights per expert). Each is replicated: it sees whole tokens and
+    gets its whole gradient (the routing weights' gradient is summed where they enter the experts),
+    or under sequence parallelism sees this rank's tokens and has its gradient summed like a norm's."""
     n_experts = expert_count(experts_child(block))
     for child_name, child in block.named_children():
         if is_any_experts(child):
             continue
         linears = [(k, m) for k, m in child.named_modules() if isinstance(m, nn.Linear)]
-        if len(linears) != 1 or len(list(child.parameters())) != len(list(linears[0][1].parameters())):
+        if len(linears) != 1 or linears[0][1].out_features != n_experts:
             continue  # a shared expert, a gate of its own kind: the other adapters see it
-        key, linear = linears[0]
-        if linear.out_features == n_experts:
-            router = f"{name}.{child_name}" + (f".{key}" if key else "")
-            sp.done.add(router)
-            sp.whole.add(router)
+        own = {id(p) for p in linears[0][1].parameters()}
+        if any(p.dim() > 1 for p in child.parameters() if id(p) not in own):
+            continue  # a matrix beside the scores: not a router tplayers knows
+        router = f"{name}.{child_name}"  # whole with its vectors: their gradient whole or summed as the scores'
+        sp.done.add(router)
+        sp.whole.add(router)
 
 
 def is_dbrx_experts(module) -> bool:

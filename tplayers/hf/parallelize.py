@@ -136,8 +136,10 @@ def _sequence_parallel_hooks(model, group, blocks):
 # Per-token inputs a block reads beside its hidden states, over the whole sequence as the model passes them,
 # (dims, the dim of their tokens): DeepSeek-V4's token ids (its hash router), Mllama's row mask (a text row with no
 # image before it zeroed after the cross-attention's MLP; its attention mask stays whole: the attention sees the
-# whole sequence), Zamba's embeddings (concatenated to the hidden states before its shared transformer's norm)
-PER_TOKEN_INPUTS = {"input_ids": (2, 1), "full_text_row_masked_out_mask": (4, 2), "original_hidden_states": (3, 1)}
+# whole sequence), Zamba's embeddings (concatenated to the hidden states before its shared transformer's norm),
+# Gemma 4's per-layer input (multiplied token by token into the block's gated projection)
+PER_TOKEN_INPUTS = {"input_ids": (2, 1), "full_text_row_masked_out_mask": (4, 2), "original_hidden_states": (3, 1),
+                    "per_layer_input": (3, 1)}  # fmt: skip
 
 
 def _own_token_ids(block, group, n):
