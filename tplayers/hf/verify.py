@@ -458,6 +458,9 @@ def _rounding_only(probe: Probe, beyond: dict):
     if probe.unsharded is None:
         return None
     model = probe.unsharded.double()
+    for module in model.modules():  # HF's grouped-GEMM experts have no fp64: its eager loop has
+        if hasattr(getattr(module, "config", None), "_experts_implementation"):
+            module.config._experts_implementation = "eager"
     images = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in probe.images.items()}
     try:
         _train_forward(model, probe.ids, images)
