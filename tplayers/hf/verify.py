@@ -8,7 +8,9 @@ auxiliary losses its config enables: MoE load balancing) and every parameter's g
 After sharding, the sharded model does the same, its gradients are gathered to their unsharded
 form (`gather_grads`), and logits, loss and every gradient are compared with the one tolerance
 table. The verdict is agreed over the group, so every rank raises, or none does; a mismatch names
-the parameter and its largest error on each rank.
+the parameter and its largest error on each rank. A gradient past the table on a small fp32 model
+goes to the fp64 arbiter (`_rounding_only`): the unsharded model's own fp64 gradient tells fp32
+rounding the model amplifies from a wrong shard.
 
 It costs one forward and backward of a (2, 4 * TP size) batch each way and, at its peak, the
 unsharded gradients twice on every rank (the reference's and the gathered sharded ones), besides
