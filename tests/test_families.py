@@ -152,9 +152,6 @@ REFUSED = {
 }
 SP_REFUSED = {
     "hrm_text": r"blocks are in 2 lists \(model.L_module.layers, model.H_module.layers\)",  # its H and L modules
-    # per-layer inputs over the whole sequence beside the hidden states (Gemma 3n: AltUp's stacked states too)
-    "gemma3n_text": r"takes a per-layer input over the whole sequence.*sequence_parallel=False",
-    "gemma3n_text-sparse": r"takes a per-layer input over the whole sequence.*sequence_parallel=False",
 }
 
 # Every family at every TP size here: none refused for its shapes.
@@ -270,6 +267,25 @@ def test_gemma4_text_layouts(pool, layout, tp, sequence_parallel):
     the weights after a 0.5 x step differ by that rounding at the edge of the tolerance table's atol."""
     pool.run(matches_unsharded, tp, "gemma4_text", sequence_parallel, torch.float32, None, None,
              GEMMA4_LAYOUTS[layout], 0.1)  # fmt: skip
+
+
+def hidden_states_under_sp(rank, tp, group, family):
+    model = tiny_model(family)
+    reference = copy.deepcopy(model)
+    tplayers.parallelize(model, group=group, sequence_parallel=True)
+    ids = torch.randint(3, VOCAB, (2, 4 * tp), generator=torch.Generator().manual_seed(1))
+    ours, theirs = (m(ids, output_hidden_states=True, use_cache=False).hidden_states for m in (model, reference))
+    assert [h.shape for h in ours] == [h.shape for h in theirs], family
+    for h, expected in zip(ours, theirs, strict=True):
+        assert_close(h, expected, msg=lambda m: f"{family} hidden states: {m}")
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3n_text", "qwen4_exp_text"])
+def test_hidden_states_come_back_whole_under_sequence_parallelism(pool, family):
+    """output_hidden_states=True under SP: every block's output over the whole sequence, as unsharded,
+    whatever its layout: (batch, sequence, hidden), Gemma 3n's stacked AltUp states (streams, batch,
+    sequence, hidden), hyper-connections' (batch, sequence, streams, hidden)."""
+    pool.run(hidden_states_under_sp, 2, family)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "gpt2", "opt"])

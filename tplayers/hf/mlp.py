@@ -390,9 +390,9 @@ RESIDUAL_STREAM = {
 # Linears inside them too large to hold once per rank (Qwen4-Exp's mixers: 2 x 4H x 640 a connection):
 # stored split by rows, all-gathered whole at every forward (`GatheredWeightLinear`), by the class holding them
 GATHERED = {"Qwen4ExpTextGatedResidual": ("input_mix_weight_down", "input_mix_weight_up")}
-# Of those, the layers whose hidden states sequence parallelism cannot split (Gemma 3n's AltUp stacks several of them
-# before the sequence); Gemma 4's per-layer input is cut with the hidden states (parallelize.PER_TOKEN_INPUTS)
-PER_LAYER_INPUTS = {"Gemma3nTextDecoderLayer"}
+# Of those, the layers whose residual stream stacks several hidden states before the sequence (Gemma 3n's AltUp:
+# (streams, batch, sequence, hidden)): {class: the sequence's dimension}, where sequence parallelism splits it
+STACKED_STREAMS = {"Gemma3nTextDecoderLayer": 2}
 
 
 def holds_residual_stream_modules(module) -> bool:
@@ -400,12 +400,6 @@ def holds_residual_stream_modules(module) -> bool:
 
 
 def residual_stream_modules(sp: ShardingPass, name, module):
-    if sp.sp and type(module).__name__ in PER_LAYER_INPUTS:
-        raise ValueError(
-            f"parallelize: {name} ({type(module).__name__}) takes a per-layer input over the whole sequence beside "
-            "its hidden states (and Gemma 3n's AltUp stacks several hidden states); sequence parallelism would split "
-            "the hidden states and not the rest. Use sequence_parallel=False for this model"
-        )
     # the model holding the blocks runs its own modules outside them, on whole sequences
     holds_blocks = any(isinstance(c, nn.ModuleList) for c in module.children())
     for child in RESIDUAL_STREAM[type(module).__name__]:

@@ -42,6 +42,7 @@ from tplayers.hf import verify as verification
 from tplayers.hf.context import apply_context, context_state
 from tplayers.hf.finish import finish
 from tplayers.hf.grid import parallelize_grid
+from tplayers.hf.mlp import STACKED_STREAMS
 from tplayers.hf.norms import fuse_rms_norms
 from tplayers.hf.rollback import restored_if_refused
 from tplayers.hf.same_inputs import check_same_inputs
@@ -52,14 +53,14 @@ from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear, splits_c
 from tplayers.placement import placement_or_none, set_placement
 
 
-def _check_sequence(hidden, n):
+def _check_sequence(hidden, n, dim=1):
     """A residual stream of (batch, sequence, ...): (batch, sequence, hidden), or with hyper-connections
-    (batch, sequence, streams, hidden)."""
-    if hidden.dim() < 3 or hidden.shape[1] % n:
+    (batch, sequence, streams, hidden); Gemma 3n's AltUp: (streams, batch, sequence, hidden), dim 2."""
+    if hidden.dim() < dim + 2 or hidden.shape[dim] % n:
         raise ValueError(
             f"parallelize(sequence_parallel=True): the residual stream {tuple(hidden.shape)} has no sequence "
-            f"(dimension 1) divisible by the tensor-parallel size ({n}); generate with a model parallelized without "
-            "sequence_parallel"
+            f"(dimension {dim}) divisible by the tensor-parallel size ({n}); generate with a model parallelized "
+            "without sequence_parallel"
         )
     return hidden
 
@@ -110,19 +111,19 @@ def _sequence_parallel_hooks(model, group, blocks):
     its final norm and LM head see the whole sequence after). Replicated weights
     inside the blocks (norms) see only this rank's part of the sequence: their gradients are
     summed over the group, so every rank holds the whole gradient."""
-    n = dist.get_world_size(group)
+    n, dim = dist.get_world_size(group), STACKED_STREAMS.get(type(blocks[0]).__name__, 1)
     # Entry: keep this rank's part; backward all-gathers the parts (the embeddings are replicated).
     blocks[0].register_forward_pre_hook(
-        replace_hidden(lambda h: scatter_to_tp_region(_check_sequence(h, n), group, dim=1)), with_kwargs=True
+        replace_hidden(lambda h: scatter_to_tp_region(_check_sequence(h, n, dim), group, dim=dim)), with_kwargs=True
     )
     # Exit: the whole sequence on every rank; backward keeps this rank's part of the (replicated) gradient.
     blocks[-1].register_forward_hook(
         lambda module, args, out: (
-            (gather_from_tp_region(out[0], group, dim=1), *out[1:])
+            (gather_from_tp_region(out[0], group, dim=dim), *out[1:])
             if isinstance(out, tuple)
-            else [gather_from_tp_region(out[0], group, dim=1), *out[1:]]  # OpenAI GPT's blocks return a list
+            else [gather_from_tp_region(out[0], group, dim=dim), *out[1:]]  # OpenAI GPT's blocks return a list
             if isinstance(out, list)
-            else gather_from_tp_region(out, group, dim=1)
+            else gather_from_tp_region(out, group, dim=dim)
         )
     )
     for block in blocks:  # per-token inputs passed beside the hidden states: this rank's part
@@ -130,7 +131,7 @@ def _sequence_parallel_hooks(model, group, blocks):
     summed_grads([p for block in blocks for p in block.parameters() if placement_or_none(p) is None], group)
     blocks_name = next(name for name, m in model.named_modules() if m is blocks)
     base = model.get_submodule(blocks_name.rpartition(".")[0])
-    base.register_forward_hook(_whole_sequence_outputs(group, n), with_kwargs=True)
+    base.register_forward_hook(_whole_sequence_outputs(group, n, dim), with_kwargs=True)
 
 
 # Per-token inputs a block reads beside its hidden states, over the whole sequence as the model passes them,
@@ -167,21 +168,24 @@ def _own_token_ids(block, group, n):
     return hook
 
 
-def _whole_sequence_outputs(group, n):
+def _whole_sequence_outputs(group, n, dim=1):
     """A forward hook on the model holding the blocks: under sequence parallelism the router
     logits each MoE block records (and the hidden states each block outputs) cover only this
     rank's part of the sequence. They leave the model whole, as unsharded (all-gathered along the
     sequence; backward keeps this rank's part), so the auxiliary load-balancing loss the causal-LM
     head computes from them (with its attention mask, shaped for the whole batch) is the
-    unsharded model's on every rank; the router's gradient is summed over the group like a norm's."""
+    unsharded model's on every rank; the router's gradient is summed over the group like a norm's.
+    `dim`: the residual stream's sequence dimension (2 for Gemma 3n's stacked AltUp states)."""
 
     def whole(t, batch, seq):
         if not isinstance(t, torch.Tensor):
             return t
         if t.dim() == 2 and t.shape[0] * n == batch * seq:  # (tokens, experts): (batch, seq / n) flattened
             return gather_from_tp_region(t.view(batch, seq // n, -1), group, dim=1).reshape(batch * seq, -1)
-        if t.dim() == 3 and t.shape[0] == batch and t.shape[1] * n == seq:  # (batch, seq / n, ...)
+        if t.dim() >= 3 and t.shape[0] == batch and t.shape[1] * n == seq:  # (batch, seq / n, ...)
             return gather_from_tp_region(t, group, dim=1)
+        if dim == 2 and t.dim() == 4 and t.shape[1] == batch and t.shape[2] * n == seq:  # (streams, batch, seq / n, H)
+            return gather_from_tp_region(t, group, dim=2)
         return t
 
     def hook(module, args, kwargs, out):
