@@ -299,3 +299,31 @@ def test_without_the_rollback_the_model_is_left_changed(pool):
     """Negative control of the comparison above: the pass changes the model in place."""
     for differences in pool.run(refused_then_given_back, 2, "unplaced", False):
         assert {"modules", "parameters", "state", "hooks", "tagged"} <= set(differences), differences
+
+
+def test_the_rollback_restores_what_a_block_changed_and_refuses_what_it_cannot():
+    """tplayers.hf.rollback on a plain module: a swapped child, a new attribute, a hook, a tensor's
+    `.data` and attributes put back (the same objects); a tensor written in place cannot be, so the
+    module then refuses every forward, and the error says why."""
+    from tplayers.hf.rollback import restored_if_refused
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.ReLU())
+    first, weight, data = model[0], model[0].weight, model[0].weight.data
+    with pytest.raises(ValueError, match="refused here"), restored_if_refused(model):
+        model[0] = torch.nn.Linear(2, 1)
+        first.weight.data = torch.zeros(1, 2)
+        first.weight.tagged = True
+        first.heads = 1
+        model.register_forward_hook(lambda *a: None)
+        raise ValueError("refused here")
+    assert model[0] is first and first.weight is weight and first.weight.data.data_ptr() == data.data_ptr()
+    assert not hasattr(first.weight, "tagged") and not hasattr(first, "heads") and not model._forward_hooks
+    model(torch.ones(2))  # runs as given
+
+    with pytest.raises(ValueError) as caught, restored_if_refused(model):
+        with torch.no_grad():
+            weight.mul_(2)
+        raise ValueError("refused here")
+    assert "could not put the model back as it was given" in "\n".join(caught.value.__notes__)
+    with pytest.raises(RuntimeError, match="changed in place by a refused tplayers.hf.parallelize"):
+        model(torch.ones(2))

@@ -10,15 +10,16 @@ pass may change in place (its attribute table and the containers in it, its clas
 attributes, data, hooks and requires_grad) and puts it back if the block raises. The same objects
 come back (an optimizer or a hook handle made before still refers to them). The snapshot holds the
 original modules until `parallelize` returns: during the pass the memory of the unsharded weights
-is not given back early. A tensor written in place is not covered (the pass never writes one); the
-restore checks each parameter's shape and storage against the snapshot, and where one differs the
-model refuses every forward after, naming why.
+is not given back early. A tensor written in place cannot be put back (the pass never writes one):
+the restore checks each one's version counter, and where one was written the model refuses every
+forward after, naming why.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 
 import torch
 from torch import nn
@@ -57,32 +58,28 @@ class _TensorState:
     def __init__(self, t: torch.Tensor):
         self.t, self.attributes, self.data = t, dict(vars(t)), t.data
         self.hooks = copy.copy(t._backward_hooks)
-        self.requires_grad = t.requires_grad
-        self.shape, self.storage = t.shape, _storage(t)
+        self.requires_grad, self.version = t.requires_grad, t._version
 
     def restore(self):
         vars(self.t).clear()
         vars(self.t).update(self.attributes)
-        if _storage(self.t) != self.storage or self.t.shape != self.shape:
-            self.t.data = self.data
+        self.t.data = self.data  # where `.data` was set to another tensor
         if self.t.is_leaf:
             self.t._backward_hooks = self.hooks
             self.t.requires_grad_(self.requires_grad)
 
     def intact(self) -> bool:
-        return self.t.shape == self.shape and _storage(self.t) == self.storage
-
-
-def _storage(t: torch.Tensor):
-    if t.device.type == "meta":
-        return None
-    return t.untyped_storage().data_ptr(), t.storage_offset(), t.stride()
+        """Not written in place (autograd's version counter: every in-place op on it counts)."""
+        return self.t._version == self.version
 
 
 def _configs(module: nn.Module):
-    """The configs a module holds (HF's `config`, its sub-configs), each once."""
-    from transformers import PretrainedConfig
-
+    """The configs a module holds (HF's `config`, its sub-configs), each once (none where transformers
+    was never imported: no config can exist then)."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
+        return ()
+    PretrainedConfig = transformers.PretrainedConfig  # noqa: N806  (the class, by its name)
     seen, stack = {}, [v for v in vars(module).values() if isinstance(v, PretrainedConfig)]
     while stack:
         config = stack.pop()
@@ -116,7 +113,7 @@ class Snapshot:
         for tensor in self.tensors:  # a summing hook the block added is gone with the restored hooks
             if id(tensor.t) not in self.hooked:
                 forget_hook(tensor.t)
-        return [f"a {tuple(t.shape)} tensor" for t in self.tensors if not t.intact()]
+        return [f"a {tuple(t.t.shape)} tensor" for t in self.tensors if not t.intact()]
 
 
 @contextlib.contextmanager
@@ -132,8 +129,6 @@ def restored_if_refused(model: nn.Module):
             error.add_note(f"tplayers could not put the model back as it was given ({', '.join(lost[:3])} changed in "
                            "place): it refuses every forward; load it again")  # fmt: skip
         raise
-    finally:
-        del snapshot
 
 
 class _Refuses:
