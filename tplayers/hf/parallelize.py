@@ -132,6 +132,28 @@ def _sequence_parallel_hooks(model, group, blocks):
     blocks_name = next(name for name, m in model.named_modules() if m is blocks)
     base = model.get_submodule(blocks_name.rpartition(".")[0])
     base.register_forward_hook(_whole_sequence_outputs(group, n, dim), with_kwargs=True)
+    ends = sorted({0, len(blocks) - 1} & set(getattr(base, "cross_attention_layers", ())))
+    if ends:  # Mllama's loop skips its cross-attention layers without images: the split would not open or close
+        base.register_forward_pre_hook(_images_for_the_ends(f"{blocks_name}.{ends[0]}"), with_kwargs=True)
+
+
+def _images_for_the_ends(block):
+    """A forward pre-hook refusing a text-only batch where the first or last block is a cross-attention
+    layer (Mllama's), which the model skips without images: sequence parallelism opens the split at
+    the first block and closes it after the last."""
+
+    def hook(module, args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        cached = cache is not None and cache.get_seq_length() > 0
+        if kwargs.get("cross_attention_states") is None and not cached:
+            raise ValueError(
+                f"parallelize(sequence_parallel=True): {block} is a cross-attention layer, which "
+                f"{type(module).__name__} skips in a batch without images, and sequence parallelism splits the "
+                "sequence at the first block and gathers it after the last; give this model images, or parallelize "
+                "it without sequence_parallel for text-only batches"
+            )
+
+    return hook
 
 
 # Per-token inputs a block reads beside its hidden states, over the whole sequence as the model passes them,
