@@ -218,11 +218,11 @@ def _probe_pixels(vision_config, get, batch, generator) -> list[dict]:
     """One random image per row in each layout a processor makes that fits the tower's config, to be
     tried in order: Qwen-VL's flattened patches with `image_grid_thw` (2 x 2 merges of patches; or
     each patch an image, Kimi-K2.5's); RADIO's with `image_grid_hw`; SigLIP 2's flat patches with
-    `spatial_shapes` (4 x 4); MiniCPM-V's NaViT row with `target_sizes`; else (batch, channels, height, width) at
-    the tower's `image_size` (with `image_sizes` where `get_image_features` names them), then
-    (batch, images, channels, height, width) with one image a row (Idefics, SmolVLM; with
-    `pixel_attention_mask`), then with its base image and one tile (LLaVA-NeXT's any resolution,
-    with `image_sizes`). Empty: none fits."""
+    `spatial_shapes` (4 x 4); MiniCPM-V's NaViT row with `target_sizes`; else (batch, channels, height,
+    width) at the tower's `image_size` (with `image_sizes` where `get_image_features` names them),
+    then (batch, images, channels, height, width) with one image a row (Idefics, SmolVLM; with
+    `pixel_attention_mask` by pixel, or Granite-Docling's by tile), then with its base image and one
+    tile (LLaVA-NeXT's any resolution, with `image_sizes`). Empty: none fits."""
     channels = next(
         (v for k in ("num_channels", "in_channels", "in_chans") if type(v := getattr(vision_config, k, None)) is int), 3
     )
@@ -281,6 +281,8 @@ def _probe_pixels(vision_config, get, batch, generator) -> list[dict]:
     if _names(get, "pixel_attention_mask"):
         stacked["pixel_attention_mask"] = torch.ones(batch, 1, *size, dtype=torch.bool)
     layouts = [flat, stacked]
+    if "pixel_attention_mask" in stacked:  # Granite-Docling's: one flag a tile, not a pixel mask
+        layouts.append({**stacked, "pixel_attention_mask": torch.ones(batch, 1, dtype=torch.bool)})
     if _names(get, "image_sizes"):  # any-resolution tiles (LLaVA-NeXT): the base image and one tile
         layouts.append({"pixel_values": torch.stack([pixels, pixels.flip(-1)], 1), "image_sizes": flat["image_sizes"]})
     if type(patch) is int and size[0] % patch == 0 and size[1] % patch == 0:  # Fuyu's: the image as flat patches
