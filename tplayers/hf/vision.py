@@ -266,6 +266,8 @@ def _probe_pixels(vision_config, get, batch, generator) -> list[dict]:
                 "target_sizes": torch.tensor([[side, side]] * batch),
             }
         ]
+    if _names(get, "image_token_pooling") and _names(get, "image_grids"):
+        return _pooled_crop(vision_config, channels, patch, batch, generator)
     size = getattr(vision_config, "image_size", None)
     if size is None:  # a tower of parts, its size on one of their configs (DeepSeek-OCR 2's SAM encoder)
         parts = [v for v in vars(vision_config).values() if hasattr(v, "to_dict")]
@@ -289,6 +291,25 @@ def _probe_pixels(vision_config, get, batch, generator) -> list[dict]:
         patches = pixels.unfold(2, patch, patch).unfold(3, patch, patch)  # (batch, channels, rows, cols, p, p)
         layouts.append({"pixel_values": patches.permute(0, 2, 3, 1, 4, 5).reshape(batch, -1, channels * patch * patch)})
     return layouts
+
+
+def _pooled_crop(vision_config, channels, patch, batch, generator) -> list[dict]:
+    """Molmo 2's: one crop a row as flat patches (as many as the tower has positions: they are fixed),
+    pooled into a 2 x 2 grid of tokens (`image_grids` [2, 2, 0, 0]), each token pooling a quarter of
+    the patches (`image_token_pooling`, indices into every row's patches flattened)."""
+    patches = getattr(vision_config, "num_position_embeddings", None)
+    if type(patch) is not int or type(patches) is not int or patches < 4:
+        return []
+    quarter = patches // 4
+    pooling = torch.arange(batch * 4 * quarter).view(batch, 4, quarter)
+    pooling += torch.arange(batch)[:, None, None] * (patches - 4 * quarter)  # each row's own patches
+    return [
+        {
+            "pixel_values": torch.randn(batch, patches, channels * patch * patch, generator=generator),
+            "image_token_pooling": pooling.view(batch * 4, quarter),
+            "image_grids": torch.tensor([[2, 2, 0, 0]] * batch),
+        }
+    ]
 
 
 def _other_inputs(config, get, batch, generator) -> dict:

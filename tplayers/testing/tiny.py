@@ -25,7 +25,7 @@ MEANINGFUL_IDS = 16  # the top ids of the vocabulary, held for the model's speci
 # (pattern, cap): the first whose pattern matches a field's whole name caps it. Order matters: the
 # specific names come before the generic ones.
 CAPS = [
-    (r".*(token_id|token_index)", None),  # ids: placed below
+    (r".*(token_id|token_index)|image_patch_id", None),  # ids (Molmo 2 names its image token a patch id): placed below
     (r".*vocab.*|codebook_size|num_buckets|.*_buckets|n_langs", VOCAB),
     (r"(q|o)_lora_rank", 16),
     (r"kv_lora_rank", 12),
