@@ -222,7 +222,8 @@ def _probe_pixels(vision_config, get, batch, generator) -> list[dict]:
     width) at the tower's `image_size` (with `image_sizes` where `get_image_features` names them),
     then (batch, images, channels, height, width) with one image a row (Idefics, SmolVLM; with
     `pixel_attention_mask` by pixel, or Granite-Docling's by tile), then with its base image and one
-    tile (LLaVA-NeXT's any resolution, with `image_sizes`). Empty: none fits."""
+    tile (LLaVA-NeXT's any resolution, with `image_sizes`); Kosmos-2.5's flattened patches, Molmo 2's
+    pooled crop. Empty: none fits."""
     channels = next(
         (v for k in ("num_channels", "in_channels", "in_chans") if type(v := getattr(vision_config, k, None)) is int), 3
     )
@@ -266,6 +267,14 @@ def _probe_pixels(vision_config, get, batch, generator) -> list[dict]:
                 "target_sizes": torch.tensor([[side, side]] * batch),
             }
         ]
+    if _names(get, "flattened_patches"):  # Kosmos-2.5's (Pix2Struct's layout): [row, column, patch] a row, ids from 1
+        width = getattr(vision_config, "patch_embed_hidden_size", None)
+        if type(width) is not int:
+            return []
+        side = 4
+        grid = torch.stack(torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij"), -1).view(-1, 2) + 1
+        pixels = torch.randn(batch, side * side, width, generator=generator)
+        return [{"flattened_patches": torch.cat([grid.float().expand(batch, -1, -1), pixels], -1)}]
     if _names(get, "image_token_pooling") and _names(get, "image_grids"):
         return _pooled_crop(vision_config, channels, patch, batch, generator)
     size = getattr(vision_config, "image_size", None)
