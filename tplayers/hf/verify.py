@@ -107,8 +107,11 @@ def probe_input(model, verify, n):
 
 def _call(model, ids, **kwargs):
     """model(ids, **kwargs), the ids passed by name where the forward takes `input_ids` after other
-    inputs (BLIP-2's forward takes pixel_values first)."""
+    inputs (BLIP-2's forward takes pixel_values first), or as the decoder's where it takes no
+    `input_ids` (Pix2Struct: the image is the encoder's input, the text the decoder's)."""
     params = list(inspect.signature(model.forward).parameters)
+    if "input_ids" not in params and "decoder_input_ids" in params:
+        return model(decoder_input_ids=ids, **kwargs)
     if "input_ids" in params and params[0] != "input_ids":
         return model(input_ids=ids, **kwargs)
     return model(ids, **kwargs)

@@ -364,7 +364,9 @@ def _tiled_image(vision_config, ids, generator) -> list[dict]:
 def _no_image_tokens(model, ids, **images) -> torch.Tensor:
     """The model's forward on `ids` and `images` (a layout it takes, or it raises): none of the
     tokens are the image's (an empty tensor, as `_image_tokens` counts them)."""
-    model(input_ids=ids, **images)
+    from tplayers.hf.verify import _call
+
+    _call(model, ids, **images)
     return ids.new_zeros(0, 1)
 
 
@@ -405,7 +407,8 @@ def probe_images(model, ids, n) -> tuple[torch.Tensor, dict]:
     # forward (on the ids as they are) is what takes the images; Mllama's too, its image token first and its
     # image in tiles (`_tiled_image`)
     tiled = token is not None and _names(model.forward, "aspect_ratio_ids")
-    by_cross = (token is None or tiled) and not by_mask and get is None and _names(model.forward, "pixel_values")
+    takes = _names(model.forward, "pixel_values") or _names(model.forward, "flattened_patches")
+    by_cross = (token is None or tiled) and not by_mask and get is None and takes
     batch, generator = ids.shape[0], torch.Generator().manual_seed(0)
     if tiled:
         ids = ids.clone()
