@@ -105,18 +105,6 @@ def probe_input(model, verify, n):
     return ids.to(emb.weight.device)
 
 
-def _call(model, ids, **kwargs):
-    """model(ids, **kwargs), the ids passed by name where the forward takes `input_ids` after other
-    inputs (BLIP-2's forward takes pixel_values first), or as the decoder's where it takes no
-    `input_ids` (Pix2Struct: the image is the encoder's input, the text the decoder's)."""
-    params = list(inspect.signature(model.forward).parameters)
-    if "input_ids" not in params and "decoder_input_ids" in params:
-        return model(decoder_input_ids=ids, **kwargs)
-    if "input_ids" in params and params[0] != "input_ids":
-        return model(input_ids=ids, **kwargs)
-    return model(ids, **kwargs)
-
-
 def logits(model, ids, images=None):
     """The model's logits for `ids` (and `images`, its other inputs) in eval mode without gradients;
     training flags restored."""
@@ -125,7 +113,7 @@ def logits(model, ids, images=None):
     try:
         with torch.no_grad():
             kwargs = {"use_cache": False} if getattr(model, "config", None) is not None else {}
-            out = _call(model, ids, **kwargs, **(images or {}))
+            out = vision.call_with_ids(model, ids, **kwargs, **(images or {}))
     finally:
         for m, mode in modes.items():
             m.training = mode
@@ -226,13 +214,13 @@ def _train_forward(model, ids, images=None):
     if labelled:
         kwargs["labels"] = ids
     with _training_without_noise(model):
-        out = _call(model, ids, **kwargs)
+        out = vision.call_with_ids(model, ids, **kwargs)
         logits = _main_output(out)
         loss = out.loss if labelled and getattr(out, "loss", None) is not None else logits.float().pow(2).mean()
         loss.backward()
         if logits is None:  # the loss was fused, without logits (tplayers.hf.fused_loss): they are checked too
             with torch.no_grad():
-                logits = _call(model, ids, **{k: v for k, v in kwargs.items() if k != "labels"}).logits
+                logits = vision.call_with_ids(model, ids, **{k: v for k, v in kwargs.items() if k != "labels"}).logits
     return logits.detach(), loss.detach()
 
 

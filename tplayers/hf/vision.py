@@ -361,12 +361,22 @@ def _tiled_image(vision_config, ids, generator) -> list[dict]:
     ]
 
 
+def call_with_ids(model, ids, **kwargs):
+    """model(ids, **kwargs), the ids passed by name where the forward takes `input_ids` after other
+    inputs (BLIP-2's forward takes pixel_values first), or as the decoder's where it takes no
+    `input_ids` (Pix2Struct: the image is the encoder's input, the text the decoder's)."""
+    params = list(inspect.signature(model.forward).parameters)
+    if "input_ids" not in params and "decoder_input_ids" in params:
+        return model(decoder_input_ids=ids, **kwargs)
+    if "input_ids" in params and params[0] != "input_ids":
+        return model(input_ids=ids, **kwargs)
+    return model(ids, **kwargs)
+
+
 def _no_image_tokens(model, ids, **images) -> torch.Tensor:
     """The model's forward on `ids` and `images` (a layout it takes, or it raises): none of the
     tokens are the image's (an empty tensor, as `_image_tokens` counts them)."""
-    from tplayers.hf.verify import _call
-
-    _call(model, ids, **images)
+    call_with_ids(model, ids, **images)
     return ids.new_zeros(0, 1)
 
 
