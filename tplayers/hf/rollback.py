@@ -24,6 +24,8 @@ import sys
 import torch
 from torch import nn
 
+from tplayers.hf.summed_grads import forget_hook, is_hooked
+
 _CONTAINERS = (dict, list, set)
 
 
@@ -93,8 +95,6 @@ class Snapshot:
     """What `parallelize` may change of `model` in place, to put back (see the module docstring)."""
 
     def __init__(self, model: nn.Module):
-        from tplayers.hf.summed_grads import is_hooked
-
         modules = list(model.modules())
         configs = {id(c): c for m in modules for c in _configs(m)}
         self.tables = [_Table(obj) for obj in [*modules, *configs.values()]]
@@ -108,8 +108,6 @@ class Snapshot:
             table.restore()
         for tensor in self.tensors:
             tensor.restore()
-        from tplayers.hf.summed_grads import forget_hook
-
         for tensor in self.tensors:  # a summing hook the block added is gone with the restored hooks
             if id(tensor.t) not in self.hooked:
                 forget_hook(tensor.t)
