@@ -84,7 +84,7 @@ def _no_dropout(config):
     for key, value in list(vars(config).items()):
         if isinstance(value, PretrainedConfig):
             _no_dropout(value)
-        elif type(value) is float and any(n in key for n in ("dropout", "pdrop")):
+        elif type(value) is float and any(n in key for n in ("dropout", "pdrop", "drop_path")):
             setattr(config, key, 0.0)
 
 

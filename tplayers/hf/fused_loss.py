@@ -25,6 +25,7 @@ unchanged. The placeholder refuses any use it was not told of, loudly: never sil
 """
 
 import ast
+import contextlib
 import inspect
 import textwrap
 from dataclasses import dataclass
@@ -293,6 +294,18 @@ def _disarm(module, args, kwargs, output):
 def installed(model) -> bool:
     """Whether `model`'s training loss is fused (`install` found its forward plain)."""
     return vars(model).get("_loss_function") is causal_lm_loss
+
+
+@contextlib.contextmanager
+def logits_computed(model):
+    """The training forwards inside compute the logits, the loss from them by HF's own function (the
+    self-check's logits of the step it checked, their decoder's inputs made from the labels as there)."""
+    fn = vars(model).pop("_loss_function", None) if installed(model) else None
+    try:
+        yield
+    finally:
+        if fn is not None:
+            vars(model)["_loss_function"] = fn
 
 
 def install(model) -> str | None:

@@ -366,29 +366,47 @@ class ShardingPass(SharesGroups):
     def embeddings(self):
         emb = model_embedding(self.model, "get_input_embeddings")
         head = model_embedding(self.model, "get_output_embeddings")
+        language_model = getattr(self.model, "language_model", None)
+        if head is None and isinstance(language_model, nn.Module):  # its language model scores (Nemotron-H Omni)
+            head = model_embedding(language_model, "get_output_embeddings")
         names = {id(m): n for n, m in self.model.named_modules()}
         if _codebook_heads(head) and self.planned(names.get(id(head))) is None:
             for i, each in enumerate(head):  # MusicGen: the model stacks their logits and scores them itself
                 self.column(f"{names[id(head)]}.{i}", each, sequence_parallel=False, gather_output=True)
             head = None  # placed
+        new_emb = None
         if isinstance(emb, nn.Embedding) and self.planned(names.get(id(emb))) is None:
-            tied = head is not None and head.weight is emb.weight
             new_emb = self.vocab_parallel(names[id(emb)], emb)
-            if isinstance(head, nn.Linear) and self.planned(names.get(id(head))) is None and _scales_logits(head):
-                self._scaled_logits_head(names[id(head)], head, new_emb if tied else None)
-            elif isinstance(head, nn.Linear) and self.planned(names.get(id(head))) is None:
-                bias_held_twice = _bias_held_twice(self.model, names[id(head)], head)
-                # the LM head sees the whole sequence: sequence parallelism ends after the last block
-                new_head = (
-                    self.column(names[id(head)], head, sequence_parallel=False, gather_output=False)
-                    if self.vocab_parallel_logits
-                    else self.column(names[id(head)], head, sequence_parallel=False, layer_class=ParallelLMHead)
-                )
-                if tied:  # one Parameter, one placement: still tied after sharding
-                    new_head.weight = new_emb.weight
-                    self.tied[names[id(head)]] = names[id(emb)]
-                if bias_held_twice:
-                    self._bias_held_twice(names[id(head)], new_head, *bias_held_twice)
+            self._tied_embeddings(emb, new_emb, names[id(emb)])
+        tied = head is not None and emb is not None and getattr(head, "weight", None) is getattr(emb, "weight", None)
+        if not isinstance(head, nn.Linear) or id(head) not in names or self.planned(names[id(head)]) is not None:
+            return
+        if tied and new_emb is None:  # its embedding is placed by the plan: the head follows it there, or is refused
+            return
+        if _scales_logits(head):
+            self._scaled_logits_head(names[id(head)], head, new_emb if tied else None)
+            return
+        bias_held_twice = _bias_held_twice(self.model, names[id(head)], head)
+        # the LM head sees the whole sequence: sequence parallelism ends after the last block
+        new_head = (
+            self.column(names[id(head)], head, sequence_parallel=False, gather_output=False)
+            if self.vocab_parallel_logits
+            else self.column(names[id(head)], head, sequence_parallel=False, layer_class=ParallelLMHead)
+        )
+        if tied:  # one Parameter, one placement: still tied after sharding
+            new_head.weight = new_emb.weight
+            self.tied[names[id(head)]] = names[id(emb)]
+        if bias_held_twice:
+            self._bias_held_twice(names[id(head)], new_head, *bias_held_twice)
+
+    def _tied_embeddings(self, emb, new_emb, emb_name):
+        """The other embeddings holding `emb`'s Parameter (BART's encoder and decoder `embed_tokens`
+        beside its `shared`, T5Gemma 2's): each in its own vocabulary-parallel form (a scaled one
+        keeps its scale), all holding the one split Parameter, still tied."""
+        for name, module in list(self.model.named_modules()):
+            if isinstance(module, nn.Embedding) and module.weight is emb.weight and self.planned(name) is None:
+                self.vocab_parallel(name, module).weight = new_emb.weight
+                self.tied[name] = emb_name
 
     def _scaled_logits_head(self, name, head, tied_embedding):
         """Dory's LM head: its logits scaled per vocabulary entry (`ScaledLogitsHead`), the scale

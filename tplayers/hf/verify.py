@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tplayers.functional.collectives import all_gather_any, all_gather_dim
-from tplayers.hf import vision
+from tplayers.hf import fused_loss, vision
 from tplayers.hf.shard import model_embedding
 from tplayers.placement import placement_or_none
 from tplayers.tolerances import tolerance
@@ -219,8 +219,8 @@ def _train_forward(model, ids, images=None):
         loss = out.loss if labelled and getattr(out, "loss", None) is not None else logits.float().pow(2).mean()
         loss.backward()
         if logits is None:  # the loss was fused, without logits (tplayers.hf.fused_loss): they are checked too
-            with torch.no_grad():
-                logits = vision.call_with_ids(model, ids, **{k: v for k, v in kwargs.items() if k != "labels"}).logits
+            with torch.no_grad(), fused_loss.logits_computed(model):
+                logits = vision.call_with_ids(model, ids, **kwargs).logits
     return logits.detach(), loss.detach()
 
 

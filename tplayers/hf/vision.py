@@ -10,6 +10,7 @@ gathered; nn.MultiheadAttention (in SigLIP's pooling head), which reads its weig
 
 import functools
 import inspect
+import math
 import re
 
 import torch
@@ -63,7 +64,7 @@ def _patches_in_config(model) -> bool:
     image token."""
     config = getattr(model, "config", None)
     return (type(getattr(config, "patch_size", None)) is int and type(getattr(config, "image_token_id", None)) is int
-            and callable(_image_features_fn(model)))  # fmt: skip
+            and callable(_features_fn(model)))  # fmt: skip
 
 
 # linear_2(act(linear_1(x))) in the projector's forward, each step on the last one's output
@@ -281,6 +282,9 @@ def _probe_pixels(vision_config, get, batch, generator) -> list[dict]:
     if size is None:  # a tower of parts, its size on one of their configs (DeepSeek-OCR 2's SAM encoder)
         parts = [v for v in vars(vision_config).values() if hasattr(v, "to_dict")]
         size = next((v for part in parts if (v := getattr(part, "image_size", None)) is not None), None)
+    strides = getattr(vision_config, "patch_stride", None)
+    if size is None and isinstance(strides, list | tuple) and all(type(v) is int for v in strides):
+        size = 2 * math.prod(strides)  # a tower of strided stages (Florence-2's DaViT): its image made 2 x 2 tokens
     size = (size, size) if type(size) is int else tuple(size) if isinstance(size, list | tuple) else ()
     if len(size) != 2 or not all(type(v) is int for v in size):
         return []
@@ -380,13 +384,13 @@ def _no_image_tokens(model, ids, **images) -> torch.Tensor:
     return ids.new_zeros(0, 1)
 
 
-def _image_features_fn(model):
-    """The model's `get_image_features`, or its base model's where only that has one (DeepSeek-VL,
-    Janus, dots.ocr's successors) or where the base model's requires by name what the model's leaves
-    to *args / **kwargs (MiniCPM-V's `target_sizes`, VideoLLaMA 3's `image_merge_sizes`): None where
-    neither has."""
+def _features_fn(model, kind="image"):
+    """The model's `get_image_features` (or `get_video_features`), or its base model's where only that
+    has one (DeepSeek-VL, Janus, dots.ocr's successors) or where the base model's requires by name what
+    the model's leaves to *args / **kwargs (MiniCPM-V's `target_sizes`, VideoLLaMA 3's
+    `image_merge_sizes`): None where neither has."""
     owners = (model, getattr(model, "model", None))
-    found = [get for owner in owners if callable(get := getattr(owner, "get_image_features", None))]
+    found = [get for owner in owners if callable(get := getattr(owner, f"get_{kind}_features", None))]
     if len(found) == 2:
         own, base = (inspect.signature(get).parameters for get in found)
         kinds = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
@@ -407,10 +411,10 @@ def probe_images(model, ids, n) -> tuple[torch.Tensor, dict]:
     if vision_config is None or not towers(model):
         return ids, {}
     name = f"{type(model).__name__} ({config.model_type})"
-    token = next(
-        (v for k in ("image_token_id", "image_token_index") if type(v := getattr(config, k, None)) is int), None
-    )
-    get = _image_features_fn(model)
+    token = _first_int(config, ("image_token_id", "image_token_index"), None)
+    get = _features_fn(model)
+    if token is None and get is None and _features_fn(model, "video"):  # a video model (InstructBLIP-Video)
+        token, get = _first_int(config, ("video_token_id", "video_token_index"), None), _features_fn(model, "video")
     # Kosmos-2 marks its image's places with a mask beside the ids (any token id there), not an image token
     by_mask = token is None and _names(model.forward, "image_embeds_position_mask")
     # BLIP's captioner reads its image through cross-attention: no image tokens in the text, the model's own

@@ -61,6 +61,15 @@ COMPASS_ROPE = {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}  
 BLIP_IDS = dict(image_token_index=VOCAB - 1, vision_config=dict(initializer_range=0.02))
 
 
+def _davit(caps):
+    """Florence-2's DaViT tower names its sizes per stage (lists the caps leave alone): four stages as
+    wide as the width, one block each, its heads and channel groups the heads."""
+    if "width" not in caps or "heads" not in caps:
+        return {}
+    stages = dict(embed_dim=caps["width"], num_heads=caps["heads"], num_groups=caps["heads"], depths=1)
+    return {"vision_config": {k: [v] * 4 for k, v in stages.items()}}
+
+
 def _sam_neck(caps):
     return {"vision_config": {"sam_config": {"downsample_channels": [caps["width"]] * 2}}} if "width" in caps else {}
 
@@ -126,6 +135,9 @@ QUIRKS = {
     # init (std 1e-10) leaves a random model's LayerNorms dividing by ~0 (gradients of 1e17): the usual 0.02
     "blip-2": lambda caps: BLIP_IDS if "width" in caps else {},
     "instructblip": lambda caps: BLIP_IDS if "width" in caps else {},
+    "instructblipvideo": lambda caps: (
+        dict(BLIP_IDS, image_token_index=None, video_token_index=VOCAB - 1) if "width" in caps else {}
+    ),
     # MiniCPM-V / OCR and Nemotron-H Omni merge images only where the config names their token (published
     # checkpoints do; transformers' default leaves it None): the tiny vocabulary's top id
     **dict.fromkeys(
@@ -134,6 +146,7 @@ QUIRKS = {
     # the tower's layers the projector reads (published: -2, -5, -8, -11, 6), within the cut depth
     "vipllava": dict(vision_feature_layer=[-2, -1]),
     # the number of query tokens per count of patches: the tiny image's 4 x 4 patches
+    "florence2": lambda caps: _davit(caps),
     "aria": lambda caps: dict(projector_patch_to_query_dict={16: 4}) if "width" in caps else {},
     # Mllama's tower outputs its last and its one kept intermediate layer's states side by side
     "mllama": lambda caps: dict(vision_config=dict(vision_output_dim=2 * caps["width"])) if "width" in caps else {},
