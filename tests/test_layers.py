@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import tplayers
-from tplayers.testing import assert_close, assert_shard_close, examples, integer_valued
+from tplayers.testing import assert_close, assert_close_or_rounding, assert_shard_close, examples, integer_valued
 
 pytestmark = pytest.mark.multirank
 
@@ -190,6 +190,16 @@ def test_tolerance_helper_negative_control():
     with pytest.raises(AssertionError):
         assert_close(x + 1e-7 * x.abs().max(), x, exact=True)
     assert_close(x.clone(), x, exact=True)
+
+
+def test_rounding_helper_negative_control():
+    """Past the table but no farther from fp64 than the unsharded result: rounding, passed; farther by
+    more than the arbiter's factor: refused, both distances said."""
+    truth = torch.randn(64, dtype=torch.float64)
+    expected = (truth + 1e-3).float()  # the unsharded fp32 result, 1e-3 off fp64 (amplified rounding)
+    assert_close_or_rounding((truth - 1e-3).float(), expected, truth)  # as far on the other side
+    with pytest.raises(AssertionError, match="from the fp64 result, where the unsharded one is 0.001"):
+        assert_close_or_rounding((truth + 1e-2).float(), expected, truth)
 
 
 def widths_in_turn(rank, tp, group):

@@ -18,3 +18,9 @@ def tolerance(dtype: torch.dtype, *, exact: bool = False) -> dict:
     if exact:
         return dict(rtol=0.0, atol=0.0)
     return TOLERANCES[dtype]
+
+
+# A result past the table is fp32 rounding the model amplifies (Gemma 4 at random init, RWKV), not a
+# wrong shard, where it is within this factor as far from the fp64 result as the unsharded fp32 one is:
+# the self-check's fp64 arbiter (tplayers.hf.verify) and the test helper `assert_close_or_rounding`
+ARBITER_FACTOR = 4

@@ -32,10 +32,9 @@ def is_self_output_attention(module) -> bool:
 
 def self_output_attention(sp: ShardingPass, name, attn):
     """query / key / value column-parallel by whole heads, output.dense row-parallel by the same heads;
-    a cross-attention (keys and values from an encoder's states) is refused by name."""
+    a cross-attention's keys and values read the encoder's states, whole on every rank
+    (`replace_hidden`)."""
     inner, out = attn.self, attn.output
-    if getattr(inner, "is_cross_attention", False) or getattr(attn, "is_cross_attention", False):
-        raise ValueError(f"parallelize: {name} is a cross-attention; tplayers does not shard it")
     width = inner.attention_head_size
     heads = inner.query.out_features // width
     others = [c for c, m in inner.named_children() if c not in ("query", "key", "value") and _holds_weights(m)]

@@ -298,14 +298,17 @@ def installed(model) -> bool:
 
 @contextlib.contextmanager
 def logits_computed(model):
-    """The training forwards inside compute the logits, the loss from them by HF's own function (the
-    self-check's logits of the step it checked, their decoder's inputs made from the labels as there)."""
-    fn = vars(model).pop("_loss_function", None) if installed(model) else None
+    """The training forwards of `model` (or of the HF model inside it) compute the logits, the loss
+    from them by HF's own function: the self-check's logits of the step it checked (an encoder-
+    decoder's decoder inputs made from the labels as there)."""
+    fused = [m for m in model.modules() if installed(m)]  # the HF model inside a peft model too
+    for m in fused:
+        del vars(m)["_loss_function"]
     try:
         yield
     finally:
-        if fn is not None:
-            vars(model)["_loss_function"] = fn
+        for m in fused:
+            vars(m)["_loss_function"] = causal_lm_loss
 
 
 def install(model) -> str | None:

@@ -146,8 +146,8 @@ CROSS_INPUTS = ("encoder_hidden_states", "key_value_states", "cross_attention_st
 
 
 def model_embedding(model, getter):
-    """model.get_input_embeddings() / get_output_embeddings(), None where it has none (transformers'
-    default raises NotImplementedError where it cannot find one: PP-FormulaNet)."""
+    """model.get_input_embeddings() / get_output_embeddings() / get_decoder(), None where it has none
+    (transformers' default raises NotImplementedError where it cannot find one: PP-FormulaNet)."""
     try:
         return getattr(model, getter)() if hasattr(model, getter) else None
     except NotImplementedError:
@@ -366,9 +366,9 @@ class ShardingPass(SharesGroups):
     def embeddings(self):
         emb = model_embedding(self.model, "get_input_embeddings")
         head = model_embedding(self.model, "get_output_embeddings")
-        language_model = getattr(self.model, "language_model", None)
-        if head is None and isinstance(language_model, nn.Module):  # its language model scores (Nemotron-H Omni)
-            head = model_embedding(language_model, "get_output_embeddings")
+        decoder = model_embedding(self.model, "get_decoder")
+        if head is None and isinstance(decoder, nn.Module):  # its decoder scores (Nemotron-H Omni, BLIP)
+            head = model_embedding(decoder, "get_output_embeddings")
         names = {id(m): n for n, m in self.model.named_modules()}
         if _codebook_heads(head) and self.planned(names.get(id(head))) is None:
             for i, each in enumerate(head):  # MusicGen: the model stacks their logits and scores them itself

@@ -33,7 +33,7 @@ from tplayers.functional.collectives import all_gather_any, all_gather_dim
 from tplayers.hf import fused_loss, vision
 from tplayers.hf.shard import model_embedding
 from tplayers.placement import placement_or_none
-from tplayers.tolerances import tolerance
+from tplayers.tolerances import ARBITER_FACTOR, tolerance
 
 PROBE_BATCH = 2
 PROBE_TOKENS_PER_RANK = 4  # a multiple of the TP size, so sequence parallelism can split it
@@ -427,7 +427,6 @@ def _check_grads(probe: Probe, sharded: dict, group) -> None:
 ARBITER_BYTES = 64 * 2**20
 # A second fp32 computation of a gradient (another order of its sums) may be this many times farther from fp64 than
 # the first: observed up to 3x on Gemma 4 at random init; a wrong shard is off by the size of a gradient
-ARBITER_FACTOR = 4
 
 
 def _arbiter_affordable(params) -> bool:

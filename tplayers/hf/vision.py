@@ -29,7 +29,7 @@ def towers(model) -> list[str]:
     child with weights along the path from the model to its decoder (`get_decoder()`), other than
     that path and the LM head. Empty for a text model."""
     config = getattr(model, "config", None)
-    if not any(getattr(config, key, None) is not None for key in TOWER_CONFIGS) and not _patches_in_config(model):
+    if not any(getattr(config, key, None) is not None for key in TOWER_CONFIGS) and _vision_config(model) is None:
         return []
     get = getattr(model, "get_decoder", None)
     decoder = get() if callable(get) else None
@@ -56,6 +56,19 @@ INNER_TOWERS = {
     "IdeficsModel": ("vision_model", "perceiver_resampler"),
     "Phi4MultimodalModel": ("embed_tokens_extend",),  # its image and audio encoders with their projections
 }
+
+
+def _vision_config(model):
+    """The config of the model's vision tower: its `vision_config`; an image encoder's config where
+    the model's main input is the image (VisionEncoderDecoderModel: TrOCR, Donut, Nougat); the
+    model's own where it names its patches itself (`_patches_in_config`). None for a text model."""
+    config = getattr(model, "config", None)
+    if getattr(config, "vision_config", None) is not None:
+        return config.vision_config
+    encoder = getattr(config, "encoder", None)
+    if getattr(model, "main_input_name", None) == "pixel_values" and hasattr(encoder, "to_dict"):
+        return encoder
+    return config if _patches_in_config(model) else None
 
 
 def _patches_in_config(model) -> bool:
@@ -243,10 +256,16 @@ def _probe_pixels(vision_config, get, batch, generator) -> list[dict]:
         grid = {"image_grid_thw": torch.tensor([[1, side, side]] * batch)}
         if _names(get, "image_merge_sizes"):  # VideoLLaMA 3: each image's merge, named beside its grid
             grid["image_merge_sizes"] = torch.tensor([merge] * batch)
-        # each patch flattened (Qwen-VL), or as an image of its own (Kimi-K2.5's MoonViT)
-        return [{"pixel_values": pixels, **grid}] + (
-            [{"pixel_values": pixels.view(-1, channels, patch, patch), **grid}] if frames == 1 else []
-        )
+        # each patch flattened (Qwen-VL), or as an image of its own (Kimi-K2.5's MoonViT), or each merged token's
+        # pixels a square, channels last, the grid counting tokens (Inkling 2)
+        layouts = [{"pixel_values": pixels, **grid}]
+        if frames == 1:
+            tokens = {**grid, "image_grid_thw": torch.tensor([[1, 2, 2]] * batch)}
+            layouts += [
+                {"pixel_values": pixels.view(-1, channels, patch, patch), **grid},
+                {"pixel_values": pixels.view(-1, merge * patch, merge * patch, channels), **tokens},
+            ]
+        return layouts
     if _names(get, "image_grid_hw"):  # RADIO's flattened patches with their (height, width) grid (Nemotron-H Omni)
         side = 4  # 4 x 4 patches: a 2 x 2 pixel shuffle divides it
         pixels = torch.randn(batch * side * side, channels * patch * patch, generator=generator)
@@ -407,7 +426,7 @@ def probe_images(model, ids, n) -> tuple[torch.Tensor, dict]:
     they are, no images. A model with a sharded tower whose images tplayers cannot make is refused:
     the self-check must see the tower."""
     config = getattr(model, "config", None)
-    vision_config = getattr(config, "vision_config", None) or (config if _patches_in_config(model) else None)
+    vision_config = _vision_config(model)
     if vision_config is None or not towers(model):
         return ids, {}
     name = f"{type(model).__name__} ({config.model_type})"

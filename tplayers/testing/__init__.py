@@ -9,7 +9,7 @@ layouts; the parts it is built from serve hand-written checks. tplayers' own sui
     pool.py        WorkerPool: local gloo ranks started once and reused, failing ranks' tracebacks
                    shown, hung ranks' stacks dumped at a deadline
     meshes.py      layout_mesh: a ("dp", "pp", "tp") DeviceMesh over the first ranks of a pool
-    numerics.py    TOLERANCES (one per-dtype table), assert_close, assert_shard_close, shard_of
+    numerics.py    TOLERANCES (one per-dtype table), assert_close (or_rounding), assert_shard_close, shard_of
     outputs.py     logits_of: the logits of a forward that computed its loss without them
     memory.py      peak_bytes: the peak of host memory in use (glibc), for CPU memory tests
     shards.py      expected_shards / differing_grads: a parallelized HF model's parameters or gradients
@@ -29,6 +29,7 @@ from tplayers.testing.meshes import layout_mesh
 from tplayers.testing.numerics import (
     TOLERANCES,
     assert_close,
+    assert_close_or_rounding,
     assert_shard_close,
     examples,
     integer_valued,
@@ -55,6 +56,7 @@ __all__ = [
     "RemoteError",
     "WorkerPool",
     "assert_close",
+    "assert_close_or_rounding",
     "assert_shard_close",
     "examples",
     "kernel_device",
