@@ -185,27 +185,30 @@ def test_a_crash_inside_the_sharded_model_names_tplayers_the_model_and_the_modul
         assert ("parallelize(verify)" if verify else "tplayers: raised") in message, message
 
 
-def tie_left_whole(rank, tp, group, untied):
-    """A second module holding the input embedding's Parameter (tied), which no adapter places: the
-    pass would shard the one and leave the other, two tensors from then on. Untied (a copy), the
-    second is simply whole."""
+def tie_left_whole(rank, tp, group, how):
+    """A second embedding holding the input embedding's Parameter (tied): kept whole by the plan, the
+    pass would shard the one and leave the other, two tensors from then on; unplanned, it is split
+    as the other is (BART's encoder and decoder embeddings beside `shared`), the one Parameter still
+    held by both. Untied (a copy), the second is simply whole."""
     from test_fused_loss import tiny_llama
 
     model = tiny_llama()
     embedding = model.model.embed_tokens
     model.extra = torch.nn.Embedding(*embedding.weight.shape)
+    untied = how == "untied"
     model.extra.weight = torch.nn.Parameter(embedding.weight.detach().clone()) if untied else embedding.weight
     try:
-        tplayers.parallelize(model, group=group, verify=False)
+        tplayers.parallelize(model, group=group, verify=False, plan={"extra": "replicate"} if how == "kept" else None)
     except ValueError as e:
         return str(e)
-    return None
+    return model.extra.weight is model.model.embed_tokens.weight
 
 
 def test_a_tie_the_pass_would_break_is_refused_by_name(pool):
-    for message in pool.run(tie_left_whole, 2, False):
-        assert message and "extra.weight is the same Parameter as model.embed_tokens.weight (tied)" in message, message
-    assert pool.run(tie_left_whole, 2, True) == [None, None]  # negative control: no tie, no refusal
+    for message in pool.run(tie_left_whole, 2, "kept"):
+        assert "extra.weight is the same Parameter as model.embed_tokens.weight (tied)" in str(message), message
+    assert pool.run(tie_left_whole, 2, "tied") == [True, True]  # split as one, still tied
+    assert pool.run(tie_left_whole, 2, "untied") == [False, False]  # negative control: no tie, no refusal
 
 
 # -- a refused parallelize gives the model back as it was given --------------------------------
