@@ -269,7 +269,8 @@ def _edge_hooks(blocks, groups, hidden, sequence_parallel):
             if h.dim() != 3 or h.shape[1] % r:  # every rank sees the same length: all raise together
                 raise ValueError(
                     f"parallelize(sequence_parallel=True) on a grid: sequence length {tuple(h.shape)[1:2]} is not "
-                    f"divisible by tp_r ({r}); generate with a model parallelized without sequence_parallel"
+                    f"divisible by tp_r ({r}): pad each batch to a multiple of {r} tokens (a collator's "
+                    f"pad_to_multiple_of={r}, the pads' labels -100), or parallelize without sequence_parallel"
                 )
             h = scatter_to_tp_region(h, row, dim=1)
         return scatter_to_tp_region(h, col, dim=-1)

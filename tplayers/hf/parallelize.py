@@ -59,8 +59,9 @@ def _check_sequence(hidden, n, dim=1):
     if hidden.dim() < dim + 2 or hidden.shape[dim] % n:
         raise ValueError(
             f"parallelize(sequence_parallel=True): the residual stream {tuple(hidden.shape)} has no sequence "
-            f"(dimension {dim}) divisible by the tensor-parallel size ({n}); generate with a model parallelized "
-            "without sequence_parallel"
+            f"(dimension {dim}) divisible by the tensor-parallel size ({n}): pad each batch to a multiple of {n} "
+            f"tokens (a collator's pad_to_multiple_of={n}, the pads' labels -100), or parallelize without "
+            "sequence_parallel (generate() too: its steps add one token at a time)"
         )
     return hidden
 
