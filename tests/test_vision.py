@@ -78,14 +78,14 @@ def tiny_vlm(model_type, tp, **overrides):
 
 
 def _no_dropout(config):
-    """Every dropout rate of the config and its sub-configs 0 (BLIP-2's Q-Former and OPT default to
+    """Every dropout rate (and router jitter) of the config and its sub-configs 0 (BLIP-2's Q-Former and OPT default to
     0.1): a training step compared exactly draws no masks (tests/test_dropout.py covers dropout)."""
     from transformers import PretrainedConfig
 
     for key, value in list(vars(config).items()):
         if isinstance(value, PretrainedConfig):
             _no_dropout(value)
-        elif type(value) is float and any(n in key for n in ("dropout", "pdrop", "drop_path")):
+        elif type(value) is float and any(n in key for n in ("dropout", "pdrop", "drop_path", "jitter")):
             setattr(config, key, 0.0)
 
 

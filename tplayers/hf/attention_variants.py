@@ -10,6 +10,12 @@ Dory (nGPT's unit-norm attention): queries scaled per channel after rope (`sqk`)
 with a per-channel scale (`s_gate`): both cut to this rank's heads' channels; the L2 norm over every
 head's output before `o_proj` a `ParallelL2Norm` (its sum of squares summed over the group).
 
+T5's attention (T5, Flan-T5, mT5, UMT5, LongT5, Switch Transformers, UDOP; Pix2Struct's as `query` /
+`key` / `value` / `output`): q / k / v column-parallel by whole heads, o row-parallel; its relative
+position bias (an embedding of buckets x heads, in the layers that compute it) split by the same
+heads, so the bias each rank's layers pass on holds its own heads; `n_heads` / `inner_dim` this
+rank's (the zero bias of the layers without one is built from them).
+
 Doge's attention has a dynamic mask computed from the values; the mask's projection is summed over
 the ranks' value heads. Doge adds to each key/value head's attention scores exp(A_h * softplus(dt_h)), where
 dt = dt_proj(the values of every key/value head): each head's mask reads all heads' values.
@@ -29,11 +35,12 @@ dt = dt_proj(the values of every key/value head): each head's mask reads all hea
 import types
 
 import torch.distributed as dist
+from torch import nn
 
 from tplayers.functional.collectives import all_gather_sequence, copy_to_tp_region
 from tplayers.hf.attention import head_split, localize_attributes, qkvo_attention, split_per_head
 from tplayers.hf.fused import SharedKVProjection, SummedRowLinear
-from tplayers.hf.shard import ShardingPass, on_device
+from tplayers.hf.shard import ShardingPass, has_linears, on_device
 from tplayers.hf.source import same_forward, source
 from tplayers.placement import even_sizes
 
@@ -177,3 +184,40 @@ def _shared_inputs(sp: ShardingPass, attn, inputs: int):
         return tuple(done[id(a)] for a in args[:inputs]) + tuple(args[inputs:]), kwargs
 
     attn.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+T5_PROJECTIONS = (("q", "k", "v", "o"), ("query", "key", "value", "output"))
+
+
+def _t5_projections(module):
+    return next((names for names in T5_PROJECTIONS if has_linears(module, names)), None)
+
+
+def is_t5_attention(module) -> bool:
+    """T5's attention: its projections (`T5_PROJECTIONS`), `n_heads` heads of `key_value_proj_dim`,
+    a relative position bias of one column per head where it has one, nothing else with weights."""
+    names, bias = _t5_projections(module), getattr(module, "relative_attention_bias", None)
+    heads, width = getattr(module, "n_heads", None), getattr(module, "key_value_proj_dim", None)
+    if names is None or type(heads) is not int or type(width) is not int or module.inner_dim != heads * width:
+        return False
+    others = [c for c, m in module.named_children() if c not in (*names, "relative_attention_bias")]
+    return not any(next(module.get_submodule(c).parameters(), None) is not None for c in others) and (
+        bias is None or isinstance(bias, nn.Embedding) and bias.embedding_dim == heads
+    )
+
+
+def t5_attention(sp: ShardingPass, name, attn):
+    *qkv, out = _t5_projections(attn)
+    heads, head_dim = attn.n_heads, attn.key_value_proj_dim
+    split = head_split(name, heads, sp.n)
+    for proj in qkv:
+        sp.shared_input_column(f"{name}.{proj}", getattr(attn, proj), split_unit=head_dim, split_sizes=split)
+    sp.row(f"{name}.{out}", getattr(attn, out), split_unit=head_dim, split_sizes=split)
+    local = split[dist.get_rank(sp.group)]
+    localize_attributes(name, attn, {"n_heads": local, "inner_dim": local * head_dim})
+    if getattr(attn, "relative_attention_bias", None) is not None:  # (buckets, heads): by its columns
+        split_per_head(
+            sp, f"{name}.relative_attention_bias", attn.relative_attention_bias, "weight", sizes=split, dim=1
+        )
+    sp.shared_input.append(attn)
+    sp.done.add(name)

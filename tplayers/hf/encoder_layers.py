@@ -116,9 +116,13 @@ def prediction_head(sp: ShardingPass, name, module):
 
 
 def holds_pooler(module) -> bool:
-    """A BERT-family model's pooler (BigBird's): a linear layer over the first token's last hidden
-    state, held as `pooler`."""
-    return isinstance(getattr(module, "pooler", None), nn.Linear)
+    """A BERT-family model's pooler, held as `pooler`: a linear layer over the first token's last
+    hidden state (BigBird's), or a module whose only weights are such a `dense` (BERT's)."""
+    pooler = getattr(module, "pooler", None)
+    if isinstance(pooler, nn.Linear):
+        return True
+    named = type(pooler).__name__.endswith("Pooler") and has_linears(pooler, ("dense",))
+    return named and all(n.startswith("dense.") for n, _ in pooler.named_parameters())
 
 
 def pooler(sp: ShardingPass, name, module):

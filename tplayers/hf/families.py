@@ -225,6 +225,11 @@ ADAPTERS = (
         attention_variants.renamed_attention,
     ),  # fmt: skip
     Adapter(
+        "T5's attention (q / k / v / o, a relative position bias by heads)",
+        attention_variants.is_t5_attention,
+        attention_variants.t5_attention,
+    ),  # fmt: skip
+    Adapter(
         "unit-norm attention with per-channel query / gate scales (Dory)",
         attention_variants.is_unit_norm_attention,
         attention_variants.unit_norm_attention,
@@ -334,6 +339,7 @@ ADAPTERS = (
         encoder_layers.intermediate_output_mlp,
     ),  # fmt: skip
     Adapter("gated MLP", lambda m: has_linears(m, ("gate_proj", "up_proj", "down_proj")), mlp.gated_mlp),
+    Adapter("T5's gated MLP (wi_0, wi_1, wo)", mlp.is_t5_gated_mlp, mlp.t5_gated_mlp),
     Adapter("GPT-2 MLP", lambda m: has_conv1ds(m, ("c_fc", "c_proj")), mlp.gpt2_mlp),
     Adapter("two-layer MLP", lambda m: mlp.two_layer_pair(m) is not None, mlp.two_layer_mlp),
     Adapter(

@@ -333,7 +333,7 @@ def _gaussian_topk_mlp(sp: ShardingPass, name, mlp):
 
 MLP_PAIRS = (("fc1", "fc2"), ("fc_in", "fc_out"), ("c_fc", "c_proj"), ("up_proj", "down_proj"),
              ("dense_h_to_4h", "dense_4h_to_h"), ("linear_fc1", "linear_fc2"), ("lin1", "lin2"),
-             ("layer_1", "layer_2"))  # fmt: skip
+             ("layer_1", "layer_2"), ("wi", "wo"))  # fmt: skip
 
 
 def two_layer_pair(module):
@@ -356,6 +356,22 @@ def two_layer_mlp(sp: ShardingPass, name, module):
             sp.done.add(f"{name}.{child}")
         elif NORMS_BEFORE_PROJECTION.get(child) == second:  # Kosmos-2's ffn_layernorm: over every feature
             norm_before_row(sp, f"{name}.{child}", act, row)
+
+
+def is_t5_gated_mlp(module) -> bool:
+    """T5 v1.1's (Flan-T5, mT5, UMT5, Pix2Struct): wo(act(wi_0(x)) * wi_1(x)), nothing else with weights."""
+    return has_linears(module, ("wi_0", "wi_1", "wo")) and not any(
+        next(m.parameters(), None) is not None for c, m in module.named_children() if c not in ("wi_0", "wi_1", "wo")
+    )
+
+
+def t5_gated_mlp(sp: ShardingPass, name, mlp):
+    """wi_0 and wi_1 column-parallel on one shared input, wo row-parallel; HF's forward on the split."""
+    for key in ("wi_0", "wi_1"):
+        sp.shared_input_column(f"{name}.{key}", getattr(mlp, key))
+    sp.row(f"{name}.wo", mlp.wo)
+    sp.shared_input.append(mlp)
+    sp.done.add(name)
 
 
 def shared_expert_gate(sp: ShardingPass, name, module):

@@ -396,13 +396,16 @@ class ShardingPass(SharesGroups):
         if tied:  # one Parameter, one placement: still tied after sharding
             new_head.weight = new_emb.weight
             self.tied[names[id(head)]] = names[id(emb)]
+        else:  # an embedding holding the head's Parameter (a BERT decoder's beside a BERT encoder, T5Gemma's decoder's)
+            self._tied_embeddings(head, new_head, names[id(head)])
         if bias_held_twice:
             self._bias_held_twice(names[id(head)], new_head, *bias_held_twice)
 
     def _tied_embeddings(self, emb, new_emb, emb_name):
-        """The other embeddings holding `emb`'s Parameter (BART's encoder and decoder `embed_tokens`
-        beside its `shared`, T5Gemma 2's): each in its own vocabulary-parallel form (a scaled one
-        keeps its scale), all holding the one split Parameter, still tied."""
+        """The other embeddings holding `emb`'s (an embedding's or an LM head's) Parameter (BART's
+        encoder and decoder `embed_tokens` beside its `shared`, T5Gemma 2's): each in its own
+        vocabulary-parallel form (a scaled one keeps its scale), all holding the one split Parameter
+        (`new_emb`'s, its rows split alike), still tied."""
         for name, module in list(self.model.named_modules()):
             if isinstance(module, nn.Embedding) and module.weight is emb.weight and self.planned(name) is None:
                 self.vocab_parallel(name, module).weight = new_emb.weight

@@ -386,11 +386,14 @@ def _tiled_image(vision_config, ids, generator) -> list[dict]:
 
 def call_with_ids(model, ids, **kwargs):
     """model(ids, **kwargs), the ids passed by name where the forward takes `input_ids` after other
-    inputs (BLIP-2's forward takes pixel_values first), or as the decoder's where it takes no
-    `input_ids` (Pix2Struct: the image is the encoder's input, the text the decoder's)."""
+    inputs (BLIP-2's forward takes pixel_values first), as the decoder's where it takes no
+    `input_ids` (Pix2Struct: the image is the encoder's input, the text the decoder's), as both the
+    encoder's and the decoder's in an encoder-decoder that takes both (T5, BART)."""
     params = list(inspect.signature(model.forward).parameters)
     if "input_ids" not in params and "decoder_input_ids" in params:
         return model(decoder_input_ids=ids, **kwargs)
+    if "decoder_input_ids" in params and getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        kwargs.setdefault("decoder_input_ids", ids)  # the decoder's text too (T5 makes none from the encoder's)
     if "input_ids" in params and params[0] != "input_ids":
         return model(input_ids=ids, **kwargs)
     return model(ids, **kwargs)
