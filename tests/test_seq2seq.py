@@ -75,9 +75,10 @@ def sweep(rank, world, group, types):
     return {model_type: _verdict(model_type, world, tp) for model_type in types}
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_every_seq2seq_type_is_exact_or_refused(pool, tp):
-    types = seq2seq_types()
+def test_every_seq2seq_type_is_exact_or_refused(pool):
+    """At TP 2 (T5 at TP 3, its vocabulary and heads split unevenly: below; the image sweep runs
+    Florence-2's BART, Pix2Struct's T5 and a BERT decoder at TP 4)."""
+    tp, types = 2, seq2seq_types()
     results = pool.run(sweep, tp, types, mesh=(1, 1, tp), timeout_s=1200)
     verdicts = results[0]
     for other in results[1:]:

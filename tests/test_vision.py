@@ -229,7 +229,8 @@ def _verdicts(model_type, tp, group):
     once for both layouts), first without parallelize's self-check, then, where a rank finds it
     anything but exact or refused, with it (its verdict is the one counted)."""
     try:
-        reference = tiny_vlm(model_type, tp).train()
+        pristine = tiny_vlm(model_type, tp)  # copied for each layout: cheaper than building it again
+        reference = copy.deepcopy(pristine).train()
     except ImportError as e:  # a library the model's code needs that the test set-up lacks (timm)
         return dict.fromkeys((False, True), ("needs a library", str(e).strip().split("\n")[0]))
     except Exception as e:  # its tiny config or model does not build: transformers' own validation
@@ -245,7 +246,7 @@ def _verdicts(model_type, tp, group):
     grads = grads_as_state_dict(reference)
     out = {}
     for sp in (False, True):
-        out[sp] = sharded_verdict(lambda: tiny_vlm(model_type, tp), lambda m: _step(m.train(), *batch),
+        out[sp] = sharded_verdict(lambda: copy.deepcopy(pristine), lambda m: _step(m.train(), *batch),
                                   expected, grads, group, sp)  # fmt: skip
         if not sp and out[sp][0] == "refused" and "VerifyError" not in out[sp][1]:
             # refused by what the model holds, before any forward: sequence parallelism adds hooks only
