@@ -21,6 +21,8 @@ def tolerance(dtype: torch.dtype, *, exact: bool = False) -> dict:
 
 
 # A result past the table is fp32 rounding the model amplifies (Gemma 4 at random init, RWKV), not a
-# wrong shard, where it is within this factor as far from the fp64 result as the unsharded fp32 one is:
-# the self-check's fp64 arbiter (tplayers.hf.verify) and the test helper `assert_close_or_rounding`
+# wrong shard, where it is within this factor as far from the fp64 result as the unsharded fp32 one is
+# (a second fp32 computation, its sums in another order, was seen up to 3x as far; a wrong shard is off by
+# the size of the result): the self-check's fp64 arbiter (tplayers.hf.verify) and the test helper
+# `assert_close_or_rounding`
 ARBITER_FACTOR = 4

@@ -423,10 +423,8 @@ def _check_grads(probe: Probe, sharded: dict, group) -> None:
 # The fp64 arbiter: where a gradient differs beyond the table, the unsharded model's own fp64 gradient says
 # whether that is fp32 rounding the model amplifies (attention over normed q / k without 1/sqrt(d), a norm
 # over embeddings initialised near 0) or a wrong shard. Run on models small enough to copy (random-init
-# models, tests), once, only when the table fails.
+# models, tests), once, only when the table fails; within ARBITER_FACTOR (tplayers.tolerances) it is rounding.
 ARBITER_BYTES = 64 * 2**20
-# A second fp32 computation of a gradient (another order of its sums) may be this many times farther from fp64 than
-# the first: observed up to 3x on Gemma 4 at random init; a wrong shard is off by the size of a gradient
 
 
 def _arbiter_affordable(params) -> bool:
