@@ -1,6 +1,7 @@
 """Column -> activation -> Row block against the unsharded nn.Linear block: forward and every
 gradient, on 1-4 local ranks, both backends, overlap on and off."""
 
+import contextlib
 from dataclasses import dataclass, replace
 
 import pytest
@@ -36,6 +37,7 @@ class BlockCase:
     leading_dims: int = 2
     seed: int = 0
     ffn: int | None = None  # the whole width when it does not divide: ffn_per_rank is then its ceil-share
+    seq: int | None = None  # with SP, the whole length when it does not divide: split as torch.tensor_split splits it
 
 
 def run_block(rank, tp, group, case: BlockCase):
@@ -46,7 +48,8 @@ def run_block(rank, tp, group, case: BlockCase):
 
         assert matmul.INTERPRET
     torch.manual_seed(case.seed)
-    S, F = case.seq_per_rank * tp, case.ffn if case.ffn is not None else case.ffn_per_rank * tp
+    S, F = case.seq or case.seq_per_rank * tp, case.ffn if case.ffn is not None else case.ffn_per_rank * tp
+    sizes = [len(part) for part in torch.arange(S).tensor_split(tp)]  # each rank's part under SP (torch's split)
     fc1 = nn.Linear(case.hidden, F, bias=case.bias, dtype=case.dtype)
     fc2 = nn.Linear(F, case.hidden, bias=case.bias, dtype=case.dtype)
     shape = (case.batch, S, case.hidden)
@@ -79,18 +82,19 @@ def run_block(rank, tp, group, case: BlockCase):
         fc2, group=group, sequence_parallel=sp, input_is_parallel=not case.gather, overlap=case.overlap
     )
     seq_dim = 1 if sp else None
-    x_local = (x.chunk(tp, 1)[rank] if sp else x).clone()
-    dy_local = dy.chunk(tp, 1)[rank] if sp else dy
+    x_local = (x.split(sizes, 1)[rank] if sp else x).clone()
+    dy_local = dy.split(sizes, 1)[rank] if sp else dy
     b, t = x_local.shape[:2]
     lead = {1: (-1,), 2: (b, t), 3: (b, 1, t)}[case.leading_dims]
     x_local = x_local.reshape(*lead, case.hidden).requires_grad_(True)
-    y = row(act(col(x_local)))
-    y.backward(dy_local.reshape(y.shape))
+    with tplayers.functional.sequence_split(S, group) if sp else contextlib.nullcontext():
+        y = row(act(col(x_local)))
+    y.backward(dy_local.reshape(y.shape))  # outside the split: each collective kept its sizes
     y, x_grad = y.reshape(dy_local.shape), x_local.grad.reshape(dy_local.shape)
 
     kw = dict(rank=rank, num_shards=tp, exact=case.exact)
-    assert_shard_close(y, y_ref.detach(), dim=seq_dim, **kw, msg=lambda m: f"output: {m}")
-    assert_shard_close(x_grad, x_ref.grad, dim=seq_dim, **kw, msg=lambda m: f"input grad: {m}")
+    assert_shard_close(y, y_ref.detach(), dim=seq_dim, **kw, sizes=sizes, msg=lambda m: f"output: {m}")
+    assert_shard_close(x_grad, x_ref.grad, dim=seq_dim, **kw, sizes=sizes, msg=lambda m: f"input grad: {m}")
     assert_shard_close(col.weight.grad, fc1.weight.grad, dim=0, **kw, msg=lambda m: f"column weight grad: {m}")
     assert_shard_close(row.weight.grad, fc2.weight.grad, dim=1, **kw, msg=lambda m: f"row weight grad: {m}")
     if case.bias:
@@ -111,10 +115,12 @@ def block_cases(draw, dtypes, max_hidden, max_ffn_per_rank, backend):
     tp = draw(st.integers(1, 4))
     sp = draw(st.booleans())
     ffn_per_rank = draw(st.integers(1, max_ffn_per_rank))
+    seq = draw(st.one_of(st.none(), st.integers(tp, 3 * tp + 2))) if sp else None  # any length the group splits
     # any width: even, uneven, or narrower than the group (ranks holding none of it)
     case = BlockCase(
         batch=draw(st.integers(1, 3)),
         seq_per_rank=draw(st.integers(1, 3)),
+        seq=seq,
         hidden=draw(st.integers(1, max_hidden)),
         ffn_per_rank=ffn_per_rank,
         ffn=draw(st.one_of(st.none(), st.integers(1, ffn_per_rank * tp))),
@@ -147,16 +153,18 @@ def test_block_matches_unsharded_triton_backend(pool, data):
 
 @pytest.mark.parametrize("tp", [1, 2, 3, 4])
 @pytest.mark.parametrize(
-    "mode", ["plain", "sequence_parallel", "sp_tokens", "gather"], ids=["plain", "sp", "sp_tokens", "gather_output"]
-)
+    "mode", ["plain", "sequence_parallel", "sp_tokens", "sp_uneven", "gather"],
+    ids=["plain", "sp", "sp_tokens", "sp_uneven_length", "gather_output"],
+)  # fmt: skip
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no_overlap"])
 @pytest.mark.parametrize("width", ["even", "uneven"])
 def test_block_exact_with_integer_values(pool, tp, mode, overlap, width):
-    """uneven: 2 tp + 1 features, split [3, 2], [3, 3, 1], [3, 3, 3, 0] (the last rank holds none)."""
+    """uneven: 2 tp + 1 features, split [3, 2], [3, 3, 1], [3, 3, 3, 0] (the last rank holds none);
+    sp_uneven_length: 3 tp + 1 tokens, split [4, 3], [4, 3, 3], [4, 3, 3, 3]."""
     case = BlockCase(
         batch=2, seq_per_rank=3, hidden=13, ffn_per_rank=5, exact=True, overlap=overlap,
         sequence_parallel=mode.startswith("s"), gather=mode == "gather", leading_dims=1 if mode == "sp_tokens" else 2,
-        ffn=2 * tp + 1 if width == "uneven" else None,
+        ffn=2 * tp + 1 if width == "uneven" else None, seq=3 * tp + 1 if mode == "sp_uneven" else None,
     )  # fmt: skip
     check_block(pool, tp, case)
 

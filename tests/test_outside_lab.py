@@ -101,12 +101,17 @@ def planted(rank, world, group, bug):
     verify='logits' alone saw anything)."""
     import importlib
 
-    module = importlib.import_module("tplayers.hf.parallelize")
-
-    family, sequence_parallel, name, noop = {
-        "missing gradient sum": ("apertus", False, "_inside_sharded_modules", lambda *a: None),
-        "per-rank auxiliary loss": ("mixtral", True, "_whole_sequence_outputs", lambda *a: lambda *b: None),
+    family, sequence_parallel, where, name, noop = {
+        "missing gradient sum": ("apertus", False, "parallelize", "_inside_sharded_modules", lambda *a: None),
+        "per-rank auxiliary loss": (
+            "mixtral",
+            True,
+            "sequence_split",
+            "_whole_sequence_outputs",
+            lambda *a: lambda *b: None,
+        ),
     }[bug]
+    module = importlib.import_module(f"tplayers.hf.{where}")
     saved = getattr(module, name)
     setattr(module, name, noop)
     said = {}

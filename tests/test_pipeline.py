@@ -90,10 +90,10 @@ def next_token_loss(logits, ids):
 
 
 def hf_split_trains_like_unsharded(rank, world, group, pp, tp, schedule_name, sequence_parallel, tied, family=None,
-                                   config=None):  # fmt: skip
+                                   config=None, length=8):  # fmt: skip
     """pipeline_split of a (parallelized) tiny Llama (or of `test_families.tiny_model(family,
     **config)`): 3 AdamW steps with clipping over all stages equal the unsharded model's: every
-    loss, every clipped norm, every weight."""
+    loss, every clipped norm, every weight. `length`: the sequence's tokens."""
     from test_families import tiny_model
 
     schedule_class, virtual = SCHEDULES[schedule_name]
@@ -111,7 +111,7 @@ def hf_split_trains_like_unsharded(rank, world, group, pp, tp, schedule_name, se
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-4)
     last = any(s.is_last for s in stages)
     for step in range(3):
-        ids = torch.randint(0, 96, (4 * pp, 8), generator=torch.Generator().manual_seed(step))
+        ids = torch.randint(0, 96, (4 * pp, length), generator=torch.Generator().manual_seed(step))
         loss = schedule.step(ids, target=ids)
         norm = tplayers.clip_grad_norm_(params, 0.5)
         opt.step()
@@ -140,9 +140,12 @@ def test_hf_split_pp2_matches_unsharded(pool, schedule_name, tied):
     pool.run(hf_split_trains_like_unsharded, 2, 2, 1, schedule_name, False, tied)
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
-def test_hf_split_pp2_tp2_matches_unsharded(pool, sequence_parallel):
-    pool.run(hf_split_trains_like_unsharded, 4, 2, 2, "1f1b", sequence_parallel, True)
+@pytest.mark.parametrize(
+    "sequence_parallel, length", [(False, 8), (True, 8), (True, 7)], ids=["tp", "tp+sp", "tp+sp-7-tokens"]
+)
+def test_hf_split_pp2_tp2_matches_unsharded(pool, sequence_parallel, length):
+    """7 tokens under sequence parallelism: each TP rank sends its part, 4 or 3 tokens, to the next stage."""
+    pool.run(hf_split_trains_like_unsharded, 4, 2, 2, "1f1b", sequence_parallel, True, None, None, length)
 
 
 def step_both(loss, params, opt, reference, ref_opt, ref_losses, replica, step):

@@ -2,6 +2,7 @@
 
     comm.py           the collectives every layer issues (one place to count bytes sent)
     collectives.py    Megatron's f / g Functions: copy / reduce / scatter / gather, sequence gather / scatter
+    sequence.py       the open sequence split (any length over any group): sequence_split
     overlap.py        the overlap engine: all_gather_matmul, matmul_reduce_scatter, matmul_all_reduce
     auto_overlap.py   overlap="auto": the per-shape choice of ring or plain path, agreed by every rank
     cost_model.py     the constants and predictions behind it (defaults, the calibrated costs file)
@@ -29,6 +30,7 @@ from tplayers.functional.comm import count_bytes
 from tplayers.functional.cross_entropy import vocab_parallel_cross_entropy
 from tplayers.functional.linear import column_parallel_linear, row_parallel_linear
 from tplayers.functional.overlap import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
+from tplayers.functional.sequence import sequence_split
 
 __all__ = [
     "all_gather_matmul",
@@ -45,6 +47,7 @@ __all__ = [
     "reduce_scatter_sequence",
     "row_parallel_linear",
     "scatter_to_tp_region",
+    "sequence_split",
     "set_overlap_measuring",
     "sum_over_tp_region",
     "vocab_parallel_cross_entropy",

@@ -8,6 +8,9 @@ Each Function is the adjoint pair of one collective:
     gather_from_tp_region    fwd all-gather          bwd keep own slice   (along `dim`)
     all_gather_sequence      fwd all-gather `dim`     bwd reduce-scatter `dim` (dim 1: the sequence)
     reduce_scatter_sequence  fwd reduce-scatter `dim` bwd all-gather `dim`
+
+The sequence pair splits the sequence as tplayers.functional.sequence records it: evenly where no
+split is open, else as the open split of a length the group need not divide.
 """
 
 import torch
@@ -15,6 +18,7 @@ import torch.distributed as dist
 
 from tplayers.functional import comm
 from tplayers.functional.rng import leave_sharded_region
+from tplayers.functional.sequence import gathered_sizes, scattered_sizes
 from tplayers.placement import shard_range, shard_sizes
 
 
@@ -55,12 +59,22 @@ def all_gather_any(x, dim, group):
     return all_gather_dim(x, dim, group, sizes=sizes.tolist())
 
 
-def reduce_scatter_dim(x, dim, group):
-    """Sum `x` over ranks and keep this rank's slice along `dim`."""
+def reduce_scatter_dim(x, dim, group, sizes=None):
+    """Sum `x` over ranks and keep this rank's slice along `dim` (`sizes`: every rank's, for an
+    uneven split; default an even one)."""
     n = dist.get_world_size(group)
     if n == 1:
         return x
     dim = dim % x.dim()
+    if sizes is not None and len(set(sizes)) > 1:  # pad each rank's block to the widest: equal blocks move
+        widest, parts = max(sizes), x.split(list(sizes), dim)
+        blocks = x.new_zeros((n, *x.shape[:dim], widest, *x.shape[dim + 1 :]))
+        for block, part in zip(blocks, parts, strict=True):
+            block.narrow(dim, 0, part.shape[dim]).copy_(part)
+        out = x.new_empty(blocks.shape[1:])
+        comm.reduce_scatter_into(out, blocks, group)
+        mine = out.narrow(dim, 0, sizes[dist.get_rank(group)])
+        return mine.clone(memory_format=torch.contiguous_format)  # its own tensor, not a view: callers add in place
     size = x.shape[dim] // n
     blocks = x.unflatten(dim, (n, size)).movedim(dim, 0).contiguous()  # (n, ..., size, ...)
     out = x.new_empty(blocks.shape[1:])
@@ -124,46 +138,48 @@ class _SumOverTPRegion(torch.autograd.Function):
 
 class _ScatterToTPRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group, ctx.total = dim, group, x.shape[dim]
-        return own_slice(x, dim, group)
+    def forward(ctx, x, dim, group, sizes):
+        ctx.dim, ctx.group, ctx.total, ctx.sizes = dim, group, x.shape[dim], sizes
+        return own_slice(x, dim, group, sizes=sizes)
 
     @staticmethod
     def backward(ctx, dy):
-        return all_gather_dim(dy, ctx.dim, ctx.group, ctx.total), None, None
+        return all_gather_dim(dy, ctx.dim, ctx.group, ctx.total, sizes=ctx.sizes), None, None, None
 
 
 class _GatherFromTPRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group, total):
-        ctx.dim, ctx.group = dim, group
-        return all_gather_dim(x, dim, group, total)
+    def forward(ctx, x, dim, group, total, sizes):
+        ctx.dim, ctx.group, ctx.sizes = dim, group, sizes
+        return all_gather_dim(x, dim, group, total, sizes=sizes)
 
     @staticmethod
     def backward(ctx, dy):
-        return own_slice(dy, ctx.dim, ctx.group), None, None, None
+        return own_slice(dy, ctx.dim, ctx.group, sizes=ctx.sizes), None, None, None, None
 
 
 class _AllGatherSequence(torch.autograd.Function):
+    """Every rank's part of the sequence (split as tplayers.functional.sequence records it)."""
+
     @staticmethod
     def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return all_gather_dim(x, dim, group)
+        ctx.group, ctx.dim, ctx.sizes = group, dim, gathered_sizes(x, dim, group)
+        return all_gather_dim(x, dim, group, sizes=ctx.sizes)
 
     @staticmethod
     def backward(ctx, dy):
-        return reduce_scatter_dim(dy, ctx.dim, ctx.group), None, None
+        return reduce_scatter_dim(dy, ctx.dim, ctx.group, ctx.sizes), None, None
 
 
 class _ReduceScatterSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return reduce_scatter_dim(x, dim, group)
+        ctx.group, ctx.dim, ctx.sizes = group, dim, scattered_sizes(x, dim, group)
+        return reduce_scatter_dim(x, dim, group, ctx.sizes)
 
     @staticmethod
     def backward(ctx, dy):
-        return all_gather_dim(dy, ctx.dim, ctx.group), None, None
+        return all_gather_dim(dy, ctx.dim, ctx.group, sizes=ctx.sizes), None, None
 
 
 # On a group of one every region function is the identity, forward and backward: it returns its
@@ -190,17 +206,20 @@ def sum_over_tp_region(x, group):
     return x if _alone(group) else _SumOverTPRegion.apply(x, group)
 
 
-def scatter_to_tp_region(x, group, dim=-1):
-    return x if _alone(group) else _ScatterToTPRegion.apply(x, dim, group)
+def scatter_to_tp_region(x, group, dim=-1, sizes=None):
+    """This rank's slice along `dim` (`sizes`: every rank's, default as `shard_sizes` splits it);
+    backward all-gathers the slices."""
+    return x if _alone(group) else _ScatterToTPRegion.apply(x, dim, group, sizes)
 
 
-def gather_from_tp_region(x, group, dim=-1, total=None):
-    """All-gather along `dim` (`total`: the gathered size, for uneven slices); backward keeps this
-    rank's slice. The whole it makes is every rank's: a sharded region ends (tplayers.functional.rng)."""
+def gather_from_tp_region(x, group, dim=-1, total=None, sizes=None):
+    """All-gather along `dim` (`total`: the gathered size, for uneven slices split as `shard_sizes`
+    splits it; `sizes`: every rank's, split otherwise); backward keeps this rank's slice. The whole
+    it makes is every rank's: a sharded region ends (tplayers.functional.rng)."""
     if _alone(group):
         return x
     leave_sharded_region()
-    return _GatherFromTPRegion.apply(x, dim, group, total)
+    return _GatherFromTPRegion.apply(x, dim, group, total, sizes)
 
 
 def all_gather_sequence(x, group, dim=1):

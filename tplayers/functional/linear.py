@@ -16,6 +16,8 @@ RowParallel:    weight (N, K/n), bias (N,) replicated
            dgrad dx = all_gather_matmul(dy, W^T); wgrad dW = sum_j dy_j^T x_j and
            db = sum of the gathered dy, both from the chunks the dgrad gathered: every rank
            gets the whole bias gradient without another collective.
+Under SP each rank's s is its part of the sequence as tplayers.functional.sequence records it
+(S = n * s, or a length the group does not divide), kept in the context for backward.
 """
 
 import math
@@ -28,9 +30,11 @@ from tplayers.backend import gemm, gemm_runs_triton
 from tplayers.functional.overlap import (
     all_gather_chunks,
     all_gather_matmul,
+    chunk_rows,
     matmul_all_reduce,
     matmul_reduce_scatter,
 )
+from tplayers.functional.sequence import gathered_sizes, scattered_sizes
 
 
 def _flat(t):
@@ -52,9 +56,9 @@ def _wgrad_from_chunks(dy_chunks, x_chunks, dtype):
     return acc.to(dtype)
 
 
-def _seq_chunks(t, n):
-    """t (B, n*s, ...) -> n views (B, s, ...)."""
-    return t.chunk(n, dim=1)
+def _seq_chunks(t, sizes):
+    """t (B, S, ...) -> each rank's part of the sequence, (B, sizes[j], ...) views."""
+    return t.split(list(sizes), dim=1)
 
 
 class ColumnParallelLinearFn(torch.autograd.Function):
@@ -63,7 +67,8 @@ class ColumnParallelLinearFn(torch.autograd.Function):
         ctx.group, ctx.sequence_parallel, ctx.overlap = group, sequence_parallel, overlap
         ctx.has_bias, ctx.reduce_input_grad, ctx.widest = bias is not None, reduce_input_grad, widest
         if sequence_parallel:
-            y, chunks = all_gather_matmul(x, weight, group, bias=bias, overlap=overlap, widest=widest)
+            ctx.sizes = gathered_sizes(x, 1, group)  # every rank's part of the sequence
+            y, chunks = all_gather_matmul(x, weight, group, bias=bias, overlap=overlap, widest=widest, sizes=ctx.sizes)
             ctx.save_for_backward(chunks, weight)
             return y
         ctx.save_for_backward(x, weight)
@@ -78,14 +83,14 @@ class ColumnParallelLinearFn(torch.autograd.Function):
 def column_backward(ctx, dy, saved, weight):
     """(dx, dW, db) of a column-parallel GEMM from its output gradient dy; `saved` is the input
     (plain) or the gathered input chunks (sequence parallel). Shared with the fused SwiGLU GEMM."""
-    group, n = ctx.group, dist.get_world_size(ctx.group)
+    group = ctx.group
     widest = getattr(ctx, "widest", None)  # the widest rank's output features (uneven splits)
     dx = dw = db = None
     if ctx.sequence_parallel:
         if ctx.needs_input_grad[0]:
-            dx = matmul_reduce_scatter(dy, weight.t(), group, overlap=ctx.overlap, widest=widest)
+            dx = matmul_reduce_scatter(dy, weight.t(), group, overlap=ctx.overlap, widest=widest, sizes=ctx.sizes)
         if ctx.needs_input_grad[1]:
-            dw = _wgrad_from_chunks(_seq_chunks(dy, n), saved, weight.dtype)
+            dw = _wgrad_from_chunks(_seq_chunks(dy, ctx.sizes), chunk_rows(saved, ctx.sizes), weight.dtype)
     else:
         grads = {}
         wgrad = lambda: grads.setdefault("dw", _wgrad(dy, saved, weight.dtype))  # noqa: E731
@@ -111,23 +116,25 @@ class RowParallelLinearFn(torch.autograd.Function):
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, weight)
         if sequence_parallel:
-            return matmul_reduce_scatter(x, weight, group, bias=bias, overlap=overlap, widest=widest)
+            ctx.sizes = scattered_sizes(x, 1, group)  # every rank's part of the sequence
+            return matmul_reduce_scatter(x, weight, group, bias=bias, overlap=overlap, widest=widest, sizes=ctx.sizes)
         return matmul_all_reduce(x, weight, group, bias=bias, overlap=overlap, widest=widest)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        n = dist.get_world_size(ctx.group)
         dx = dw = db = None
         if ctx.sequence_parallel:
             if ctx.needs_input_grad[0]:
-                dx, dy_chunks = all_gather_matmul(dy, weight.t(), ctx.group, overlap=ctx.overlap, widest=ctx.widest)
+                dx, dy_chunks = all_gather_matmul(
+                    dy, weight.t(), ctx.group, overlap=ctx.overlap, widest=ctx.widest, sizes=ctx.sizes
+                )
             else:  # only the weight / bias grads: gather dy, skip the dgrad GEMM
-                dy_chunks = all_gather_chunks(dy, ctx.group)
+                dy_chunks = all_gather_chunks(dy, ctx.group, ctx.sizes)
             if ctx.needs_input_grad[1]:
-                dw = _wgrad_from_chunks(dy_chunks, _seq_chunks(x, n), weight.dtype)
+                dw = _wgrad_from_chunks(chunk_rows(dy_chunks, ctx.sizes), _seq_chunks(x, ctx.sizes), weight.dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
-                db = dy_chunks.sum((0, 1, 2))
+                db = dy_chunks.sum((0, 1, 2))  # the chunks' padding (an uneven split) is zeros
             return dx, dw, db, None, None, None, None
         if ctx.needs_input_grad[0]:
             dx = gemm(_flat(dy), weight.t()).view(*dy.shape[:-1], weight.shape[1])

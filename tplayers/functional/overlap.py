@@ -1,7 +1,8 @@
 """The overlap engine: GEMMs decomposed per rank chunk so communication hides behind compute.
 
 Notation: n ranks in `group`, this rank r; sequence-sharded activations are (B, s, *) with
-the full sequence S = n * s. GEMMs follow nn.Linear: y = x @ weight^T, weight (N, K).
+the full sequence S = n * s (or, where the group does not divide S, each rank's s as the
+`sizes` the ops take: tplayers.functional.sequence). GEMMs follow nn.Linear: y = x @ weight^T, weight (N, K).
 
     all_gather_matmul      x (B, s, K) -> y (B, S, N)   ring all-gather; step i multiplies the
                            chunk it holds into its rows of y while the next chunk is in flight.
@@ -22,6 +23,7 @@ copies; the GEMMs read and write strided views of them.
 
 import math
 
+import torch
 import torch.distributed as dist
 
 from tplayers.backend import gemm
@@ -30,35 +32,53 @@ from tplayers.functional.auto_overlap import measured_op, use_ring
 from tplayers.functional.cost_model import all_reduce_chunks
 
 
-def all_gather_chunks(x, group):
-    """Every rank's x (B, s, K) as chunks (n, B, s, K), chunk j from rank j."""
-    n = dist.get_world_size(group)
+def all_gather_chunks(x, group, sizes=None):
+    """Every rank's x (B, s_j, K) as chunks (n, B, max s_j, K), chunk j from rank j, zero past s_j
+    (`sizes`: every rank's s_j, an uneven split of the sequence; default x's own on every rank)."""
+    n, widest = dist.get_world_size(group), max(sizes) if sizes else x.shape[1]
+    if widest != x.shape[1]:  # the collective moves equal blocks
+        x = torch.cat([x, x.new_zeros((x.shape[0], widest - x.shape[1], *x.shape[2:]))], 1)
     chunks = x.new_empty((n, *x.shape))
     comm.all_gather_into(chunks, x.contiguous(), group)
     return chunks
 
 
-def _swiglu_rows(swiglu_out, j, s):
-    return {} if swiglu_out is None else {"swiglu_out": swiglu_out[:, j * s : (j + 1) * s]}
+def chunk_rows(chunks, sizes):
+    """The rows each rank sent of `all_gather_chunks`' chunks (its padding left off)."""
+    return [chunk[:, :size] for chunk, size in zip(chunks, sizes, strict=True)]
+
+
+def _starts(sizes):
+    return [sum(sizes[:j]) for j in range(len(sizes))]
+
+
+def _swiglu_rows(swiglu_out, start, size):
+    return {} if swiglu_out is None else {"swiglu_out": swiglu_out[:, start : start + size]}
 
 
 @measured_op
-def all_gather_matmul(x, weight, group, *, bias=None, overlap="auto", swiglu_out=None, widest=None):
+def all_gather_matmul(x, weight, group, *, bias=None, overlap="auto", swiglu_out=None, widest=None, sizes=None):
     """y = all_gather(x, dim=1) @ weight^T + bias.
 
-    x (B, s, K), weight (N, K) (any strides), bias (N,) -> y (B, n*s, N) and the gathered
+    x (B, s, K), weight (N, K) (any strides), bias (N,) -> y (B, S, N) and the gathered
     input as chunks (n, B, s, K), chunk j being rank j's x (reused for the weight gradient).
-    swiglu_out (B, n*s, N/2): also receives silu(y[..., 0::2]) * y[..., 1::2] from each GEMM.
+    swiglu_out (B, S, N/2): also receives silu(y[..., 0::2]) * y[..., 1::2] from each GEMM.
     `widest`: the largest N of any rank, when the ranks' N differ (an uneven split; see
-    `use_ring`: every rank must ask about one shape).
+    `use_ring`: every rank must ask about one shape). `sizes`: every rank's s, where they differ
+    (an uneven split of the sequence: the chunks are padded to the largest, `chunk_rows` reads
+    them; the ring, which passes equal chunks on, is not taken).
     """
     n, r = dist.get_world_size(group), dist.get_rank(group)
     B, s, K = x.shape
-    y = x.new_empty((B, n * s, weight.shape[0]))
-    if not use_ring("all_gather_matmul", overlap, group, x, B * n * s, K, widest or weight.shape[0]):
-        chunks = all_gather_chunks(x, group)
-        for j in range(n):
-            gemm(chunks[j], weight, bias=bias, out=y[:, j * s : (j + 1) * s], **_swiglu_rows(swiglu_out, j, s))
+    sizes = list(sizes) if sizes is not None else [s] * n
+    uneven = len(set(sizes)) > 1
+    y = x.new_empty((B, sum(sizes), weight.shape[0]))
+    if uneven or not use_ring("all_gather_matmul", overlap, group, x, B * n * s, K, widest or weight.shape[0]):
+        chunks = all_gather_chunks(x, group, sizes)
+        for j, (rows, start) in enumerate(zip(chunk_rows(chunks, sizes), _starts(sizes), strict=True)):
+            gemm(
+                rows, weight, bias=bias, out=y[:, start : start + sizes[j]], **_swiglu_rows(swiglu_out, start, sizes[j])
+            )
         return y, chunks
     chunks = x.new_empty((n, B, s, K))
     chunks[r].copy_(x)
@@ -69,7 +89,7 @@ def all_gather_matmul(x, weight, group, *, bias=None, overlap="auto", swiglu_out
         if step < n - 1:  # pass on what we hold, receive what the previous rank holds
             in_flight = comm.exchange(chunks[held], nxt, chunks[(held - 1) % n], prev, group)
         rows = slice(held * s, (held + 1) * s)
-        gemm(chunks[held], weight, bias=bias, out=y[:, rows], **_swiglu_rows(swiglu_out, held, s))
+        gemm(chunks[held], weight, bias=bias, out=y[:, rows], **_swiglu_rows(swiglu_out, held * s, s))
         for work in in_flight:
             work.wait()
     return y, chunks
@@ -132,24 +152,29 @@ def _ring_all_gather_rows(y, bounds, group, side_work=()):
 
 
 @measured_op
-def matmul_reduce_scatter(x, weight, group, *, bias=None, overlap="auto", widest=None):
+def matmul_reduce_scatter(x, weight, group, *, bias=None, overlap="auto", widest=None, sizes=None):
     """y = reduce_scatter(x @ weight^T, dim=1) + bias.
 
-    x (B, n*s, K), weight (N, K) (any strides), bias (N,) added once -> y (B, s, N).
+    x (B, S, K), weight (N, K) (any strides), bias (N,) added once -> y (B, s, N).
     `widest`: the largest K of any rank, when the ranks' K differ (an uneven split).
+    `sizes`: every rank's s, where the group does not divide S (default S / n each).
     """
-    n = dist.get_world_size(group)
+    n, r = dist.get_world_size(group), dist.get_rank(group)
     B, S, K = x.shape
-    if S % n:
+    if sizes is None and S % n:
         raise ValueError(f"sequence length {S} is not divisible by the TP size {n}")
-    s, N = S // n, weight.shape[0]
+    sizes = list(sizes) if sizes is not None else [S // n] * n
+    starts, N = _starts(sizes), weight.shape[0]
+    block = lambda j: x[:, starts[j] : starts[j] + sizes[j]]  # noqa: E731
     if n == 1 or use_ring("matmul_reduce_scatter", overlap, group, x, B * S, widest or K, N):
-        return _ring_reduce_scatter(lambda j: x[:, j * s : (j + 1) * s], weight, group, bias=bias)
-    partials = x.new_empty((n, B, s, N))
+        return _ring_reduce_scatter(block, weight, group, bias=bias)  # its blocks may differ in size
+    widest_rows = max(sizes)
+    partials = (x.new_zeros if len(set(sizes)) > 1 else x.new_empty)((n, B, widest_rows, N))  # padding: zeros
     for j in range(n):
-        gemm(x[:, j * s : (j + 1) * s], weight, out=partials[j])
-    y = x.new_empty((B, s, N))
+        gemm(block(j), weight, out=partials[j, :, : sizes[j]])
+    y = x.new_empty((B, widest_rows, N))
     comm.reduce_scatter_into(y, partials, group)
+    y = y if widest_rows == sizes[r] else y[:, : sizes[r]].clone()  # its own tensor: callers add to it in place
     return y if bias is None else y.add_(bias)
 
 

@@ -20,12 +20,12 @@ interleaving copy of (dgate, dup) for the single dgrad / wgrad GEMM.
 """
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from tplayers.backend import gemm, gemm_runs_triton, uses_triton
 from tplayers.functional.linear import _flat, column_backward
 from tplayers.functional.overlap import all_gather_matmul
+from tplayers.functional.sequence import gathered_sizes
 from tplayers.kernels.swiglu_ref import swiglu_backward_ref
 
 
@@ -44,9 +44,11 @@ class ColumnSwiGLUFn(torch.autograd.Function):
         ctx.has_bias, ctx.reduce_input_grad = bias is not None, True
         f = weight.shape[0] // 2
         if sequence_parallel:
-            B, s, _ = x.shape
-            h = x.new_empty((B, dist.get_world_size(group) * s, f))
-            y, chunks = all_gather_matmul(x, weight, group, bias=bias, overlap=overlap, swiglu_out=h, widest=widest)
+            ctx.sizes = gathered_sizes(x, 1, group)  # every rank's part of the sequence
+            h = x.new_empty((x.shape[0], sum(ctx.sizes), f))
+            y, chunks = all_gather_matmul(
+                x, weight, group, bias=bias, overlap=overlap, swiglu_out=h, widest=widest, sizes=ctx.sizes
+            )
             ctx.save_for_backward(chunks, weight, y)
             return h
         x2 = _flat(x)

@@ -53,6 +53,7 @@ from tplayers.functional.collectives import (
     reduce_from_tp_region,
     reduce_scatter_sequence,
 )
+from tplayers.functional.sequence import gathered_sizes
 from tplayers.hf import expert_parallel, pieces
 from tplayers.hf.shard import ShardingPass, copy_in, gather
 from tplayers.hf.source import same_forward
@@ -143,13 +144,14 @@ def _expert_hooks(module, group, sequence_parallel, bias_once=False, identity_fr
     zero-computation experts), which every rank would add whole to its partial output: every rank
     but rank 0 routes them a weight of exactly 0, so the sum holds them once, and their gradients
     (the token's, the weight's) come from rank 0 alone and are summed with the others'."""
-    if sequence_parallel:
+    shape = []  # the tokens' own layout on this rank, (B, s, H) or (tokens, H): the output's
+    if sequence_parallel:  # gathered as rows (tokens, H): the ranks' parts of the sequence may differ in length
         prepare = (
-            lambda h: all_gather_sequence(h, group, 0),
-            lambda i: all_gather_dim(i, 0, group),
+            lambda h: all_gather_sequence(h.reshape(-1, h.shape[-1]), group, 0),
+            lambda i: all_gather_dim(i, 0, group, sizes=gathered_sizes(i, 0, group)),  # int: no autograd
             lambda w: all_gather_sequence(w, group, 0),
         )
-        finish = lambda y: reduce_scatter_sequence(y, group, 0)  # noqa: E731
+        finish = lambda y: reduce_scatter_sequence(y.reshape(-1, y.shape[-1]), group, 0).view(shape[-1])  # noqa: E731
     else:
         prepare = (lambda h: copy_to_tp_region(h, group), lambda i: i, lambda w: copy_to_tp_region(w, group))
         finish = lambda y: reduce_from_tp_region(y, group)  # noqa: E731
@@ -157,6 +159,7 @@ def _expert_hooks(module, group, sequence_parallel, bias_once=False, identity_fr
 
     def before(mod, args, kwargs):
         values = list(args) + [kwargs.pop(k) for k in names[len(args) :]]
+        shape[:] = [values[0].shape]
         tokens, indices, weights = (f(v) for f, v in zip(prepare, values, strict=True))
         if identity_from is not None and dist.get_rank(group) != 0:
             weights = torch.where(indices >= identity_from, torch.zeros_like(weights), weights)

@@ -13,15 +13,12 @@ Anything else takes `plan={module name: "colwise" | "rowwise" | "vocab" | "repli
 projection that neither is recognised nor in the plan is an error naming it.
 
 With sequence_parallel=True the residual stream between the projections is sharded along the
-sequence: the hidden states are split along dim 1 as they enter the first block, each column
-layer all-gathers its input inside its GEMM, each row layer reduce-scatters its output, and
-the replicated weights applied to sequence shards (norms) get their gradients summed over the
-group, so every `.grad` is complete.
+sequence (any length: tplayers.hf.sequence_split): the hidden states are split along dim 1 as
+they enter the first block, each column layer all-gathers its input inside its GEMM, each row
+layer reduce-scatters its output, and the replicated weights applied to sequence shards (norms)
+get their gradients summed over the group, so every `.grad` is complete.
 """
 
-import inspect
-
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate
@@ -32,8 +29,6 @@ from tplayers.functional.auto_overlap import check_overlap
 from tplayers.functional.collectives import (
     all_gather_sequence,
     copy_to_tp_region,
-    gather_from_tp_region,
-    scatter_to_tp_region,
 )
 from tplayers.functional.rng import leave_sharded_region
 from tplayers.hf import families, lora, vision
@@ -42,28 +37,15 @@ from tplayers.hf import verify as verification
 from tplayers.hf.context import apply_context, context_state
 from tplayers.hf.finish import finish
 from tplayers.hf.grid import parallelize_grid
-from tplayers.hf.mlp import STACKED_STREAMS
 from tplayers.hf.norms import fuse_rms_norms
 from tplayers.hf.rollback import restored_if_refused
 from tplayers.hf.same_inputs import check_same_inputs
+from tplayers.hf.sequence_split import split_sequence
 from tplayers.hf.shard import ShardingPass, replace_hidden
 from tplayers.hf.state_dict import Records, refuse_own_save_pretrained
 from tplayers.hf.summed_grads import rehook_summed, summed_grads
 from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear, splits_checked_together
 from tplayers.placement import placement_or_none, set_placement
-
-
-def _check_sequence(hidden, n, dim=1):
-    """A residual stream of (batch, sequence, ...): (batch, sequence, hidden), or with hyper-connections
-    (batch, sequence, streams, hidden); Gemma 3n's AltUp: (streams, batch, sequence, hidden), dim 2."""
-    if hidden.dim() < dim + 2 or hidden.shape[dim] % n:
-        raise ValueError(
-            f"parallelize(sequence_parallel=True): the residual stream {tuple(hidden.shape)} has no sequence "
-            f"(dimension {dim}) divisible by the tensor-parallel size ({n}): pad each batch to a multiple of {n} "
-            f"tokens (a collator's pad_to_multiple_of={n}, the pads' labels -100), or parallelize without "
-            "sequence_parallel (generate() too: its steps add one token at a time)"
-        )
-    return hidden
 
 
 def _shared_input_hooks(modules, group, sequence_parallel):
@@ -104,126 +86,6 @@ def _refuse_convolutions_across_the_split(model, blocks, gathered):
                     "where sequence parallelism gives each rank its part of it: each token would read the tokens "
                     "before it across the split. Use sequence_parallel=False for this model"
                 )
-
-
-def _sequence_parallel_hooks(model, group, blocks):
-    """Shard the residual stream along the sequence between the first block's entry and the last
-    block's exit (the model's masks and positions are built from the whole sequence before,
-    its final norm and LM head see the whole sequence after). Replicated weights
-    inside the blocks (norms) see only this rank's part of the sequence: their gradients are
-    summed over the group, so every rank holds the whole gradient."""
-    n, dim = dist.get_world_size(group), STACKED_STREAMS.get(type(blocks[0]).__name__, 1)
-    # Entry: keep this rank's part; backward all-gathers the parts (the embeddings are replicated).
-    blocks[0].register_forward_pre_hook(
-        replace_hidden(lambda h: scatter_to_tp_region(_check_sequence(h, n, dim), group, dim=dim)), with_kwargs=True
-    )
-    # Exit: the whole sequence on every rank; backward keeps this rank's part of the (replicated) gradient.
-    blocks[-1].register_forward_hook(
-        lambda module, args, out: (
-            (gather_from_tp_region(out[0], group, dim=dim), *out[1:])
-            if isinstance(out, tuple)
-            else [gather_from_tp_region(out[0], group, dim=dim), *out[1:]]  # OpenAI GPT's blocks return a list
-            if isinstance(out, list)
-            else gather_from_tp_region(out, group, dim=dim)
-        )
-    )
-    for block in blocks:  # per-token inputs passed beside the hidden states: this rank's part
-        block.register_forward_pre_hook(_own_token_ids(block, group, n), with_kwargs=True)
-    summed_grads([p for block in blocks for p in block.parameters() if placement_or_none(p) is None], group)
-    blocks_name = next(name for name, m in model.named_modules() if m is blocks)
-    base = model.get_submodule(blocks_name.rpartition(".")[0])
-    base.register_forward_hook(_whole_sequence_outputs(group, n, dim), with_kwargs=True)
-    ends = sorted({0, len(blocks) - 1} & set(getattr(base, "cross_attention_layers", ())))
-    if ends:  # Mllama's loop skips its cross-attention layers without images: the split would not open or close
-        base.register_forward_pre_hook(_images_for_the_ends(f"{blocks_name}.{ends[0]}"), with_kwargs=True)
-
-
-def _images_for_the_ends(block):
-    """A forward pre-hook refusing a text-only batch where the first or last block is a cross-attention
-    layer (Mllama's), which the model skips without images: sequence parallelism opens the split at
-    the first block and closes it after the last."""
-
-    def hook(module, args, kwargs):
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        cached = cache is not None and cache.get_seq_length() > 0
-        if kwargs.get("cross_attention_states") is None and not cached:
-            raise ValueError(
-                f"parallelize(sequence_parallel=True): {block} is a cross-attention layer, which "
-                f"{type(module).__name__} skips in a batch without images, and sequence parallelism splits the "
-                "sequence at the first block and gathers it after the last; give this model images, or parallelize "
-                "it without sequence_parallel for text-only batches"
-            )
-
-    return hook
-
-
-# Per-token inputs a block reads beside its hidden states, over the whole sequence as the model passes them,
-# (dims, the dim of their tokens): DeepSeek-V4's token ids (its hash router), Mllama's row mask (a text row with no
-# image before it zeroed after the cross-attention's MLP; its attention mask stays whole: the attention sees the
-# whole sequence), Zamba's embeddings (concatenated to the hidden states before its shared transformer's norm),
-# Gemma 4's per-layer input (multiplied token by token into the block's gated projection)
-PER_TOKEN_INPUTS = {"input_ids": (2, 1), "full_text_row_masked_out_mask": (4, 2), "original_hidden_states": (3, 1),
-                    "per_layer_input": (3, 1)}  # fmt: skip
-
-
-def _own_token_ids(block, group, n):
-    """A forward pre-hook on `block`: its per-token inputs (PER_TOKEN_INPUTS, by keyword or by their place
-    in its forward's signature) cut to this rank's part of the sequence, the part its hidden states hold;
-    a float one through scatter_to_tp_region, so its gradient is gathered back whole."""
-    rank = dist.get_rank(group)
-    places = {k: i for i, k in enumerate(inspect.signature(block.forward).parameters) if k in PER_TOKEN_INPUTS}
-
-    def cut(t, key):
-        dims, dim = PER_TOKEN_INPUTS[key]
-        if not isinstance(t, torch.Tensor) or t.dim() != dims or t.shape[dim] % n:
-            return None
-        return scatter_to_tp_region(t, group, dim=dim) if t.is_floating_point() else t.chunk(n, dim=dim)[rank]
-
-    def hook(module, args, kwargs):
-        args, changed = list(args), False
-        for key in PER_TOKEN_INPUTS:
-            if key in kwargs and (mine := cut(kwargs[key], key)) is not None:
-                kwargs[key], changed = mine, True
-            elif places.get(key, len(args)) < len(args) and (mine := cut(args[places[key]], key)) is not None:
-                args[places[key]], changed = mine, True
-        return (tuple(args), kwargs) if changed else None
-
-    return hook
-
-
-def _whole_sequence_outputs(group, n, dim=1):
-    """A forward hook on the model holding the blocks: under sequence parallelism the router
-    logits each MoE block records (and the hidden states each block outputs) cover only this
-    rank's part of the sequence. They leave the model whole, as unsharded (all-gathered along the
-    sequence; backward keeps this rank's part), so the auxiliary load-balancing loss the causal-LM
-    head computes from them (with its attention mask, shaped for the whole batch) is the
-    unsharded model's on every rank; the router's gradient is summed over the group like a norm's.
-    `dim`: the residual stream's sequence dimension (2 for Gemma 3n's stacked AltUp states)."""
-
-    def whole(t, batch, seq):
-        if not isinstance(t, torch.Tensor):
-            return t
-        if t.dim() == 2 and t.shape[0] * n == batch * seq:  # (tokens, experts): (batch, seq / n) flattened
-            return gather_from_tp_region(t.view(batch, seq // n, -1), group, dim=1).reshape(batch * seq, -1)
-        if t.dim() >= 3 and t.shape[0] == batch and t.shape[1] * n == seq:  # (batch, seq / n, ...)
-            return gather_from_tp_region(t, group, dim=1)
-        if dim == 2 and t.dim() == 4 and t.shape[1] == batch and t.shape[2] * n == seq:  # (streams, batch, seq / n, H)
-            return gather_from_tp_region(t, group, dim=2)
-        return t
-
-    def hook(module, args, kwargs, out):
-        inputs = kwargs.get("input_ids", args[0] if args else None)
-        inputs = kwargs.get("inputs_embeds") if inputs is None else inputs
-        if inputs is None or not hasattr(out, "keys"):
-            return out
-        batch, seq = inputs.shape[0], inputs.shape[1]
-        for key in ("router_logits", "hidden_states"):
-            values = out.get(key)
-            if isinstance(values, tuple | list):
-                out[key] = tuple(whole(v, batch, seq) for v in values)
-        return out
-
-    return hook
 
 
 def _inside_sharded_modules(model, done, whole, group):
@@ -481,7 +343,7 @@ def _parallelize(
     # before sequence parallelism sums every block weight left
     _inside_sharded_modules(model, parallelizer.done, parallelizer.whole, group)
     if sequence_parallel:
-        _sequence_parallel_hooks(model, group, blocks)
+        split_sequence(model, group, blocks)
     for p in model.parameters():  # everything else is whole on every rank, with its whole gradient
         if placement_or_none(p) is None:
             set_placement(p, group, Replicate())

@@ -4,8 +4,9 @@ the LM head on the last.
 
 Each stage computes what the model's own forward computes for its layers: positions, rotary
 embeddings and the causal mask are built on every stage from the sequence length (under
-sequence parallelism the hidden states travel between stages as each rank's sequence shard, so
-a stage past the first multiplies the length it receives by the TP size). Tied input / output
+sequence parallelism the hidden states travel between stages as each rank's part of the sequence,
+so a stage past the first sums the parts of its TP group for the length, and opens the split for
+its blocks). Tied input / output
 embeddings stay tied: the first and last stages hold the one Parameter, their gradients are
 summed after each step (as Megatron does) and the norm counts it once.
 
@@ -46,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tplayers.distributed import resolve_group
+from tplayers.functional.sequence import close_split, open_split
 from tplayers.hf.context import (
     context_state,
     rows_loss_of_rank,
@@ -141,9 +143,9 @@ class DecoderStage(nn.Module):
         if self.context is not None:
             return self._forward_in_context(x, labels if scoring else None)
         hidden = self.embed_tokens(x) if self.first else x
-        length = hidden.shape[1]
-        if self.sequence_group is not None and not self.first:  # this rank's sequence shard arrived
-            length *= dist.get_world_size(self.sequence_group)
+        length, split = hidden.shape[1], self.sequence_group is not None and not self.first
+        if split:  # this rank's part of the sequence arrived (parts may differ: tplayers.hf.sequence_split)
+            length = _whole_length(hidden, self.sequence_group)
         shape_of = hidden[:, :1].expand(hidden.shape[0], length, hidden.shape[-1])  # no copy
         position_ids = torch.arange(length, device=hidden.device).unsqueeze(0)
         mask = create_causal_mask(
@@ -152,14 +154,20 @@ class DecoderStage(nn.Module):
         )  # fmt: skip
         position_embeddings = self.rotary_emb(shape_of, position_ids=position_ids)
         types = getattr(self.config, "layer_types", None) or ()
-        for index, layer in zip(self.layer_indices or range(len(self.layers)), self.layers, strict=True):
-            # linear-attention / state-space layers take the 2-D padding mask, None without padding
-            linear = index < len(types) and types[index] == "linear_attention"
-            hidden = layer(
-                hidden, attention_mask=None if linear else mask, position_ids=position_ids,
-                position_embeddings=position_embeddings,
-            )  # fmt: skip
-            hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+        if split:  # the blocks' sequence collectives read the whole length from it
+            open_split(length, dist.get_world_size(self.sequence_group))
+        try:
+            for index, layer in zip(self.layer_indices or range(len(self.layers)), self.layers, strict=True):
+                # linear-attention / state-space layers take the 2-D padding mask, None without padding
+                linear = index < len(types) and types[index] == "linear_attention"
+                hidden = layer(
+                    hidden, attention_mask=None if linear else mask, position_ids=position_ids,
+                    position_embeddings=position_embeddings,
+                )  # fmt: skip
+                hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+        finally:
+            if split:
+                close_split()
         if self.last:
             if scoring:
                 return ParallelLMHead.loss(self._deferred_logits(hidden), shifted_labels(labels))
@@ -213,6 +221,15 @@ class DecoderStage(nn.Module):
         finally:
             state.layout = None
         return hidden
+
+
+def _whole_length(hidden, group):
+    """The sequence length whose parts the ranks of `group` hold (each its own of `hidden`'s dim 1): a
+    stage past the first cannot tell it from its own part, nor trust a length told before (a later
+    micro-batch may be shorter), so the parts are summed (one tiny all-reduce per micro-batch)."""
+    parts = torch.tensor([hidden.shape[1]], device=hidden.device)
+    dist.all_reduce(parts, group=group)
+    return int(parts.item())
 
 
 class NextTokenLoss:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Replicate
 
 from tplayers.functional.collectives import own_slice
+from tplayers.functional.sequence import scattered_sizes
 from tplayers.hf.attention import head_split, localize_attributes, split_per_head
 from tplayers.hf.mixers import channel_split_conv
 from tplayers.hf.shard import ShardingPass
@@ -202,7 +203,9 @@ def rwkv_block(sp: ShardingPass, name, block):
     if sp.sp:  # each rank's part of their gradients: summed
         sp.shared_input_column(f"{name}.feed_forward.key", ffn.key, split_sizes=ffn_split)
         group = sp.group
-        ffn.receptance.register_forward_pre_hook(lambda mod, args: (own_slice(args[0], 1, group), *args[1:]))
+        ffn.receptance.register_forward_pre_hook(
+            lambda mod, args: (own_slice(args[0], 1, group, sizes=scattered_sizes(args[0], 1, group)), *args[1:])
+        )
         sp.shared_input.append(ffn)
         sp.partial_grads.extend(mixes)
     else:  # whole gradients: key's input gradient is summed before them

@@ -299,7 +299,8 @@ def _stage_ep_bytes_per_microbatch(ctx: _Context, stage: int) -> float:
     """The dispatch and combine all-to-alls of the stage's MoE layers (`ep_bytes_per_layer`), each
     TP rank dispatching its sequence slice under sequence parallelism, all its tokens otherwise."""
     layout = ctx.layout
-    tokens = ctx.model.seq_len * layout.micro_batch / (layout.tp if layout.sequence_parallel else 1)
+    # the rank holding most of the sequence (the first ones, where tp does not divide it)
+    tokens = -(-ctx.model.seq_len // (layout.tp if layout.sequence_parallel else 1)) * layout.micro_batch
     per_layer = ep_bytes_per_layer(ctx.model, tokens, layout.ep, ctx.precision.activation_bytes,
                                    imbalance=ctx.imbalance, recompute=layout.recompute)  # fmt: skip
     return ctx.layers(stage)[1] * per_layer

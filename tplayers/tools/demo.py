@@ -396,9 +396,8 @@ def run_demo(cfg: DemoConfig) -> dict:
         raise ValueError(f"--keep {cfg.keep}: at least the last checkpoint must be kept")
     if cfg.resume and last_checkpoint(cfg.resume) is None:
         raise ValueError(f"--resume {cfg.resume}: no checkpoint folder there ({STEP_PREFIX}<n>, written by --save)")
-    if cfg.sequence_parallel and cfg.seq % (cfg.tp[0] if grid else tp):  # a grid splits the sequence over tp_r
-        over = f"tp_r ({cfg.tp[0]})" if grid else f"the tensor-parallel size ({tp})"
-        raise ValueError(f"seq ({cfg.seq}) is not divisible by {over}")
+    if cfg.sequence_parallel and grid and cfg.seq % cfg.tp[0]:  # a grid splits the sequence over tp_r evenly
+        raise ValueError(f"seq ({cfg.seq}) is not divisible by tp_r ({cfg.tp[0]})")
     return tplayers.launch(train_on_rank, cfg.dp * cfg.pp * cfg.cp * tp, cfg)[0]
 
 
