@@ -114,7 +114,7 @@ def test_demo_on_triton_backend(tmp_path):
     ("flags", "said"),
     [
         (["--hidden", "66"], "hidden (66) is not divisible by heads (4)"),
-        (["--tp", "4x1", "--sequence-parallel", "--seq", "30"], "seq (30) is not divisible by tp_r (4)"),
+        (["--tp", "4x1", "--sequence-parallel", "--seq", "3"], "seq (3) is shorter than tp_r (4)"),
         (["--tp", "2y2"], "--tp takes a size (8) or a grid RxC (4x4), got '2y2'"),
     ],
 )

@@ -33,9 +33,11 @@ def test_what_a_grid_does_not_run_is_refused_by_name():
     cluster = ClusterSpec.preset("h100", num_gpus=16)
     assert not validate_layout(LLAMA, cluster, Layout(tp=(2, 4), pp=2))  # pipelines of a grid model run
     assert not validate_layout(LLAMA, cluster, Layout(tp=(2, 4), dp=2, sequence_parallel=True))  # and sequence sharding
-    odd = dataclasses.replace(LLAMA, seq_len=1022)  # the sequence splits over tp_r
-    assert "seq_len (1022) not divisible by tp_r (4)" in " ".join(
-        validate_layout(odd, cluster, Layout(tp=(4, 2), dp=2, sequence_parallel=True))
+    odd = dataclasses.replace(LLAMA, seq_len=1022)  # the sequence splits over tp_r, any length: 256, 256, 255, 255
+    assert not validate_layout(odd, cluster, Layout(tp=(4, 2), dp=2, sequence_parallel=True))
+    short = dataclasses.replace(LLAMA, seq_len=3)  # but not fewer tokens than ranks
+    assert "seq_len (3) < tp_r (4): a rank holds no token" in " ".join(
+        validate_layout(short, cluster, Layout(tp=(4, 2), dp=2, sequence_parallel=True))
     )
     assert "tp_c=16 does not divide 8" in " ".join(validate_layout(LLAMA, cluster, Layout(tp=(1, 16))))
     wide = ModelSpec.preset("llama3-8b")  # 8 kv heads

@@ -55,6 +55,7 @@ from tplayers.hf.attention import HEAD_COUNTS, HIDDEN_WIDTHS, KV_HEAD_COUNTS, lo
 from tplayers.hf.finish import finish
 from tplayers.hf.mlp import is_silu
 from tplayers.hf.norms import fuse_rms_norms, rms_norm_eps
+from tplayers.hf.sequence_split import split_blocks
 from tplayers.hf.shard import ShardingPass, copy_in, replace_hidden
 from tplayers.hf.state_dict import ExportRecord, Records
 from tplayers.nn.grid import GridLinear
@@ -262,22 +263,16 @@ def _edge_hooks(blocks, groups, hidden, sequence_parallel):
     masks and positions are built from the whole sequence before, its final norm and LM head see
     the whole hidden state after)."""
     row, col = groups["tp_r"], groups["tp_c"]
-    r = dist.get_world_size(row)
 
     def enter(h):
-        if sequence_parallel:
-            if h.dim() != 3 or h.shape[1] % r:  # every rank sees the same length: all raise together
-                raise ValueError(
-                    f"parallelize(sequence_parallel=True) on a grid: sequence length {tuple(h.shape)[1:2]} is not "
-                    f"divisible by tp_r ({r}): pad each batch to a multiple of {r} tokens (a collator's "
-                    f"pad_to_multiple_of={r}, the pads' labels -100), or parallelize without sequence_parallel"
-                )
-            h = scatter_to_tp_region(h, row, dim=1)
         return scatter_to_tp_region(h, col, dim=-1)
 
     def leave(h):
-        h = gather_from_tp_region(h, col, dim=-1, total=hidden)
-        return gather_from_tp_region(h, row, dim=1) if sequence_parallel else h
+        return gather_from_tp_region(h, col, dim=-1, total=hidden)
+
+    if sequence_parallel:  # the sequence over tp_r, any length, as on a 1-D group; the features inside it
+        split_blocks(blocks, row, 1, features=(enter, leave))
+        return
 
     blocks[0].register_forward_pre_hook(replace_hidden(enter), with_kwargs=True)
     blocks[-1].register_forward_hook(

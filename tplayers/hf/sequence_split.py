@@ -34,9 +34,7 @@ def split_sequence(model, group, blocks):
     sequence: their gradients are summed over the group, so every rank holds the whole gradient.
     """
     n, dim = dist.get_world_size(group), STACKED_STREAMS.get(type(blocks[0]).__name__, 1)
-    latest = {}  # the length the first block last split: the other blocks' in the same forward
-    for index, block in enumerate(blocks):
-        _block_hooks(block, index, len(blocks), latest, group, n, dim)
+    split_blocks(blocks, group, dim)
     summed_grads([p for block in blocks for p in block.parameters() if placement_or_none(p) is None], group)
     blocks_name = next(name for name, m in model.named_modules() if m is blocks)
     base = model.get_submodule(blocks_name.rpartition(".")[0])
@@ -59,18 +57,30 @@ def _check_length(hidden, n, dim):
     return hidden.shape[dim]
 
 
-def _block_hooks(block, index, count, latest, group, n, dim):
-    """The hooks opening and closing `block`'s split: the first block keeps this rank's part of the
-    sequence (backward all-gathers the parts: the embeddings are replicated), the last gathers the
-    whole sequence on every rank (backward keeps this rank's part of the replicated gradient)."""
-    rank, running = dist.get_rank(group), []
+def split_blocks(blocks, group, dim=1, features=None):
+    """The hooks opening and closing each block's split over `group` along `dim`: the first block
+    keeps this rank's part of the sequence (backward all-gathers the parts: the embeddings are
+    replicated), the last gathers the whole sequence on every rank (backward keeps this rank's part
+    of the replicated gradient). `features`: (split, gather) of the features too, after the sequence's
+    split and before its gather (a grid's tp_c: tplayers.hf.grid)."""
+    latest = {}  # the length the first block last split: the other blocks' in the same forward
+    for index, block in enumerate(blocks):
+        _block_hooks(block, index, len(blocks), latest, group, dim, features or (_same, _same))
+
+
+def _same(hidden):
+    return hidden
+
+
+def _block_hooks(block, index, count, latest, group, dim, features):
+    n, rank, running = dist.get_world_size(group), dist.get_rank(group), []
 
     def enter(hidden):
         if index == 0:
             if torch._C._current_graph_task_id() == -1:  # a forward, not a recompute inside backward
                 forget_splits()
             length = latest["length"] = _check_length(hidden, n, dim)
-            hidden = scatter_to_tp_region(hidden, group, dim=dim, sizes=even_sizes(length, n))
+            hidden = features[0](scatter_to_tp_region(hidden, group, dim=dim, sizes=even_sizes(length, n)))
         else:  # the first block's length, or a pipeline stage's (it opens the split around its blocks)
             length = open_length(n) or latest.get("length")
             mine = even_sizes(length, n)[rank] if length is not None else None
@@ -89,7 +99,7 @@ def _block_hooks(block, index, count, latest, group, n, dim):
             if hidden.requires_grad:
                 hidden = _SplitInBackward.apply(hidden, running[-1], n, True)
             if index == count - 1:
-                hidden = gather_from_tp_region(hidden, group, dim=dim, sizes=even_sizes(running[-1], n))
+                hidden = gather_from_tp_region(features[1](hidden), group, dim=dim, sizes=even_sizes(running[-1], n))
             return hidden
 
         if isinstance(out, tuple):

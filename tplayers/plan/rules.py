@@ -88,9 +88,7 @@ def _model_reasons(model: ModelSpec, layout: Layout) -> list[str]:
         reasons.append(f"layers ({model.layers}) not divisible by pp ({pp})")
     elif layout.schedule == "interleaved" and model.layers % (pp * v):
         reasons.append(f"layers ({model.layers}) not divisible by pp*virtual_stages ({pp}*{v} = {pp * v})")
-    # a 1-D group splits any length (tplayers.hf.sequence_split), a grid's tp_r an even one
-    if layout.sequence_parallel and layout.tp_grid and model.seq_len % layout.tp_grid[0]:
-        reasons.append(f"sequence parallelism: seq_len ({model.seq_len}) not divisible by tp_r ({layout.tp_grid[0]})")
-    if layout.sequence_parallel and model.seq_len < tp:
-        reasons.append(f"sequence parallelism: seq_len ({model.seq_len}) < tp ({tp}): a rank would hold no token")
+    split, over = (layout.tp_grid[0], "tp_r") if layout.tp_grid else (tp, "tp")
+    if layout.sequence_parallel and model.seq_len < split:  # any length splits (tplayers.hf.sequence_split)
+        reasons.append(f"sequence parallelism: seq_len ({model.seq_len}) < {over} ({split}): a rank holds no token")
     return reasons

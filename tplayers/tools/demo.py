@@ -396,8 +396,9 @@ def run_demo(cfg: DemoConfig) -> dict:
         raise ValueError(f"--keep {cfg.keep}: at least the last checkpoint must be kept")
     if cfg.resume and last_checkpoint(cfg.resume) is None:
         raise ValueError(f"--resume {cfg.resume}: no checkpoint folder there ({STEP_PREFIX}<n>, written by --save)")
-    if cfg.sequence_parallel and grid and cfg.seq % cfg.tp[0]:  # a grid splits the sequence over tp_r evenly
-        raise ValueError(f"seq ({cfg.seq}) is not divisible by tp_r ({cfg.tp[0]})")
+    split, over = (cfg.tp[0], "tp_r") if grid else (tp, "the tensor-parallel size")
+    if cfg.sequence_parallel and cfg.seq < split:  # any length splits, one token at least for each rank
+        raise ValueError(f"seq ({cfg.seq}) is shorter than {over} ({split}): a rank would hold no token")
     return tplayers.launch(train_on_rank, cfg.dp * cfg.pp * cfg.cp * tp, cfg)[0]
 
 
