@@ -85,7 +85,7 @@ def _batch(cfg):
     """The training batch: token ids with their mask and labels, plus what a type's loss needs
     besides (GIT scores text after its image's tokens; MusicGen's ids hold one row per codebook)."""
     generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, VOCAB - MEANINGFUL_IDS, (2, 8), generator=generator)
+    ids = torch.randint(3, VOCAB - MEANINGFUL_IDS, (2, 7), generator=generator)  # under SP parts of 4, 3 (TP 2)
     batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
     if cfg.model_type == "git":
         size = cfg.vision_config.image_size

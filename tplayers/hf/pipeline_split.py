@@ -38,6 +38,7 @@ cross-entropy inside its forward (where ZeRO-3 has the head's weight gathered): 
 its logits. A loss_fn of your own gets the logits.
 """
 
+import contextlib
 import functools
 import inspect
 
@@ -47,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tplayers.distributed import resolve_group
-from tplayers.functional.sequence import close_split, open_split
+from tplayers.functional.sequence import sequence_split
 from tplayers.hf.context import (
     context_state,
     rows_loss_of_rank,
@@ -154,9 +155,7 @@ class DecoderStage(nn.Module):
         )  # fmt: skip
         position_embeddings = self.rotary_emb(shape_of, position_ids=position_ids)
         types = getattr(self.config, "layer_types", None) or ()
-        if split:  # the blocks' sequence collectives read the whole length from it
-            open_split(length, dist.get_world_size(self.sequence_group))
-        try:
+        with self._split_for_blocks(length if split else None):
             for index, layer in zip(self.layer_indices or range(len(self.layers)), self.layers, strict=True):
                 # linear-attention / state-space layers take the 2-D padding mask, None without padding
                 linear = index < len(types) and types[index] == "linear_attention"
@@ -165,14 +164,16 @@ class DecoderStage(nn.Module):
                     position_embeddings=position_embeddings,
                 )  # fmt: skip
                 hidden = hidden[0] if isinstance(hidden, tuple) else hidden
-        finally:
-            if split:
-                close_split()
         if self.last:
             if scoring:
                 return ParallelLMHead.loss(self._deferred_logits(hidden), shifted_labels(labels))
             hidden = self.lm_head(self.norm(hidden))
         return hidden
+
+    def _split_for_blocks(self, length):
+        """The sequence split over the TP group opened around this stage's blocks, whose collectives read
+        it (`length`: the whole length of the parts, None where the blocks open it themselves)."""
+        return sequence_split(length, self.sequence_group) if length is not None else contextlib.nullcontext()
 
     def _deferred_logits(self, hidden):
         """The head's placeholder for the logits of `hidden` (tplayers.nn.lm_head): nothing computed."""
@@ -205,10 +206,12 @@ class DecoderStage(nn.Module):
         try:
             hidden = self.embed_tokens(state.layout.take(x)) if self.first else x
             position_embeddings = self.rotary_emb(hidden, position_ids=positions)
-            for layer in self.layers:  # no mask: the attention reads the layout
-                hidden = layer(hidden, attention_mask=None, position_ids=positions,
-                               position_embeddings=position_embeddings)  # fmt: skip
-                hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+            split = self.sequence_group is not None and not self.first  # this rank's part of its CP share
+            with self._split_for_blocks(_whole_length(hidden, self.sequence_group) if split else None):
+                for layer in self.layers:  # no mask: the attention reads the layout
+                    hidden = layer(hidden, attention_mask=None, position_ids=positions,
+                                   position_embeddings=position_embeddings)  # fmt: skip
+                    hidden = hidden[0] if isinstance(hidden, tuple) else hidden
             if self.last and labels is not None:  # the whole rows' loss from this rank's tokens, no logits
                 placeholder = self._deferred_logits(hidden)
                 return rows_loss_of_rank(state, labels, lambda mine, count: ParallelLMHead.loss(
