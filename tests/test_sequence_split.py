@@ -59,3 +59,16 @@ def test_a_sequence_shorter_than_the_group_is_refused_on_every_rank(pool):
     for reply in pool.run(too_short, 3, return_exceptions=True):
         assert isinstance(reply, RemoteError), reply
         assert "no sequence (dimension 1) of at least 3 tokens, one for each rank" in reply.message, reply.message
+
+
+def after_a_stopped_backward(rank, tp, group):
+    """A backward stopped early (`torch.autograd.grad` of an inner tensor) leaves the split it reopened for a
+    block's recompute open: the next forward, of another length, must not read it."""
+    from tplayers.functional.sequence import open_split
+
+    open_split(5, tp, reopened=True)  # what such a backward leaves
+    steps_of_other_lengths(rank, tp, group, "llama", {}, (7,), True)
+
+
+def test_a_split_a_stopped_backward_left_open_is_not_read(pool):
+    pool.run(after_a_stopped_backward, 3)

@@ -23,15 +23,16 @@ from tplayers.placement import even_sizes
 
 class _Open(threading.local):
     def __init__(self):
-        self.splits = []  # (total, n) of each split open on this thread, innermost last
+        self.splits = []  # (total, n, reopened in backward) of each split open on this thread, innermost last
 
 
 _open = _Open()
 
 
-def open_split(total: int, n: int) -> None:
-    """From here on the residual stream's `total` tokens are split over a group of `n` (until close_split)."""
-    _open.splits.append((int(total), n))
+def open_split(total: int, n: int, reopened: bool = False) -> None:
+    """From here on the residual stream's `total` tokens are split over a group of `n` (until close_split;
+    `reopened`: by a backward, for a block's recompute)."""
+    _open.splits.append((int(total), n, reopened))
 
 
 @contextlib.contextmanager
@@ -54,15 +55,14 @@ def sequence_split(length: int, group):
 def close_split(expected=None) -> None:
     """Close the innermost split (`expected`: its (total, n), where a backward closes what it opened:
     a split not open is left alone)."""
-    if expected is None or (_open.splits and _open.splits[-1] == (int(expected[0]), expected[1])):
+    if expected is None or (_open.splits and _open.splits[-1][:2] == (int(expected[0]), expected[1])):
         _open.splits.pop()
 
 
-def forget_splits() -> None:
-    """Close every split open on this thread: a model's forward starts with none open (one a backward
-    opened and did not close, stopped early by `torch.autograd.grad` of an inner tensor, must not
-    outlive it)."""
-    _open.splits.clear()
+def forget_reopened() -> None:
+    """Close the splits a backward reopened and did not close (stopped early: `torch.autograd.grad` of
+    an inner tensor): a model's forward must not read them. Splits its forward runs inside stay."""
+    _open.splits[:] = [split for split in _open.splits if not split[2]]
 
 
 def open_length(n: int) -> int | None:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from tplayers.functional.collectives import gather_from_tp_region, scatter_to_tp_region
-from tplayers.functional.sequence import close_split, forget_splits, open_length, open_split
+from tplayers.functional.sequence import close_split, forget_reopened, open_length, open_split
 from tplayers.hf.mlp import STACKED_STREAMS
 from tplayers.hf.shard import replace_hidden
 from tplayers.hf.summed_grads import summed_grads
@@ -78,7 +78,7 @@ def _block_hooks(block, index, count, latest, group, dim, features):
     def enter(hidden):
         if index == 0:
             if torch._C._current_graph_task_id() == -1:  # a forward, not a recompute inside backward
-                forget_splits()
+                forget_reopened()
             length = latest["length"] = _check_length(hidden, n, dim)
             hidden = features[0](scatter_to_tp_region(hidden, group, dim=dim, sizes=even_sizes(length, n)))
         else:  # the first block's length, or a pipeline stage's (it opens the split around its blocks)
@@ -131,7 +131,7 @@ class _SplitInBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         if ctx.opens:
-            open_split(*ctx.split)
+            open_split(*ctx.split, reopened=True)
         else:
             close_split(ctx.split)
         return grad, None, None, None
