@@ -3,6 +3,7 @@ forward and every gradient on 1-4 local ranks, MHA / GQA / MQA including TP > kv
 counts that do not divide (whole heads per rank, a rank may hold none), padding masks, sequence
 parallelism; bad input rejected on every rank."""
 
+import contextlib
 import re
 import time
 from copy import deepcopy
@@ -32,6 +33,7 @@ class AttnCase:
     hidden_per_head: int = 3  # HF's config wants hidden divisible by num_heads; head_dim is separate
     batch: int = 2
     seq_per_rank: int = 2  # the whole sequence is seq_per_rank * tp
+    seq: int | None = None  # with SP, the whole length when tp does not divide it (split as torch.tensor_split)
     dtype: torch.dtype = torch.float32
     sequence_parallel: bool = False
     padding: str = "none"  # "none" | "right" | "left": a (B, S) attention_mask with padded keys
@@ -72,7 +74,8 @@ def run_attention(rank, tp, group, case: AttnCase):
     """One rank's check against the unsharded HF module; returns the replicated grads (identical on every rank)."""
     tplayers.set_backend(case.backend)
     torch.manual_seed(case.seed)
-    S = case.seq_per_rank * tp
+    S = case.seq or case.seq_per_rank * tp
+    sizes = [len(part) for part in torch.arange(S).tensor_split(tp)]  # each rank's part under SP
     config, ref = hf_attention(case)
     g = torch.Generator().manual_seed(case.seed)
     H = case.hidden_per_head * case.num_heads
@@ -98,15 +101,16 @@ def run_attention(rank, tp, group, case: AttnCase):
             source.q_proj.weight.copy_(ref.q_proj.weight.roll(case.num_heads // tp * case.head_dim, 0))
     layer = ParallelAttention.from_hf_llama(source, group=group, sequence_parallel=case.sequence_parallel)
     sp = case.sequence_parallel
-    x_local = (x.chunk(tp, 1)[rank] if sp else x).clone().requires_grad_(True)
-    y = layer(x_local, attention_mask=mask, position_ids=pos)
-    y.backward(dy.chunk(tp, 1)[rank] if sp else dy)
+    x_local = (x.split(sizes, 1)[rank] if sp else x).clone().requires_grad_(True)
+    with tplayers.functional.sequence_split(S, group) if sp else contextlib.nullcontext():
+        y = layer(x_local, attention_mask=mask, position_ids=pos)
+    y.backward(dy.split(sizes, 1)[rank] if sp else dy)
 
     kw = dict(rank=rank, num_shards=tp)
     seq_dim = 1 if sp else None
     # A padded query row (no key left) is zero in both; its values are compared too.
-    assert_shard_close(y.detach(), y_ref.detach(), dim=seq_dim, **kw, msg=lambda m: f"output: {m}")
-    assert_shard_close(x_local.grad, x_ref.grad, dim=seq_dim, **kw, msg=lambda m: f"input grad: {m}")
+    assert_shard_close(y.detach(), y_ref.detach(), dim=seq_dim, **kw, sizes=sizes, msg=lambda m: f"output: {m}")
+    assert_shard_close(x_local.grad, x_ref.grad, dim=seq_dim, **kw, sizes=sizes, msg=lambda m: f"input grad: {m}")
     replicated = {}
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
         for pname in ("weight", "bias"):
@@ -184,11 +188,12 @@ LAYOUTS = [
 
 
 @pytest.mark.parametrize("tp,num_heads,num_kv_heads", LAYOUTS)
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
+@pytest.mark.parametrize("sequence_parallel", [False, True, "uneven"], ids=["plain", "sp", "sp-2tp+1-tokens"])
 def test_head_layouts(pool, tp, num_heads, num_kv_heads, sequence_parallel):
     case = AttnCase(
-        num_heads=num_heads, num_kv_heads=num_kv_heads, sequence_parallel=sequence_parallel,
+        num_heads=num_heads, num_kv_heads=num_kv_heads, sequence_parallel=bool(sequence_parallel),
         padding="left", position_ids=True, bias=True, seed=tp * 100 + num_heads * 10 + num_kv_heads,
+        seq=2 * tp + 1 if sequence_parallel == "uneven" else None,
     )  # fmt: skip
     check_attention(pool, tp, case)
 
