@@ -37,7 +37,8 @@ DEMO_STEPS = 20  # enough to learn: the loss ends below 0.7 x its start in every
         ["--sequence-parallel", "--tp", "4", "--seq", "32", "--overlap", "on"],
         ["--dp", "2", "--tp", "2", "--zero", "3", "--no-overlap"],
         ["--pp", "2", "--tp", "2", "--sequence-parallel"],
-        ["--tp", "3", "--ffn", "100"],  # heads 4, kv heads 2, ffn 100, vocabulary 256: none divides by 3
+        # heads 4, kv heads 2, ffn 100, vocabulary 256, 31 tokens under sequence parallelism: none divides by 3
+        ["--tp", "3", "--ffn", "100", "--sequence-parallel", "--seq", "31"],
         ["--tp", "2x2", "--sequence-parallel"],  # a 2-D grid (tplayers.hf.grid), the sequence over tp_r
         ["--cp", "2", "--dp", "2", "--tp", "1"],  # context parallelism, gradients reduced over dp x cp
     ],
