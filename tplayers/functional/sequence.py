@@ -70,6 +70,12 @@ def open_length(n: int) -> int | None:
     return _open.splits[-1][0] if _open.splits and _open.splits[-1][1] == n else None
 
 
+def whole_length(local: int, n: int) -> int:
+    """The whole length of a sequence a rank holds `local` tokens of, split over a group of `n`: the
+    open split's, else n even parts."""
+    return (n > 1 and open_length(n)) or local * n
+
+
 def split_sizes(n: int) -> list[int] | None:
     """Every rank's tokens of the innermost open split over a group of `n`, or None (none open)."""
     if not _open.splits or _open.splits[-1][1] != n:

@@ -92,11 +92,12 @@ def _block_hooks(block, index, count, latest, group, dim, features):
                 )
         open_split(length, n)
         running.append(length)
-        return _SplitInBackward.apply(hidden, length, n, False) if hidden.requires_grad else hidden
+        # even parts are every sequence collective's default: a recompute needs the split reopened only otherwise
+        return _SplitInBackward.apply(hidden, length, n, False) if hidden.requires_grad and length % n else hidden
 
     def out_of_block(module, args, out):
         def whole(hidden):
-            if hidden.requires_grad:
+            if hidden.requires_grad and running[-1] % n:
                 hidden = _SplitInBackward.apply(hidden, running[-1], n, True)
             if index == count - 1:
                 hidden = gather_from_tp_region(features[1](hidden), group, dim=dim, sizes=even_sizes(running[-1], n))

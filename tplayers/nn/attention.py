@@ -33,7 +33,7 @@ from tplayers.functional.auto_overlap import check_overlap
 from tplayers.functional.collectives import copy_to_tp_region
 from tplayers.functional.context import AttentionOptions, local_attention
 from tplayers.functional.linear import column_parallel_linear
-from tplayers.functional.sequence import open_length
+from tplayers.functional.sequence import whole_length
 from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear, _ParallelLinear
 from tplayers.placement import SharesGroups, even_sizes, shard_range
 
@@ -321,9 +321,7 @@ class ParallelAttention(SharesGroups, nn.Module):
         if x.dim() != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"{name}: input must be (batch, seq, {self.hidden_size}), got {tuple(x.shape)}")
         batch = x.shape[0]
-        # under SP the whole length: an open sequence split's (any length), else tp_size even parts
-        n = self.tp_size if self.sequence_parallel else 1
-        seq = (n > 1 and open_length(n)) or x.shape[1] * n
+        seq = whole_length(x.shape[1], self.tp_size) if self.sequence_parallel else x.shape[1]
         if attention_mask is not None and tuple(attention_mask.shape) != (batch, seq):
             raise ValueError(
                 f"{name}: attention_mask must be (batch, seq) = {(batch, seq)}, got {tuple(attention_mask.shape)}"

@@ -44,7 +44,6 @@ from tplayers.distributed import GRID_AXES, grid_groups
 from tplayers.functional.auto_overlap import check_overlap
 from tplayers.functional.collectives import all_gather_sequence, copy_to_tp_region, own_slice
 from tplayers.functional.linear import row_parallel_linear
-from tplayers.functional.sequence import scattered_sizes
 from tplayers.nn.linear import _full_linear_init, autocast_operands, check_input, tokens_as_sequence
 from tplayers.placement import SharesGroups, seal, set_placement, shard_sizes
 
@@ -112,9 +111,6 @@ class GridLinear(SharesGroups, nn.Module):
         check_input(self, x, self.in_features_per_rank, self.sequence_parallel, weight)
         widest = max(self.in_sizes)
         if self.sequence_parallel and self.out_axis == "tp_c":  # row-type: reduce-scattered over tp_r
-            scattered_sizes(
-                x, 1, self.seq_group
-            )  # how the sequence splits, checked on every rank before any collective
             if self.reduce_input_grad:
                 x = copy_to_tp_region(x, self.out_group)
             return row_parallel_linear(x, weight, bias, self.in_group, sequence_parallel=True,

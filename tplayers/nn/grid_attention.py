@@ -24,7 +24,7 @@ from torch import nn
 
 from tplayers.distributed import grid_groups
 from tplayers.functional.collectives import all_gather_sequence, copy_to_tp_region
-from tplayers.functional.sequence import open_length
+from tplayers.functional.sequence import whole_length
 from tplayers.nn.attention import add_rope, attend, from_hf_llama, head_dims
 from tplayers.nn.grid import GridLinear
 from tplayers.placement import SharesGroups, shard_sizes
@@ -83,8 +83,7 @@ class GridAttention(SharesGroups, nn.Module):
 
     def forward(self, x, attention_mask=None, position_ids=None, position_embeddings=None):
         r = dist.get_world_size(self.row_group) if self.sequence_parallel else 1
-        # the whole length: the open sequence split's (any length), else r even parts
-        seq = ((r > 1 and open_length(r)) or x.shape[1] * r) if x.dim() == 3 else None
+        seq = whole_length(x.shape[1], r) if x.dim() == 3 else None
         mask = None if attention_mask is None else tuple(attention_mask.shape)
         if seq is None or (mask is not None and mask != (x.shape[0], seq)):
             shard = "seq / tp_r" if self.sequence_parallel else "seq"

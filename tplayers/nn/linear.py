@@ -32,7 +32,6 @@ from tplayers.functional.collectives import (
 )
 from tplayers.functional.linear import column_parallel_linear, row_parallel_linear
 from tplayers.functional.rng import enter_sharded_region, leave_sharded_region
-from tplayers.functional.sequence import scattered_sizes
 from tplayers.placement import PlacedModule, check_sizes, shard_sizes
 
 
@@ -379,8 +378,6 @@ class RowParallelLinear(_ParallelLinear):
         expected = self.in_features_per_rank if self.input_is_parallel else self.in_features
         x, weight, bias = autocast_operands(self, x)
         check_input(self, x, expected, self.sequence_parallel, weight)
-        if self.sequence_parallel:  # how the sequence splits, checked on every rank before any collective
-            scattered_sizes(x, 1, self.group)
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.group, dim=-1)
         return row_parallel_linear(
