@@ -8,6 +8,7 @@ Each type's tiny config comes from its own config class (`tplayers.testing.tiny_
 sweep reaches every type; drafter models, whose forward takes their target model's states, are
 listed as such."""
 
+import pickle
 import sys
 import warnings
 from collections import Counter
@@ -74,6 +75,28 @@ def tiny_reference(model_type, tp):
             length = 8
             loss = _step(reference, _batch(cfg, length))
     return model_class, cfg, loss, grads_as_state_dict(reference), length
+
+
+def computed_once(group, fn):
+    """fn()'s result on every rank of `group` (a process group or a 1-D DeviceMesh), computed on its
+    first rank only and broadcast, or the exception it raised there, raised on every rank: the
+    unsharded reference of a sweep, which the ranks would otherwise each compute on the suite's two
+    cores."""
+    pg = getattr(group, "get_group", lambda: group)()
+    box = [None, None]
+    if dist.get_rank(pg) == 0:
+        try:
+            box[0] = fn()
+        except Exception as e:
+            try:
+                pickle.dumps(e)
+                box[1] = e
+            except Exception:  # an exception that does not pickle goes as its type's name and message
+                box[1] = RuntimeError(f"{type(e).__name__}: {e}")
+    dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
+    if box[1] is not None:
+        raise box[1]
+    return box[0]
 
 
 def _build(model_class, cfg):
@@ -171,7 +194,7 @@ def sweep(rank, world, group, types):
             out[model_type, False] = out[model_type, True] = ("drafter", "runs inside its target's generate()")
             continue
         try:
-            reference = tiny_reference(model_type, world)
+            reference = computed_once(tp, lambda: tiny_reference(model_type, world))  # noqa: B023 (called at once)
         except ImportError as e:  # a library the model's code needs that the test set-up lacks (timm)
             out[model_type, False] = out[model_type, True] = ("needs a library", str(e).split(".")[0].strip())
             continue

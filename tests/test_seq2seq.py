@@ -3,7 +3,8 @@ bias split with the heads; Flan-T5's gated MLP), mT5, UMT5, LongT5, BART and its
 Pegasus, M2M-100, NLLB-MoE), T5Gemma, a BERT encoder with a BERT decoder, and the speech-to-text
 models on their text path. Compared here, independently of parallelize's own self-check: the loss
 and every gradient of a training step with decoder inputs against the unsharded model, and greedy
-generate(). Sequence parallelism is refused for them by name (their blocks are in two lists)."""
+generate(). Sequence parallelism is refused for them by name (their blocks are in two lists).
+Fine-tuned the users' way too: `parallel_trainer(Seq2SeqTrainer)` and an accelerate loop."""
 
 import copy
 import sys
@@ -152,3 +153,111 @@ def sequence_parallel_refused(rank, tp, group):
 
 def test_sequence_parallelism_is_refused_by_name(pool):
     pool.run(sequence_parallel_refused, 2)
+
+
+# -- fine-tuned the users' way: Seq2SeqTrainer generating in its evaluation, and an accelerate loop --------
+# Rows of different lengths padded by DataCollatorForSeq2Seq (labels with -100), the decoder's inputs
+# made by the model from the labels, as a summarization or translation script does.
+def seq2seq_model():
+    model = tiny_seq2seq("t5", 4)
+    # T5 starts from its pad id (a checkpoint's config says so; the default config class does not)
+    model.config.decoder_start_token_id = model.generation_config.decoder_start_token_id = model.config.pad_token_id
+    return model
+
+
+def summaries(n, seed):
+    """Sources and targets of 3-9 tokens each, ending with the end-of-sequence id, as a tokenizer makes them."""
+    g = torch.Generator().manual_seed(seed)
+    eos = seq2seq_model().config.eos_token_id
+    lengths = torch.randint(3, 10, (n, 2), generator=g).tolist()
+    return [{"input_ids": torch.randint(3, 100, (s,), generator=g).tolist() + [eos],
+             "labels": torch.randint(3, 100, (t,), generator=g).tolist() + [eos]} for s, t in lengths]  # fmt: skip
+
+
+def collator(model):
+    from tokenizers import Tokenizer, models
+    from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerFast
+
+    cfg = model.config
+    special = {"<pad>": cfg.pad_token_id, "</s>": cfg.eos_token_id}
+    vocab = {f"t{i}": i for i in range(cfg.vocab_size) if i not in special.values()} | special
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t3")),
+                                        pad_token="<pad>", eos_token="</s>", unk_token="t3")  # fmt: skip
+    return DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100)
+
+
+def seq2seq_trainer(trainer_class, model, out):
+    """SGD: the weights after compare within the table (Adam divides by each gradient's own size, so a
+    gradient near zero moves its weight by up to the learning rate whatever its rounding)."""
+    import transformers as tf
+
+    args = tf.Seq2SeqTrainingArguments(output_dir=out, per_device_train_batch_size=2, per_device_eval_batch_size=3,
+                                       gradient_accumulation_steps=2, max_steps=3, max_grad_norm=1.0, optim="sgd",
+                                       learning_rate=0.1, logging_steps=1, report_to=[], save_strategy="no", seed=0,
+                                       use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
+                                       predict_with_generate=True, generation_max_length=8)  # fmt: skip
+    trainer = trainer_class(model=model, args=args, train_dataset=summaries(16, 1), data_collator=collator(model))
+    trainer.train()
+    logged = [(h["step"], h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+    evaluated = trainer.evaluate(summaries(5, 2))
+    predicted = torch.as_tensor(trainer.predict(summaries(5, 2)).predictions)
+    return logged, evaluated["eval_loss"], predicted
+
+
+def accelerate_steps(model, prepare):
+    from accelerate import Accelerator
+
+    accelerator = Accelerator()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(1)
+    loader = torch.utils.data.DataLoader(summaries(12, 3), batch_size=4, shuffle=True, collate_fn=collator(model))
+    model, opt, loader = prepare(accelerator, model, opt, loader)
+    out = []
+    for batch in loader:
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        out.append((loss.item(), float(norm)))
+    return out
+
+
+def fine_tuned_at_tp2(rank, world, root):
+    tp = tplayers.init_mesh(tp=2)["tp"]
+    model = tplayers.parallelize(seq2seq_model(), group=tp)
+    trained = seq2seq_trainer(tplayers.hf.parallel_trainer(__import__("transformers").Seq2SeqTrainer), model, root)
+    weights = {k: v.detach().clone() for k, v in tplayers.gather_state_dict(model).items()}
+    return trained, weights, accelerate_steps(tplayers.parallelize(seq2seq_model(), group=tp), tplayers.hf.prepare)
+
+
+def test_seq2seq_trainer_and_accelerate_fine_tune_as_unsharded(tmp_path):
+    """T5 at TP 2 through `parallel_trainer(Seq2SeqTrainer)` (every logged loss and gradient norm, the
+    evaluation loss, the generated predictions, the weights after) and a plain accelerate loop with
+    clipping, against the same scripts run unsharded here."""
+    import transformers as tf
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = seq2seq_model()
+        want, want_eval, want_predicted = seq2seq_trainer(tf.Seq2SeqTrainer, reference, str(tmp_path / "ref"))
+        want_steps = accelerate_steps(seq2seq_model(), lambda accelerator, *objects: accelerator.prepare(*objects))
+    (got, got_eval, got_predicted), weights, steps = tplayers.launch(fine_tuned_at_tp2, 2, str(tmp_path / "tp2"),
+                                                                      timeout=600)[0]  # fmt: skip
+    assert [s for s, _, _ in got] == [s for s, _, _ in want] == [1, 2, 3]
+    for (step, loss, norm), (_, loss_r, norm_r) in zip(got, want, strict=True):
+        assert loss == pytest.approx(loss_r, abs=1e-5) and norm == pytest.approx(norm_r, abs=1e-5), step
+    assert got_eval == pytest.approx(want_eval, abs=1e-5)
+    assert torch.equal(got_predicted, want_predicted), (
+        got_predicted.shape,
+        want_predicted.shape,
+        (got_predicted != want_predicted).nonzero().tolist(),
+        got_predicted.tolist(),
+        want_predicted.tolist(),
+    )
+    assert sorted(weights) == sorted(reference.state_dict())
+    for name, value in reference.state_dict().items():
+        assert_close(weights[name], value, msg=name)
+    assert len(steps) == len(want_steps) == 3
+    for (loss, norm), (loss_r, norm_r) in zip(steps, want_steps, strict=True):
+        assert loss == pytest.approx(loss_r, abs=1e-5) and norm == pytest.approx(norm_r, abs=1e-5)

@@ -26,7 +26,7 @@ from tplayers.testing.tiny import tiny_config
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_families import kv_swapped  # noqa: E402
-from test_newcomers import REFUSALS, sharded_verdict  # noqa: E402
+from test_newcomers import REFUSALS, computed_once, sharded_verdict  # noqa: E402
 
 pytestmark = pytest.mark.multirank
 
@@ -230,20 +230,23 @@ def _verdicts(model_type, tp, group):
     anything but exact or refused, with it (its verdict is the one counted)."""
     try:
         pristine = tiny_vlm(model_type, tp)  # copied for each layout: cheaper than building it again
-        reference = copy.deepcopy(pristine).train()
     except ImportError as e:  # a library the model's code needs that the test set-up lacks (timm)
         return dict.fromkeys((False, True), ("needs a library", str(e).strip().split("\n")[0]))
     except Exception as e:  # its tiny config or model does not build: transformers' own validation
         return dict.fromkeys((False, True), ("unbuilt", f"{type(e).__name__}: {str(e)[:200]}"))
     try:
-        batch = image_batch(reference, tp)
+        batch = image_batch(pristine, tp)
     except ValueError as e:  # images tplayers cannot make: parallelize refuses the same way
         return dict.fromkeys((False, True), ("refused", f"{type(e).__name__}: {str(e)[:300]}"))
+
+    def reference_step():
+        reference = copy.deepcopy(pristine).train()
+        return _step(reference, *batch), grads_as_state_dict(reference)
+
     try:
-        expected = _step(reference, *batch)
+        expected, grads = computed_once(group, reference_step)
     except Exception as e:  # the unsharded model fails on the probe images: parallelize must refuse by name
         return {sp: _refused_unsharded(model_type, tp, group, sp, e) for sp in (False, True)}
-    grads = grads_as_state_dict(reference)
     out = {}
     for sp in (False, True):
         out[sp] = sharded_verdict(lambda: copy.deepcopy(pristine), lambda m: _step(m.train(), *batch),

@@ -14,7 +14,7 @@ Trainer class) that reads the model's replicas from its placement records (`repl
 - `clip_grad_norm_` is `tplayers.clip_grad_norm_`: the norm of the full gradient;
 - `no_sync` switches the data-parallel engines' gradient sync (`set_requires_gradient_sync`);
 - `gather_for_metrics` gathers over the replicas (one copy of each row), so the tail of an uneven
-  evaluation set is trimmed as accelerate trims it;
+  evaluation set is trimmed as accelerate trims it; `gather_replicas` the same, untrimmed;
 - schedulers step once per replica per optimizer step, as accelerate's do per process;
 - fp16's GradScaler becomes `tplayers.DynamicLossScaler` with its settings: an overflow on any
   rank skips the step on every rank (GradScaler decides per rank, and the ranks would diverge);
@@ -165,6 +165,11 @@ class ParallelAccelerator:
             trim = lambda t: t[: state.remainder]
             return trim(data) if isinstance(data, list) else recursively_apply(trim, data)
         return data
+
+    def gather_replicas(self, input_data):
+        """accelerate's `gather` over the replicas: one copy of each row, none trimmed. What a Trainer
+        subclass gathering with `gather` (Seq2SeqTrainer: generated tokens) means over processes."""
+        return recursively_apply(_gather_over, input_data, group=state_of(self).replicas.group)
 
     def get_state_dict(self, model, unwrap: bool = True):
         """The full state dict under the model's own names (every rank: a collective), which

@@ -7,7 +7,8 @@ rank 0's shards). What changes here, each at the Trainer's own extension points:
 
 - the accelerator becomes a `ParallelAccelerator` (`accelerate.py`): no DDP, rows per replica,
   the global gradient norm (clipped and logged), accumulation through the data-parallel engines'
-  sync switch, metrics gathered once per replica, fp16 overflows agreed on by every rank;
+  sync switch, metrics and predictions gathered once per replica (also where a subclass gathers
+  with `gather`, as Seq2SeqTrainer does), fp16 overflows agreed on by every rank;
 - `get_tp_size` is the number of ranks that read each batch, which the Trainer already divides
   its token counts, batch sizes and loss scaling by;
 - `save_model` writes the HF checkpoint from every rank cooperatively (`save_pretrained`: full
@@ -81,6 +82,13 @@ class ParallelTrainer:
         self.gather_function = functools.partial(
             self.accelerator.gather_for_metrics, use_gather_object=self.args.eval_use_gather_object
         )
+
+    def evaluation_loop(self, *args, **kwargs):
+        # Seq2SeqTrainer binds accelerate's `gather` just before: over every process, each row once per
+        # rank of its replica (the predictions repeated tp times)
+        if self.gather_function == self.accelerator.gather:
+            self.gather_function = self.accelerator.gather_replicas
+        return super().evaluation_loop(*args, **kwargs)
 
     def create_optimizer(self, model=None):
         """The Trainer's optimizer; at ZeRO-1 (`tplayers.data_parallel(..., zero_stage=1)`) with its

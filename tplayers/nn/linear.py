@@ -34,13 +34,6 @@ from tplayers.functional.linear import column_parallel_linear, row_parallel_line
 from tplayers.functional.rng import enter_sharded_region, leave_sharded_region
 from tplayers.placement import PlacedModule, check_sizes, shard_sizes
 
-
-def _divide(total: int, n: int, what: str) -> int:
-    if total % n:
-        raise ValueError(f"{what} ({total}) is not divisible by the tensor-parallel size ({n})")
-    return total // n
-
-
 _DEFERRED: list | None = None  # (group, sizes, what), while splits_checked_together() collects them
 
 

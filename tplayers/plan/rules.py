@@ -14,7 +14,7 @@ def validate_layout(
     """Reasons `layout` cannot run `model` on `cluster` (empty when it can).
 
     Checks the GPU count, TP within a node, a head per TP rank, layer divisibility, the
-    interleaved schedule's requirements, sequence parallelism's seq_len % tp, and (with
+    interleaved schedule's requirements, a token per rank under sequence parallelism, and (with
     `global_batch`) dp * micro_batch * num_microbatches == global_batch. Widths never are:
     Megatron pads the vocabulary, tplayers splits it, the heads and ffn unevenly (priced at the
     most loaded rank).

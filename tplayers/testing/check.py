@@ -19,6 +19,7 @@ functions (not lambdas or closures).
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tplayers.distributed import RankError
+from tplayers.functional import sequence_split
 from tplayers.testing.meshes import layout_mesh
 from tplayers.testing.numerics import tolerance
 
@@ -90,7 +92,8 @@ def check_parallel(
     exact                    compare bit for bit (default: only where the layout reduces nothing:
                              tp = pp = dp = 1); True with integer-valued data and weights
     shard_sequence           under sequence_parallel, the model takes and returns activations split
-                             along dim 1 over "tp" (tplayers layers used directly); False (default):
+                             along dim 1 over "tp" as torch.tensor_split splits them, any length
+                             (tplayers layers used directly, run inside `sequence_split`); False (default):
                              whole ones (`tplayers.parallelize` of an HF model)
     microbatches             pipeline micro-batches (default pp)
     pool                     a `WorkerPool` with at least the layouts' largest world size (default:
@@ -327,8 +330,8 @@ def _rows(t, mesh):
 def _seq(t, mesh, spec, layout):
     if not (spec.shard_sequence and layout.sequence_parallel):
         return t
-    tp = mesh["tp"]
-    return t.chunk(tp.size(), 1)[tp.get_local_rank()].contiguous()
+    tp = mesh["tp"]  # torch.tensor_split's parts, as tplayers splits a sequence the group does not divide
+    return t.tensor_split(tp.size(), 1)[tp.get_local_rank()].contiguous()
 
 
 def _my_part(t, mesh, spec, layout):
@@ -340,19 +343,28 @@ def _parallel_step(module, schedule, spec, mesh, x, target):
     layout = spec.layout
     x_mine = _my_part(x, mesh, spec, layout)
     t_mine = None if target is None else _my_part(target, mesh, spec, layout)
+    split = spec.shard_sequence and layout.sequence_parallel
+    # the whole length, for the layers' collectives where tp does not divide it (parts of different lengths)
+    within = sequence_split(x.shape[1], mesh["tp"].get_group()) if split else contextlib.nullcontext()
     if schedule is not None:
         first = mesh["pp"].get_local_rank() == 0
         if t_mine is None:
             t_mine = torch.zeros(x_mine.shape[0])
-        loss = schedule.step(x_mine if first else None, target=t_mine)
+        with within:
+            loss = schedule.step(x_mine if first else None, target=t_mine)
         return None, None if loss is None else _replica_mean(loss.detach().float(), mesh)
-    output = module(x_mine)
+    with within:
+        output = module(x_mine)
     loss = _loss(spec.loss_fn, output, t_mine)
-    split = spec.shard_sequence and layout.sequence_parallel
-    # A loss over this rank's part of the sequence: the TP ranks' mean is the whole sequence's
-    # (a mean over equal parts), and its gradient reaches each rank's part divided by tp.
-    (loss / mesh["tp"].size() if split else loss).backward()
-    loss = _replica_mean(loss.detach().float(), mesh, "tp") if split else loss.detach().float()
+    if not split:
+        loss.backward()
+        return getattr(output, "logits", output).detach(), _replica_mean(loss.detach().float(), mesh)
+    # A mean over this rank's part of the sequence: weighted by the part's share of the whole, the
+    # TP ranks' sum is the whole sequence's mean (parts of any length), and so is its gradient.
+    loss = loss / (x.shape[1] / x_mine.shape[1])  # / tp where the parts are even
+    loss.backward()
+    loss = loss.detach().float().clone()
+    dist.all_reduce(loss, group=mesh["tp"].get_group())
     return getattr(output, "logits", output).detach(), _replica_mean(loss, mesh)
 
 

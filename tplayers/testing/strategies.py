@@ -27,13 +27,14 @@ def layouts(
     draw, *, max_world=8, tp=(1, 2, 3, 4), pp=(1,), dp=(1, 2), zero_stages=(0, 1, 2, 3), sequence_parallel=(False,),
     divides=(), seq_len=None, layers=None, grids=(), cp=(1,),
 ):  # fmt: skip
-    """A `Layout` whose tp * pp * dp <= max_world, tp dividing every number in `divides` (heads,
-    kv heads, ffn, vocabulary: what the model splits) and, with sequence parallelism, `seq_len`;
-    pp at most `layers`. ZeRO stages only with dp > 1; with pp > 1 only stages 2-3 (tplayers
+    """A `Layout` whose tp * pp * dp <= max_world, tp dividing every number in `divides` (widths a
+    test wants even; tplayers itself splits heads, ffn and vocabulary unevenly too) and, with
+    sequence parallelism, at most `seq_len` (a token per rank; any length splits, unevenly where tp
+    does not divide it); pp at most `layers`. ZeRO stages only with dp > 1; with pp > 1 only stages 2-3 (tplayers
     refuses ZeRO 0-1 on pipeline stages across replicas). `grids`: (tp_r, tp_c) 2-D
     tensor-parallel grids drawn as well (after the 1-D sizes, smallest first; `divides` is not
     applied to them: a grid splits heads over tp_r and the hidden size over tp_c; with sequence
-    parallelism `seq_len` must divide over tp_r, the axis a grid splits the sequence over). `cp`:
+    parallelism `seq_len` is split over tp_r, the axis a grid splits the sequence over). `cp`:
     context-parallel sizes to draw (with 1-D tp only; pass the layout's mesh["cp"] as
     `parallelize(context_group=)`)."""
     tp_sizes = sorted(t for t in tp if _fits(t, divides) and t <= max_world)
@@ -48,9 +49,7 @@ def layouts(
     d = draw(st.sampled_from(sorted(x for x in dp if x * p * c * size <= max_world) or [1]))
     stages = [z for z in sorted(zero_stages) if d > 1 and (p == 1 or z >= 2)] or [0]
     zero = draw(st.sampled_from(stages)) if d > 1 else 0
-    sp_allowed = [
-        s for s in sorted(sequence_parallel) if not s or split > 1 and (seq_len is None or seq_len % split == 0)
-    ]
+    sp_allowed = [s for s in sorted(sequence_parallel) if not s or split > 1 and (seq_len is None or seq_len >= split)]
     sp = draw(st.sampled_from(sp_allowed or [False]))
     return Layout(tp=t, pp=p, dp=d, zero_stage=zero, sequence_parallel=sp, cp=c)
 
@@ -58,7 +57,7 @@ def layouts(
 @st.composite
 def shapes(draw, ndim, *, multiples=None, min_side=1, max_side=8):
     """A shape of `ndim` sides in [min_side, max_side], side i a multiple of `multiples[i]`
-    (e.g. {0: dp, 1: tp} for a (batch, seq, hidden) input under SP)."""
+    (e.g. {0: dp} for a (batch, seq, hidden) input split over data-parallel replicas)."""
     multiples = multiples or {}
     sides = []
     for i in range(ndim):
