@@ -122,6 +122,18 @@ def dpo(trainer_class, m, out):
     return history(trainer)
 
 
+def grpo(m, out):
+    """TRL's GRPOTrainer on a parallelized model: it seeds each process apart, to sample different completions."""
+    import datasets
+    from trl import GRPOConfig, GRPOTrainer
+
+    prompts = datasets.Dataset.from_list([{"prompt": "t1 t2 t3"}] * 8)
+    args = arguments(out, 2, GRPOConfig, num_generations=2, max_completion_length=4)
+    reward = lambda completions, **_: [float(len(c)) for c in completions]  # noqa: E731
+    tplayers.hf.parallel_trainer(GRPOTrainer)(model=m, reward_funcs=reward, args=args, train_dataset=prompts,
+                                              processing_class=tokenizer())  # fmt: skip
+
+
 def accelerate_loop(m, prepare, state=None):
     """A plain accelerate loop: 3 steps of batch 4 with clipping and a scheduler; with `state`,
     saved there by `accelerator.save_state` and loaded back into a fresh model, whose weights
@@ -230,6 +242,7 @@ def world_of_two(rank, world, root):
         "peft_config": lambda: tplayers.hf.parallel_trainer(SFTTrainer)(
             model=m, args=arguments(f"{root}/peft", 2), peft_config=__import__("peft").LoraConfig()
         ),
+        "grpo": lambda: grpo(m, f"{root}/grpo"),
     }.items():
         try:
             call()
@@ -492,6 +505,8 @@ def test_misuse_is_refused_by_name(runs):
     refusals = runs["two"]["refusals"]
     assert refusals["plain_accelerator"] is not None and "tplayers.hf.prepare" in refusals["plain_accelerator"]
     assert refusals["peft_config"] is not None and "tplayers.get_peft_model" in refusals["peft_config"]
+    # the ranks of a tensor-parallel group would sample different completions from the logits they share
+    assert refusals["grpo"] is not None and "ParallelGRPOTrainer seeds each process apart" in refusals["grpo"]
     assert (
         refusals["save_pretrained"] is not None
         and "tplayers.save_pretrained(model, path)" in refusals["save_pretrained"]

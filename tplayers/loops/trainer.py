@@ -27,6 +27,8 @@ import functools
 import os
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
 import transformers
 from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
@@ -37,7 +39,7 @@ from tplayers.data_parallel import shard_optimizer_state
 from tplayers.loops.accelerate import adopt
 from tplayers.loops.replicas import replicas_of
 from tplayers.loops.trl import unfuse_lm_head
-from tplayers.placement import spans_ranks
+from tplayers.placement import recorded_groups, spans_ranks
 from tplayers.state import set_state, state_of
 
 SHARDED = "tplayers"  # the sharded checkpoint's folder inside checkpoint-N
@@ -45,6 +47,26 @@ SHARDED = "tplayers"  # the sharded checkpoint's folder inside checkpoint-N
 
 def _inner(optimizer):
     return optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
+
+
+def _refuse_per_process_seeds(name: str, model: nn.Module) -> None:
+    """A trainer that seeds each process apart (TRL's online trainers, GRPO / RLOO / distillation:
+    `set_seed(seed, device_specific=True)`, for different completions per process) would have the
+    ranks of one tensor-parallel group sample different tokens from the logits they share, and
+    gathers its rewards over every process, each replica's rows once per rank: refused, by name."""
+    groups = recorded_groups(list(model.parameters()), "tp")
+    if not groups or dist.get_world_size(groups[0]) == 1:
+        return
+    seeds = [None] * dist.get_world_size(groups[0])
+    dist.all_gather_object(seeds, torch.initial_seed(), group=groups[0])
+    if len(set(seeds)) > 1:
+        raise ValueError(
+            f"{name} seeds each process apart (set_seed(device_specific=True), as TRL's GRPO / RLOO trainers do "
+            "to sample different completions per process): the ranks of one tensor-parallel group would sample "
+            "different completions from the logits they share, and its rewards are gathered over every process "
+            "(each replica's rows once per rank). tplayers does not run such online-generation trainers: generate "
+            "outside the Trainer, or train with SFT / DPO / KTO"
+        )
 
 
 class ParallelTrainer:
@@ -71,6 +93,7 @@ class ParallelTrainer:
                 f"{name}: train_sampling_strategy='batch_rebalance' assigns batches by process index, so the ranks of "
                 "one tensor-parallel group would read different rows; use 'random', 'sequential' or 'group_by_length'"
             )
+        _refuse_per_process_seeds(name, model)
         for value in list(vars(self).values()):  # the model, and a reference model beside it (DPO, GRPO, ...)
             if isinstance(value, nn.Module) and spans_ranks(value):
                 unfuse_lm_head(value)
