@@ -65,7 +65,7 @@ def _refuse_per_process_seeds(name: str, model: nn.Module) -> None:
             "to sample different completions per process): the ranks of one tensor-parallel group would sample "
             "different completions from the logits they share, and its rewards are gathered over every process "
             "(each replica's rows once per rank). tplayers does not run such online-generation trainers: generate "
-            "outside the Trainer, or train with SFT / DPO / KTO"
+            "outside the Trainer, or train with SFT / DPO"
         )
 
 
