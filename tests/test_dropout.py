@@ -128,3 +128,44 @@ def layers_with_dropout(rank, tp, group):
 def test_a_users_model_of_layers_keeps_one_model_under_dropout(pool):
     wholes = pool.run(layers_with_dropout, 3)[0]
     assert all(torch.equal(w, wholes[0]) for w in wholes)
+
+
+def replicated_over_steps(rank, tp, group, length, checkpointing, unguarded=False):
+    """Per training step under sequence parallelism: whether every rank holds the same gradient of
+    the replicated position embeddings, and the same shared generator after the step."""
+    from tplayers.hf import sequence_split
+
+    kept = sequence_split.enter_sequence_region, sequence_split.leave_sequence_region
+    if unguarded:  # the negative control: the blocks' parts draw on the shared generator unchecked
+        sequence_split.enter_sequence_region, sequence_split.leave_sequence_region = lambda device: None, lambda: None
+    try:
+        model = tplayers.parallelize(gpt2(4), group=group, sequence_parallel=True, verify=False).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        torch.manual_seed(7)
+        ids = torch.randint(3, VOCAB, (2, length), generator=torch.Generator().manual_seed(1))
+        alike = []
+        for _ in range(2):
+            model.zero_grad()
+            model(ids, labels=ids).loss.backward()
+            grads = _gathered(model.transformer.wpe.weight.grad, group)
+            states = _gathered(torch.default_generator.get_state(), group)
+            alike.append(
+                all(torch.equal(g, grads[0]) for g in grads) and all(torch.equal(s, states[0]) for s in states)
+            )
+    finally:
+        sequence_split.enter_sequence_region, sequence_split.leave_sequence_region = kept
+    return alike
+
+
+@pytest.mark.parametrize("tp, length, checkpointing", [(2, 7, False), (2, 7, True), (3, 7, False), (2, 8, False)],
+                         ids=["tp2-7-tokens", "tp2-7-tokens-checkpointed", "tp3-7-tokens", "tp2-8-tokens"])  # fmt: skip
+def test_parts_of_different_lengths_keep_the_ranks_generators_in_step(pool, tp, length, checkpointing):
+    """7 tokens over 2 ranks are parts of 4 and 3, whose dropout draws different counts: the blocks
+    give the shared generator back alike, so the next step's embedding dropout (whose backward masks
+    every token's gradient on every rank) is every rank's alike."""
+    assert pool.run(replicated_over_steps, tp, length, checkpointing) == [[True, True]] * tp
+
+
+def test_negative_control_parts_drawing_unchecked_part_the_generators(pool):
+    assert pool.run(replicated_over_steps, 2, 7, False, True)[0] == [False, False]  # parted from the first step

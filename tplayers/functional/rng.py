@@ -24,9 +24,16 @@ rank's slice gets masks of its own.
 
 The random numbers a replicated module draws (dropout on the hidden state, MoE router jitter) stay
 on the shared generator, alike on every rank as long as the ranks were seeded alike (torchrun
-scripts seed every rank with the same seed). Under sequence parallelism the ranks' sequence chunks
-draw from the shared generator too: as many on each rank (the sequence splits evenly), each token's
-mask drawn as unsharded dropout draws it, repeated across the ranks' chunks.
+scripts seed every rank with the same seed). Under sequence parallelism the ranks' parts of the
+sequence draw from the shared generator too, each token's mask drawn as unsharded dropout draws
+it, repeated across the ranks' parts. Parts of different lengths (9 tokens over 4: 3, 2, 2, 2)
+draw different counts, which would part the generators for every replicated draw after: the next
+step's embedding dropout, whose backward would then mask the other ranks' tokens' gradients with
+this rank's mask. So where the parts differ, a sequence region (a block's forward on its part,
+`enter_sequence_region`) gives the shared generator back as a sharded region does: its state
+entering, one draw further if the region drew (the masks drawn after then differ from the unsharded
+model's, as every rank's alike; even parts keep the unsharded model's stream, peft's lora_dropout
+its masks).
 
 Whether a region drew is each rank's own finding: alike wherever every rank holds part of the
 region (every rank holds heads; a width narrower than the group, with dropout inside, would leave a
@@ -44,6 +51,8 @@ _SEED_BITS = (1 << 63) - 1
 
 # [generator the region reseeded, the shared state to give back, its seeded state], while inside a region
 _inside: list = []
+# (generator, its state entering), per sequence region open (a block, a sequence_split)
+_sequence: list = []
 
 
 def _generator(device: torch.device) -> torch.Generator:
@@ -93,6 +102,21 @@ def leave_sharded_region() -> None:
         generator.set_state(shared)
         if drew:
             _advance(generator)
+
+
+def enter_sequence_region(device: torch.device) -> None:
+    """A forward on this rank's part of the sequence begins (module docstring)."""
+    generator = _generator(device)
+    _sequence.append((generator, generator.get_state()))
+
+
+def leave_sequence_region() -> None:
+    """Back to the shared generator, alike on every rank whatever the parts drew (module docstring)."""
+    generator, shared = _sequence.pop()
+    drew = not torch.equal(generator.get_state(), shared)
+    generator.set_state(shared)
+    if drew:
+        _advance(generator)
 
 
 def inside_sharded_region() -> bool:

@@ -16,8 +16,10 @@ along the features (the last dim), every rank holds as many as this one.
 import contextlib
 import threading
 
+import torch
 import torch.distributed as dist
 
+from tplayers.functional.rng import enter_sequence_region, leave_sequence_region
 from tplayers.placement import even_sizes
 
 
@@ -41,14 +43,23 @@ def sequence_split(length: int, group):
     with sequence_parallel=True) on a sequence of `length` tokens split over `group` as
     `even_sizes(length, n)` splits it: each rank passes its part, (B, its tokens, H). Needed only
     where the group does not divide `length`; backward may run outside it (each collective keeps
-    its sizes), a recompute of the layers (activation checkpointing) must run inside one too."""
+    its sizes), a recompute of the layers (activation checkpointing) must run inside one too.
+    Leaving it, the default generators (CPU, and the current CUDA device's) come back alike on every
+    rank whatever parts of different lengths drew (`tplayers.functional.rng.enter_sequence_region`)."""
     n = dist.get_world_size(group)
     if length < n:
         raise ValueError(f"sequence_split: {length} tokens over {n} ranks would leave a rank none")
+    devices = [torch.device("cpu")] if length % n else []
+    if devices and torch.cuda.is_available() and torch.cuda.is_initialized():
+        devices.append(torch.device("cuda", torch.cuda.current_device()))
     open_split(length, n)
+    for device in devices:
+        enter_sequence_region(device)
     try:
         yield even_sizes(length, n)
     finally:
+        for _ in devices:
+            leave_sequence_region()
         close_split((length, n))
 
 

@@ -51,6 +51,7 @@ from torch.distributed.tensor import Replicate
 
 from tplayers.functional.collectives import all_gather_any
 from tplayers.functional.rng import shared_draws
+from tplayers.functional.sequence import split_sizes
 from tplayers.hf import lora_experts, pieces
 from tplayers.hf.finish import finish
 from tplayers.hf.fused import MultiQueryProjection, SharedKVProjection
@@ -188,10 +189,14 @@ class ShardedDropout(nn.Module):
         if dim is None:
             with shared_draws():
                 return nn.functional.dropout(x, self.p, True)
-        if index is None:  # this rank's even part of the sequence (dim 1), or of the tokens of a 2-D input
+        if index is None:  # this rank's part of the sequence (dim 1), or of the tokens of a 2-D input
             dim, n, r = (1 if x.dim() == 3 else 0), dist.get_world_size(self.group), dist.get_rank(self.group)
-            index = torch.arange(r * shape[dim], (r + 1) * shape[dim])
-            shape[dim] *= n
+            sizes = split_sizes(n) if x.dim() == 3 else None  # the open split's parts, where they differ
+            if sizes is None or sizes[r] != shape[dim]:
+                sizes = [shape[dim]] * n
+            start = sum(sizes[:r])
+            index = torch.arange(start, start + sizes[r])
+            shape[dim] = sum(sizes)
         else:
             shape[dim] = self.total
         with shared_draws():

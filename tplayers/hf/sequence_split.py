@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from tplayers.functional.collectives import gather_from_tp_region, scatter_to_tp_region
+from tplayers.functional.rng import enter_sequence_region, leave_sequence_region
 from tplayers.functional.sequence import close_split, forget_reopened, open_length, open_split
 from tplayers.hf.mlp import STACKED_STREAMS
 from tplayers.hf.shard import replace_hidden
@@ -73,7 +74,7 @@ def _same(hidden):
 
 
 def _block_hooks(block, index, count, latest, group, dim, features):
-    n, rank, running = dist.get_world_size(group), dist.get_rank(group), []
+    n, rank, running, regions = dist.get_world_size(group), dist.get_rank(group), [], []
 
     def enter(hidden):
         if index == 0:
@@ -92,6 +93,10 @@ def _block_hooks(block, index, count, latest, group, dim, features):
                 )
         open_split(length, n)
         running.append(length)
+        # parts of different lengths draw different counts: they must not part the ranks' generators
+        regions.append(block.training and length % n != 0)  # (tplayers.functional.rng)
+        if regions[-1]:
+            enter_sequence_region(hidden.device)
         # even parts are every sequence collective's default: a recompute needs the split reopened only otherwise
         return _SplitInBackward.apply(hidden, length, n, False) if hidden.requires_grad and length % n else hidden
 
@@ -111,6 +116,8 @@ def _block_hooks(block, index, count, latest, group, dim, features):
         if running:
             running.pop()
             close_split()
+            if regions.pop():
+                leave_sequence_region()
 
     block.register_forward_pre_hook(replace_hidden(enter), with_kwargs=True)
     block.register_forward_pre_hook(_own_token_ids(block, group, n, running), with_kwargs=True)
