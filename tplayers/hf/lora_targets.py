@@ -24,6 +24,7 @@ from tplayers.hf.lora import (
     place_whole_adapter,
     record_weight_maps,
 )
+from tplayers.hf.sampling import sample_alike
 from tplayers.hf.shard import on_device
 from tplayers.hf.state_dict import export_records, refuse_own_save_pretrained
 from tplayers.nn.linear import ColumnParallelLinear
@@ -68,6 +69,7 @@ def get_peft_model(model, config, adapter_name: str = "default", **kwargs):
               original_keys=_peft_key_order(peft_model, hf_prefix, held.original_keys),
               tied={hf_prefix + k: hf_prefix + v for k, v in (held.tied or {}).items()})  # fmt: skip
     refuse_own_save_pretrained(peft_model)
+    sample_alike(peft_model)
     return peft_model
 
 

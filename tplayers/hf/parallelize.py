@@ -40,6 +40,7 @@ from tplayers.hf.grid import parallelize_grid
 from tplayers.hf.norms import fuse_rms_norms
 from tplayers.hf.rollback import restored_if_refused
 from tplayers.hf.same_inputs import check_same_inputs
+from tplayers.hf.sampling import sample_alike
 from tplayers.hf.sequence_split import split_sequence
 from tplayers.hf.shard import ShardingPass, replace_hidden
 from tplayers.hf.state_dict import Records, refuse_own_save_pretrained
@@ -264,6 +265,7 @@ def parallelize(
         else:
             model = _parallelize(model, group=resolve_group(group), verify=verify, **kwargs)
     refuse_own_save_pretrained(model)
+    sample_alike(model)
     return model
 
 

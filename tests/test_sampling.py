@@ -1,0 +1,63 @@
+"""generate() with sampling on a parallelized model (`tplayers.hf.sampling`): the ranks of a
+tensor-parallel group draw every token alike, from the group's first rank's stream, also where the
+user seeded each rank apart (before, each rank sampled its own tokens and fed them to the next
+forward, whose shards then summed parts of different sequences, silently); each rank's generator
+comes back as it was, so ranks seeded apart stay apart and ranks seeded alike stay alike."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import tplayers
+
+pytestmark = pytest.mark.multirank
+
+PROMPT = torch.tensor([[5, 6, 7, 8]])
+SAMPLING = dict(do_sample=True, max_new_tokens=12, top_k=0, temperature=3.0)
+
+
+def tiny_llama():
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=95)  # fmt: skip
+    return tf.LlamaForCausalLM(cfg).eval()
+
+
+def sampled(rank, tp, group, seed_by_rank, copied=False, bypass=False):
+    """(this rank's sampled ids, whether its generator came back as the user left it / as the first rank's)."""
+    warnings.simplefilter("ignore")
+    model = tplayers.parallelize(tiny_llama(), group=group)
+    if copied:  # a deep copy samples alike too
+        model = copy.deepcopy(model)
+    torch.manual_seed(10 + (rank if seed_by_rank else 0))
+    before = torch.get_rng_state()
+    ids = type(model).generate(model, PROMPT, **SAMPLING) if bypass else model.generate(PROMPT, **SAMPLING)
+    return ids.tolist(), torch.equal(torch.get_rng_state(), before)
+
+
+def unsharded(seed):
+    model = tiny_llama()
+    torch.manual_seed(seed)
+    return model.generate(PROMPT, **SAMPLING).tolist()
+
+
+@pytest.mark.parametrize("copied", [False, True], ids=["model", "deep-copy"])
+def test_ranks_seeded_apart_sample_the_first_ranks_tokens_and_keep_their_own_stream(pool, copied):
+    results = pool.run(sampled, 3, True, copied)
+    assert [ids for ids, _ in results] == [unsharded(10)] * 3
+    assert [restored for _, restored in results] == [False, True, True]  # the first rank's stream moved on
+
+
+def test_ranks_seeded_alike_sample_as_the_unsharded_model_and_stay_alike(pool):
+    results = pool.run(sampled, 2, False)
+    assert [ids for ids, _ in results] == [unsharded(10)] * 2
+    assert [restored for _, restored in results] == [False, False]  # one stream further, alike
+
+
+def test_negative_control_the_classs_own_generate_samples_apart(pool):
+    first, second = (ids for ids, _ in pool.run(sampled, 2, True, False, True))
+    assert first != second
