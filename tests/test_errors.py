@@ -188,6 +188,23 @@ def test_a_crash_inside_the_sharded_model_names_tplayers_the_model_and_the_modul
         assert ("parallelize(verify)" if verify else "tplayers: raised") in message, message
 
 
+def compiled(rank, tp, group):
+    from test_fused_loss import tiny_llama
+
+    model = tplayers.parallelize(tiny_llama(), group=group)
+    ids = torch.randint(0, 50, (2, 6))
+    with pytest.raises(Exception) as caught:
+        torch.compile(model, backend="eager")(ids, labels=ids)
+    return "\n".join(getattr(caught.value, "__notes__", [str(caught.value)]))
+
+
+def test_torch_compile_of_a_parallelized_model_is_said_to_be_unsupported(pool):
+    """torch.compile does not trace the sharded layers' hooks and collectives: its error from inside
+    Dynamo carries a note saying so (the Trainer's torch_compile=True is refused: tests/test_trainer.py)."""
+    for message in pool.run(compiled, 2):
+        assert "torch.compile of a model tplayers parallelized is not supported yet" in message, message
+
+
 def tie_left_whole(rank, tp, group, how):
     """A second embedding holding the input embedding's Parameter (tied): kept whole by the plan, the
     pass would shard the one and leave the other, two tensors from then on; unplanned, it is split

@@ -243,6 +243,9 @@ def world_of_two(rank, world, root):
             model=m, args=arguments(f"{root}/peft", 2), peft_config=__import__("peft").LoraConfig()
         ),
         "grpo": lambda: grpo(m, f"{root}/grpo"),
+        "torch_compile": lambda: tplayers.hf.Trainer(
+            model=m, args=arguments(f"{root}/compiled", 2, torch_compile=True), train_dataset=rows(ROWS, 1)
+        ).train(),
     }.items():
         try:
             call()
@@ -507,6 +510,7 @@ def test_misuse_is_refused_by_name(runs):
     assert refusals["peft_config"] is not None and "tplayers.get_peft_model" in refusals["peft_config"]
     # the ranks of a tensor-parallel group would sample different completions from the logits they share
     assert refusals["grpo"] is not None and "ParallelGRPOTrainer seeds each process apart" in refusals["grpo"]
+    assert refusals["torch_compile"] is not None and "torch.compile" in refusals["torch_compile"]
     assert (
         refusals["save_pretrained"] is not None
         and "tplayers.save_pretrained(model, path)" in refusals["save_pretrained"]
@@ -534,10 +538,10 @@ def test_the_save_pretrained_guard_keeps_no_model_alive():
     import gc
     import weakref
 
-    from tplayers.hf.state_dict import refuse_own_save_pretrained
+    from tplayers.hf import model_methods
 
     m = model()
-    refuse_own_save_pretrained(m)
+    model_methods.install(m)
     assert copy.deepcopy(m).save_pretrained._model() is not m  # a copy's guard is the copy's
     with pytest.raises(ValueError, match="tplayers.save_pretrained"):
         m.save_pretrained("unused")

@@ -15,7 +15,7 @@
     state_dict.py   full state dict / gradients under the original names, and loading them back
     lora.py         peft's LoRA adapters on the sharded layers, each factor sharded like its base
     lora_targets.py tplayers.get_peft_model: adapters added to an already parallelized model
-    sampling.py     generate() sampling alike on every rank of the group
+    model_methods.py  save_pretrained / resize_token_embeddings / generate() on a parallelized model
 
 `Trainer`, `parallel_trainer` and `prepare` (HF Trainer, TRL and accelerate on parallelized models)
 live in `tplayers.loops`, above tplayers.checkpoint, which they save through; they are named here

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tplayers.functional.collectives import all_gather_sequence, copy_to_tp_region
-from tplayers.hf import lora_experts
+from tplayers.hf import lora_experts, model_methods
 from tplayers.hf.lora import (
     SUPPORTED,
     _factor_record,
@@ -24,9 +24,8 @@ from tplayers.hf.lora import (
     place_whole_adapter,
     record_weight_maps,
 )
-from tplayers.hf.sampling import sample_alike
 from tplayers.hf.shard import on_device
-from tplayers.hf.state_dict import export_records, refuse_own_save_pretrained
+from tplayers.hf.state_dict import export_records
 from tplayers.nn.linear import ColumnParallelLinear
 from tplayers.state import set_state, state_of
 
@@ -68,8 +67,7 @@ def get_peft_model(model, config, adapter_name: str = "default", **kwargs):
     set_state(peft_model, exports=live_records(peft_model, hf_prefix, held.exports),
               original_keys=_peft_key_order(peft_model, hf_prefix, held.original_keys),
               tied={hf_prefix + k: hf_prefix + v for k, v in (held.tied or {}).items()})  # fmt: skip
-    refuse_own_save_pretrained(peft_model)
-    sample_alike(peft_model)
+    model_methods.install(peft_model)
     return peft_model
 
 

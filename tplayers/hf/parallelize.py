@@ -31,7 +31,7 @@ from tplayers.functional.collectives import (
     copy_to_tp_region,
 )
 from tplayers.functional.rng import leave_sharded_region
-from tplayers.hf import families, lora, vision
+from tplayers.hf import families, lora, model_methods, vision
 from tplayers.hf import fused_loss as fused
 from tplayers.hf import verify as verification
 from tplayers.hf.context import apply_context, context_state
@@ -40,10 +40,9 @@ from tplayers.hf.grid import parallelize_grid
 from tplayers.hf.norms import fuse_rms_norms
 from tplayers.hf.rollback import restored_if_refused
 from tplayers.hf.same_inputs import check_same_inputs
-from tplayers.hf.sampling import sample_alike
 from tplayers.hf.sequence_split import split_sequence
 from tplayers.hf.shard import ShardingPass, replace_hidden
-from tplayers.hf.state_dict import Records, refuse_own_save_pretrained
+from tplayers.hf.state_dict import Records
 from tplayers.hf.summed_grads import rehook_summed, summed_grads
 from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear, splits_checked_together
 from tplayers.placement import placement_or_none, set_placement
@@ -264,8 +263,7 @@ def parallelize(
             )
         else:
             model = _parallelize(model, group=resolve_group(group), verify=verify, **kwargs)
-    refuse_own_save_pretrained(model)
-    sample_alike(model)
+    model_methods.install(model)
     return model
 
 

@@ -5,7 +5,6 @@ else is needed."""
 
 import copy
 import types
-import weakref
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -187,54 +186,3 @@ def load_full_state_dict(model, state_dict, *, group=None) -> None:
     current = model.state_dict(keep_vars=True)
     for key, value in state_dict.items():  # in place: shards of data parallelism included
         copy_into(current[key], value)
-
-
-class ModelMethod:
-    """A method of a parallelized model kept in the model's own `__dict__` under the class method's
-    `name`, in place of it. It holds the model weakly (a bound method there would be a reference
-    cycle, keeping every dropped model alive until the garbage collector runs); copies of the model
-    get their own."""
-
-    name: str
-
-    def __init__(self, model):
-        self._model = weakref.ref(model)
-        self.__doc__ = getattr(type(model), self.name).__doc__
-
-    def __deepcopy__(self, memo):
-        model = self._model()
-        return type(self)(memo.get(id(model), model))
-
-    def __reduce__(self):
-        return type(self), (self._model(),)
-
-    @classmethod
-    def install(cls, model) -> None:
-        """In place of the class's method on `model` (and, for a peft model, on its base model too)."""
-        for m in (model, *((model.get_base_model(),) if hasattr(model, "get_base_model") else ())):
-            if callable(getattr(type(m), cls.name, None)):
-                object.__setattr__(m, cls.name, cls(m))
-
-
-class _GuardedSave(ModelMethod):
-    """`model.save_pretrained` on a parallelized model: refuses to write the shards."""
-
-    name = "save_pretrained"
-
-    def __call__(self, path, *args, state_dict=None, **kwargs):
-        model = self._model()
-        if state_dict is None:
-            raise ValueError(
-                f"{type(model).__name__}.save_pretrained on a model tplayers parallelized would write this rank's "
-                "shards under tplayers' module names, a checkpoint from_pretrained cannot load: call "
-                "tplayers.save_pretrained(model, path) on every rank (full tensors, HF names; a peft model's adapter "
-                "as peft writes it), as tplayers.hf.Trainer's save_model does"
-            )
-        return type(model).save_pretrained(model, path, *args, state_dict=state_dict, **kwargs)  # HF's, on a full dict
-
-
-def refuse_own_save_pretrained(model) -> None:
-    """Make `model.save_pretrained` (and `push_to_hub`, which calls it; for a peft model its base
-    model's too) refuse to write the shards unless handed the full state dict (as
-    `tplayers.save_pretrained` hands peft's)."""
-    _GuardedSave.install(model)

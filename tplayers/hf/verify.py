@@ -359,9 +359,16 @@ def _note_failure(module, args, kwargs, output):
     error = sys.exc_info()[1]  # always_call hooks run inside torch's handler of the forward's error
     if error is None or output is not None or any(n.startswith(NOTE) for n in getattr(error, "__notes__", ())):
         return
+    compiled = "torch._dynamo" in type(error).__module__  # the forward ran under torch.compile
     error.add_note(
         f"{NOTE}{failing_module(module, error.__traceback__) or ' in the forward'} of "
         f"{model_name(module)}, sharded by tplayers.parallelize"
+        + (
+            "; torch.compile of a model tplayers parallelized is not supported yet (its sharded layers' hooks and "
+            "collectives do not trace): run it without compiling"
+            if compiled
+            else ""
+        )
     )
 
 

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.data_loader import prepare_data_loader
 from accelerate.scheduler import AcceleratedScheduler
-from accelerate.utils import DistributedType, recursively_apply
+from accelerate.utils import DistributedType, DynamoBackend, recursively_apply
 from torch import nn
 
 from tplayers.checkpoint import load_checkpoint, save_checkpoint
@@ -86,6 +86,12 @@ class ParallelAccelerator:
     class in the method order."""
 
     def prepare_model(self, model: nn.Module, device_placement=None, evaluation_mode: bool = False):
+        if self.state.dynamo_plugin.backend != DynamoBackend.NO:
+            raise ValueError(
+                "accelerator.prepare: torch.compile (the Trainer's torch_compile=True, accelerate's dynamo_backend) "
+                "of a model tplayers parallelized is not supported yet: its sharded layers' hooks and collectives do "
+                "not trace; train it without compiling"
+            )
         replicas = replicas_of(model, "accelerator.prepare")
         if replicas != state_of(self).replicas:
             raise ValueError(

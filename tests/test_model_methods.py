@@ -1,6 +1,7 @@
-"""generate() with sampling on a parallelized model (`tplayers.hf.sampling`): the ranks of a
-tensor-parallel group draw every token alike, from the group's first rank's stream, also where the
-user seeded each rank apart (before, each rank sampled its own tokens and fed them to the next
+"""The HF model's own methods on a parallelized model (`tplayers.hf.model_methods`; save_pretrained's
+guard: tests/test_trainer.py). resize_token_embeddings is refused by name. generate() with sampling:
+the ranks of a tensor-parallel group draw every token alike, from the group's first rank's stream,
+also where the user seeded each rank apart (before, each rank sampled its own tokens and fed them to the next
 forward, whose shards then summed parts of different sequences, silently); each rank's generator
 comes back as it was, so ranks seeded apart stay apart and ranks seeded alike stay alike."""
 
@@ -61,3 +62,15 @@ def test_ranks_seeded_alike_sample_as_the_unsharded_model_and_stay_alike(pool):
 def test_negative_control_the_classs_own_generate_samples_apart(pool):
     first, second = (ids for ids, _ in pool.run(sampled, 2, True, False, True))
     assert first != second
+
+
+def resized(rank, tp, group):
+    model = tplayers.parallelize(tiny_llama(), group=group)
+    with pytest.raises(ValueError, match="resize the unsharded model") as caught:
+        model.resize_token_embeddings(100)
+    return model.get_input_embeddings().weight.shape[0], str(caught.value)
+
+
+def test_resize_token_embeddings_is_refused_by_name(pool):
+    for rows, message in pool.run(resized, 2):
+        assert rows == 48 and "LlamaForCausalLM.resize_token_embeddings" in message  # the model as it was
