@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 import tplayers
 from tplayers.functional.rng import enter_sharded_region, inside_sharded_region, leave_sharded_region, shared_draws
+from tplayers.state import set_state
 from tplayers.testing import assert_close
 
 pytestmark = pytest.mark.multirank
@@ -35,6 +36,8 @@ def hidden_states_in_training(rank, tp, group, heads, sequence_parallel, seed_pe
     """Every rank's hidden states after each block of one training forward, gathered."""
     model = tplayers.parallelize(gpt2(heads), group=group, sequence_parallel=sequence_parallel, verify=False).train()
     torch.manual_seed(7 + (rank if seed_per_rank else 0))  # torchrun scripts seed every rank alike
+    if seed_per_rank:  # the first training forward would refuse it (below): disarmed, to show what that prevents
+        set_state(model, check_generators=False)
     ids = torch.randint(3, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
     out = model(ids, output_hidden_states=True)
     assert not inside_sharded_region()  # the forward ends on the shared generator
@@ -55,6 +58,28 @@ def test_negative_control_ranks_seeded_apart_are_seen_apart(pool):
     """The comparison above sees ranks whose shared generators differ (each seeded by its rank)."""
     states = pool.run(hidden_states_in_training, 2, 4, False, True)[0]
     assert any(not torch.equal(s[1], s[0]) for s in states)
+
+
+def seeded_apart(rank, tp, group, rates):
+    """The error of the first training forward (after an eval one) of GPT-2 with `rates` on ranks
+    seeded apart, or None."""
+    model = tplayers.parallelize(gpt2(4, **rates), group=group, verify=False)
+    torch.manual_seed(7 + rank)  # a data-parallel script's seed + rank
+    ids = torch.randint(3, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    model.eval()(ids)  # an evaluation draws nothing: the check waits for training
+    try:
+        model.train()(ids, labels=ids).loss.backward()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_seeded_apart_are_refused_where_the_model_draws(pool):
+    for message in pool.run(seeded_apart, 2, {}):
+        assert message is not None and "hold different random generators" in message, message
+        assert "torch.manual_seed(seed)" in message
+    no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # nothing drawn: nothing to refuse
+    assert pool.run(seeded_apart, 2, no_dropout) == [None, None]
 
 
 def region_draws(rank, tp, group):

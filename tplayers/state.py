@@ -34,6 +34,7 @@ class State:
     context: Any = None  # tplayers.hf.context.ContextState: context parallelism (its stages too)
     same_inputs: Any = None  # tplayers.hf.same_inputs: the groups whose ranks must see one batch
     check_inputs: bool = False  # that check armed for the next forward
+    check_generators: bool = False  # the generators' check armed for the next training forward
     # -- a module tplayers wrapped or swapped ----------------------------------------------------
     data_parallel: tuple | None = None  # (group, ZeRO stage) of tplayers.data_parallel
     compressor: Any = None  # its gradient compressor (residuals, PowerSGD's state) at stages 0-1

@@ -10,7 +10,15 @@ A forward pre-hook on the parallelized model compares, at its first forward afte
 inputs (shape, sum and a position-weighted sum of the token ids, labels and masks, or of the
 embeddings) across the group: one all-gather of 4 numbers per tensor and one host sync, once.
 Ranks that differ raise on every rank, naming them, before the model's first collective.
+
+At its first forward in training mode, where the model draws random numbers there (a dropout
+module, or a dropout / router-jitter / layer-drop rate above 0 a module keeps), the check compares the ranks' default
+generators too: ranks seeded apart (a data-parallel script's `seed + rank`) would draw different
+dropout masks for the activations they hold copies of, each rank a different model, silently
+(`tplayers.functional.rng`).
 """
+
+import hashlib
 
 import torch
 import torch.distributed as dist
@@ -55,11 +63,18 @@ def check_same_inputs(model, group=None, role="tensor-parallel") -> None:
         if not groups:  # first: before any hook that splits the inputs (context parallelism)
             model.register_forward_pre_hook(_hook, with_kwargs=True, prepend=True)
         groups.append((group, role))
-    set_state(model, check_inputs=True)
+    set_state(model, check_inputs=True, check_generators=True)
 
 
 def _hook(model, args, kwargs):
-    if not state_of(model).check_inputs:
+    held = state_of(model)
+    if held.check_generators and model.training:
+        set_state(model, check_generators=False)
+        if draws_random_numbers(model):
+            for group, role in held.same_inputs:
+                if role == "tensor-parallel":  # (context-parallel ranks hold different tokens: no copies)
+                    compare_generators(model, group, role)
+    if not held.check_inputs:
         return
     set_state(model, check_inputs=False)
     inputs = _inputs(args, kwargs)
@@ -87,4 +102,45 @@ def compare_inputs(inputs: dict, group, role: str) -> None:
             f"{differ} differ from rank {ranks[0]}). Every rank of a {role} group computes its part of one "
             "model on one batch: give them the same rows, and split the data over the data-parallel group only "
             "(e.g. DistributedSampler(num_replicas=mesh['dp'].size(), rank=mesh['dp'].get_local_rank()))"
+        )
+
+
+RATES = ("dropout", "pdrop", "jitter", "layerdrop", "drop_prob")
+
+
+def draws_random_numbers(model) -> bool:
+    """Whether `model` draws random numbers in training: a dropout module with p > 0, or a module
+    holding a rate above 0 that its code reads (HF's attention modules keep `attention_dropout`,
+    routers `jitter_noise`, models their `layerdrop`, for functional calls)."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0:
+            return True
+        if any(type(v) is float and v > 0 and any(r in k for r in RATES) for k, v in vars(m).items()):
+            return True
+    return False
+
+
+def _generator_fingerprint(model) -> torch.Tensor:
+    device = next(model.parameters()).device
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    digest = hashlib.blake2b(b"".join(s.numpy().tobytes() for s in states), digest_size=7).digest()
+    return torch.tensor([int.from_bytes(digest, "little")], dtype=torch.int64, device=device)
+
+
+def compare_generators(model, group, role: str) -> None:
+    """Raise on every rank of `group` unless its ranks' default generators are alike (module docstring)."""
+    mine = _generator_fingerprint(model)
+    ranks = dist.get_process_group_ranks(group)
+    gathered = [torch.empty_like(mine) for _ in ranks]
+    dist.all_gather(gathered, mine, group=group)
+    differ = [ranks[r] for r, g in enumerate(gathered) if not torch.equal(g, gathered[0])]
+    if differ:
+        raise ValueError(
+            f"parallelize: the {role} ranks {ranks} hold different random generators (ranks {differ} differ from "
+            f"rank {ranks[0]}: seeded apart?), and the model draws random numbers in training (dropout, router "
+            "jitter): ranks holding copies of one activation would drop different parts of it, each rank a different "
+            f"model. Seed every rank of a {role} group alike: torch.manual_seed(seed), or seed + the data-parallel "
+            "rank where the replicas should differ"
         )
