@@ -94,7 +94,7 @@ def _block_hooks(block, index, count, latest, group, dim, features):
         open_split(length, n)
         running.append(length)
         # parts of different lengths draw different counts: they must not part the ranks' generators
-        regions.append(block.training and length % n != 0)  # (tplayers.functional.rng)
+        regions.append(length % n != 0)  # (tplayers.functional.rng; in eval nothing draws: nothing changes)
         if regions[-1]:
             enter_sequence_region(hidden.device)
         # even parts are every sequence collective's default: a recompute needs the split reopened only otherwise
