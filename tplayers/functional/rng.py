@@ -63,6 +63,12 @@ def _generator(device: torch.device) -> torch.Generator:
     raise ValueError(f"tplayers: no default generator known for {device.type} tensors")
 
 
+def default_generators(model) -> list[torch.Generator]:
+    """The default generators `model`'s code may draw from: the CPU's, and its CUDA device's."""
+    device = next(model.parameters()).device
+    return [torch.default_generator] + ([_generator(device)] if device.type == "cuda" else [])
+
+
 def _region_seed(generator: torch.Generator, shared: torch.Tensor, rank: int) -> int:
     """This rank's seed for a region entered at the shared generator's present state: alike on every
     rank but for the rank, without drawing (on CUDA read off the seed and Philox offset: no kernel,

@@ -21,6 +21,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from tplayers.functional.rng import default_generators
 from tplayers.placement import recorded_groups
 
 
@@ -81,15 +82,6 @@ class _RefusedResize(ModelMethod):
         )
 
 
-def _generators(model) -> list[torch.Generator]:
-    """The default generators sampling may draw from: the CPU's, and the model's CUDA device's."""
-    device = next(model.parameters()).device
-    found = [torch.default_generator]
-    if device.type == "cuda":
-        found.append(torch.cuda.default_generators[device.index if device.index is not None else 0])
-    return found
-
-
 class _AlikeGenerate(ModelMethod):
     """`model.generate` sampling alike (module docstring); the group read from the model's records."""
 
@@ -101,7 +93,7 @@ class _AlikeGenerate(ModelMethod):
         groups = recorded_groups(list(model.parameters()), "tp")
         if not groups or dist.get_world_size(groups[0]) == 1:
             return generate(model, *args, **kwargs)
-        generators = _generators(model)
+        generators = default_generators(model)
         own = [g.get_state() for g in generators]
         first = [own]
         dist.broadcast_object_list(first, src=dist.get_global_rank(groups[0], 0), group=groups[0])

@@ -12,10 +12,10 @@ embeddings) across the group: one all-gather of 4 numbers per tensor and one hos
 Ranks that differ raise on every rank, naming them, before the model's first collective.
 
 At its first forward in training mode, where the model draws random numbers there (a dropout
-module, or a dropout / router-jitter / layer-drop rate above 0 a module keeps), the check compares the ranks' default
-generators too: ranks seeded apart (a data-parallel script's `seed + rank`) would draw different
-dropout masks for the activations they hold copies of, each rank a different model, silently
-(`tplayers.functional.rng`).
+module, or a dropout / router-jitter / layer-drop rate above 0 a module keeps), the check compares
+the ranks' default generators too: ranks seeded apart (a data-parallel script's `seed + rank`)
+would draw different dropout masks for the activations they hold copies of, each rank a different
+model, silently (`tplayers.functional.rng`).
 """
 
 import hashlib
@@ -23,6 +23,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 
+from tplayers.functional.rng import default_generators
 from tplayers.state import set_state, state_of
 
 CHECKED = ("input_ids", "inputs_embeds", "labels", "attention_mask", "position_ids")
@@ -121,12 +122,9 @@ def draws_random_numbers(model) -> bool:
 
 
 def _generator_fingerprint(model) -> torch.Tensor:
-    device = next(model.parameters()).device
-    states = [torch.get_rng_state()]
-    if device.type == "cuda":
-        states.append(torch.cuda.get_rng_state(device))
-    digest = hashlib.blake2b(b"".join(s.numpy().tobytes() for s in states), digest_size=7).digest()
-    return torch.tensor([int.from_bytes(digest, "little")], dtype=torch.int64, device=device)
+    states = b"".join(g.get_state().numpy().tobytes() for g in default_generators(model))
+    digest = hashlib.blake2b(states, digest_size=7).digest()
+    return torch.tensor([int.from_bytes(digest, "little")], dtype=torch.int64, device=next(model.parameters()).device)
 
 
 def compare_generators(model, group, role: str) -> None:
