@@ -51,9 +51,11 @@ def _inner(optimizer):
 
 def _refuse_per_process_seeds(name: str, model: nn.Module) -> None:
     """A trainer that seeds each process apart (TRL's online trainers, GRPO / RLOO / distillation:
-    `set_seed(seed, device_specific=True)`, for different completions per process) would have the
-    ranks of one tensor-parallel group sample different tokens from the logits they share, and
-    gathers its rewards over every process, each replica's rows once per rank: refused, by name."""
+    `set_seed(seed, device_specific=True)`, for different completions per process) treats every
+    process as a replica of its own: it gathers its rewards over every process (each replica's
+    completions once per rank of its group, its groups of completions then misaligned across
+    replicas) and keeps the slice of its process index. Refused, by name. (The completions
+    themselves would be alike: `generate` samples from the group's first rank's stream.)"""
     groups = recorded_groups(list(model.parameters()), "tp")
     if not groups or dist.get_world_size(groups[0]) == 1:
         return
@@ -62,9 +64,9 @@ def _refuse_per_process_seeds(name: str, model: nn.Module) -> None:
     if len(set(seeds)) > 1:
         raise ValueError(
             f"{name} seeds each process apart (set_seed(device_specific=True), as TRL's GRPO / RLOO trainers do "
-            "to sample different completions per process): the ranks of one tensor-parallel group would sample "
-            "different completions from the logits they share, and its rewards are gathered over every process "
-            "(each replica's rows once per rank). tplayers does not run such online-generation trainers: generate "
+            "to sample different completions per process), treating every process as a replica: it gathers its "
+            "rewards over every process, each replica's completions once per rank of its tensor-parallel group, "
+            "and slices them by process index. tplayers does not run such online-generation trainers: generate "
             "outside the Trainer, or train with SFT / DPO"
         )
 
