@@ -6,12 +6,16 @@ forward, whose shards then summed parts of different sequences, silently); each 
 comes back as it was, so ranks seeded apart stay apart and ranks seeded alike stay alike."""
 
 import copy
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 import tplayers
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 pytestmark = pytest.mark.multirank
 
@@ -74,3 +78,30 @@ def resized(rank, tp, group):
 def test_resize_token_embeddings_is_refused_by_name(pool):
     for rows, message in pool.run(resized, 2):
         assert rows == 48 and "LlamaForCausalLM.resize_token_embeddings" in message  # the model as it was
+
+
+def saved(rank, tp, group, root, family):
+    """save_pretrained handed this rank's shards refuses; handed the full state dict, it writes what
+    from_pretrained loads as the unsharded model."""
+    from test_families import tiny_model
+
+    model = tplayers.parallelize(tiny_model(family), group=group)
+    with pytest.raises(ValueError, match="was handed this rank's shards"):
+        model.save_pretrained(f"{root}/shards", state_dict=model.state_dict())
+    full = tplayers.gather_state_dict(model)
+    if rank == 0:
+        model.save_pretrained(f"{root}/full", state_dict=full)
+    return rank
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "phi3", "mixtral"])  # gate | up interleaved, Conv1D, fused
+def test_save_pretrained_takes_the_full_state_dict_and_refuses_this_ranks_shards(pool, tmp_path, family):
+    """Handed `gather_state_dict(model)` (accelerate's `get_state_dict`), HF's own save_pretrained writes the
+    unsharded checkpoint (its tensors contiguous: HF reads each as one span)."""
+    import transformers as tf
+    from test_families import tiny_model
+
+    pool.run(saved, 2, str(tmp_path), family)
+    loaded = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "full")
+    for name, value in tiny_model(family).state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name

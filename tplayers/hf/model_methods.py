@@ -20,9 +20,10 @@ import weakref
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Replicate
 
 from tplayers.functional.rng import default_generators
-from tplayers.placement import recorded_groups
+from tplayers.placement import placement_or_none, recorded_groups
 
 
 class ModelMethod:
@@ -66,7 +67,31 @@ class _GuardedSave(ModelMethod):
                 "tplayers.save_pretrained(model, path) on every rank (full tensors, HF names; a peft model's adapter "
                 "as peft writes it), as tplayers.hf.Trainer's save_model does"
             )
+        shards = _shards(model)
+        if any(_held_here(v) & shards for v in state_dict.values()):
+            raise ValueError(
+                f"{type(model).__name__}.save_pretrained was handed this rank's shards (model.state_dict() of a model "
+                "tplayers parallelized): hand it the full state dict, tplayers.gather_state_dict(model) (or "
+                "accelerator.get_state_dict(model)) on every rank, or call tplayers.save_pretrained(model, path)"
+            )
         return type(model).save_pretrained(model, path, *args, state_dict=state_dict, **kwargs)  # HF's, on a full dict
+
+
+def _held_here(t) -> set[int]:
+    """The storage address of a tensor (a DTensor's local part), as a set: empty for other values."""
+    t = getattr(t, "_local_tensor", t)
+    return {t.untyped_storage().data_ptr()} if isinstance(t, torch.Tensor) and t.numel() else set()
+
+
+def _shards(model) -> set[int]:
+    """The storages of the parameters this rank holds a slice of (split over a group of several)."""
+    out = set()
+    for p in model.parameters():
+        record = placement_or_none(p)
+        if record is not None and record.group is not None and not isinstance(record.placement, Replicate):
+            if dist.get_world_size(record.group) > 1:
+                out |= _held_here(p)
+    return out
 
 
 class _RefusedResize(ModelMethod):

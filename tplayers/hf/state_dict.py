@@ -143,7 +143,8 @@ def gather_state_dict(model, *, group=None) -> dict:
         if not under_records(key, sharded):
             full[key] = full_tensor(value)
     order = state_of(model).original_keys  # then what was added since (a peft adapter)
-    return {key: full[key] for key in dict.fromkeys([*order, *full]) if key in full}
+    # contiguous, as a model's own state_dict() is (HF's save_pretrained reads each tensor as one span)
+    return {key: full[key].contiguous() for key in dict.fromkeys([*order, *full]) if key in full}
 
 
 def gather_grads(model, *, group=None) -> dict:
