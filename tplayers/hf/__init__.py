@@ -16,6 +16,7 @@
     lora.py         peft's LoRA adapters on the sharded layers, each factor sharded like its base
     lora_targets.py tplayers.get_peft_model: adapters added to an already parallelized model
     model_methods.py  save_pretrained / resize_token_embeddings / generate() on a parallelized model
+    attention_weights.py  output_attentions: every head's weights, gathered
 
 `Trainer`, `parallel_trainer` and `prepare` (HF Trainer, TRL and accelerate on parallelized models)
 live in `tplayers.loops`, above tplayers.checkpoint, which they save through; they are named here

@@ -34,6 +34,7 @@ from tplayers.functional.rng import leave_sharded_region
 from tplayers.hf import families, lora, model_methods, vision
 from tplayers.hf import fused_loss as fused
 from tplayers.hf import verify as verification
+from tplayers.hf.attention_weights import gather_attention_weights
 from tplayers.hf.context import apply_context, context_state
 from tplayers.hf.finish import finish
 from tplayers.hf.grid import parallelize_grid
@@ -342,6 +343,7 @@ def _parallelize(
         model.register_forward_pre_hook(_length_check(max_positions), with_kwargs=True)
     # before sequence parallelism sums every block weight left
     _inside_sharded_modules(model, parallelizer.done, parallelizer.whole, group)
+    gather_attention_weights(model, group, context_parallel=context is not None)
     if sequence_parallel:
         split_sequence(model, group, blocks)
     for p in model.parameters():  # everything else is whole on every rank, with its whole gradient
