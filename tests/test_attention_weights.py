@@ -70,3 +70,29 @@ def under_context_parallelism(rank, world, group):
 
 def test_output_attentions_under_context_parallelism_is_refused(pool):
     pool.run(under_context_parallelism, 4, mesh=("cp", 1, 1, 2, 2))
+
+
+def encoder_decoder_weights(rank, tp, group, model_type):
+    from test_seq2seq import batch, tiny_seq2seq
+
+    warnings.simplefilter("ignore")
+    model = tplayers.parallelize(tiny_seq2seq(model_type, 4, attn_implementation="eager").eval(), group=group)
+    inputs = {k: v for k, v in batch().items() if k != "labels"}
+    with torch.no_grad():
+        out = model(**inputs, output_attentions=True)
+    return {k: [a.clone() for a in getattr(out, k)] for k in ("encoder_attentions", "decoder_attentions",
+                                                              "cross_attentions")}  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", ["bart", "t5"])  # T5's layers return their position bias beside the weights
+def test_encoder_decoder_self_and_cross_attention_weights(pool, model_type):
+    from test_seq2seq import batch, tiny_seq2seq
+
+    reference = tiny_seq2seq(model_type, 4, attn_implementation="eager").eval()
+    with torch.no_grad():
+        expected = reference(**{k: v for k, v in batch().items() if k != "labels"}, output_attentions=True)
+    for got in pool.run(encoder_decoder_weights, 2, model_type):
+        for key, weights in got.items():
+            assert len(weights) == len(getattr(expected, key)), key
+            for a, b in zip(weights, getattr(expected, key), strict=True):
+                assert_close(a, b, msg=lambda m, key=key: f"{key}: {m}")
