@@ -422,3 +422,37 @@ def deep_copy_exports_its_own(rank, world, group):
 
 def test_a_deep_copy_of_a_peft_model_exports_its_own_weights(pool):
     pool.run(deep_copy_exports_its_own, 4)  # 2 key/value heads over 4 ranks: lora_B holds shared heads too
+
+
+# ---- peft's modules_to_save (an LM head or embeddings trained whole, as for added tokens) ----------------------
+def saved_modules(rank, world, group, modules):
+    """One training step of a peft model with `modules_to_save`, parallelized after peft made the copies:
+    the loss, every gradient and the exported state dict (the copies in it) against the unsharded model."""
+    from tplayers.hf import gather_grads
+
+    reference, model = (peft_model("llama", modules_to_save=modules) for _ in range(2))
+    tplayers.parallelize(model, group=group)
+    got, want = model(input_ids=IDS, labels=IDS).loss, reference(input_ids=IDS, labels=IDS).loss
+    assert_close(got, want)
+    got.backward()
+    want.backward()
+    grads = gather_grads(model, group=group)
+    expected = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    assert sorted(grads) == sorted(expected) and any("modules_to_save" in n for n in expected)
+    for name, grad in expected.items():
+        assert_close(grads[name], grad, msg=name)
+    full = tplayers.gather_state_dict(model, group=group)
+    assert list(full) == list(reference.state_dict())
+    for name, value in reference.state_dict().items():
+        assert torch.equal(full[name], value), name
+    with pytest.raises(ValueError, match="modules_to_save=.* would copy modules tplayers already sharded"):
+        tplayers.get_peft_model(tplayers.parallelize(base_model("llama"), group=group),
+                                lora_config("llama", target_modules=PROJECTIONS, modules_to_save=modules))  # fmt: skip
+
+
+@pytest.mark.parametrize("modules", [["lm_head"], ["embed_tokens"], ["lm_head", "embed_tokens"]])
+def test_modules_to_save_are_kept_whole_and_exported(pool, modules):
+    """peft's copies kept whole on every rank, exactly as peft computes them (before: the LM head's were
+    refused, "could not place"); added after parallelize, refused by name (the copies of sharded modules
+    were trained, but no export knew them: a checkpoint lost them)."""
+    pool.run(saved_modules, 2, modules)

@@ -438,6 +438,21 @@ def _set_child(root, name, module):
     setattr(root.get_submodule(parent) if parent else root, child, module)
 
 
+def _saved_copies_whole(hf, plan) -> dict:
+    """`plan` with peft's `modules_to_save` copies of a linear (an LM head or classifier trained
+    whole beside its frozen original, often for added tokens) kept whole on every rank, as peft
+    computes them, where the plan does not place them itself."""
+    from peft.utils import ModulesToSaveWrapper
+
+    plan = dict(plan or {})
+    for name, wrapper in hf.named_modules():
+        if isinstance(wrapper, ModulesToSaveWrapper):
+            for inner, module in wrapper.named_modules(prefix=name):
+                if isinstance(module, nn.Linear) and inner not in plan:
+                    plan[inner] = "replicate"
+    return plan
+
+
 def parallelize_peft(model, layers: dict, shard, *, group, verify, **kwargs):
     """`parallelize` of a model holding peft LoRA layers (`layers`, by name): the HF model is
     sharded as it would be without them (only no two adapted projections fused into one, e.g.
@@ -462,6 +477,7 @@ def parallelize_peft(model, layers: dict, shard, *, group, verify, **kwargs):
         _set_child(model, name, (layers.get(name) or experts[name]).get_base_layer())
     frozen = {k for k, p in hf.named_parameters() if not p.requires_grad}
     relative = {name[len(hf_prefix) :]: name for name in layers}
+    kwargs["plan"] = _saved_copies_whole(hf, kwargs.get("plan"))
     shard(hf, keep=frozenset(relative), verify=False, group=group, **kwargs)
     records = state_of(hf).exports
     for record in records:  # the base stays as frozen as peft left it

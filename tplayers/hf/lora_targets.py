@@ -47,6 +47,12 @@ def get_peft_model(model, config, adapter_name: str = "default", **kwargs):
             "replaced; name the projections (e.g. ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', "
             "'down_proj']) or add LoRA before parallelizing"
         )
+    if getattr(config, "modules_to_save", None):
+        raise ValueError(
+            f"tplayers.get_peft_model: modules_to_save={list(config.modules_to_save)} would copy modules tplayers "
+            "already sharded, copies no export knows (a checkpoint would lose them); add them with "
+            "peft.get_peft_model before parallelize, which keeps the copies whole on every rank"
+        )
     _refuse_internal_names(model, config)
     _unfuse_targeted_mlps(model, config)
     _refuse_fused_targets(model, config)
