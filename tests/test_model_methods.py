@@ -105,3 +105,25 @@ def test_save_pretrained_takes_the_full_state_dict_and_refuses_this_ranks_shards
     loaded = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "full")
     for name, value in tiny_model(family).state_dict().items():
         assert torch.equal(loaded.state_dict()[name], value), name
+
+
+def added_inside(rank, tp, group):
+    model = tplayers.parallelize(tiny_llama(), group=group)
+    from torch.distributed.tensor import Replicate
+
+    from tplayers.placement import set_placement
+
+    extra = model.model.layers[0].self_attn.q_proj.extra = torch.nn.Linear(4, 4)  # inside a sharded module, after
+    for p in extra.parameters():  # recorded (as a copy of a sharded module's would be), yet no export knows it
+        set_placement(p, group, Replicate())
+    with pytest.raises(ValueError, match="no export knows them") as caught:
+        tplayers.gather_state_dict(model)
+    return str(caught.value)
+
+
+def test_a_parameter_no_export_knows_is_not_left_out_silently(pool):
+    """gather_state_dict (save_pretrained, accelerate's get_state_dict) refuses, naming it, a parameter added
+    inside a sharded module after parallelize, which no record exports (peft's modules_to_save added then was
+    one: trained, and missing from every checkpoint)."""
+    for message in pool.run(added_inside, 2):
+        assert "model.layers.0.self_attn.q_proj.extra.weight" in message, message

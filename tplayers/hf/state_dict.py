@@ -128,6 +128,20 @@ def _gathered(model, group, pick):
     return full
 
 
+def _refuse_unexported(model) -> None:
+    """Every parameter under a sharded module is one its record exports: one that is not (a module
+    added inside a sharded one after parallelize) would be left out of the state dict, silently."""
+    records = export_records(model)
+    exported = {id(piece.param) for record in records for piece in record.pieces()}
+    prefixes = frozenset(record.prefix for record in records)
+    missing = [n for n, p in model.named_parameters() if id(p) not in exported and under_records(n, prefixes)]
+    if missing:
+        raise ValueError(
+            f"gather_state_dict: {missing[:4]} sit inside modules tplayers sharded but no export knows them (added "
+            "after parallelize?); their values would be left out of the state dict. Add them before parallelizing"
+        )
+
+
 def _sharded_prefixes(model) -> frozenset[str]:
     return frozenset(record.prefix for record in export_records(model))
 
@@ -137,6 +151,7 @@ def gather_state_dict(model, *, group=None) -> dict:
     over the tensor-parallel group the parameters' placement records name (and their data-parallel
     shards); an explicit `group` over other ranks raises on every rank before any collective."""
     group = tensor_parallel_group(model.parameters(), group, "gather_state_dict")
+    _refuse_unexported(model)
     full = _gathered(model, group, lambda p: full_tensor(p.detach()))  # whole over data parallelism too
     sharded = _sharded_prefixes(model)
     for key, value in model.state_dict().items():
