@@ -51,12 +51,17 @@ def all_gather_any(x, dim, group):
     """`all_gather_dim` of whatever each rank holds along `dim`, in rank order, for slices whose
     sizes this rank does not know (state-dict export: a cold path): one more tiny all-gather
     learns them first."""
-    n = dist.get_world_size(group)
-    if n == 1:
+    if dist.get_world_size(group) == 1:
         return x
-    sizes = torch.empty(n, dtype=torch.int64, device=x.device)
+    return all_gather_dim(x, dim, group, sizes=sizes_along(x, dim, group))
+
+
+def sizes_along(x, dim, group) -> list[int]:
+    """Every rank's size along `dim` of its `x`, in rank order (one tiny all-gather, not counted as
+    the model's traffic)."""
+    sizes = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=x.device)
     comm.all_gather_into(sizes, torch.tensor([x.shape[dim]], device=x.device), group, record=False)
-    return all_gather_dim(x, dim, group, sizes=sizes.tolist())
+    return sizes.tolist()
 
 
 def reduce_scatter_dim(x, dim, group, sizes=None):

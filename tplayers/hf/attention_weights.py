@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tplayers.functional.collectives import gather_from_tp_region
+from tplayers.functional.collectives import gather_from_tp_region, sizes_along
 from tplayers.nn.linear import RowParallelLinear
 
 _asked = threading.local()  # the nesting of forwards asked for attention weights, on this thread
@@ -91,9 +91,7 @@ def gather_attention_weights(model: nn.Module, group, context_parallel: bool = F
         weights = output[index]
         if not (isinstance(weights, torch.Tensor) and weights.dim() == 4):
             return output
-        heads = [torch.zeros((), dtype=torch.int64, device=weights.device) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(heads, torch.tensor(weights.shape[1], device=weights.device), group=group)  # uneven splits
-        whole = gather_from_tp_region(weights, group, dim=1, sizes=[int(h) for h in heads])
+        whole = gather_from_tp_region(weights, group, dim=1, sizes=sizes_along(weights, 1, group))  # uneven heads
         return tuple(whole if i == index % len(output) else out for i, out in enumerate(output))
 
     model.register_forward_pre_hook(asked, with_kwargs=True)

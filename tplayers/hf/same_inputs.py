@@ -89,10 +89,7 @@ def compare_inputs(inputs: dict, group, role: str) -> None:
     device = next(iter(inputs.values())).device if inputs else torch.device("cpu")
     mine = torch.stack([_fingerprint(inputs[k]) if k in inputs else torch.zeros(4, dtype=torch.float64,
                         device=device) for k in names])  # fmt: skip
-    ranks = dist.get_process_group_ranks(group)
-    gathered = [torch.empty_like(mine) for _ in ranks]
-    dist.all_gather(gathered, mine, group=group)  # not counted: a check, not the model's traffic
-    every = torch.stack(gathered).cpu()  # (ranks, tensors, 4)
+    ranks, every = _every_rank(mine, group)  # (ranks, tensors, 4)
     differ = [ranks[r] for r in range(len(ranks)) if not torch.equal(every[r], every[0])]
     if differ:
         which = [
@@ -129,11 +126,8 @@ def _generator_fingerprint(model) -> torch.Tensor:
 
 def compare_generators(model, group, role: str) -> None:
     """Raise on every rank of `group` unless its ranks' default generators are alike (module docstring)."""
-    mine = _generator_fingerprint(model)
-    ranks = dist.get_process_group_ranks(group)
-    gathered = [torch.empty_like(mine) for _ in ranks]
-    dist.all_gather(gathered, mine, group=group)
-    differ = [ranks[r] for r, g in enumerate(gathered) if not torch.equal(g, gathered[0])]
+    ranks, every = _every_rank(_generator_fingerprint(model), group)
+    differ = [ranks[r] for r in range(len(ranks)) if not torch.equal(every[r], every[0])]
     if differ:
         raise ValueError(
             f"parallelize: the {role} ranks {ranks} hold different random generators (ranks {differ} differ from "
@@ -142,3 +136,12 @@ def compare_generators(model, group, role: str) -> None:
             f"model. Seed every rank of a {role} group alike: torch.manual_seed(seed), or seed + the data-parallel "
             "rank where the replicas should differ"
         )
+
+
+def _every_rank(mine: torch.Tensor, group) -> tuple[list[int], torch.Tensor]:
+    """(the group's global ranks, every rank's `mine` stacked on the CPU): one all-gather, not counted
+    as the model's traffic (a check)."""
+    ranks = dist.get_process_group_ranks(group)
+    gathered = [torch.empty_like(mine) for _ in ranks]
+    dist.all_gather(gathered, mine, group=group)
+    return ranks, torch.stack(gathered).cpu()
