@@ -259,6 +259,41 @@ def test_hf_llama_through_the_harness(layout):
                    optimizer_kwargs={"lr": 1e-2})  # fmt: skip
 
 
+def gpt2_dropout(attention=0.0):
+    """GPT-2 with dropout on its embeddings and residuals (whole on every rank), and on its attention
+    probabilities (over each rank's heads) at `attention`."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=64, n_embd=24, n_layer=2, n_head=3, n_positions=16, embd_pdrop=0.2, resid_pdrop=0.2,
+                     attn_pdrop=attention)  # fmt: skip
+    return GPT2LMHeadModel(cfg)
+
+
+def gpt2_attention_dropout():
+    return gpt2_dropout(attention=0.2)
+
+
+def test_dropout_draws_the_unsharded_masks_where_tensors_are_whole():
+    """Both steps draw from one generator state: exact at TP 2 and 3 (before, the parallel step drew
+    from where the reference's had left the generator, and failed)."""
+    check_parallel(gpt2_dropout, hf_parallelize, IDS, layouts=[Layout(tp=2), Layout(tp=3)], steps=2)
+
+
+@pytest.mark.parametrize(
+    "build, layout",
+    [(gpt2_attention_dropout, Layout(tp=3)), (gpt2_dropout, Layout(tp=2, sequence_parallel=True))],
+    ids=["heads", "sp"],
+)
+def test_dropout_over_a_ranks_heads_or_part_of_the_sequence_fails_saying_why(build, layout):
+    with pytest.raises(ParallelMismatch, match="each rank its own over its heads, columns or part of the sequence"):
+        check_parallel(build, hf_parallelize, IDS, layouts=[layout])
+
+
+def test_dropout_under_data_parallelism_is_refused_naming_the_fix():
+    with pytest.raises(Exception, match="set the model's dropout rates to 0, or check with dp = pp = cp = 1"):
+        check_parallel(gpt2_dropout, hf_parallelize, IDS, layouts=[Layout(tp=2, dp=2)])
+
+
 @settings(max_examples=examples(3), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(layout=tst.layouts(max_world=4, tp=(), grids=((1, 2), (2, 1), (2, 2)), dp=(1, 2), zero_stages=(0, 3),
                           sequence_parallel=(False, True), seq_len=IDS.shape[1]))  # fmt: skip

@@ -1,7 +1,8 @@
 """Dropout under tensor parallelism (tplayers.functional.rng): the ranks' replicated hidden states
 stay alike when a split is uneven (before, 3 heads over 2 ranks drew unequal numbers in the
 attention and parted the ranks' generators: each rank trained a different model, silently), each
-rank's slice draws masks of its own, and activation checkpointing recomputes the same masks."""
+rank's slice (and its part of the sequence) draws masks of its own, and activation checkpointing
+recomputes the same masks."""
 
 import pytest
 import torch
@@ -89,7 +90,7 @@ def region_draws(rank, tp, group):
     torch.manual_seed(3)
     enter_sharded_region(torch.device("cpu"), group)
     inside = torch.rand(4 + rank)[:4]  # unequal draws, as an uneven split makes
-    with shared_draws():  # peft's dropout on a column layer's whole input
+    with shared_draws(torch.device("cpu")):  # peft's dropout on a column layer's whole input
         shared = torch.rand(4)
     inside = torch.cat([inside, torch.rand(2)])  # the region's own stream resumes
     leave_sharded_region()
@@ -155,6 +156,9 @@ def test_a_users_model_of_layers_keeps_one_model_under_dropout(pool):
     assert all(torch.equal(w, wholes[0]) for w in wholes)
 
 
+_unguarded = (lambda device, group: None, lambda: None)  # a block's part draws on the shared generator
+
+
 def replicated_over_steps(rank, tp, group, length, checkpointing, unguarded=False):
     """Per training step under sequence parallelism: whether every rank holds the same gradient of
     the replicated position embeddings, and the same shared generator after the step."""
@@ -162,7 +166,7 @@ def replicated_over_steps(rank, tp, group, length, checkpointing, unguarded=Fals
 
     kept = sequence_split.enter_sequence_region, sequence_split.leave_sequence_region
     if unguarded:  # the negative control: the blocks' parts draw on the shared generator unchecked
-        sequence_split.enter_sequence_region, sequence_split.leave_sequence_region = lambda device: None, lambda: None
+        sequence_split.enter_sequence_region, sequence_split.leave_sequence_region = _unguarded
     try:
         model = tplayers.parallelize(gpt2(4), group=group, sequence_parallel=True, verify=False).train()
         if checkpointing:
@@ -194,3 +198,38 @@ def test_parts_of_different_lengths_keep_the_ranks_generators_in_step(pool, tp, 
 
 def test_negative_control_parts_drawing_unchecked_part_the_generators(pool):
     assert pool.run(replicated_over_steps, 2, 7, False, True)[0] == [False, False]  # parted from the first step
+
+
+def sequence_part_masks(rank, tp, group, length, unguarded):
+    """Every rank's residual-dropout mask of the first block, on its part of the sequence."""
+    from tplayers.hf import sequence_split
+
+    kept = sequence_split.enter_sequence_region, sequence_split.leave_sequence_region
+    if unguarded:
+        sequence_split.enter_sequence_region, sequence_split.leave_sequence_region = _unguarded
+    try:
+        model = tplayers.parallelize(gpt2(4, embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.5), group=group,
+                                     sequence_parallel=True, verify=False).train()  # fmt: skip
+        masks = []
+        model.transformer.h[0].attn.resid_dropout.register_forward_hook(lambda m, a, out: masks.append(out == 0))
+        torch.manual_seed(5)
+        model(torch.arange(1, length + 1).view(1, -1))
+    finally:
+        sequence_split.enter_sequence_region, sequence_split.leave_sequence_region = kept
+    return masks[0][0]
+
+
+def _repeats(parts):
+    """Whether some rank's part repeats the first rank's mask over its own tokens."""
+    return any(torch.equal(p, parts[0][: len(p)]) for p in parts[1:])
+
+
+@pytest.mark.parametrize("tp, length", [(2, 8), (3, 7)])
+def test_each_ranks_part_of_the_sequence_draws_masks_of_its_own(pool, tp, length):
+    """Unsharded dropout draws every token's mask independently; drawn from the shared generator,
+    each rank's part got the first rank's masks again (tokens 0-3 and 4-7 dropped alike)."""
+    assert not _repeats(pool.run(sequence_part_masks, tp, length, False))
+
+
+def test_negative_control_parts_drawn_from_the_shared_generator_repeat(pool):
+    assert _repeats(pool.run(sequence_part_masks, 2, 8, True))

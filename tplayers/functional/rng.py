@@ -24,16 +24,16 @@ rank's slice gets masks of its own.
 
 The random numbers a replicated module draws (dropout on the hidden state, MoE router jitter) stay
 on the shared generator, alike on every rank as long as the ranks were seeded alike (torchrun
-scripts seed every rank with the same seed). Under sequence parallelism the ranks' parts of the
-sequence draw from the shared generator too, each token's mask drawn as unsharded dropout draws
-it, repeated across the ranks' parts. Parts of different lengths (9 tokens over 4: 3, 2, 2, 2)
-draw different counts, which would part the generators for every replicated draw after: the next
-step's embedding dropout, whose backward would then mask the other ranks' tokens' gradients with
-this rank's mask. So where the parts differ, a sequence region (a block's forward on its part,
-`enter_sequence_region`) gives the shared generator back as a sharded region does: its state
-entering, one draw further if the region drew (the masks drawn after then differ from the unsharded
-model's, as every rank's alike; even parts keep the unsharded model's stream, peft's lora_dropout
-its masks).
+scripts seed every rank with the same seed). Under sequence parallelism each rank holds a part of
+the sequence, and a block's dropout on it is a sharded draw too: drawn from the shared generator,
+every rank's part would get the same masks (tokens 0-3 and 4-7 of 8 over 2 ranks dropped alike,
+where unsharded dropout draws every token's independently), and parts of different lengths (9
+tokens over 4: 3, 2, 2, 2) would draw different counts and part the generators. So a block's
+forward on this rank's part (`enter_sequence_region`; `sequence_split` for tplayers' layers used
+directly) is a region as well: its own stream from the shared state and the rank, the shared state
+given back on leaving, one draw further if the region drew. A mask every rank must draw alike
+inside a region (peft's lora_dropout on a column layer's whole input, or the whole sequence's
+mask of which each rank takes its part) comes from the shared state (`shared_draws`).
 
 Whether a region drew is each rank's own finding: alike wherever every rank holds part of the
 region (every rank holds heads; a width narrower than the group, with dropout inside, would leave a
@@ -49,9 +49,9 @@ import torch.distributed as dist
 _SEED_MIX = 0x9E3779B97F4A7C15  # the golden-ratio increment: ranks' seeds far apart
 _SEED_BITS = (1 << 63) - 1
 
-# [generator the region reseeded, the shared state to give back, its seeded state], while inside a region
+# The regions open, innermost last, each [generator it reseeded, the shared state to give back,
+# its seeded state]: a sharded region (at most one) and sequence regions (a block, a sequence_split)
 _inside: list = []
-# (generator, its state entering), per sequence region open (a block, a sequence_split)
 _sequence: list = []
 
 
@@ -88,41 +88,47 @@ def _advance(generator: torch.Generator) -> None:
         torch.randint(2, (), generator=generator)
 
 
+def _enter(device: torch.device, group) -> list:
+    generator = _generator(device)
+    shared = generator.get_state()
+    generator.manual_seed(_region_seed(generator, shared, dist.get_rank(group)))
+    return [generator, shared, generator.get_state()]
+
+
+def _leave(region: list) -> None:
+    """Back to the shared generator: its state entering the region, one draw further if the region
+    drew (every rank's region draws alike, each for its own slice)."""
+    generator, shared, seeded = region
+    drew = not torch.equal(generator.get_state(), seeded)
+    generator.set_state(shared)
+    if drew:
+        _advance(generator)
+
+
 def enter_sharded_region(device: torch.device, group) -> None:
     """Draw the region's random numbers, from here on, from this rank's own stream (see the module
     docstring); nothing while already inside a region or where the group has one rank."""
     if _inside or dist.get_world_size(group) == 1:
         return
-    generator = _generator(device)
-    shared = generator.get_state()
-    generator.manual_seed(_region_seed(generator, shared, dist.get_rank(group)))
-    _inside.append([generator, shared, generator.get_state()])
+    _inside.append(_enter(device, group))
 
 
 def leave_sharded_region() -> None:
-    """Back to the shared generator: its state entering the region, one draw further if the region
-    drew (every rank's region draws alike, each for its own slice)."""
+    """Back to the shared generator (or the sequence region's stream) as it was entering."""
     while _inside:
-        generator, shared, seeded = _inside.pop()
-        drew = not torch.equal(generator.get_state(), seeded)
-        generator.set_state(shared)
-        if drew:
-            _advance(generator)
+        _leave(_inside.pop())
 
 
-def enter_sequence_region(device: torch.device) -> None:
-    """A forward on this rank's part of the sequence begins (module docstring)."""
-    generator = _generator(device)
-    _sequence.append((generator, generator.get_state()))
+def enter_sequence_region(device: torch.device, group) -> None:
+    """A forward on this rank's part of the sequence over `group` begins (module docstring)."""
+    _sequence.append(_enter(device, group) if dist.get_world_size(group) > 1 else None)
 
 
 def leave_sequence_region() -> None:
     """Back to the shared generator, alike on every rank whatever the parts drew (module docstring)."""
-    generator, shared = _sequence.pop()
-    drew = not torch.equal(generator.get_state(), shared)
-    generator.set_state(shared)
-    if drew:
-        _advance(generator)
+    region = _sequence.pop()
+    if region is not None:
+        _leave(region)
 
 
 def inside_sharded_region() -> bool:
@@ -130,15 +136,16 @@ def inside_sharded_region() -> bool:
 
 
 @contextlib.contextmanager
-def shared_draws():
-    """Draw from the shared generator inside a sharded region, for a mask every rank must draw
-    alike (peft's lora_dropout on the whole input of a column layer, which peft runs after the
-    base layer's forward entered the region); the region's own stream resumes after."""
-    if not _inside:
+def shared_draws(device: torch.device):
+    """Draw on `device` from the shared generator inside a region, for a mask every rank must draw
+    alike (peft's lora_dropout on the whole input of a column layer, which peft runs after the base
+    layer's forward entered the region); the region's own stream resumes after."""
+    generator = _generator(device)
+    region = next((r for r in [*_sequence, *_inside] if r is not None and r[0] is generator), None)
+    if region is None:
         yield
         return
-    region = _inside[-1]
-    generator, own = region[0], region[0].get_state()
+    own = generator.get_state()
     generator.set_state(region[1])
     try:
         yield

@@ -44,17 +44,18 @@ def sequence_split(length: int, group):
     `even_sizes(length, n)` splits it: each rank passes its part, (B, its tokens, H). Needed only
     where the group does not divide `length`; backward may run outside it (each collective keeps
     its sizes), a recompute of the layers (activation checkpointing) must run inside one too.
-    Leaving it, the default generators (CPU, and the current CUDA device's) come back alike on every
-    rank whatever parts of different lengths drew (`tplayers.functional.rng.enter_sequence_region`)."""
+    Inside it each rank draws random numbers (dropout on its part) from a stream of its own; leaving
+    it, the default generators (CPU, and the current CUDA device's) come back alike on every rank
+    (`tplayers.functional.rng.enter_sequence_region`)."""
     n = dist.get_world_size(group)
     if length < n:
         raise ValueError(f"sequence_split: {length} tokens over {n} ranks would leave a rank none")
-    devices = [torch.device("cpu")] if length % n else []
-    if devices and torch.cuda.is_available() and torch.cuda.is_initialized():
+    devices = [torch.device("cpu")]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
         devices.append(torch.device("cuda", torch.cuda.current_device()))
     open_split(length, n)
     for device in devices:
-        enter_sequence_region(device)
+        enter_sequence_region(device, group)
     try:
         yield even_sizes(length, n)
     finally:

@@ -53,6 +53,7 @@ from tplayers.hf import fused_loss as fused
 from tplayers.hf import verify as verification
 from tplayers.hf.attention import HEAD_COUNTS, HIDDEN_WIDTHS, KV_HEAD_COUNTS, localize_attributes
 from tplayers.hf.finish import finish
+from tplayers.hf.frozen import trainable_flags
 from tplayers.hf.mlp import is_silu
 from tplayers.hf.norms import fuse_rms_norms, rms_norm_eps
 from tplayers.hf.sequence_split import split_blocks
@@ -293,7 +294,7 @@ def parallelize_grid(model, mesh, *, sequence_parallel=False, plan=None, vocab_p
     groups = grid_groups(mesh)
     whole = resolve_group(mesh)  # every tensor-parallel rank: the records' one TP group
     probe = verification.before(model, verify, dist.get_world_size(whole), vocab_parallel=vocab_parallel_logits)
-    keys = list(model.state_dict().keys())
+    keys, trainable = list(model.state_dict().keys()), trainable_flags(model)
     grid = _GridPass(model, mesh, overlap, sequence_parallel)
     # the edges as a 1-D pass over the flattened grid shards them: vocabulary-parallel
     edges = ShardingPass(model, whole, vocab_parallel_logits=vocab_parallel_logits, overlap=overlap)
@@ -325,4 +326,4 @@ def parallelize_grid(model, mesh, *, sequence_parallel=False, plan=None, vocab_p
         fused.install(model)
     sequence_group = groups["tp_r"] if sequence_parallel else None
     return finish(model, probe, group=whole, exports=exports, original_keys=keys, tied=tied,
-                  sequence_group=sequence_group, vocab_parallel=vocab_parallel_logits)  # fmt: skip
+                  sequence_group=sequence_group, vocab_parallel=vocab_parallel_logits, trainable=trainable)  # fmt: skip

@@ -187,7 +187,7 @@ class ShardedDropout(nn.Module):
             return x
         dim, index, shape = self.dim, self.index, list(x.shape)
         if dim is None:
-            with shared_draws():
+            with shared_draws(x.device):
                 return nn.functional.dropout(x, self.p, True)
         if index is None:  # this rank's part of the sequence (dim 1), or of the tokens of a 2-D input
             dim, n, r = (1 if x.dim() == 3 else 0), dist.get_world_size(self.group), dist.get_rank(self.group)
@@ -199,7 +199,7 @@ class ShardedDropout(nn.Module):
             shape[dim] = sum(sizes)
         else:
             shape[dim] = self.total
-        with shared_draws():
+        with shared_draws(x.device):
             mask = nn.functional.dropout(x.new_ones(shape), self.p, True)
         return x * mask.index_select(dim, index.to(x.device))
 
@@ -475,15 +475,10 @@ def parallelize_peft(model, layers: dict, shard, *, group, verify, **kwargs):
     root_keys = list(model.state_dict().keys())
     for name in [*layers, *outermost]:  # the plain HF model the sharding pass knows
         _set_child(model, name, (layers.get(name) or experts[name]).get_base_layer())
-    frozen = {k for k, p in hf.named_parameters() if not p.requires_grad}
     relative = {name[len(hf_prefix) :]: name for name in layers}
     kwargs["plan"] = _saved_copies_whole(hf, kwargs.get("plan"))
     shard(hf, keep=frozenset(relative), verify=False, group=group, **kwargs)
-    records = state_of(hf).exports
-    for record in records:  # the base stays as frozen as peft left it
-        for piece in record.pieces():
-            if f"{record.prefix}.{piece.key}" in frozen:
-                piece.param.requires_grad_(False)
+    records = state_of(hf).exports  # the base as frozen as peft left it (the pass keeps requires_grad)
     record_weight_maps(hf, records)
     cls = lora_class()
     for rel, name in relative.items():

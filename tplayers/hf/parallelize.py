@@ -31,12 +31,13 @@ from tplayers.functional.collectives import (
     copy_to_tp_region,
 )
 from tplayers.functional.rng import leave_sharded_region
-from tplayers.hf import families, lora, model_methods, vision
+from tplayers.hf import families, lora, model_methods, peft_tuners, vision
 from tplayers.hf import fused_loss as fused
 from tplayers.hf import verify as verification
 from tplayers.hf.attention_weights import gather_attention_weights
 from tplayers.hf.context import apply_context, context_state
 from tplayers.hf.finish import finish
+from tplayers.hf.frozen import split_where_mixed, trainable_flags
 from tplayers.hf.grid import parallelize_grid
 from tplayers.hf.norms import fuse_rms_norms
 from tplayers.hf.rollback import restored_if_refused
@@ -199,7 +200,9 @@ def parallelize(
     """Shard `model` in place over `group` (see the module docstring); returns it.
 
     A peft model (LoRA adapters made by `peft.get_peft_model`) is sharded with its adapters, each
-    like its base layer (`tplayers.hf.lora`); peft's API keeps working on the result.
+    like its base layer (`tplayers.hf.lora`); peft's API keeps working on the result. Prompt tuning,
+    p-tuning and LN tuning are taken too, other tuners refused (`tplayers.hf.peft_tuners`). What the
+    user froze stays frozen (`tplayers.hf.frozen`).
 
     After it, `model(ids).logits` are the full-vocabulary logits of the unsharded model
     (`vocab_parallel_logits=True` leaves them split along the vocabulary) and `backward()`
@@ -241,6 +244,9 @@ def parallelize(
     check_overlap(overlap, "parallelize")
     guards.guard_accelerate()  # a plain Trainer / Accelerator handed the result raises (accelerate is loaded by now)
     with restored_if_refused(model):  # a refusal gives the model back as it was given
+        peft_tuners.check_tuners(model)
+        if not is_grid(group):
+            plan = peft_tuners.whole_prompt_encoders(model, plan)
         kwargs = dict(sequence_parallel=sequence_parallel, plan=plan, vocab_parallel_logits=vocab_parallel_logits,
                       overlap=overlap)  # fmt: skip
         kwargs["fused_loss"] = not training_logits
@@ -317,10 +323,10 @@ def _parallelize(
             "supported for vision-language models. Use sequence_parallel=True, which splits after the merge"
         )
     probe = verification.before(model, verify, dist.get_world_size(group), vocab_parallel=vocab_parallel_logits)
-    keys = list(model.state_dict().keys())
+    keys, trainable = list(model.state_dict().keys()), trainable_flags(model)
     parallelizer = ShardingPass(
         model, group, sequence_parallel=sequence_parallel, plan=plan, vocab_parallel_logits=vocab_parallel_logits,
-        overlap=overlap, keep=keep, expert_group=expert_group, towers=towers,
+        overlap=overlap, keep=keep | split_where_mixed(model), expert_group=expert_group, towers=towers,
     )  # fmt: skip
     with splits_checked_together():  # one collective for every layer's split, not one each
         # the adapters read per call: patchable
@@ -363,7 +369,7 @@ def _parallelize(
         apply_context(model, *context, multiple=tp if sequence_parallel else 1, tp=tp)
     finish(model, probe, group=group, exports=Records(parallelizer.exports), original_keys=keys, tied=parallelizer.tied,
            sequence_group=group if sequence_parallel else None, vocab_parallel=vocab_parallel_logits,
-           expert_group=expert_group)  # fmt: skip
+           expert_group=expert_group, trainable=trainable)  # fmt: skip
     if context is not None:
         check_same_inputs(model, context[0], "context-parallel")
         context_state(model).split_logits = context[2] == "split"  # after the self-check's whole ones

@@ -74,7 +74,7 @@ def _same(hidden):
 
 
 def _block_hooks(block, index, count, latest, group, dim, features):
-    n, rank, running, regions = dist.get_world_size(group), dist.get_rank(group), [], []
+    n, rank, running = dist.get_world_size(group), dist.get_rank(group), []
 
     def enter(hidden):
         if index == 0:
@@ -92,11 +92,9 @@ def _block_hooks(block, index, count, latest, group, dim, features):
                     "model's first block skipped?"
                 )
         open_split(length, n)
+        # each rank's part draws its own masks, and gives the shared generator back alike (tplayers.functional.rng)
+        enter_sequence_region(hidden.device, group)
         running.append(length)
-        # parts of different lengths draw different counts: they must not part the ranks' generators
-        regions.append(length % n != 0)  # (tplayers.functional.rng; in eval nothing draws: nothing changes)
-        if regions[-1]:
-            enter_sequence_region(hidden.device)
         # even parts are every sequence collective's default: a recompute needs the split reopened only otherwise
         return _SplitInBackward.apply(hidden, length, n, False) if hidden.requires_grad and length % n else hidden
 
@@ -116,8 +114,7 @@ def _block_hooks(block, index, count, latest, group, dim, features):
         if running:
             running.pop()
             close_split()
-            if regions.pop():
-                leave_sequence_region()
+            leave_sequence_region()
 
     block.register_forward_pre_hook(replace_hidden(enter), with_kwargs=True)
     block.register_forward_pre_hook(_own_token_ids(block, group, n, running), with_kwargs=True)

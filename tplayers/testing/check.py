@@ -29,6 +29,7 @@ from torch import nn
 
 from tplayers.distributed import RankError
 from tplayers.functional import sequence_split
+from tplayers.functional.rng import default_generators
 from tplayers.testing.meshes import layout_mesh
 from tplayers.testing.numerics import tolerance
 
@@ -96,6 +97,10 @@ def check_parallel(
                              (tplayers layers used directly, run inside `sequence_split`); False (default):
                              whole ones (`tplayers.parallelize` of an HF model)
     microbatches             pipeline micro-batches (default pp)
+    (dropout)                a model that draws random numbers in training: each parallel step draws
+                             from the state the reference step started at; replicated tensors draw
+                             the unsharded masks, a rank's heads, columns or part of the sequence its
+                             own (a mismatch then says so); refused with dp, pp or cp > 1 (each part draws for its rows)
     pool                     a `WorkerPool` with at least the layouts' largest world size (default:
                              the pytest plugin's session pool, else one started for the call)
     timeout_s                per layout: a rank still running then is dumped and the check fails
@@ -201,23 +206,48 @@ def _run_layout(rank, world, group, spec: _Spec):
     held = {name: (tuple(p.shape), []) for name, p in _named_parameters(reference).items()}
     # A wrong shard shows here first, named, before it spoils every output and gradient after it.
     _compare_tensors(pieces, reference, "param", exact=True, where=where, step="start")
-    for step in range(spec.steps):
-        x, target = (_cast(t, spec.dtype) for t in _batch(spec.inputs, step, layout.dp))
-        if stages is not None and schedule is None:
-            schedule = _schedule(stages, spec, layout, has_target=target is not None)
-        expected, ref_loss = _reference_step(reference, spec.loss_fn, x, target)
-        output, loss = _parallel_step(module, schedule, spec, mesh, x, target)
-        if output is not None:
-            _compare("output", output, _my_part(expected, mesh, spec, layout), exact, where, step)
-        if loss is not None:  # computed in fp32 from outputs of the models' dtype: that dtype's tolerance
-            _compare("loss", loss, ref_loss.detach().float(), exact, where, step, like=next(reference.parameters()))
-        _compare_tensors(pieces, reference, "grad", exact, where, step)
-        ref_opt.step()
-        opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        opt.zero_grad(set_to_none=True)
-        _compare_tensors(pieces, reference, "param", exact, where, step, held)
+    drew = []  # True once the reference step draws random numbers
+    with _noting_draws(drew):
+        for step in range(spec.steps):
+            x, target = (_cast(t, spec.dtype) for t in _batch(spec.inputs, step, layout.dp))
+            if stages is not None and schedule is None:
+                schedule = _schedule(stages, spec, layout, has_target=target is not None)
+            generators = default_generators(reference)
+            states = [g.get_state() for g in generators]
+            expected, ref_loss = _reference_step(reference, spec.loss_fn, x, target)
+            if _same_draws(generators, states, layout) and not drew:
+                drew.append(True)
+            output, loss = _parallel_step(module, schedule, spec, mesh, x, target)
+            if output is not None:
+                _compare("output", output, _my_part(expected, mesh, spec, layout), exact, where, step)
+            if loss is not None:  # computed in fp32 from outputs of the models' dtype: that dtype's tolerance
+                _compare("loss", loss, ref_loss.detach().float(), exact, where, step, like=next(reference.parameters()))
+            _compare_tensors(pieces, reference, "grad", exact, where, step)
+            ref_opt.step()
+            opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=True)
+            _compare_tensors(pieces, reference, "param", exact, where, step, held)
     return held
+
+
+@contextlib.contextmanager
+def _noting_draws(drew: list):
+    """A mismatch of a model that drew random numbers says why it may be no bug."""
+    try:
+        yield
+    except AssertionError as e:
+        if not drew:
+            raise
+        raise AssertionError(f"{e}\n{_DRAWN_APART}") from None
+
+
+_DRAWN_APART = (
+    "(the model drew random numbers in training: tensor-parallel layers draw the unsharded model's masks where "
+    "their tensors are whole on every rank (embedding dropout, and residual dropout without sequence parallelism), "
+    "but each rank its own over its heads, columns or part of the sequence (tplayers.functional.rng), which cannot "
+    "equal the unsharded draw: set those rates to 0 to compare exactly)"
+)
 
 
 def _call_parallelize(parallelize, model, mesh, layout):
@@ -316,6 +346,24 @@ def _reference_step(reference, loss_fn, x, target):
     loss = _loss(loss_fn, output, target)
     loss.backward()
     return getattr(output, "logits", output).detach(), loss
+
+
+def _same_draws(generators, states, layout):
+    """Where the reference step drew random numbers (dropout), the parallel step draws from the same
+    state: tensor-parallel layers draw the unsharded model's masks. A data-parallel replica or a
+    pipeline micro-batch draws for its own rows, which cannot match: refused, naming the fix. Returns
+    whether the reference drew."""
+    if all(torch.equal(g.get_state(), s) for g, s in zip(generators, states, strict=True)):
+        return False
+    if layout.dp > 1 or layout.pp > 1 or getattr(layout, "cp", 1) > 1:
+        raise ValueError(
+            f"{_PREFIX}the model draws random numbers in training (dropout, noise), and at {_describe(layout)} each "
+            "replica, micro-batch or context part draws its own, unlike the unsharded model's one draw for the whole "
+            "batch; set the model's dropout rates to 0, or check with dp = pp = cp = 1"
+        )
+    for g, s in zip(generators, states, strict=True):
+        g.set_state(s)
+    return True
 
 
 def _rows(t, mesh):
