@@ -5,6 +5,7 @@ extra (pipeline) group, and a negative control that counts replicated gradients 
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -244,3 +245,67 @@ def test_bad_norm_type_raises():
     for bad in (0.0, -1.0, math.nan):
         with pytest.raises(ValueError, match="norm_type"):
             clip_grad_norm_([p], 1.0, bad)
+
+
+def users_loop_with_torchs_clipping(rank, world, group, mesh_sizes, pipeline):
+    """A user's own loop on a parallelized model: torch.nn.utils.clip_grad_norm_ (tplayers wraps it
+    at import) clips by the unsharded gradient's norm; 2 AdamW steps equal the unsharded model's."""
+    from tplayers.testing.meshes import layout_mesh
+
+    dp, pp, tp = mesh_sizes
+    mesh = layout_mesh(dp, pp, tp)
+    model = tiny_model("llama").train()
+    reference = copy.deepcopy(model)
+    tplayers.parallelize(model, group=mesh["tp"], verify=False)
+    if pipeline:
+        stages = tplayers.pipeline_split(model, group=mesh["pp"])
+        schedule = tplayers.ScheduleGPipe(stages[0], 2, tplayers.next_token_loss(model))
+    else:
+        tplayers.data_parallel(model, group=mesh["dp"], zero_stage=3 if dp > 1 else 0)
+    params = [p for p in model.parameters()]
+    opt, ref_opt = torch.optim.AdamW(params, lr=1e-2), torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    norms = []
+    for step in range(2):
+        ids = torch.randint(0, VOCAB, (2 * dp, 7), generator=torch.Generator().manual_seed(step))
+        if pipeline:
+            schedule.step(ids if stages[0].is_first else None, target=ids)
+        else:
+            mine = ids.chunk(dp)[mesh["dp"].get_local_rank()]
+            model(mine, labels=mine).loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05).item())
+        opt.step()
+        opt.zero_grad()
+        reference(ids, labels=ids).loss.backward()
+        expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05).item()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert norms[-1] == pytest.approx(expected, rel=1e-4), (step, norms[-1], expected)
+    full = tplayers.gather_state_dict(model, group=mesh["tp"])
+    for key, value in reference.state_dict().items():
+        if not pipeline or _on_stage(key, stages[0]):
+            assert_close(full[key], value, msg=lambda m, k=key: f"{k} after 2 steps: {m}")
+    return norms
+
+
+def _on_stage(key, stage):
+    index = re.match(r"model\.layers\.(\d+)\.", key)
+    if index:
+        return int(index[1]) in stage.module.layer_indices
+    return stage.is_first if "embed_tokens" in key else stage.is_last
+
+
+@pytest.mark.parametrize("mesh_sizes, pipeline", [((1, 1, 3), False), ((2, 1, 2), False), ((1, 2, 2), True)],
+                         ids=["tp3", "dp2-zero3-tp2", "pp2-tp2"])  # fmt: skip
+def test_torchs_own_clip_grad_norm_clips_by_the_unsharded_norm(pool, mesh_sizes, pipeline):
+    norms = pool.run(users_loop_with_torchs_clipping, math.prod(mesh_sizes), mesh_sizes, pipeline, mesh=mesh_sizes)
+    assert all(n == norms[0] for n in norms)
+
+
+def local_norms_of_torchs_own(rank, world, group):
+    model, _ = _setup(group, "llama")
+    return torch.nn.utils.clip_grad_norm_.__wrapped__(list(model.parameters()), 1.0).item()
+
+
+def test_negative_control_torchs_unwrapped_clip_takes_each_ranks_local_norm(pool):
+    first, second = pool.run(local_norms_of_torchs_own, 2)
+    assert first != second

@@ -45,7 +45,7 @@ class State:
     replaced_by: str | None = None  # a parameter a ZeRO 2-3 wrap took off its module: its name there
     has_master: bool = False  # its gradients go to an fp32 master (tplayers.train.master)
     # -- a function or an object of another library tplayers extends -----------------------------
-    guarded: bool = False  # a method tplayers wrapped with its guard (tplayers.data_parallel.guards)
+    guarded: bool = False  # a function tplayers wrapped (tplayers.data_parallel.guards, torch's clipping)
     replicas: Any = None  # tplayers.loops.replicas.Replicas of the model a Trainer / accelerator serves
     checkpointing: bool = False  # a Trainer inside its sharded save
 

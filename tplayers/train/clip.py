@@ -16,6 +16,12 @@ by the same factor on every rank. Each parameter is counted once by construction
   gradient (a DTensor over the data-parallel group): its local part is summed over the
   data-parallel group too, after the TP sum. Under stages 0-1 the replicas hold the same
   gradients, which are counted once.
+
+`torch.nn.utils.clip_grad_norm_` itself, called in a user's own loop on parameters tplayers placed,
+would clip each rank by its local norm: each rank scales its copy of a replicated weight by its
+own factor, and the ranks train apart, silently. At `import tplayers` it is wrapped (once) to run
+this `clip_grad_norm_` where any parameter it is given has a placement record (a pipeline stage's
+too: the records name the stage group), and torch's own for every other model.
 """
 
 import functools
@@ -27,7 +33,16 @@ import torch.distributed as dist
 
 from tplayers.distributed import resolve_group
 from tplayers.functional import comm
-from tplayers.placement import counted_rows, get_placement, local_tensor, ranks_of, recorded_groups, refuse_overlap
+from tplayers.placement import (
+    counted_rows,
+    get_placement,
+    local_tensor,
+    placement_or_none,
+    ranks_of,
+    recorded_groups,
+    refuse_overlap,
+)
+from tplayers.state import set_state, state_of
 
 _EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
 _OVERLAP = (
@@ -215,3 +230,24 @@ def clip_grad_norm_(
             for g in group_grads:
                 g.mul_(coef)
     return total
+
+
+def redirect_torch_clipping() -> None:
+    """Wrap `torch.nn.utils.clip_grad_norm_` (once) to clip parameters tplayers placed by the full
+    gradient's norm (module docstring); torch's own for any other parameters."""
+    from torch.nn.utils import clip_grad
+
+    original = clip_grad.clip_grad_norm_
+    if state_of(original).guarded:
+        return
+
+    @functools.wraps(original)
+    def clip(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if not any(placement_or_none(p) is not None for p in params):
+            return original(params, max_norm, norm_type, error_if_nonfinite, foreach)
+        return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach)
+
+    set_state(clip, guarded=True)
+    clip_grad.clip_grad_norm_ = clip
+    torch.nn.utils.clip_grad_norm_ = clip
