@@ -46,6 +46,7 @@ from tplayers.hf.sequence_split import split_sequence
 from tplayers.hf.shard import ShardingPass, replace_hidden
 from tplayers.hf.state_dict import Records
 from tplayers.hf.summed_grads import rehook_summed, summed_grads
+from tplayers.hf.user_hooks import hooked_modules
 from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear, splits_checked_together
 from tplayers.placement import placement_or_none, set_placement
 
@@ -324,9 +325,10 @@ def _parallelize(
         )
     probe = verification.before(model, verify, dist.get_world_size(group), vocab_parallel=vocab_parallel_logits)
     keys, trainable = list(model.state_dict().keys()), trainable_flags(model)
+    keep = keep | split_where_mixed(model) | hooked_modules(model)  # layers of their own: frozen apart, hooked
     parallelizer = ShardingPass(
         model, group, sequence_parallel=sequence_parallel, plan=plan, vocab_parallel_logits=vocab_parallel_logits,
-        overlap=overlap, keep=keep | split_where_mixed(model), expert_group=expert_group, towers=towers,
+        overlap=overlap, keep=keep, expert_group=expert_group, towers=towers,
     )  # fmt: skip
     with splits_checked_together():  # one collective for every layer's split, not one each
         # the adapters read per call: patchable

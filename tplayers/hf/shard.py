@@ -18,8 +18,10 @@ from tplayers.functional.collectives import all_gather_any, own_slice
 from tplayers.hf import pieces
 from tplayers.hf.source import same_forward
 from tplayers.hf.state_dict import ExportRecord
+from tplayers.hf.user_hooks import move_hooks
 from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear, _ParallelLinear, refuse_own_forward
 from tplayers.nn.lm_head import ParallelLMHead, ScaledLogitsHead
+from tplayers.nn.mlp import ParallelMLP
 from tplayers.placement import SharesGroups, copy_into
 
 PLAN_KINDS = ("colwise", "rowwise", "vocab", "replicate")
@@ -277,7 +279,10 @@ class ShardingPass(SharesGroups):
         """Whether any of `name`'s `children` must stay a layer of its own (no fused layout)."""
         return any(f"{name}.{child}" in self.keep for child in children)
 
-    def swap(self, name, new):
+    def swap(self, name, new, whole_output=None):
+        """Put `new` in the place of module `name`; the hooks on it move to `new` where its output
+        is the replaced module's (`whole_output`; default: an MLP's or a row-parallel layer's),
+        else they are refused (`tplayers.hf.user_hooks`)."""
         for layer in new.modules():  # every tensor-parallel linear the adapter built, however nested
             if isinstance(layer, _ParallelLinear):
                 layer.overlap = self.overlap
@@ -288,7 +293,10 @@ class ShardingPass(SharesGroups):
             held = self.swapped_out.get(id(p))
             if id(p) not in kept and (held is None or held[1]() is None):  # weakly: freed, its id is reused
                 self.swapped_out[id(p)] = (f"{name}.{key}", weakref.ref(p))
-        new.train(getattr(parent, child).training)  # in the mode of the module it replaces
+        old = getattr(parent, child)
+        whole = isinstance(new, RowParallelLinear | ParallelMLP) if whole_output is None else whole_output
+        move_hooks(name, old, new, whole)
+        new.train(old.training)  # in the mode of the module it replaces
         setattr(parent, child, new)
         self.done.add(name)
 
@@ -340,7 +348,7 @@ class ShardingPass(SharesGroups):
                 f"it is not replaced. Pass plan={{{name!r}: 'replicate'}} to keep it whole on every rank"
             )
         new = on_device(adapter.build(embedding, self.group), embedding.weight.device)
-        self.swap(name, new)
+        self.swap(name, new, whole_output=True)
         whole = {f"{c}.{k}": p for c, m in new.named_children() for k, p in m.named_parameters()}
         if not whole:
             self.record(name, new, dim=0)

@@ -1,0 +1,61 @@
+"""Hooks the user (or a library: HF's `enable_input_require_grads`, a probe, a steering vector)
+put on a module the sharding pass replaces. Dropped with the module, they would stop running
+without an error (before, they did).
+
+Where the replacement's output is the unsharded module's (an embedding, an MLP, a row-parallel
+projection; under sequence parallelism this rank's part of the sequence, as every block's), the
+hooks move to it: the same dicts, so the handles the user holds still remove them. Where it is not
+(a column-parallel projection holds this rank's features; an LM head defers its training logits to
+the fused loss), the hook would see something else than it was written for: refused, naming the
+module and the hook."""
+
+HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+# the sets that say how each hook is called, keyed by the hooks' ids
+FLAGS = ("_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs")
+
+
+def _names(module) -> list[str]:
+    return [getattr(h, "__qualname__", repr(h)) for d in HOOKS for h in getattr(module, d).values()]
+
+
+def _hooked(module) -> bool:
+    return any(getattr(module, d) for d in HOOKS)
+
+
+def hooked_modules(model) -> frozenset[str]:
+    """The modules holding hooks: the sharding pass keeps them layers of their own (a gated MLP's
+    down_proj is not fused away into a ParallelMLP), so that their hooks can move or be refused."""
+    return frozenset(name for name, m in model.named_modules() if name and _hooked(m))
+
+
+def move_hooks(name: str, old, new, whole_output: bool) -> None:
+    """Give `new`, which replaces `old` at `name`, the hooks `old` holds (module docstring)."""
+    kept = {id(m) for m in new.modules()}
+    for inner, module in old.named_modules(prefix=name):
+        if module is not old and id(module) not in kept and _hooked(module):
+            raise ValueError(
+                f"parallelize: {inner} ({type(module).__name__}) holds hooks ({', '.join(_names(module))}); tplayers "
+                f"replaces {name} with {type(new).__name__}, which holds no such module, so they would stop running. "
+                "Remove them before parallelize and register them after it on a module whose output is whole "
+                "(its block, its attention or MLP)"
+            )
+    if not _hooked(old):
+        return
+    if not whole_output:
+        raise ValueError(
+            f"parallelize: {name} ({type(old).__name__}) holds hooks ({', '.join(_names(old))}); tplayers replaces "
+            f"it with {type(new).__name__}, whose output is not the unsharded module's, so they would see something "
+            "else or stop running. Remove them before parallelize and register them after it on a module whose "
+            "output is whole (its block, its attention or MLP)"
+        )
+    for attr in HOOKS:
+        theirs, ours = getattr(old, attr), getattr(new, attr)
+        for key, hook in reversed(list(ours.items())):  # the replacement's own hooks run first, as they did
+            theirs[key] = hook
+            theirs.move_to_end(key, last=False)
+        setattr(new, attr, theirs)  # the dicts themselves: the user's handles remove from them
+    for attr in FLAGS:
+        getattr(old, attr).update(getattr(new, attr))
+        setattr(new, attr, getattr(old, attr))
+    if old._backward_hooks:
+        new._is_full_backward_hook = old._is_full_backward_hook
