@@ -31,7 +31,10 @@ where unsharded dropout draws every token's independently), and parts of differe
 tokens over 4: 3, 2, 2, 2) would draw different counts and part the generators. So a block's
 forward on this rank's part (`enter_sequence_region`; `sequence_split` for tplayers' layers used
 directly) is a region as well: its own stream from the shared state and the rank, the shared state
-given back on leaving, one draw further if the region drew. A mask every rank must draw alike
+given back on leaving, one draw further if the region drew (a decision drawn for the whole
+sequence must then be drawn outside the blocks, as HF's layer drop is, in the model's loop over
+them; stochastic depth inside a block, which HF's vision towers hold, would part the ranks, and
+towers are never split by sequence). A mask every rank must draw alike
 inside a region (peft's lora_dropout on a column layer's whole input, or the whole sequence's
 mask of which each rank takes its part) comes from the shared state (`shared_draws`).
 
