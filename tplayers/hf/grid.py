@@ -51,6 +51,7 @@ from tplayers.functional.collectives import (
 from tplayers.hf import families, pieces, vision
 from tplayers.hf import fused_loss as fused
 from tplayers.hf import verify as verification
+from tplayers.hf.attached import move_attached
 from tplayers.hf.attention import HEAD_COUNTS, HIDDEN_WIDTHS, KV_HEAD_COUNTS, localize_attributes
 from tplayers.hf.finish import finish
 from tplayers.hf.frozen import trainable_flags
@@ -59,7 +60,6 @@ from tplayers.hf.norms import fuse_rms_norms, rms_norm_eps
 from tplayers.hf.sequence_split import split_blocks
 from tplayers.hf.shard import ShardingPass, copy_in, replace_hidden
 from tplayers.hf.state_dict import ExportRecord, Records
-from tplayers.hf.user_hooks import move_hooks
 from tplayers.nn.grid import GridLinear
 from tplayers.nn.grid_attention import grid_head_split
 from tplayers.nn.mlp import ParallelMLP, fuse_gate_up, unfuse_gate_up
@@ -174,7 +174,7 @@ class _GridPass:
     def swap(self, name, module):
         parent, _, child = name.rpartition(".")
         owner = self.model.get_submodule(parent) if parent else self.model
-        move_hooks(name, getattr(owner, child), module, whole_output=False)  # a grid layer's output is a block
+        move_attached(name, getattr(owner, child), module, whole_output=False)  # a grid layer's output is a block
         module.train(getattr(owner, child).training)  # in the mode of the module it replaces
         setattr(owner, child, module)
 

@@ -34,6 +34,7 @@ from tplayers.functional.rng import leave_sharded_region
 from tplayers.hf import families, lora, model_methods, peft_tuners, vision
 from tplayers.hf import fused_loss as fused
 from tplayers.hf import verify as verification
+from tplayers.hf.attached import hooked_modules
 from tplayers.hf.attention_weights import gather_attention_weights
 from tplayers.hf.context import apply_context, context_state
 from tplayers.hf.finish import finish
@@ -46,7 +47,6 @@ from tplayers.hf.sequence_split import split_sequence
 from tplayers.hf.shard import ShardingPass, replace_hidden
 from tplayers.hf.state_dict import Records
 from tplayers.hf.summed_grads import rehook_summed, summed_grads
-from tplayers.hf.user_hooks import hooked_modules
 from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear, splits_checked_together
 from tplayers.placement import placement_or_none, set_placement
 

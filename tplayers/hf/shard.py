@@ -16,9 +16,9 @@ from torch import nn
 
 from tplayers.functional.collectives import all_gather_any, own_slice
 from tplayers.hf import pieces
+from tplayers.hf.attached import move_attached
 from tplayers.hf.source import same_forward
 from tplayers.hf.state_dict import ExportRecord
-from tplayers.hf.user_hooks import move_hooks
 from tplayers.nn.linear import ColumnParallelLinear, RowParallelLinear, _ParallelLinear, refuse_own_forward
 from tplayers.nn.lm_head import ParallelLMHead, ScaledLogitsHead
 from tplayers.nn.mlp import ParallelMLP
@@ -282,7 +282,7 @@ class ShardingPass(SharesGroups):
     def swap(self, name, new, whole_output=None):
         """Put `new` in the place of module `name`; the hooks on it move to `new` where its output
         is the replaced module's (`whole_output`; default: an MLP's or a row-parallel layer's),
-        else they are refused (`tplayers.hf.user_hooks`)."""
+        else they are refused, as parametrizations are (`tplayers.hf.attached`)."""
         for layer in new.modules():  # every tensor-parallel linear the adapter built, however nested
             if isinstance(layer, _ParallelLinear):
                 layer.overlap = self.overlap
@@ -295,7 +295,7 @@ class ShardingPass(SharesGroups):
                 self.swapped_out[id(p)] = (f"{name}.{key}", weakref.ref(p))
         old = getattr(parent, child)
         whole = isinstance(new, RowParallelLinear | ParallelMLP) if whole_output is None else whole_output
-        move_hooks(name, old, new, whole)
+        move_attached(name, old, new, whole)
         new.train(old.training)  # in the mode of the module it replaces
         setattr(parent, child, new)
         self.done.add(name)

@@ -1,13 +1,16 @@
-"""Hooks the user (or a library: HF's `enable_input_require_grads`, a probe, a steering vector)
-put on a module the sharding pass replaces. Dropped with the module, they would stop running
-without an error (before, they did).
+"""What the user attached to a module the sharding pass replaces: hooks (a probe, a steering
+vector, HF's `enable_input_require_grads`) and parametrizations (torch's weight norm, orthogonal).
+Dropped with the module, hooks would stop running and a parametrization's tensors stop training
+(the pass would shard the weight it computes and train that), without an error (before, both were).
 
 Where the replacement's output is the unsharded module's (an embedding, an MLP, a row-parallel
-projection; under sequence parallelism this rank's part of the sequence, as every block's), the
-hooks move to it: the same dicts, so the handles the user holds still remove them. Where it is not
-(a column-parallel projection holds this rank's features; an LM head defers its training logits to
-the fused loss), the hook would see something else than it was written for: refused, naming the
-module and the hook."""
+projection; under sequence parallelism this rank's part of the sequence, as every block's), hooks
+move to it: the same dicts, so the handles the user holds still remove them. Where it is not (a
+column-parallel projection holds this rank's features; an LM head defers its training logits to
+the fused loss), a hook would see something else than it was written for: refused, naming the
+module and the hook. A parametrized module is refused, naming the parametrization."""
+
+from torch.nn.utils import parametrize
 
 HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 # the sets that say how each hook is called, keyed by the hooks' ids
@@ -28,10 +31,18 @@ def hooked_modules(model) -> frozenset[str]:
     return frozenset(name for name, m in model.named_modules() if name and _hooked(m))
 
 
-def move_hooks(name: str, old, new, whole_output: bool) -> None:
-    """Give `new`, which replaces `old` at `name`, the hooks `old` holds (module docstring)."""
+def move_attached(name: str, old, new, whole_output: bool) -> None:
+    """Give `new`, which replaces `old` at `name`, the hooks `old` holds, or refuse what cannot move
+    (module docstring)."""
     kept = {id(m) for m in new.modules()}
     for inner, module in old.named_modules(prefix=name):
+        if id(module) not in kept and parametrize.is_parametrized(module):
+            tensors = {k: [type(f).__name__ for f in fs] for k, fs in module.parametrizations.items()}
+            raise ValueError(
+                f"parallelize: {inner} ({type(module).__name__}) is parametrized ({tensors}); tplayers would shard "
+                "the tensors it computes and train those, not the parametrization's. Remove it before parallelize "
+                "(torch.nn.utils.parametrize.remove_parametrizations keeps the tensor it computes)"
+            )
         if module is not old and id(module) not in kept and _hooked(module):
             raise ValueError(
                 f"parallelize: {inner} ({type(module).__name__}) holds hooks ({', '.join(_names(module))}); tplayers "

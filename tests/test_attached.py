@@ -1,9 +1,10 @@
-"""Hooks put on a module `parallelize` replaces (`tplayers.hf.user_hooks`). Before, they were dropped
+"""Hooks put on a module `parallelize` replaces (`tplayers.hf.attached`). Before, they were dropped
 with the module and stopped running without an error. Now they move to the replacement where its
 output is the unsharded module's (an embedding, an MLP, a row projection; a hooked down_proj is
 then not fused into a ParallelMLP), the user's handles still remove them, and HF's own
 `enable_input_require_grads` keeps working; on a column projection or the LM head they are refused
-by name, and the model is given back with its hooks."""
+by name, and the model is given back with its hooks. A parametrized projection (weight norm) is
+refused by name: the self-check found its gradients wrong, naming no cause."""
 
 import warnings
 
@@ -92,3 +93,17 @@ def test_hooks_on_a_column_projection_or_the_head_are_refused_by_name(pool, name
     for message, seen in pool.run(refused, 2, name):
         assert f"{name} (Linear) holds hooks (captured.<locals>.hook_for.<locals>.capture)" in message, message
         assert seen == [name]
+
+
+def weight_normed(rank, tp, group, name):
+    model = llama()
+    torch.nn.utils.parametrizations.weight_norm(model.get_submodule(name))
+    with pytest.raises(ValueError) as caught:
+        tplayers.parallelize(model, group=group)
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("name", ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"])
+def test_a_parametrized_projection_is_refused_by_name(pool, name):
+    for message in pool.run(weight_normed, 2, name):
+        assert f"{name} (ParametrizedLinear) is parametrized ({{'weight': ['_WeightNorm']}})" in message, message
