@@ -4,7 +4,8 @@ output is the unsharded module's (an embedding, an MLP, a row projection; a hook
 then not fused into a ParallelMLP), the user's handles still remove them, and HF's own
 `enable_input_require_grads` keeps working; on a column projection or the LM head they are refused
 by name, and the model is given back with its hooks. A parametrized projection (weight norm) is
-refused by name: the self-check found its gradients wrong, naming no cause."""
+refused by name: the self-check found its gradients wrong, naming no cause; so is a plain linear
+holding a parameter, buffer or module of the user's (dropped with it before, silently)."""
 
 import warnings
 
@@ -107,3 +108,25 @@ def weight_normed(rank, tp, group, name):
 def test_a_parametrized_projection_is_refused_by_name(pool, name):
     for message in pool.run(weight_normed, 2, name):
         assert f"{name} (ParametrizedLinear) is parametrized ({{'weight': ['_WeightNorm']}})" in message, message
+
+
+EXTRAS = {
+    "parameter": lambda lin: setattr(lin, "extra", torch.nn.Parameter(torch.ones(3))),
+    "buffer": lambda lin: lin.register_buffer("extra", torch.ones(3)),
+    "module": lambda lin: setattr(lin, "extra", torch.nn.Linear(3, 3)),
+}
+
+
+def with_extra(rank, tp, group, kind):
+    model = llama()
+    EXTRAS[kind](model.model.layers[0].self_attn.q_proj)
+    with pytest.raises(ValueError) as caught:
+        tplayers.parallelize(model, group=group)
+    return str(caught.value), "model.layers.0.self_attn.q_proj.extra" in str(list(model.state_dict()))
+
+
+@pytest.mark.parametrize("kind", list(EXTRAS))
+def test_a_linear_holding_more_than_its_own_is_refused_by_name(pool, kind):
+    for message, kept in pool.run(with_extra, 2, kind):
+        assert "model.layers.0.self_attn.q_proj (Linear) holds ['extra'], which its class does not" in message
+        assert kept  # given back as it was

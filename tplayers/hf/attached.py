@@ -8,7 +8,8 @@ projection; under sequence parallelism this rank's part of the sequence, as ever
 move to it: the same dicts, so the handles the user holds still remove them. Where it is not (a
 column-parallel projection holds this rank's features; an LM head defers its training logits to
 the fused loss), a hook would see something else than it was written for: refused, naming the
-module and the hook. A parametrized module is refused, naming the parametrization."""
+module and the hook. A parametrized module is refused, naming the parametrization, and so is a
+plain linear or embedding holding parameters, buffers or modules of the user's beside its own."""
 
 from torch.nn.utils import parametrize
 
@@ -19,6 +20,19 @@ FLAGS = ("_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward
 
 def _names(module) -> list[str]:
     return [getattr(h, "__qualname__", repr(h)) for d in HOOKS for h in getattr(module, d).values()]
+
+
+# What a plain layer holds; anything else on one was put there by its user
+PLAIN = {"Linear": {"weight", "bias"}, "Conv1D": {"weight", "bias"}, "Embedding": {"weight"}}
+
+
+def _extras(module) -> list[str]:
+    """The parameters, buffers and modules a plain linear / embedding holds beyond its own."""
+    own = PLAIN.get(type(module).__name__) if type(module).__module__.startswith(("torch.", "transformers.")) else None
+    if own is None:
+        return []
+    held = [*module._parameters, *module._buffers, *module._modules]
+    return [k for k in held if k not in own and k != "parametrizations"]  # parametrizations: named above
 
 
 def _hooked(module) -> bool:
@@ -42,6 +56,13 @@ def move_attached(name: str, old, new, whole_output: bool) -> None:
                 f"parallelize: {inner} ({type(module).__name__}) is parametrized ({tensors}); tplayers would shard "
                 "the tensors it computes and train those, not the parametrization's. Remove it before parallelize "
                 "(torch.nn.utils.parametrize.remove_parametrizations keeps the tensor it computes)"
+            )
+        extra = _extras(module) if id(module) not in kept else []
+        if extra:
+            raise ValueError(
+                f"parallelize: {inner} ({type(module).__name__}) holds {extra}, which its class does not; tplayers "
+                f"replaces it with {type(new).__name__} and would drop them. Move them to a module of your own "
+                "before parallelize"
             )
         if module is not old and id(module) not in kept and _hooked(module):
             raise ValueError(
