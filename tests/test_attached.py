@@ -130,3 +130,11 @@ def test_a_linear_holding_more_than_its_own_is_refused_by_name(pool, kind):
     for message, kept in pool.run(with_extra, 2, kind):
         assert "model.layers.0.self_attn.q_proj (Linear) holds ['extra'], which its class does not" in message
         assert kept  # given back as it was
+
+
+def test_a_hook_inside_a_module_replaced_whole_is_refused_by_name(pool):
+    """The MLP's activation is no module of the ParallelMLP that replaces the MLP."""
+    for message, seen in pool.run(refused, 2, "model.layers.0.mlp.act_fn"):
+        assert "model.layers.0.mlp.act_fn (SiLUActivation) holds hooks" in message, message
+        assert "replaces model.layers.0.mlp with ParallelMLP, which holds no such module" in message, message
+        assert seen == ["model.layers.0.mlp.act_fn"]

@@ -50,35 +50,15 @@ def move_attached(name: str, old, new, whole_output: bool) -> None:
     (module docstring)."""
     kept = {id(m) for m in new.modules()}
     for inner, module in old.named_modules(prefix=name):
-        if id(module) not in kept and parametrize.is_parametrized(module):
-            tensors = {k: [type(f).__name__ for f in fs] for k, fs in module.parametrizations.items()}
-            raise ValueError(
-                f"parallelize: {inner} ({type(module).__name__}) is parametrized ({tensors}); tplayers would shard "
-                "the tensors it computes and train those, not the parametrization's. Remove it before parallelize "
-                "(torch.nn.utils.parametrize.remove_parametrizations keeps the tensor it computes)"
-            )
-        extra = _extras(module) if id(module) not in kept else []
-        if extra:
-            raise ValueError(
-                f"parallelize: {inner} ({type(module).__name__}) holds {extra}, which its class does not; tplayers "
-                f"replaces it with {type(new).__name__} and would drop them. Move them to a module of your own "
-                "before parallelize"
-            )
-        if module is not old and id(module) not in kept and _hooked(module):
-            raise ValueError(
-                f"parallelize: {inner} ({type(module).__name__}) holds hooks ({', '.join(_names(module))}); tplayers "
-                f"replaces {name} with {type(new).__name__}, which holds no such module, so they would stop running. "
-                "Remove them before parallelize and register them after it on a module whose output is whole "
-                "(its block, its attention or MLP)"
-            )
+        if id(module) not in kept:
+            _refuse_dropped(inner, module, new, inside=None if module is old else name)
     if not _hooked(old):
         return
     if not whole_output:
         raise ValueError(
             f"parallelize: {name} ({type(old).__name__}) holds hooks ({', '.join(_names(old))}); tplayers replaces "
             f"it with {type(new).__name__}, whose output is not the unsharded module's, so they would see something "
-            "else or stop running. Remove them before parallelize and register them after it on a module whose "
-            "output is whole (its block, its attention or MLP)"
+            f"else or stop running. {_REGISTER_AFTER}"
         )
     for attr in HOOKS:
         theirs, ours = getattr(old, attr), getattr(new, attr)
@@ -91,3 +71,34 @@ def move_attached(name: str, old, new, whole_output: bool) -> None:
         setattr(new, attr, getattr(old, attr))
     if old._backward_hooks:
         new._is_full_backward_hook = old._is_full_backward_hook
+
+
+_REGISTER_AFTER = (
+    "Remove them before parallelize and register them after it on a module whose output is whole (its block, its "
+    "attention or MLP)"
+)
+
+
+def _refuse_dropped(name: str, module, new, inside: str | None) -> None:
+    """Refuse what `module`, which no module of `new` keeps, holds that would be lost with it: a
+    parametrization, tensors of the user's, hooks (`inside`: the replaced module it sits in)."""
+    if parametrize.is_parametrized(module):
+        tensors = {k: [type(f).__name__ for f in fs] for k, fs in module.parametrizations.items()}
+        raise ValueError(
+            f"parallelize: {name} ({type(module).__name__}) is parametrized ({tensors}); tplayers would shard the "
+            "tensors it computes and train those, not the parametrization's. Remove it before parallelize "
+            "(torch.nn.utils.parametrize.remove_parametrizations keeps the tensor it computes)"
+        )
+    extra = _extras(module)
+    if extra:
+        raise ValueError(
+            f"parallelize: {name} ({type(module).__name__}) holds {extra}, which its class does not; tplayers "
+            f"replaces it with {type(new).__name__} and would drop them. Move them to a module of your own before "
+            "parallelize"
+        )
+    if inside is not None and _hooked(module):
+        raise ValueError(
+            f"parallelize: {name} ({type(module).__name__}) holds hooks ({', '.join(_names(module))}); tplayers "
+            f"replaces {inside} with {type(new).__name__}, which holds no such module, so they would stop running. "
+            f"{_REGISTER_AFTER}"
+        )
