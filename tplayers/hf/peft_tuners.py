@@ -14,16 +14,14 @@ self-check, naming their base layers)."""
 
 from torch import nn
 
+from tplayers.hf.lora import is_peft_model
+
 SUPPORTED = {"LORA": "LoRA", "PROMPT_TUNING": "prompt tuning", "P_TUNING": "p-tuning", "LN_TUNING": "LN tuning"}
 
 
 def _configs(model) -> dict:
     """{adapter name: peft config} of a peft model; {} for any other model."""
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return {}
-    return dict(model.peft_config) if isinstance(model, PeftModel) else {}
+    return dict(model.peft_config) if is_peft_model(model) else {}
 
 
 def check_tuners(model) -> None:
